@@ -1,0 +1,75 @@
+"""Writes bundled.jsonl: a small synthetic English corpus, generated here, nothing downloaded.
+
+Documents vary in length (a line to a few paragraphs) so packing has work to do, and
+have enough structure (templates, counting, arithmetic) that a tiny model's loss falls.
+Run `python -m jaxtrain.corpus.generate` to regenerate; the output is deterministic.
+"""
+
+import json
+import random
+from pathlib import Path
+
+TOWNS = ["Alder", "Brook", "Cairn", "Dunmore", "Elmstead", "Fallow", "Garnet", "Harrow", "Ivybridge",
+         "Juniper", "Kestrel", "Larkspur", "Marsh", "Northgate", "Oakham", "Pell", "Quarry", "Rowan"]
+TRADES = ["weavers", "millers", "potters", "smiths", "fishers", "bakers", "masons", "carpenters"]
+GOODS = {"weavers": "cloth", "millers": "flour", "potters": "jars", "smiths": "nails", "fishers": "herring",
+         "bakers": "bread", "masons": "stone", "carpenters": "chairs"}
+RIVERS = ["the Wend", "the Tarrow", "the Mole", "the Brisk", "the Sallow"]
+SEASONS = ["spring", "summer", "autumn", "winter"]
+ANIMALS = ["fox", "heron", "badger", "otter", "owl", "hare", "wren", "stoat"]
+VERBS = ["watched", "followed", "found", "called to", "waited for", "ran from"]
+NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+
+
+def town(r: random.Random) -> str:
+  name, trade = r.choice(TOWNS), r.choice(TRADES)
+  river, season = r.choice(RIVERS), r.choice(SEASONS)
+  people = r.randrange(200, 9000, 50)
+  lines = [f"{name} is a town on {river}. About {people} people live there.",
+           f"Most of the town are {trade}, and in {season} they sell {GOODS[trade]} at the market."]
+  for _ in range(r.randrange(0, 6)):
+    other = r.choice(TRADES)
+    lines.append(f"There are also {other} in {name}; the {other} make {GOODS[other]}.")
+  lines.append(f"The road from {name} to {r.choice(TOWNS)} takes {NUMBERS[r.randrange(1, 11)]} days on foot.")
+  return " ".join(lines)
+
+
+def story(r: random.Random) -> str:
+  a, b = r.sample(ANIMALS, 2)
+  parts = [f"Once a {a} lived near {r.choice(RIVERS)}."]
+  for _ in range(r.randrange(2, 14)):
+    parts.append(f"The {a} {r.choice(VERBS)} the {b} in the {r.choice(SEASONS)} rain.")
+    if r.random() < 0.3:
+      a, b = b, a
+  parts.append(f"And that is why the {a} and the {b} are never seen together.")
+  return " ".join(parts)
+
+
+def counting(r: random.Random) -> str:
+  start = r.randrange(0, 50)
+  step = r.randrange(1, 6)
+  seq = [str(start + i * step) for i in range(r.randrange(5, 40))]
+  return f"Counting by {step} from {start}: " + ", ".join(seq) + "."
+
+
+def arithmetic(r: random.Random) -> str:
+  rows = []
+  for _ in range(r.randrange(1, 12)):
+    x, y = r.randrange(0, 100), r.randrange(0, 100)
+    rows.append(f"{x} + {y} = {x + y}.")
+  return " ".join(rows)
+
+
+def main(n_docs: int = 2000, seed: int = 1234) -> None:
+  r = random.Random(seed)
+  kinds = [town, story, counting, arithmetic]
+  out = Path(__file__).with_name("bundled.jsonl")
+  with out.open("w") as f:
+    for i in range(n_docs):
+      text = "\n\n".join(r.choice(kinds)(r) for _ in range(r.choice([1, 1, 1, 2, 3])))
+      f.write(json.dumps({"id": i, "text": text}) + "\n")
+  print(f"wrote {n_docs} documents to {out}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,145 @@
+"""The logical device mesh: parsing `--mesh`, simulated CPU devices, building the Mesh.
+
+The mesh always has all five axes (size 1 where not asked for), so the rules table can
+name any of them. Device order puts `tensor` innermost (fastest links) and `data`
+outermost (may cross the slow network).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from pathlib import Path
+
+from jaxtrain.errors import UserError
+
+# Outermost to innermost.
+AXES = ("data", "fsdp", "expert", "sequence", "tensor")
+ALIASES = {"dp": "data", "fsdp": "fsdp", "ep": "expert", "sp": "sequence", "tp": "tensor"}
+MESH_DIR = Path(__file__).resolve().parent.parent / "meshes"
+
+
+def _axis(name: str) -> str:
+  name = name.strip()
+  if name in AXES:
+    return name
+  if name in ALIASES:
+    return ALIASES[name]
+  valid = ", ".join(f"{a} ({k})" if k != a else a for k, a in ALIASES.items())
+  raise UserError(f"unknown mesh axis {name!r}; valid axes: {valid}")
+
+
+def _size(axis: str, text: str) -> int:
+  try:
+    size = int(text)
+  except ValueError:
+    size = 0
+  if size == -1 or size >= 1:
+    return size
+  raise UserError(f"mesh axis {axis}={text.strip()!r}: size must be a positive integer (or -1 for one axis to fill the rest)")
+
+
+def preset_names() -> list[str]:
+  return sorted(p.stem for p in MESH_DIR.glob("*.toml"))
+
+
+def _from_preset(path: Path) -> dict[str, int]:
+  try:
+    doc = tomllib.loads(path.read_text())
+  except tomllib.TOMLDecodeError as e:
+    raise UserError(f"mesh preset {str(path)!r} is not valid TOML: {e}") from None
+  axes = doc.get("axes")
+  if not isinstance(axes, dict) or set(doc) - {"axes", "description"}:
+    raise UserError(f"mesh preset {str(path)!r} must hold an [axes] table (and optionally a description)")
+  return parse(",".join(f"{k}={v}" for k, v in axes.items()))
+
+
+def parse(spec: str) -> dict[str, int]:
+  """`dp=8,tp=8` (or a preset name/path) -> sizes of all five axes; -1 kept for `fill`."""
+  spec = spec.strip()
+  if "=" not in spec:
+    path = Path(spec) if spec.endswith(".toml") else MESH_DIR / f"{spec}.toml"
+    if not path.is_file():
+      raise UserError(f"mesh {spec!r} is neither axis=size pairs (e.g. dp=8,tp=8) nor a preset; presets: {', '.join(preset_names())}")
+    return _from_preset(path)
+  sizes: dict[str, int] = {}
+  for part in spec.split(","):
+    name, eq, value = part.partition("=")
+    if not eq:
+      raise UserError(f"mesh entry {part!r} must look like axis=size (e.g. dp=8,tp=8)")
+    axis = _axis(name)
+    if axis in sizes:
+      raise UserError(f"mesh axis {axis!r} is given twice in {spec!r}")
+    sizes[axis] = _size(axis, value)
+  if list(sizes.values()).count(-1) > 1:
+    raise UserError(f"mesh {spec!r} has more than one -1; at most one axis may fill the rest")
+  return {a: sizes.get(a, 1) for a in AXES}
+
+
+def fill(sizes: dict[str, int], device_count: int) -> dict[str, int]:
+  """Resolves a -1 against the device count and checks the product."""
+  known = math.prod(s for s in sizes.values() if s != -1)
+  if -1 in sizes.values():
+    if device_count % known:
+      raise UserError(f"mesh cannot fill -1: the other axes multiply to {known}, which does not divide the {device_count} devices")
+    sizes = {a: (device_count // known if s == -1 else s) for a, s in sizes.items()}
+  total = math.prod(sizes.values())
+  if total != device_count:
+    raise UserError(f"mesh {describe(sizes)} needs {total} devices but {device_count} are available")
+  return sizes
+
+
+def describe(sizes: dict[str, int]) -> str:
+  parts = [f"{a}={s}" for a, s in sizes.items() if s != 1]
+  return ",".join(parts) or "single device"
+
+
+def _has_accelerator_plugin() -> bool:
+  """True if a GPU/TPU PJRT plugin is installed; decided without starting a JAX backend."""
+  import importlib.util
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if platforms:
+    return any(p not in ("cpu", "") for p in platforms.split(","))
+  return any(importlib.util.find_spec(m) is not None
+             for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu", "jax_rocm60_plugin", "jax_rocm7_plugin"))
+
+
+def provide_cpu_devices(count: int) -> None:
+  """Asks JAX for `count` simulated CPU devices. Must run before the backend starts.
+
+  On a machine with an accelerator the CPU device count is left alone: the mesh is
+  then built on the real devices. If the user already chose a CPU device count
+  (XLA_FLAGS or JAX_NUM_CPU_DEVICES), theirs wins.
+  """
+  import jax
+  if _has_accelerator_plugin() or count <= 1:
+    return
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return
+  if os.environ.get("JAX_NUM_CPU_DEVICES"):
+    return
+  try:
+    jax.config.update("jax_num_cpu_devices", count)
+  except RuntimeError:
+    pass  # backend already running (e.g. inside tests); `build` reports any shortfall
+
+
+def build(sizes: dict[str, int], devices=None):
+  """A Mesh with all five axes, Auto axis types (sharding by annotation; XLA picks collectives)."""
+  import jax
+  from jax.sharding import AxisType
+  devices = list(devices) if devices is not None else jax.devices()
+  sizes = fill(sizes, len(devices))
+  shape = tuple(sizes[a] for a in AXES)
+  # Auto, not the Explicit default: the model annotates shardings and XLA propagates
+  # them; orbax/flax paths also assume Auto.
+  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def setup(spec: str):
+  """Parses the spec, provides simulated devices if needed, and builds the mesh."""
+  sizes = parse(spec)
+  if -1 not in sizes.values():
+    provide_cpu_devices(math.prod(sizes.values()))
+  return build(sizes)

@@ -1,0 +1,148 @@
+"""A Llama-shaped decoder-only transformer in Flax NNX. Plain math, logical axes only.
+
+Tensors are named with their shape: B batch, L length, D d_model, H query heads,
+K kv heads, G = H/K queries per kv head, E head_dim, F d_ff, V vocab.
+Parameters carry their logical axes in the `axes` metadata; `jaxtrain.sharding` maps
+those to the mesh. Nothing here names a mesh axis or calls a collective.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.config import ModelConfig
+from jaxtrain.sharding import constrain
+
+NEG_INF = -1e30  # finite, so a fully masked row (padding) gives no NaN
+
+
+def _param(rngs: nnx.Rngs, shape, axes, std: float) -> nnx.Param:
+  return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float):
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=("norm",))
+    self.eps = eps
+
+  def __call__(self, x_BxLxD):
+    x = x_BxLxD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    return (x * self.scale[...]).astype(x_BxLxD.dtype)
+
+
+def rope(x_BxLxNxE, pos_BxL, theta: float):
+  """Rotary embedding on pairs (first half, second half) of the head dimension."""
+  half = x_BxLxNxE.shape[-1] // 2
+  freq_E2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  ang_BxLx1xE2 = (pos_BxL.astype(jnp.float32)[:, :, None] * freq_E2)[:, :, None, :]
+  sin, cos = jnp.sin(ang_BxLx1xE2), jnp.cos(ang_BxLx1xE2)
+  x = x_BxLxNxE.astype(jnp.float32)
+  x1, x2 = x[..., :half], x[..., half:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxLxNxE.dtype)
+
+
+def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
+  """Causal grouped-query attention; a token sees only earlier tokens of its own segment."""
+  B, L, H, E = q_BxLxHxE.shape
+  K = k_BxLxKxE.shape[2]
+  q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, H // K, E)
+  s_BxKxGxLxL = jnp.einsum("blkge,bmke->bkglm", q_BxLxKxGxE, k_BxLxKxE,
+                           preferred_element_type=jnp.float32) * E**-0.5
+  causal_LxL = jnp.tril(jnp.ones((L, L), bool))
+  same_BxLxL = seg_BxL[:, :, None] == seg_BxL[:, None, :]
+  mask_Bx1x1xLxL = (causal_LxL & same_BxLxL)[:, None, None]
+  s_BxKxGxLxL = jnp.where(mask_Bx1x1xLxL, s_BxKxGxLxL, NEG_INF)
+  p_BxKxGxLxL = jax.nn.softmax(s_BxKxGxLxL, axis=-1).astype(v_BxLxKxE.dtype)
+  o_BxLxKxGxE = jnp.einsum("bkglm,bmke->blkge", p_BxKxGxLxL, v_BxLxKxE)
+  return o_BxLxKxGxE.reshape(B, L, H, E)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    D, H, K, E, std = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.init_std
+    self.wq = _param(rngs, (D, H, E), ("embed", "heads", "head_dim"), std)
+    self.wk = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
+    self.wv = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
+    self.wo = _param(rngs, (H, E, D), ("heads", "head_dim", "embed"), std)
+    self.theta = cfg.rope_theta
+
+  def __call__(self, x_BxLxD, pos_BxL, seg_BxL):
+    dt = x_BxLxD.dtype
+    q = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
+    k = jnp.einsum("bld,dke->blke", x_BxLxD, self.wk[...].astype(dt))
+    v = jnp.einsum("bld,dke->blke", x_BxLxD, self.wv[...].astype(dt))
+    q = constrain(rope(q, pos_BxL, self.theta), ("batch", "length", "act_heads", None))
+    k = constrain(rope(k, pos_BxL, self.theta), ("batch", "length", "act_kv_heads", None))
+    v = constrain(v, ("batch", "length", "act_kv_heads", None))
+    o_BxLxHxE = attention(q, k, v, seg_BxL)
+    return jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt))
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    D, F, std = cfg.d_model, cfg.d_ff, cfg.init_std
+    self.w_gate = _param(rngs, (D, F), ("embed", "mlp"), std)
+    self.w_up = _param(rngs, (D, F), ("embed", "mlp"), std)
+    self.w_down = _param(rngs, (F, D), ("mlp", "embed"), std)
+
+  def __call__(self, x_BxLxD):
+    dt = x_BxLxD.dtype
+    g_BxLxF = x_BxLxD @ self.w_gate[...].astype(dt)
+    u_BxLxF = x_BxLxD @ self.w_up[...].astype(dt)
+    h_BxLxF = constrain(jax.nn.silu(g_BxLxF) * u_BxLxF, ("batch", "length", "act_mlp"))
+    return h_BxLxF @ self.w_down[...].astype(dt)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x_BxLxD, pos_BxL, seg_BxL):
+    x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), pos_BxL, seg_BxL)
+    x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
+    x_BxLxD = x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
+    return constrain(x_BxLxD, ("batch", "length", "act_embed"))
+
+
+class Transformer(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std)
+    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
+
+  def __call__(self, tokens_BxL, pos_BxL, seg_BxL):
+    """Returns float32 logits (B, L, V)."""
+    dt = jnp.dtype(self.cfg.dtype)
+    x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(dt)
+    x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
+    for block in self.layers:
+      x_BxLxD = block(x_BxLxD, pos_BxL, seg_BxL)
+    x_BxLxD = self.final_norm(x_BxLxD)
+    w_DxV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+    logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(dt), preferred_element_type=jnp.float32)
+    return constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
+
+
+def abstract(cfg: ModelConfig, seed: int = 0):
+  """(graphdef, abstract nnx.State) without allocating anything."""
+  return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(seed))))
+
+
+def param_count(abstract_state) -> int:
+  return sum(x.size for x in jax.tree.leaves(abstract_state))
