@@ -30,14 +30,14 @@ def _axis(name: str) -> str:
   raise UserError(f"unknown mesh axis {name!r}; valid axes: {valid}")
 
 
-def _size(axis: str, text: str) -> int:
+def _size(given: str, text: str) -> int:
   try:
     size = int(text)
   except ValueError:
     size = 0
   if size == -1 or size >= 1:
     return size
-  raise UserError(f"mesh axis {axis}={text.strip()!r}: size must be a positive integer (or -1 for one axis to fill the rest)")
+  raise UserError(f"mesh {given.strip()}={text.strip()}: size must be a positive integer (or -1 for one axis to fill the rest)")
 
 
 def preset_names() -> list[str]:
@@ -71,7 +71,7 @@ def parse(spec: str) -> dict[str, int]:
     axis = _axis(name)
     if axis in sizes:
       raise UserError(f"mesh axis {axis!r} is given twice in {spec!r}")
-    sizes[axis] = _size(axis, value)
+    sizes[axis] = _size(name, value)
   if list(sizes.values()).count(-1) > 1:
     raise UserError(f"mesh {spec!r} has more than one -1; at most one axis may fill the rest")
   return {a: sizes.get(a, 1) for a in AXES}

@@ -83,9 +83,13 @@ def grads(graphdef, params, batch, microbatches: int):
   return loss_sum / denom, jax.tree.map(lambda g: g / denom, grad_sum), n_valid
 
 
+def global_norm(tree):
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+
+
 def train_step(graphdef, opt: optax.GradientTransformation, t: TrainConfig, state, batch):
   loss, g, n_valid = grads(graphdef, state["params"], batch, t.microbatches)
-  grad_norm = optax.global_norm(g)  # before clipping, as logged
+  grad_norm = global_norm(g)  # before clipping, as logged
   if t.grad_clip > 0:
     g = jax.tree.map(lambda x: x * jnp.minimum(1.0, t.grad_clip / (grad_norm + 1e-6)), g)
   updates, opt_state = opt.update(g, state["opt"], state["params"])

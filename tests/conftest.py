@@ -1,0 +1,24 @@
+"""Eight simulated CPU devices for in-process multi-device tests (set before JAX starts)."""
+
+import os
+import sys
+
+import jax
+import pytest
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def run_cli(tmp_path):
+  """Runs `python -m <module> args...` in a subprocess; returns the CompletedProcess."""
+  import subprocess
+
+  def run(module, *args, env=None, timeout=300):
+    full_env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+  return run

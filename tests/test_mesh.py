@@ -1,0 +1,47 @@
+import pytest
+
+from jaxtrain import mesh as mesh_lib
+from jaxtrain.errors import UserError
+
+
+def test_parse_aliases_and_defaults():
+  assert mesh_lib.parse("dp=8,tp=8") == {"data": 8, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 8}
+  assert mesh_lib.parse("fsdp=2, sequence=2,ep=2")["expert"] == 2
+
+
+def test_fill_resolves_minus_one():
+  assert mesh_lib.fill(mesh_lib.parse("dp=-1,tp=2"), 8)["data"] == 4
+
+
+def test_preset_by_name():
+  assert mesh_lib.parse("headline") == mesh_lib.parse("dp=8,tp=8")
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("xp=2", ["unknown mesh axis 'xp'", "data (dp)", "tensor (tp)"]),
+    ("dp=0", ["dp=0", "positive integer"]),
+    ("dp=two", ["dp=two", "positive integer"]),
+    ("dp=2,data=2", ["given twice"]),
+    ("dp=-1,tp=-1", ["more than one -1"]),
+    ("nosuchpreset", ["presets:", "headline"]),
+])
+def test_bad_specs_name_the_problem(spec, words):
+  with pytest.raises(UserError) as e:
+    mesh_lib.parse(spec)
+  for w in words:
+    assert w in str(e.value)
+
+
+def test_product_must_match_device_count():
+  with pytest.raises(UserError, match="needs 16 devices but 8 are available"):
+    mesh_lib.fill(mesh_lib.parse("dp=4,tp=4"), 8)
+  with pytest.raises(UserError, match="does not divide the 8 devices"):
+    mesh_lib.fill(mesh_lib.parse("dp=-1,tp=3"), 8)
+
+
+def test_build_orders_tensor_innermost():
+  import jax
+  mesh = mesh_lib.build(mesh_lib.parse("dp=2,tp=4"), jax.devices()[:8])
+  assert mesh.axis_names == mesh_lib.AXES and mesh.axis_names[-1] == "tensor"
+  # Neighbouring device ids share a tensor group (fast links are innermost).
+  assert [d.id for d in mesh.devices.reshape(2, 4)[0]] == [0, 1, 2, 3]
