@@ -37,8 +37,8 @@ class ModelConfig:
   norm_eps: float = key(1e-5, "RMSNorm epsilon.", min=0.0)
   tie_embeddings: bool = key(False, "Share the input embedding with the output projection.")
   init_std: float = key(0.02, "Std of the normal initializer of embeddings and projections.", min=0.0)
-  dtype: Literal["bfloat16", "float32"] = key(
-      "bfloat16", "Compute dtype. Parameters and Adam moments are always float32.")
+  dtype: Literal["bfloat16", "float16", "float32"] = key(
+      "bfloat16", "Compute dtype. Parameters, Adam moments, logits and the loss are always float32.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,20 @@ class TrainConfig:
   eps: float = key(1e-8, "Adam epsilon.", min=0.0)
   grad_clip: float = key(1.0, "Clip the global gradient norm to this value (0 disables).", min=0.0)
   seed: int = key(0, "Seed of the parameter init and of the data order.", min=0)
+  max_skipped_in_a_row: int = key(10, "Abort the run after this many non-finite (skipped) steps in a row.", min=1)
   log_every: int = key(1, "Print a progress line every N steps (metrics.jsonl gets every step).", min=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleConfig:
+  mode: Literal["auto", "dynamic", "off"] = key(
+      "auto", "Dynamic loss scaling: auto = on for float16 compute only; dynamic = always; off = scale 1.0.")
+  initial: float = key(2.0**15, "Initial loss scale.", min=1.0)
+  growth_interval: int = key(2000, "Finite steps in a row after which the scale grows.", min=1)
+  growth_factor: float = key(2.0, "Multiplier applied when the scale grows.", min=1.0)
+  backoff_factor: float = key(0.5, "Multiplier applied after a non-finite step (< 1).", min=0.0)
+  min: float = key(1.0, "Lower bound of the scale.", min=0.0)
+  max: float = key(2.0**24, "Upper bound of the scale.", min=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +82,7 @@ class DataConfig:
 class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
 
   def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -195,6 +209,11 @@ def validate(cfg: Config) -> None:
     raise UserError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
   if m.head_dim % 2:
     raise UserError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
+  ls = cfg.loss_scale
+  if not 0 < ls.backoff_factor < 1:
+    raise UserError(f"loss_scale.backoff_factor={ls.backoff_factor} must be between 0 and 1 (exclusive)")
+  if not ls.min <= ls.initial <= ls.max:
+    raise UserError(f"loss_scale.initial={ls.initial} must lie within [loss_scale.min={ls.min}, loss_scale.max={ls.max}]")
   if t.batch_size % t.microbatches:
     raise UserError(f"train.microbatches={t.microbatches} must divide train.batch_size={t.batch_size}")
 

@@ -1,6 +1,7 @@
 """The train step, readable top to bottom, and the sharded setup around it.
 
-Train state: {"params": pure dict of fp32 arrays, "opt": optax state, "step": int32}.
+Train state: {"params": pure dict of fp32 arrays, "opt": optax state, "step": int32 count
+of applied updates (the schedule position), "loss_scale": see `precision`}.
 Loss contract: sum of per-token cross-entropy over valid tokens, divided by the number
 of valid tokens in the WHOLE update (all microbatches, all data-parallel ranks). The
 global view of jit makes "all ranks" automatic: the batch is one global array.
@@ -17,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import model as model_lib
-from jaxtrain import sharding
+from jaxtrain import precision, sharding
 from jaxtrain.config import Config, TrainConfig
 from jaxtrain.errors import UserError
 
@@ -55,7 +56,7 @@ def token_loss_sum(graphdef, params, mb):
   logits_BxLxV = nnx.merge(graphdef, params)(mb["inputs"], mb["positions"], mb["segment_ids"])
   target_logit_BxL = jnp.take_along_axis(logits_BxLxV, mb["targets"][..., None], axis=-1)[..., 0]
   nll_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1) - target_logit_BxL
-  return jnp.sum(nll_BxL * mb["loss_mask"])
+  return jnp.sum(nll_BxL * mb["loss_mask"].astype(jnp.float32))
 
 
 def split_microbatches(batch, k: int):
@@ -67,34 +68,63 @@ def split_microbatches(batch, k: int):
   return jax.tree.map(split, batch)
 
 
-def grads(graphdef, params, batch, microbatches: int):
-  """Token-normalized loss and gradient of one update, accumulated over microbatches."""
-  n_valid = jnp.sum(batch["loss_mask"])
+def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0):
+  """Token-normalized loss and (unscaled) gradient of one update, accumulated over microbatches.
+
+  The valid-token count of the whole update is known before any microbatch runs, so
+  each microbatch's backward pass runs on loss_sum * loss_scale / n_valid: per-token
+  gradients are O(loss_scale / n_valid), in float16 range, and the summed gradient is
+  already the token average. Dividing by loss_scale at the end unscales it.
+  """
+  n_valid = jnp.sum(batch["loss_mask"] > 0)
+  denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
   zeros = jax.tree.map(jnp.zeros_like, params)
+
+  def scaled(p, mb):
+    loss_sum = token_loss_sum(graphdef, p, mb)
+    return loss_sum * (loss_scale / denom), loss_sum
 
   def accumulate(carry, mb):
     loss_sum, grad_sum = carry
-    l, g = jax.value_and_grad(token_loss_sum, argnums=1)(graphdef, params, mb)
+    (_, l), g = jax.value_and_grad(scaled, has_aux=True)(params, mb)
     return (loss_sum + l, jax.tree.map(jnp.add, grad_sum, g)), None
 
   (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros),
                                          split_microbatches(batch, microbatches))
-  denom = jnp.maximum(n_valid, 1).astype(jnp.float32)  # normalized once, for the whole update
-  return loss_sum / denom, jax.tree.map(lambda g: g / denom, grad_sum), n_valid
+  return loss_sum / denom, jax.tree.map(lambda g: g / loss_scale, grad_sum), n_valid
 
 
 def global_norm(tree):
   return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
 
 
-def train_step(graphdef, opt: optax.GradientTransformation, t: TrainConfig, state, batch):
-  loss, g, n_valid = grads(graphdef, state["params"], batch, t.microbatches)
+def init_state(cfg: Config, opt: optax.GradientTransformation, params) -> dict:
+  return {"params": params, "opt": opt.init(params), "step": jnp.zeros((), jnp.int32),
+          "loss_scale": precision.init(cfg)}
+
+
+def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, state, batch):
+  """One update. A step whose gradients are not all finite (or that has no valid token)
+  moves nothing: params, Adam state and the schedule position (`step`) stay as they were."""
+  t = cfg.train
+  scale = state["loss_scale"]["scale"]
+  loss, g, n_valid = grads(graphdef, state["params"], batch, t.microbatches, scale)
   grad_norm = global_norm(g)  # before clipping, as logged
+  finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)  # a non-finite element makes the norm non-finite
   if t.grad_clip > 0:
     g = jax.tree.map(lambda x: x * jnp.minimum(1.0, t.grad_clip / (grad_norm + 1e-6)), g)
   updates, opt_state = opt.update(g, state["opt"], state["params"])
-  new_state = {"params": optax.apply_updates(state["params"], updates), "opt": opt_state, "step": state["step"] + 1}
-  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(t)(state["step"]), "tokens": n_valid}
+  params = optax.apply_updates(state["params"], updates)
+  apply = finite & (n_valid > 0)
+  keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
+  new_state = {
+      "params": jax.tree.map(keep, params, state["params"]),
+      "opt": jax.tree.map(keep, opt_state, state["opt"]),
+      "step": state["step"] + apply.astype(jnp.int32),
+      "loss_scale": precision.update(cfg, state["loss_scale"], finite),
+  }
+  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(t)(state["step"]), "tokens": n_valid,
+             "skipped": ~apply, "loss_scale": scale}
   return new_state, metrics
 
 
@@ -113,17 +143,18 @@ class Setup:
     abstract_params = nnx.to_pure_dict(abstract_state)
     opt_sh = optax.tree_map_params(self.opt, lambda _, sh: sh, jax.eval_shape(self.opt.init, abstract_params),
                                    param_sh, transform_non_params=lambda _: replicated)
-    self.state_shardings = {"params": param_sh, "opt": opt_sh, "step": replicated}
+    self.state_shardings = {"params": param_sh, "opt": opt_sh, "step": replicated,
+                            "loss_scale": {"scale": replicated, "good_steps": replicated}}
     t = cfg.train
     self.batch_sharding = sharding.logical_sharding(mesh, BATCH_AXES, (t.batch_size, t.seq_len))
 
     def init():
       params = nnx.to_pure_dict(nnx.state(model_lib.Transformer(cfg.model, nnx.Rngs(t.seed))))
-      return {"params": params, "opt": self.opt.init(params), "step": jnp.zeros((), jnp.int32)}
+      return init_state(cfg, self.opt, params)
 
     def step(state, batch):
       with sharding.active_mesh(mesh):
-        return train_step(self.graphdef, self.opt, t, state, batch)
+        return train_step(self.graphdef, self.opt, cfg, state, batch)
 
     # Initializers run under jit with output shardings: each shard is created on its device.
     self.init = jax.jit(init, out_shardings=self.state_shardings)

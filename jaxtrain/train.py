@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxtrain.errors import UserError, exit_with
+from jaxtrain.errors import RunAborted, UserError, exit_with
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,7 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class MetricsLog:
-  """Turns fetched step metrics into metrics.jsonl records and console lines."""
+  """Turns fetched step metrics into metrics.jsonl records and console lines, and keeps
+  the host-side clocks: `tokens_seen` (valid tokens consumed) and `tokens_updated`
+  (valid tokens of steps that moved the params). Python ints, so they never overflow."""
 
   def __init__(self, path: Path, setup, total_steps: int, log_every: int):
     import jax
@@ -54,25 +56,35 @@ class MetricsLog:
     self.flops_per_step = flops.flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
     peak = flops.peak_flops(setup.mesh.devices.flat[0].device_kind)
     self.peak_total = peak * setup.mesh.size if peak else None
-    self.tokens_seen = 0
+    self.tokens_seen = self.tokens_updated = self.skipped_total = self.skipped_in_a_row = 0
+    self.max_skipped = cfg.train.max_skipped_in_a_row
     self._jax = jax
 
-  def write(self, step: int, device_metrics, step_time: float, data_wait: float) -> dict:
-    m = {k: v.item() for k, v in self._jax.device_get(device_metrics).items()}
-    tokens = int(m["tokens"])
+  def write(self, step: int, fetched: dict, step_time: float, data_wait: float) -> dict:
+    m = {k: v.item() for k, v in fetched.items()}
+    tokens, skipped = int(m["tokens"]), bool(m["skipped"])
     self.tokens_seen += tokens
+    self.tokens_updated += 0 if skipped else tokens
+    self.skipped_total += skipped
+    self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
     rec = {
         "step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"], "tokens": tokens,
         "tokens_per_sec": tokens / step_time, "step_time_s": step_time, "data_wait_s": data_wait,
         "mfu": self.flops_per_step / step_time / self.peak_total if self.peak_total else None,
-        "tokens_seen": self.tokens_seen,
+        "skipped": skipped, "loss_scale": m["loss_scale"],
+        "tokens_seen": self.tokens_seen, "tokens_updated": self.tokens_updated,
     }
     self.file.write(json.dumps(rec) + "\n")
     if step % self.log_every == 0 or step == self.total:
       mfu = f"{rec['mfu']:.1%}" if rec["mfu"] is not None else "n/a"
       print(f"step {step:>6}/{self.total}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  gnorm {rec['grad_norm']:.3f}  "
-            f"tok/s {rec['tokens_per_sec']:,.0f}  step {step_time * 1e3:.0f}ms  data {data_wait * 1e3:.1f}ms  mfu {mfu}",
-            flush=True)
+            f"tok/s {rec['tokens_per_sec']:,.0f}  step {step_time * 1e3:.0f}ms  data {data_wait * 1e3:.1f}ms  mfu {mfu}"
+            + (f"  scale {rec['loss_scale']:g}" if rec["loss_scale"] != 1.0 else "")
+            + ("  SKIPPED (non-finite gradients)" if skipped else ""), flush=True)
+    if self.skipped_in_a_row >= self.max_skipped:
+      raise RunAborted(f"aborting at step {step}: {self.skipped_in_a_row} steps in a row (steps "
+                       f"{step - self.skipped_in_a_row + 1}-{step}) had non-finite gradients or no valid token "
+                       f"(train.max_skipped_in_a_row={self.max_skipped}); loss scale {rec['loss_scale']:g}")
     return rec
 
   def close(self):
@@ -104,20 +116,25 @@ def run(cfg, mesh, workdir: Path, config_name: str) -> list[dict]:
     print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s", flush=True)
 
     records, pending = [], None
+
+    def log_step(step, metrics, wait, since):
+      fetched = jax.device_get(metrics)  # blocks until that step is done
+      done = time.perf_counter()
+      records.append(log.write(step, fetched, done - since, wait))
+      return done
+
     batch, wait = first, 0.0
     last_done = time.perf_counter()
     for s in range(1, cfg.train.steps + 1):
       state, metrics = compiled(state, batch)
       if pending:  # step s-1's metrics: reading them waits for s-1, while s is already queued
-        records.append(log.write(*pending[:2], time.perf_counter() - last_done, pending[2]))
-        last_done = time.perf_counter()
+        last_done = log_step(*pending, last_done)
       pending = (s, metrics, wait)
       if s < cfg.train.steps:
         t = time.perf_counter()
         batch = setup.device_batch(next(batches))
         wait = time.perf_counter() - t
-    jax.block_until_ready(metrics)
-    records.append(log.write(*pending[:2], time.perf_counter() - last_done, pending[2]))
+    log_step(*pending, last_done)
     return records
   finally:
     log.close()
@@ -138,9 +155,10 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
     t0 = time.perf_counter()
     records = run(cfg, mesh, workdir, Path(args.config).stem)
-    print(f"done: {len(records)} steps in {time.perf_counter() - t0:.1f}s, final loss {records[-1]['loss']:.4f}; "
-          f"metrics in {workdir / 'metrics.jsonl'}")
-  except UserError as e:
+    skipped = sum(r["skipped"] for r in records)
+    print(f"done: {len(records)} steps ({skipped} skipped) in {time.perf_counter() - t0:.1f}s, "
+          f"final loss {records[-1]['loss']:.4f}; metrics in {workdir / 'metrics.jsonl'}")
+  except (UserError, RunAborted) as e:
     exit_with(e)
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)

@@ -21,8 +21,8 @@ def test_overrides_are_typed():
 
 @pytest.mark.parametrize("override, words", [
     ("train.nope=1", ["unknown config key 'train.nope'", "batch_size", "seq_len"]),
-    ("optim.lr=1", ["unknown config section 'optim'", "model, train, data"]),
-    ("model.dtype=float64", ["model.dtype='float64'", "bfloat16, float32"]),
+    ("optim.lr=1", ["unknown config section 'optim'", "model, train, loss_scale, data"]),
+    ("model.dtype=float64", ["model.dtype='float64'", "bfloat16, float16, float32"]),
     ("train.batch_size=1.5", ["train.batch_size='1.5'", "not an integer"]),
     ("train.lr=fast", ["not a number"]),
     ("train.batch_size=0", ["below its minimum"]),
@@ -51,4 +51,4 @@ def test_help_lists_every_key_with_type_default_and_meaning():
     for f in dataclasses.fields(cls):
       line = next(l for l in text.splitlines() if l.strip().startswith(f"{section}.{f.name} ("))
       assert f"default {f.default!r}" in line
-  assert "one of bfloat16, float32" in text
+  assert "one of bfloat16, float16, float32" in text

@@ -64,8 +64,7 @@ def test_grad_norm_is_logged_before_clipping():
   graphdef, params, batch = _setup()
   _, g, _ = step.grads(graphdef, params, batch, 1)
   unclipped = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g))))
-  t = config.load("tiny", ["model.dtype=float32", "train.batch_size=8", "train.grad_clip=1e-3"]).train
-  opt = step.optimizer(t)
-  state = {"params": params, "opt": opt.init(params), "step": jnp.zeros((), jnp.int32)}
-  _, metrics = step.train_step(graphdef, opt, t, state, batch)
+  cfg = config.load("tiny", ["model.dtype=float32", "train.batch_size=8", "train.grad_clip=1e-3"])
+  opt = step.optimizer(cfg.train)
+  _, metrics = step.train_step(graphdef, opt, cfg, step.init_state(cfg, opt, params), batch)
   assert unclipped > 1.0 and float(metrics["grad_norm"]) == pytest.approx(unclipped, rel=1e-5)

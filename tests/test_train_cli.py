@@ -27,7 +27,7 @@ def test_headline_command_on_64_simulated_devices(run_cli, tmp_path):
     (["--mesh", "dp=-1,tp=-1"], {}, ["more than one -1"]),
     (["--mesh", "dp=8"], {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}, ["needs 8 devices but 4 are available"]),
     (["--set", "train.batchsize=4"], {}, ["unknown config key 'train.batchsize'", "batch_size"]),
-    (["--set", "model.dtype=int8"], {}, ["model.dtype='int8'", "bfloat16, float32"]),
+    (["--set", "model.dtype=int8"], {}, ["model.dtype='int8'", "bfloat16, float16, float32"]),
     (["--set", "train.seq_len=long"], {}, ["train.seq_len='long'", "not an integer"]),
     (["--config", "nope"], {}, ["unknown config 'nope'", "tiny"]),
     (["--steps", "0"], {}, ["--steps 0"]),
@@ -46,4 +46,4 @@ def test_bad_input_gives_one_line_and_nonzero_exit(run_cli, args, env, words):
 def test_help_config_lists_keys(run_cli):
   r = run_cli("jaxtrain.train", "--help-config")
   assert r.returncode == 0
-  assert "train.microbatches (int, default 1)" in r.stdout and "model.dtype (one of bfloat16, float32" in r.stdout
+  assert "train.microbatches (int, default 1)" in r.stdout and "model.dtype (one of bfloat16, float16, float32" in r.stdout
