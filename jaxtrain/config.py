@@ -43,7 +43,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  steps: int = key(20, "Total optimizer steps of the run.", min=1)
+  steps: int = key(20, "Length of the LR schedule, and the run's length unless --steps stops it sooner or later.", min=1)
   batch_size: int = key(16, "Global sequences per optimizer step (all microbatches, all ranks).", min=1)
   seq_len: int = key(128, "Tokens per sequence.", min=2)
   microbatches: int = key(1, "Gradient-accumulation steps per optimizer step; divides batch_size.", min=1)
@@ -73,6 +73,14 @@ class LossScaleConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  interval: int = key(10, "Save every N steps (and always at the last step and on SIGTERM); 0 = only those.", min=0)
+  keep: int = key(3, "Committed checkpoints to keep (the newest ones).", min=1)
+  keep_every: int = key(0, "Also keep every checkpoint whose step is a multiple of this (0 = none).", min=0)
+  async_save: bool = key(True, "Write checkpoints in the background while training continues.")
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
   source: str = key("bundled", "'bundled' (the corpus shipped in the package) or a path to a .txt or .jsonl file.")
   text_field: str = key("text", "Field holding the text in a .jsonl source.")
@@ -83,6 +91,7 @@ class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
 
   def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -177,7 +186,7 @@ def resolve_preset(name_or_path: str) -> Path:
   return path
 
 
-def load(name_or_path: str = "tiny", overrides: list[str] = (), steps: int | None = None) -> Config:
+def load(name_or_path: str = "tiny", overrides: list[str] = ()) -> Config:
   """Builds a Config from a preset (name in configs/ or a path) plus `section.key=value` overrides."""
   path = resolve_preset(name_or_path)
   try:
@@ -195,8 +204,6 @@ def load(name_or_path: str = "tiny", overrides: list[str] = (), steps: int | Non
     if not eq or "." not in dotted:
       raise UserError(f"--set {item!r} must look like section.key=value")
     _set(raw, dotted.strip(), value.strip(), from_text=True)
-  if steps is not None:
-    _set(raw, "train.steps", steps, from_text=False)
   cfg = Config(**{s: SECTIONS[s](**raw.get(s, {})) for s in SECTIONS})
   validate(cfg)
   return cfg

@@ -161,6 +161,11 @@ class Setup:
     self.step = jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                         out_shardings=(self.state_shardings, replicated), donate_argnums=0)
 
+  def abstract_state(self):
+    """Shapes, dtypes and shardings of the train state, without allocating it."""
+    shapes = jax.eval_shape(self.init)
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, self.state_shardings)
+
   def device_batch(self, local: dict):
     """This process's rows -> global arrays sharded over the batch axes."""
     return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in local.items()}

@@ -1,0 +1,35 @@
+"""Fault-injection hooks for the failure rehearsals (tests), off unless asked for.
+
+JAXTRAIN_FAULTS="hold_manifest=STEP:SECONDS" makes the save of STEP wait SECONDS after
+orbax's commit and before the manifest is written, so a test can kill the process
+while that save is still in flight.
+JAXTRAIN_FAULTS="enospc_at=STEP" makes the save of STEP fail as a full disk would (for
+machines where a test cannot mount a small tmpfs).
+"""
+
+import errno
+import os
+import time
+
+
+def _spec(name: str) -> str | None:
+  for item in os.environ.get("JAXTRAIN_FAULTS", "").split(","):
+    key, _, value = item.partition("=")
+    if key.strip() == name:
+      return value
+  return None
+
+
+def before_manifest(step: int) -> None:
+  spec = _spec("hold_manifest")
+  if spec:
+    at, _, seconds = spec.partition(":")
+    if int(at) == step:
+      print(f"fault: holding the manifest of step {step} for {seconds}s", flush=True)
+      time.sleep(float(seconds))
+
+
+def before_save(step: int) -> None:
+  at = _spec("enospc_at")
+  if at and int(at) == step:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "(injected fault)")

@@ -1,0 +1,222 @@
+"""Checkpoints and exact resume, and the failure rehearsals of DESIGN.md."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain import checkpoint, config, step
+from tests.helpers import mesh_of
+
+# Sharded, accumulating, packed: the data iterator state and the mesh both matter.
+RUN = ["--mesh", "fsdp=2,tp=2", "--set", "model.dtype=float32", "--set", "train.microbatches=2"]
+
+
+def _records(workdir):
+  return {r["step"]: r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _train(run_cli, workdir, *extra, env=None):
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(workdir), *extra, env=env)
+  assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
+  return r
+
+
+def _params(step_dir, spec="fsdp=2,tp=2"):
+  cfg = config.load("tiny", ["model.dtype=float32", "train.microbatches=2"])
+  setup = step.Setup(cfg, mesh_of(spec))
+  ck = checkpoint.Checkpoints(step_dir.parent, 3, 0, False)
+  state, _ = ck.restore(step_dir, setup.abstract_state())
+  ck.mgr.close()
+  return jax.device_get(state["params"])
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """The uninterrupted reference: 8 steps in one run."""
+  import subprocess as sp
+  w = tmp_path_factory.mktemp("straight") / "w"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+  r = sp.run([sys.executable, "-m", "jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "8",
+              "--set", "checkpoint.interval=3"], env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  return w
+
+
+def _same_losses(a, b, steps):
+  for s in steps:
+    assert (a[s]["loss"], a[s]["grad_norm"]) == (b[s]["loss"], b[s]["grad_norm"]), s
+
+
+def test_exact_resume_is_bit_for_bit(run_cli, tmp_path, straight):
+  w = tmp_path / "w"
+  _train(run_cli, w, "--steps", "3")
+  r = _train(run_cli, w, "--steps", "6")
+  assert "resumed from" in r.stdout and "at step 3" in r.stdout
+  got, ref = _records(w), _records(straight)
+  assert sorted(got) == [1, 2, 3, 4, 5, 6]
+  _same_losses(got, ref, [4, 5, 6])
+  assert got[6]["tokens_seen"] == ref[6]["tokens_seen"] and got[6]["tokens_updated"] == ref[6]["tokens_updated"]
+  # Final params bit for bit: step 6 of this run against step 6 of the straight run.
+  a, b = _params(w / "checkpoints" / "6"), _params(straight / "checkpoints" / "6")
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_resume_onto_a_different_mesh(run_cli, tmp_path, straight):
+  w = tmp_path / "w"
+  r = run_cli("jaxtrain.train", "--mesh", "dp=4", *RUN[2:], "--workdir", str(w), "--steps", "3")
+  assert r.returncode == 0, r.stderr[-1500:]
+  r = _train(run_cli, w, "--steps", "5")
+  assert "written on mesh data=4, resharded" in r.stdout
+  got, ref = _records(w), _records(straight)
+  for s in [4, 5]:
+    np.testing.assert_allclose(got[s]["loss"], ref[s]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got[s]["grad_norm"], ref[s]["grad_norm"], rtol=1e-5)
+
+
+def _popen(workdir, *extra, env=None):
+  full = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+  full.update(env or {}, PYTHONUNBUFFERED="1")
+  return subprocess.Popen([sys.executable, "-m", "jaxtrain.train", *RUN, "--workdir", str(workdir), *extra],
+                          env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(proc, text, limit=200):
+  lines = []
+  for line in proc.stdout:
+    lines.append(line)
+    if text in line:
+      return lines
+    assert len(lines) < limit
+  raise AssertionError(f"never printed {text!r}: {''.join(lines)[-1500:]}")
+
+
+def test_killed_during_async_save_resumes_from_last_committed(run_cli, tmp_path, straight):
+  w = tmp_path / "w"
+  proc = _popen(w, "--steps", "8", "--set", "checkpoint.interval=2", env={"JAXTRAIN_FAULTS": "hold_manifest=4:120"})
+  try:
+    _wait_for(proc, "holding the manifest of step 4")
+    proc.send_signal(signal.SIGKILL)
+  finally:
+    proc.wait(timeout=60)
+  assert (w / "checkpoints" / "4").exists() and not (w / "checkpoints" / "4" / "manifest.json").exists()
+  r = _train(run_cli, w, "--steps", "8", "--set", "checkpoint.interval=2")
+  assert "removing unfinished save 4" in r.stdout and "at step 2" in r.stdout
+  _same_losses(_records(w), _records(straight), range(3, 9))
+
+
+def test_sigterm_checkpoints_the_current_step_and_exits_0(run_cli, tmp_path, straight):
+  w = tmp_path / "w"
+  proc = _popen(w, "--steps", "500", "--set", "checkpoint.interval=0")
+  try:
+    _wait_for(proc, "step      2/500")
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+  finally:
+    proc.kill()
+  assert proc.returncode == 0, out
+  at = max(checkpoint.committed_steps(w / "checkpoints"))
+  assert f"preempted: checkpoint committed at step {at}" in out and 2 <= at < 500
+  r = _train(run_cli, w, "--steps", str(at + 2), "--set", "checkpoint.interval=0")
+  assert f"at step {at}" in r.stdout
+  _same_losses(_records(w), _records(straight), [s for s in range(at + 1, at + 3) if s <= 8])
+
+
+def _tmpfs(path, size):
+  path.mkdir()
+  return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                        capture_output=True).returncode == 0
+
+
+def test_disk_full_reports_and_keeps_the_last_good_checkpoint(run_cli, tmp_path):
+  probe = tmp_path / "probe"
+  _train(run_cli, probe, "--steps", "1")
+  one = sum(p.stat().st_size for p in (probe / "checkpoints" / "1").rglob("*") if p.is_file())
+  disk = tmp_path / "disk"
+  env = None
+  if not _tmpfs(disk, int(one * 1.6)):  # room for one checkpoint, not two
+    env = {"JAXTRAIN_FAULTS": "enospc_at=4"}  # no mount permission: a writer that fails the same way
+  try:
+    r = run_cli("jaxtrain.train", *RUN, "--workdir", str(disk / "w"), "--steps", "6",
+                "--set", "checkpoint.interval=2", env=env)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "checkpoint save at step 4 failed" in last, r.stderr[-2000:]
+    assert "No space left on device" in last and "the last good checkpoint is 2" in last
+    assert checkpoint.committed_steps(disk / "w" / "checkpoints") == [2]
+    params = _params(disk / "w" / "checkpoints" / "2")  # verified and restorable
+    assert len(jax.tree.leaves(params)) > 0
+  finally:
+    subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """A finished 2-step run to tamper with (copied per test)."""
+  w = tmp_path_factory.mktemp("saved") / "w"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+  r = subprocess.run([sys.executable, "-m", "jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "2"],
+                     env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  return w
+
+
+@pytest.mark.parametrize("damage", ["truncate", "alter"])
+def test_corrupt_checkpoint_is_detected_and_named(run_cli, tmp_path, saved, damage):
+  w = tmp_path / "w"
+  shutil.copytree(saved, w)
+  manifest = json.loads((w / "checkpoints" / "2" / "manifest.json").read_text())
+  name = max(manifest["files"], key=lambda n: manifest["files"][n]["size"])  # the big array file
+  path = w / "checkpoints" / "2" / name
+  blob = bytearray(path.read_bytes())
+  if damage == "truncate":
+    path.write_bytes(blob[: len(blob) // 2])
+  else:
+    blob[len(blob) // 2] ^= 0xFF
+    path.write_bytes(blob)
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "3")
+  assert r.returncode == 1
+  assert f"file {name}" in r.stderr and "damaged" in r.stderr
+
+
+def test_changed_config_or_tokenizer_aborts_unless_allowed(run_cli, tmp_path, saved):
+  w = tmp_path / "w"
+  shutil.copytree(saved, w)
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "3", "--set", "model.rope_theta=500000")
+  assert r.returncode == 2
+  assert "model.rope_theta: 10000.0 -> 500000.0" in r.stderr and "--allow-mismatch model" in r.stderr
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "3", "--set", "train.lr=0.1")
+  assert r.returncode == 2 and "train.lr: 0.003 -> 0.1" in r.stderr
+  # A checkpoint written with another tokenizer.
+  mpath = w / "checkpoints" / "2" / "manifest.json"
+  manifest = json.loads(mpath.read_text())
+  manifest["fingerprint"]["tokenizer"] = "0123456789abcdef"
+  mpath.write_text(json.dumps(manifest))
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "3")
+  assert r.returncode == 2 and "tokenizer digest 0123456789abcdef ->" in r.stderr
+  r = _train(run_cli, w, "--steps", "3", "--allow-mismatch", "tokenizer")
+  assert "at step 2" in r.stdout and sorted(_records(w)) == [1, 2, 3]
+
+
+def test_rotation_keeps_the_newest_and_every_nth(tmp_path):
+  d = tmp_path / "checkpoints"
+  ck = checkpoint.Checkpoints(d, keep=2, keep_every=4, async_save=False)
+  for s in [2, 4, 6, 8, 10, 12]:
+    (d / str(s)).mkdir()
+    (d / str(s) / "manifest.json").write_text("{}")
+    ck._rotate()
+  assert checkpoint.committed_steps(d) == [4, 8, 10, 12]
+  ck.mgr.close()
+
+
+def test_fresh_moves_old_checkpoints_aside(run_cli, tmp_path, saved):
+  w = tmp_path / "w"
+  shutil.copytree(saved, w)
+  r = _train(run_cli, w, "--steps", "1", "--fresh")
+  assert "previous checkpoints moved to" in r.stdout and "resumed" not in r.stdout
+  assert list(w.glob("checkpoints.*/2/manifest.json")) and checkpoint.committed_steps(w / "checkpoints") == [1]
