@@ -21,7 +21,6 @@ from jaxtrain.errors import UserError, exit_with
 
 # The fields of one batch (see data.fields_from_rows), all int32 (batch, seq_len).
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
-GiB = 2**30
 
 
 class _Parser(argparse.ArgumentParser):
@@ -154,14 +153,8 @@ def _fmt_spec(spec) -> str:
   return "(" + ", ".join("+".join(e) if isinstance(e, list) else str(e) for e in spec) + ")"
 
 
-def _bytes(n) -> str:
-  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if n >= size:
-      return f"{n / size:.2f} {unit}"
-  return f"{n} B"
-
-
 def render(rep: dict) -> str:
+  from jaxtrain import memory
   L = []
   L.append(f"jaxtrain.inspect: {rep['config']} ({rep['param_count']:,} params) on mesh {rep['mesh']} "
            f"({rep['devices']} x {rep['device_kind']}); batch {rep['batch_size']} x {rep['seq_len']} tokens, "
@@ -176,14 +169,14 @@ def render(rep: dict) -> str:
   for r in [head, *cols]:
     L.append("  " + "  ".join(c.rjust(w) if i in (1, 7) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
   L.append(f"  total: {rep['param_count']:,} parameters; {rep['param_bytes_per_device']:,} bytes per device "
-           f"({_bytes(rep['param_bytes_per_device'])})")
+           f"({memory.human(rep['param_bytes_per_device'])})")
   L.append("")
   mem = rep["memory"]
   L.append("Memory per device (analytic)")
   for k, v in mem["items"].items():
-    L.append(f"  {k:<17} {_bytes(v):>11} {v:>17,}  {mem['notes'][k]}")
-  L.append(f"  {'total':<17} {_bytes(mem['total']):>11} {mem['total']:>17,}")
-  L.append(f"  (activations with full remat per block would be {_bytes(mem['activations_full_remat'])}; "
+    L.append(f"  {k:<17} {memory.human(v):>11} {v:>17,}  {mem['notes'][k]}")
+  L.append(f"  {'total':<17} {memory.human(mem['total']):>11} {mem['total']:>17,}")
+  L.append(f"  (activations with full remat per block would be {memory.human(mem['activations_full_remat'])}; "
            f"the trainer does not remat)")
   src = f" [{mem['device_memory_source']}]" if mem["device_memory"] else ""
   L.append(f"  verdict{src}: {mem['verdict']}")
@@ -197,7 +190,7 @@ def render(rep: dict) -> str:
       L.append(f"  {'':<15} {'compiled':>12} {'analytic':>12}")
       for k in ("arguments", "outputs", "aliased", "temporaries", "generated_code", "total"):
         a = c["analytic"].get(k)
-        L.append(f"  {k:<15} {_bytes(c[k]):>12} {'' if a is None else _bytes(a):>12}")
+        L.append(f"  {k:<15} {memory.human(c[k]):>12} {'' if a is None else memory.human(a):>12}")
       L.append(f"  ratio compiled/analytic total: {c['ratio']:.2f}")
   f = rep["flops"]
   L.append("")
@@ -208,7 +201,7 @@ def render(rep: dict) -> str:
   if not rep["comms"]:
     L.append("  none (single device)")
   for axis, parts in rep["comms"].items():
-    L.append(f"  {axis:<9} {_bytes(sum(parts.values())):>12}  " + "; ".join(f"{k} {_bytes(v)}" for k, v in parts.items()))
+    L.append(f"  {axis:<9} {memory.human(sum(parts.values())):>12}  " + "; ".join(f"{k} {memory.human(v)}" for k, v in parts.items()))
   if rep["notes"] or rep["warnings"]:
     L.append("")
   for n, count in _collapse(rep["notes"]).items():

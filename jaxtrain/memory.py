@@ -54,12 +54,12 @@ def device_memory(text: str | None, device_kind: str) -> tuple[int | None, str]:
     hits = [k for k in DEVICE_MEMORY if k.lower() in kind.lower()]
     return DEVICE_MEMORY[max(hits, key=len)] if hits else None
   if text:
-    if by_kind(text) is not None and not text[:1].isdigit():
-      return by_kind(text), text
-    if not text[:1].isdigit():
+    if text.strip()[:1].isdigit():
+      return parse_size(text), text
+    if by_kind(text) is None:
       raise UserError(f"--device-memory {text!r} is neither a size (e.g. 80GiB) nor a known device kind: "
                       f"{', '.join(DEVICE_MEMORY)}")
-    return parse_size(text), text
+    return by_kind(text), text
   found = by_kind(device_kind)
   return found, device_kind if found else "unknown"
 
@@ -239,7 +239,7 @@ def bill(setup, rows: list[Row], margin: float) -> Bill:
       "counters": "step, Adam count, loss scale",
       "batch": "inputs, targets, positions, segment ids, loss mask (int32)",
       "weight_copies": f"{cfg.model.dtype} matmul weights gathered over fsdp, kept for backward",
-      "activations": "remat none, one microbatch: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in act.items()) + " GiB",
+      "activations": "remat none, one microbatch: " + ", ".join(f"{k} {human(v)}" for k, v in act.items()),
   }
   items["margin"] = int(margin * sum(items.values()))
   notes["margin"] = f"temporaries and communication buffers: {margin:.0%} of the items above"
@@ -251,7 +251,14 @@ def verdict(b: Bill, capacity: int | None) -> str:
   if capacity is None:
     return "no device memory known: give --device-memory (e.g. 80GiB or H100) for a verdict"
   big = sorted(((v, k) for k, v in b.items.items() if v), reverse=True)[:3]
-  largest = ", ".join(f"{k} {v / GiB:.2f} GiB" for v, k in big)
+  largest = ", ".join(f"{k} {human(v)}" for v, k in big)
   if b.total <= capacity:
-    return f"fits: {b.total / GiB:.2f} of {capacity / GiB:.2f} GiB ({capacity / GiB - b.total / GiB:.2f} GiB free)"
-  return f"does not fit: misses by {(b.total - capacity) / GiB:.2f} GiB ({b.total / GiB:.2f} of {capacity / GiB:.2f} GiB); largest: {largest}"
+    return f"fits: {human(b.total)} of {human(capacity)} ({human(capacity - b.total)} free)"
+  return f"does not fit: misses by {human(b.total - capacity)} ({human(b.total)} of {human(capacity)}); largest: {largest}"
+
+
+def human(n) -> str:
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{n} B"

@@ -118,7 +118,7 @@ def test_verdict_names_the_shortfall_and_the_largest_items():
   b = memory.bill(setup, memory.grouped(memory.param_rows(setup)), 0.1)
   assert memory.verdict(b, b.total + 2**30).startswith("fits")
   short = memory.verdict(b, b.total - 2**29)
-  assert short.startswith("does not fit: misses by 0.50 GiB") and "largest: activations" in short
+  assert short.startswith("does not fit: misses by 512.00 MiB") and "largest: activations" in short
   assert memory.device_memory("80GiB", "cpu")[0] == 80 * 2**30
   assert memory.device_memory("H100", "cpu")[0] == 80 * 2**30
   assert memory.device_memory(None, "NVIDIA H100 80GB HBM3")[0] == 80 * 2**30
