@@ -1,5 +1,6 @@
 """The analytic memory bill against the real sharded state, JAX's saved residuals and seed 002."""
 
+import functools
 import math
 
 import jax
@@ -32,10 +33,19 @@ def test_llama3_8b_count_and_bytes_per_device_equal_the_table():
   assert memory.state_bytes(setup)["params"] == table_bytes  # the state's own shardings agree
 
 
-@pytest.mark.parametrize("spec", ["fsdp=2,tp=4", "dp=2,tp=2", "tp=8", "fsdp=8"])
-def test_table_per_device_shapes_equal_the_trainers_arrays(spec):
-  setup = step.Setup(config.load("tiny"), mesh_of(spec))
-  state = setup.init()
+MESHES = [("fsdp=2,tp=4", ()), ("dp=2,tp=2", ("train.microbatches=2",)), ("tp=8", ()), ("fsdp=8", ())]
+
+
+@functools.cache
+def _initialized(spec, sets):
+  """The trainer's Setup and its real initialized state (shared by the tests below)."""
+  setup = step.Setup(config.load("tiny", list(sets)), mesh_of(spec))
+  return setup, setup.init()
+
+
+@pytest.mark.parametrize("spec, sets", MESHES)
+def test_table_per_device_shapes_equal_the_trainers_arrays(spec, sets):
+  setup, state = _initialized(spec, sets)
   real = {"/".join(str(getattr(k, "key", k)) for k in path): x
           for path, x in jax.tree_util.tree_leaves_with_path(state["params"])}
   rows = memory.param_rows(setup)
@@ -45,10 +55,9 @@ def test_table_per_device_shapes_equal_the_trainers_arrays(spec):
     assert shapes == {r.device_shape}, (spec, r.path, shapes, r.device_shape)
 
 
-@pytest.mark.parametrize("spec, sets", [("fsdp=2,tp=2", []), ("dp=2,tp=4", ["train.microbatches=2"])])
+@pytest.mark.parametrize("spec, sets", MESHES)
 def test_state_bill_equals_the_real_sharded_state(spec, sets):
-  setup = step.Setup(config.load("tiny", sets), mesh_of(spec))
-  state = setup.init()
+  setup, state = _initialized(spec, sets)
   dev = jax.devices()[0]
   bill = memory.bill(setup, memory.grouped(memory.param_rows(setup)), margin=0.1)
   i = bill.items
