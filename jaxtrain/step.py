@@ -136,6 +136,7 @@ class Setup:
     check_fits_mesh(cfg, mesh)
     self.graphdef, abstract_state = model_lib.abstract(cfg.model, cfg.train.seed)
     self.n_params = model_lib.param_count(abstract_state)
+    self.abstract_params = abstract_state  # nnx.State of ShapeDtypeStructs with `axes` metadata
     self.notes: list[str] = []
     param_sh = sharding.param_shardings(abstract_state, mesh, self.notes)
     self.opt = optimizer(cfg.train)

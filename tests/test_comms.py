@@ -1,0 +1,37 @@
+"""Analytic traffic per mesh axis against hand computations for `tiny` (426,624 params,
+640 of them in norm scales; 2 layers, d_model 128, 4 KV heads of 16, batch 16 x 128, bf16)."""
+
+from jaxtrain import comms, config, memory, step
+from tests.helpers import mesh_of
+
+
+def _traffic(spec, sets=()):
+  setup = step.Setup(config.load("tiny", list(sets)), mesh_of(spec))
+  return comms.traffic(setup.cfg, setup.mesh, memory.grouped(memory.param_rows(setup)))
+
+
+def test_data_parallel_all_reduces_every_gradient():
+  # ring all-reduce of 426,624 float32 gradients over 4 devices: 2 x 3/4 x 4 bytes each
+  assert _traffic("dp=4") == {"data": {"grad all-reduce": 2 * 3 * 426_624}}
+
+
+def test_fsdp_gathers_weights_twice_and_reduce_scatters_gradients():
+  shard = (426_624 - 640) // 4  # elements per device of the FSDP-sharded params
+  t = _traffic("fsdp=4")["fsdp"]
+  assert t["param all-gather (fwd+bwd)"] == 2 * 3 * shard * 2  # bf16, forward and backward
+  assert t["grad reduce-scatter"] == 3 * shard * 4
+  assert t["grad all-reduce"] == int(2 * 3 / 4 * 640 * 4)  # the replicated norm scales
+  # Two microbatches: every collective runs once per microbatch.
+  t2 = _traffic("fsdp=4", ["train.microbatches=2"])["fsdp"]
+  assert t2 == {k: 2 * v for k, v in t.items()}
+
+
+def test_tensor_and_sequence_traffic():
+  tokens = 16 * 128  # per device on tp=2: the batch is not split
+  t = _traffic("tp=2")["tensor"]
+  assert t["activation all-reduce (4 per layer)"] == 4 * 2 * tokens * 128 * 2 * (2 * 1 / 2)
+  assert t["embedding + LM head all-reduce"] == tokens * 128 * (4 + 2) * (2 * 1 / 2)
+  assert "grad all-reduce (weights replicated over tensor)" not in t  # 4 KV heads split 2 ways
+  s = _traffic("sp=2")["sequence"]
+  # K and V (4 heads x 16, bf16) of 16 x 64 local tokens, to 1 neighbour, forward + 2x backward, 2 layers
+  assert s["ring K/V transfers (fwd+bwd)"] == 3 * 1 * 2 * (16 * 64) * 2 * 4 * 16 * 2

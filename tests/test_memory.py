@@ -1,0 +1,134 @@
+"""The analytic memory bill against the real sharded state, JAX's saved residuals and seed 002."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxtrain import config, memory, model as model_lib, step
+from tests.helpers import mesh_of
+
+LLAMA3_8B = 8_030_261_248
+
+
+def _real_bytes_per_device(tree, device):
+  """Bytes that `device` holds of every array in `tree`."""
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
+
+
+def test_llama3_8b_count_and_bytes_per_device_equal_the_table():
+  setup = step.Setup(config.load("llama3-8b"), mesh_of("fsdp=2,tp=4"))  # abstract: nothing allocated
+  rows = memory.grouped(memory.param_rows(setup))
+  assert setup.n_params == LLAMA3_8B
+  assert sum(math.prod(r.shape) * r.count for r in rows) == LLAMA3_8B
+  assert any(r.path == "layers/*/attn/wq" and r.count == 32 for r in rows)  # repeated layers shown once
+  table_bytes = sum(r.bytes * r.count for r in rows)
+  # Hand count: norm scales (2 per layer + final, 4096 each) are replicated; every other
+  # parameter is split over all 8 devices (fsdp x tensor); float32 = 4 bytes.
+  norms = (2 * 32 + 1) * 4096
+  assert table_bytes == ((LLAMA3_8B - norms) // 8 + norms) * 4
+  assert memory.state_bytes(setup)["params"] == table_bytes  # the state's own shardings agree
+
+
+MESHES = [("fsdp=2,tp=4", ()), ("dp=2,tp=2", ("train.microbatches=2",)), ("tp=8", ()), ("fsdp=8", ())]
+
+
+@functools.cache
+def _initialized(spec, sets):
+  """The trainer's Setup and its real initialized state (shared by the tests below)."""
+  setup = step.Setup(config.load("tiny", list(sets)), mesh_of(spec))
+  return setup, setup.init()
+
+
+@pytest.mark.parametrize("spec, sets", MESHES)
+def test_table_per_device_shapes_equal_the_trainers_arrays(spec, sets):
+  setup, state = _initialized(spec, sets)
+  real = {"/".join(str(getattr(k, "key", k)) for k in path): x
+          for path, x in jax.tree_util.tree_leaves_with_path(state["params"])}
+  rows = memory.param_rows(setup)
+  assert sorted(r.path for r in rows) == sorted(real)
+  for r in rows:
+    shapes = {s.data.shape for s in real[r.path].addressable_shards}
+    assert shapes == {r.device_shape}, (spec, r.path, shapes, r.device_shape)
+
+
+@pytest.mark.parametrize("spec, sets", MESHES)
+def test_state_bill_equals_the_real_sharded_state(spec, sets):
+  setup, state = _initialized(spec, sets)
+  dev = jax.devices()[0]
+  bill = memory.bill(setup, memory.grouped(memory.param_rows(setup)), margin=0.1)
+  i = bill.items
+  assert i["params"] == _real_bytes_per_device(state["params"], dev)
+  assert i["adam_m"] == _real_bytes_per_device(state["opt"][0].mu, dev)
+  assert i["adam_v"] == _real_bytes_per_device(state["opt"][0].nu, dev)
+  assert i["params"] + i["adam_m"] + i["adam_v"] + i["counters"] == _real_bytes_per_device(state, dev)
+  assert i["gradients"] == i["params"]  # float32, sharded like the params
+  assert i["grad_accumulator"] == (i["params"] if "train.microbatches=2" in sets else 0)
+
+
+def _config_with(n_params: int):
+  """A (tied, one-layer) config with exactly n_params parameters: the vocab absorbs the rest."""
+  D, F = 1000, 1000
+  per_layer_over_D = 2 * (2 + 2) + 3 * F + 2  # wq,wk,wv,wo at 1 head x head_dim 2; SwiGLU; 2 norms
+  vocab = n_params // D - 1 - per_layer_over_D  # the final norm adds D
+  cfg = config.load("tiny", ["model.tie_embeddings=true", f"model.d_model={D}", f"model.d_ff={F}",
+                             "model.n_layers=1", "model.n_heads=1", "model.n_kv_heads=1", "model.head_dim=2",
+                             f"model.vocab_size={vocab}", "train.batch_size=8"])
+  return cfg
+
+
+@pytest.mark.parametrize("billions, seed_gb", [(1, 16), (7, 112), (70, 1120)])
+def test_bill_reproduces_seed_002_table(billions, seed_gb):
+  """Seed 002: at 16 bytes per parameter (fp32 params and gradients, Adam m and v), 1B, 7B
+  and 70B parameters need 16, 112 and 1120 GB (10^9 bytes; the seed labels them GiB)."""
+  cfg = _config_with(billions * 10**9)
+  one = step.Setup(cfg, mesh_of("dp=1"))
+  assert one.n_params == billions * 10**9
+  rows = memory.grouped(memory.param_rows(one))
+  i = memory.bill(one, rows, 0.0).items
+  state = i["params"] + i["gradients"] + i["adam_m"] + i["adam_v"]
+  assert state == seed_gb * 10**9
+  # Sharded over 8 devices (fsdp): the state per device is 1/8, except the replicated norm scales.
+  eight = step.Setup(cfg, mesh_of("fsdp=8"))
+  rows8 = memory.grouped(memory.param_rows(eight))
+  i8 = memory.bill(eight, rows8, 0.0).items
+  replicated = sum(math.prod(r.shape) * r.count for r in rows8 if not any(r.spec))
+  assert replicated == 3 * 1000  # two norms in the layer + the final norm
+  assert i8["params"] + i8["gradients"] + i8["adam_m"] + i8["adam_v"] == (
+      16 * (billions * 10**9 - replicated) // 8 + 16 * replicated)
+
+
+def test_activation_formula_matches_what_autodiff_saves():
+  """Independent reference: the residuals jax.vjp keeps for the backward pass (one device)."""
+  def residual_bytes(n_layers):
+    cfg = config.load("tiny", [f"model.n_layers={n_layers}", "train.batch_size=2", "train.seq_len=32"])
+    graphdef, abstract = model_lib.abstract(cfg.model)
+    params = nnx.to_pure_dict(abstract)
+    mb = {k: jax.ShapeDtypeStruct((2, 32), jnp.int32) for k in ("inputs", "targets", "positions", "segment_ids",
+                                                                 "loss_mask")}
+    keep = lambda p, b: jax.tree.leaves(jax.vjp(lambda q: step.token_loss_sum(graphdef, q, b), p)[1])  # noqa: E731
+    saved = sum(x.size * x.dtype.itemsize for x in jax.eval_shape(keep, params, mb))
+    setup = step.Setup(cfg, mesh_of("dp=1"))
+    rows = memory.grouped(memory.param_rows(setup))
+    formula = sum(memory.activations(cfg, setup.mesh).values()) + memory.weight_copies(cfg, rows, setup.mesh)
+    return saved, formula
+  saved1, formula1 = residual_bytes(1)
+  saved2, formula2 = residual_bytes(2)
+  # Per layer, the formula leaves out only two broadcast norm scales (2 x 4 x d_model) and one scalar.
+  assert (saved2 - saved1) - (formula2 - formula1) == 2 * 4 * 128 + 4
+  assert formula1 == pytest.approx(saved1, rel=0.02)
+
+
+def test_verdict_names_the_shortfall_and_the_largest_items():
+  setup = step.Setup(config.load("tiny"), mesh_of("fsdp=2"))
+  b = memory.bill(setup, memory.grouped(memory.param_rows(setup)), 0.1)
+  assert memory.verdict(b, b.total + 2**30).startswith("fits")
+  short = memory.verdict(b, b.total - 2**29)
+  assert short.startswith("does not fit: misses by 512.00 MiB") and "largest: activations" in short
+  assert memory.device_memory("80GiB", "cpu")[0] == 80 * 2**30
+  assert memory.device_memory("H100", "cpu")[0] == 80 * 2**30
+  assert memory.device_memory(None, "NVIDIA H100 80GB HBM3")[0] == 80 * 2**30
+  assert memory.device_memory(None, "cpu")[0] is None
