@@ -73,14 +73,17 @@ class MetricsLog:
         "mfu": self.flops_per_step / step_time / self.peak_total if self.peak_total else None,
         "skipped": skipped, "loss_scale": m["loss_scale"],
         "tokens_seen": self.tokens_seen, "tokens_updated": self.tokens_updated,
+        "data_wait_ms": data_wait * 1e3,
     }
+    rec.update({k: m[k] for k in ("eval_loss", "eval_ppl") if k in m})
     self.file.write(json.dumps(rec) + "\n")
     if step % self.log_every == 0 or step == self.total:
       mfu = f"{rec['mfu']:.1%}" if rec["mfu"] is not None else "n/a"
       print(f"step {step:>6}/{self.total}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  gnorm {rec['grad_norm']:.3f}  "
             f"tok/s {rec['tokens_per_sec']:,.0f}  step {step_time * 1e3:.0f}ms  data {data_wait * 1e3:.1f}ms  mfu {mfu}"
             + (f"  scale {rec['loss_scale']:g}" if rec["loss_scale"] != 1.0 else "")
-            + ("  SKIPPED (non-finite gradients)" if skipped else ""), flush=True)
+            + ("  SKIPPED (non-finite gradients)" if skipped else "")
+            + (f"  eval {rec['eval_loss']:.4f} (ppl {rec['eval_ppl']:.2f})" if "eval_loss" in rec else ""), flush=True)
     if self.skipped_in_a_row >= self.max_skipped:
       raise RunAborted(f"aborting at step {step}: {self.skipped_in_a_row} steps in a row (steps "
                        f"{step - self.skipped_in_a_row + 1}-{step}) had non-finite gradients or no valid token "
@@ -89,6 +92,25 @@ class MetricsLog:
 
   def close(self):
     self.file.close()
+
+
+def make_evaluator(cfg, setup):
+  """params -> {eval_loss, eval_ppl} over the fixed held-out batches (token-normalized over
+  all of them), as device scalars read with the step's metrics; None when eval is off."""
+  if not cfg.train.eval_interval:
+    return None
+  import jax
+  import jax.numpy as jnp
+  from jaxtrain import data
+  held = [setup.device_batch(b) for b in data.eval_batches(cfg, jax.process_index(), jax.process_count())]
+  # Compiled now, so the first evaluation does not stall a training step with a compile.
+  compiled = setup.eval_step.lower(jax.eval_shape(setup.init)["params"], held[0]).compile()
+
+  def evaluate(params):
+    outs = [compiled(params, b) for b in held]
+    loss = sum(o["loss_sum"] for o in outs) / jnp.maximum(sum(o["tokens"] for o in outs), 1)
+    return {"eval_loss": loss, "eval_ppl": jnp.exp(loss)}
+  return evaluate
 
 
 def run(cfg, mesh, workdir: Path, config_name: str) -> list[dict]:
@@ -107,6 +129,7 @@ def run(cfg, mesh, workdir: Path, config_name: str) -> list[dict]:
           f"{setup.notes[0]}")
 
   batches = data.batches(cfg, jax.process_index(), jax.process_count())
+  evaluate = make_evaluator(cfg, setup)
   log = MetricsLog(workdir / "metrics.jsonl", setup, cfg.train.steps, cfg.train.log_every)
   try:
     t0 = time.perf_counter()
@@ -127,6 +150,8 @@ def run(cfg, mesh, workdir: Path, config_name: str) -> list[dict]:
     last_done = time.perf_counter()
     for s in range(1, cfg.train.steps + 1):
       state, metrics = compiled(state, batch)
+      if evaluate and s % cfg.train.eval_interval == 0:  # dispatched before the next step donates state
+        metrics = {**metrics, **evaluate(state["params"])}
       if pending:  # step s-1's metrics: reading them waits for s-1, while s is already queued
         last_done = log_step(*pending, last_done)
       pending = (s, metrics, wait)
