@@ -76,8 +76,9 @@ def run_unit(job: dict, n: int, output: str, tok=None) -> dict:
 
   supervised = "prompt" in job["fields"]
   records = readers.read_unit(Path(src["path"]), unit[1], unit[2], job["fields"], on_bad)
-  keep = records if supervised else [r.strip() for r in records]
-  nonempty = [r for r in keep if (r[0].strip() or r[1].strip())] if supervised else [r for r in keep if r]
+  # Texts are kept byte for byte; only all-whitespace documents are dropped (and counted).
+  keep = records
+  nonempty = [r for r in keep if (r[0].strip() or r[1].strip())] if supervised else [r for r in keep if r.strip()]
   docs, train_from = _documents(tok, nonempty, supervised)
   lengths = np.array([len(d) for d in docs], np.int64)
   index = np.stack([np.concatenate([[0], np.cumsum(lengths)[:-1]]) if docs else lengths, lengths,

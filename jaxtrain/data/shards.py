@@ -98,9 +98,14 @@ _lock = threading.Lock()
 
 def open_prepared(directory: Path, verify: bool = True) -> tuple[TokenSet, dict]:
   """Memory-maps a prepared dataset after checking its shards against the manifest.
-  Opened (and verified) once per process; the key includes the manifest's content."""
+  Verified once per process while the manifest and the shard files' stat are unchanged."""
   manifest = read_manifest(directory)
-  key = (str(directory.resolve()), (directory / MANIFEST).read_bytes(), verify)
+  stats = []
+  for shard in manifest["shards"]:
+    for entry in shard["files"].values():
+      p = directory / entry["name"]
+      stats.append((p.stat().st_mtime_ns, p.stat().st_size) if p.exists() else None)
+  key = (str(directory.resolve()), (directory / MANIFEST).read_bytes(), verify, tuple(stats))
   with _lock:
     if key in _opened:
       return _opened[key], manifest
