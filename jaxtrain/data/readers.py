@@ -70,16 +70,17 @@ def plan_units(path: Path, unit_bytes: int) -> list[tuple[int, int]]:
   return units
 
 
-def _field(obj, name: str, where: str):
+def _field(obj, name: str, where):
+  """obj[name] as a string; `where()` names the record, computed only for an error."""
   if not isinstance(obj, dict) or name not in obj:
-    raise BadRecord(f"{where}: no {name!r} field")
+    raise BadRecord(f"{where()}: no {name!r} field")
   value = obj[name]
   if not isinstance(value, str):
-    raise BadRecord(f"{where}: field {name!r} is {type(value).__name__}, not a string")
+    raise BadRecord(f"{where()}: field {name!r} is {type(value).__name__}, not a string")
   return value
 
 
-def _record(obj, fields: dict, where: str):
+def _record(obj, fields: dict, where):
   if "text" in fields:
     return _field(obj, fields["text"], where)
   return _field(obj, fields["prompt"], where), _field(obj, fields["completion"], where)
@@ -122,7 +123,7 @@ def read_unit(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
         obj = json.loads(text)
       except json.JSONDecodeError as e:
         raise BadRecord(f"{where(here)}: invalid JSON ({e.msg})") from None
-      out.append(_record(obj, fields, where(here)))
+      out.append(_record(obj, fields, lambda: where(here)))
     except BadRecord as bad:
       on_bad(bad)
   return out
@@ -139,7 +140,7 @@ def _read_parquet(path: Path, start: int, end: int, fields: dict, on_bad) -> lis
   cols = {n: table.column(n).to_pylist() for n in names}
   out = []
   for i in range(table.num_rows):
-    where = f"{path} row {first_row + i + 1}"
+    where = lambda: f"{path} row {first_row + i + 1}"  # noqa: E731
     try:
       obj = {}
       for n in names:
@@ -148,7 +149,7 @@ def _read_parquet(path: Path, start: int, end: int, fields: dict, on_bad) -> lis
           try:
             v = v.decode("utf-8")
           except UnicodeDecodeError as e:
-            raise BadRecord(f"{where}: column {n!r} is invalid UTF-8 (byte 0x{v[e.start]:02x})") from None
+            raise BadRecord(f"{where()}: column {n!r} is invalid UTF-8 (byte 0x{v[e.start]:02x})") from None
         if v is not None:
           obj[n] = v
       out.append(_record(obj, fields, where))
