@@ -77,8 +77,7 @@ def run_unit(job: dict, n: int, output: str, tok=None) -> dict:
   supervised = "prompt" in job["fields"]
   records = readers.read_unit(Path(src["path"]), unit[1], unit[2], job["fields"], on_bad)
   # Texts are kept byte for byte; only all-whitespace documents are dropped (and counted).
-  keep = records
-  nonempty = [r for r in keep if (r[0].strip() or r[1].strip())] if supervised else [r for r in keep if r.strip()]
+  nonempty = [r for r in records if ((r[0].strip() or r[1].strip()) if supervised else r.strip())]
   docs, train_from = _documents(tok, nonempty, supervised)
   lengths = np.array([len(d) for d in docs], np.int64)
   index = np.stack([np.concatenate([[0], np.cumsum(lengths)[:-1]]) if docs else lengths, lengths,
@@ -87,7 +86,7 @@ def run_unit(job: dict, n: int, output: str, tok=None) -> dict:
   names = shards.shard_files(n)
   meta = {
       "unit": unit, "documents": len(docs), "tokens": int(lengths.sum()),
-      "trainable_tokens": int((lengths - index[:, 2]).sum()), "empty_documents": len(keep) - len(nonempty),
+      "trainable_tokens": int((lengths - index[:, 2]).sum()), "empty_documents": len(records) - len(nonempty),
       "bad_records": bad, "input_bytes": unit[3],
       "files": {k: _save(out, v, a) for (k, v), a in zip(names.items(), (tokens, index))},
   }
