@@ -58,6 +58,7 @@ class TrainConfig:
   seed: int = key(0, "Seed of the parameter init and of the data order.", min=0)
   max_skipped_in_a_row: int = key(10, "Abort the run after this many non-finite (skipped) steps in a row.", min=1)
   log_every: int = key(1, "Print a progress line every N steps (metrics.jsonl gets every step).", min=1)
+  eval_interval: int = key(0, "Evaluate on the held-out split every N steps (0 = never); see data.eval_*.", min=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +83,17 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  source: str = key("bundled", "'bundled' (the corpus shipped in the package) or a path to a .txt or .jsonl file.")
-  text_field: str = key("text", "Field holding the text in a .jsonl source.")
+  source: str = key("bundled", "'bundled' (shipped corpus), a prepared dir, or a .txt/.jsonl/.parquet file; "
+                    "comma-separated prepared dirs make a mixture.")
+  text_field: str = key("text", "Field holding the text in a raw .jsonl/.parquet source.")
+  tokenizer: str = key("byte", "'byte' or a path to a tokenizer.json; must be the one the data was prepared with.")
+  weights: str = key("", "Mixture weights, comma-separated, one per source; empty = proportional to tokens.")
+  eval_source: str = key("", "Held-out data (same forms as source); empty = hold out data.eval_fraction.")
+  eval_fraction: float = key(0.0, "Fraction of each source's documents held out for evaluation (fixed split).", min=0.0)
+  eval_batches: int = key(4, "Global batches per evaluation (the same ones every time).", min=1)
+  workers: int = key(2, "Background threads building batches (0 = in the training thread).", min=0)
+  prefetch: int = key(4, "Batches built ahead of the training loop.", min=1)
+  verify: bool = key(True, "Check every shard's sha256 against the manifest when a prepared dir is opened.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,6 +94,16 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0):
   return loss_sum / denom, jax.tree.map(lambda g: g / loss_scale, grad_sum), n_valid
 
 
+def eval_loss(graphdef, params, batch, microbatches: int):
+  """Loss-only pass: summed per-token loss and valid-token count of one batch (microbatched
+  like the train step, so it fits wherever training fits). Sums, so batches add up exactly."""
+  def accumulate(total, mb):
+    return total + token_loss_sum(graphdef, params, mb), None
+  loss_sum, _ = jax.lax.scan(accumulate, jnp.float32(0), split_microbatches(batch, microbatches))
+  n_valid = jnp.sum(batch["loss_mask"] > 0)
+  return {"loss": loss_sum / jnp.maximum(n_valid, 1), "loss_sum": loss_sum, "tokens": n_valid}
+
+
 def global_norm(tree):
   return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
 
@@ -157,10 +167,15 @@ class Setup:
       with sharding.active_mesh(mesh):
         return train_step(self.graphdef, self.opt, cfg, state, batch)
 
+    def eval_step(params, batch):
+      with sharding.active_mesh(mesh):
+        return eval_loss(self.graphdef, params, batch, t.microbatches)
+
     # Initializers run under jit with output shardings: each shard is created on its device.
     self.init = jax.jit(init, out_shardings=self.state_shardings)
     self.step = jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                         out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+    self.eval_step = jax.jit(eval_step, in_shardings=(param_sh, self.batch_sharding), out_shardings=replicated)
 
   def abstract_state(self):
     """Shapes, dtypes and shardings of the train state, without allocating it."""

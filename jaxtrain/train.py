@@ -91,13 +91,15 @@ class MetricsLog:
         "skipped": skipped, "loss_scale": m["loss_scale"],
         "tokens_seen": p.tokens_seen, "tokens_updated": p.tokens_updated,
     }
+    rec.update({k: m[k] for k in ("eval_loss", "eval_ppl") if k in m})
     self.file.write(json.dumps(rec) + "\n")
     if step % self.log_every == 0 or step == self.total:
       mfu = f"{rec['mfu']:.1%}" if rec["mfu"] is not None else "n/a"
       print(f"step {step:>6}/{self.total}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  gnorm {rec['grad_norm']:.3f}  "
             f"tok/s {rec['tokens_per_sec']:,.0f}  step {step_time * 1e3:.0f}ms  data {data_wait * 1e3:.1f}ms  mfu {mfu}"
             + (f"  scale {rec['loss_scale']:g}" if rec["loss_scale"] != 1.0 else "")
-            + ("  SKIPPED (non-finite gradients)" if skipped else ""), flush=True)
+            + ("  SKIPPED (non-finite gradients)" if skipped else "")
+            + (f"  eval {rec['eval_loss']:.4f} (ppl {rec['eval_ppl']:.2f})" if "eval_loss" in rec else ""), flush=True)
     if p.skipped_in_a_row >= self.max_skipped:
       raise RunAborted(f"aborting at step {step}: {p.skipped_in_a_row} steps in a row (steps "
                        f"{step - p.skipped_in_a_row + 1}-{step}) had non-finite gradients or no valid token "
@@ -125,6 +127,25 @@ def _prepare_metrics_file(path: Path, resumed_at: int | None) -> None:
     path.write_text("".join(l + "\n" for l in kept))
     print(f"metrics: {len(lines) - len(kept)} record(s) after step {resumed_at} will be recomputed "
           f"(old file kept as {backup.name})")
+
+
+def make_evaluator(cfg, setup):
+  """params -> {eval_loss, eval_ppl} over the fixed held-out batches (token-normalized over
+  all of them), as device scalars read with the step's metrics; None when eval is off."""
+  if not cfg.train.eval_interval:
+    return None
+  import jax
+  import jax.numpy as jnp
+  from jaxtrain import data
+  held = [setup.device_batch(b) for b in data.eval_batches(cfg, jax.process_index(), jax.process_count())]
+  # Compiled now, so the first evaluation does not stall a training step with a compile.
+  compiled = setup.eval_step.lower(jax.eval_shape(setup.init)["params"], held[0]).compile()
+
+  def evaluate(params):
+    outs = [compiled(params, b) for b in held]
+    loss = sum(o["loss_sum"] for o in outs) / jnp.maximum(sum(o["tokens"] for o in outs), 1)
+    return {"eval_loss": loss, "eval_ppl": jnp.exp(loss)}
+  return evaluate
 
 
 class Preemption:
@@ -178,8 +199,9 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
 
   ck = cfg.checkpoint
   ckpts = checkpoint.Checkpoints(ckdir, ck.keep, ck.keep_every, ck.async_save, is_writer=jax.process_index() == 0)
-  current = checkpoint.fingerprint(cfg, data.ByteTokenizer.digest, data.source_digest(cfg))
+  current = checkpoint.fingerprint(cfg, data.tokenizer_digest(cfg), data.source_digest(cfg))
   batches = data.batches(cfg, jax.process_index(), jax.process_count())
+  evaluate = make_evaluator(cfg, setup)
   preempt = Preemption()
   log = None
   try:
@@ -225,6 +247,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     wait, last_done = 0.0, time.perf_counter()
     for s in range(start + 1, stop_at + 1):
       state, metrics = compiled(state, batch)
+      if evaluate and s % cfg.train.eval_interval == 0:  # dispatched before the next step donates state
+        metrics = {**metrics, **evaluate(state["params"])}
       if pending:  # step s-1's metrics: reading them waits for s-1, while s is already queued
         last_done = log_step(*pending, last_done)
       pending = (s, metrics, wait)

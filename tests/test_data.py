@@ -60,7 +60,7 @@ def test_bad_sources_are_user_errors(tmp_path):
     data.read_documents(str(tmp_path / "missing.jsonl"))
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"body": "x"}\n')
-  with pytest.raises(UserError, match="bad.jsonl:1: not a JSON object with a 'text' field"):
+  with pytest.raises(UserError, match="bad.jsonl:1: no 'text' field"):
     data.read_documents(str(bad))
   txt = tmp_path / "c.txt"
   txt.write_text("first doc\n\nsecond doc\n")

@@ -1,0 +1,235 @@
+"""`python -m jaxtrain.data prepare`: raw corpora -> token shards + manifest (see shards.py).
+
+Work is cut into units (about --shard-mb of input each, at record boundaries); each unit
+becomes one shard, tokenized in a worker process. A shard is written to temporary names,
+renamed, then marked complete by its .json; a re-run with the same inputs and options
+skips complete shards, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxtrain.data import readers, shards, tokenizer as tokenizer_lib
+from jaxtrain.errors import UserError
+
+JOB = "prepare.json"
+_worker_tok = None
+
+
+def _save(directory: Path, name: str, array: np.ndarray) -> dict:
+  tmp = directory / (name + ".tmp")
+  with open(tmp, "wb") as f:
+    np.save(f, array)
+  os.replace(tmp, directory / name)
+  return {"name": name, "bytes": (directory / name).stat().st_size,
+          "sha256": tokenizer_lib.file_sha256(directory / name)}
+
+
+def _write_json(path: Path, obj) -> None:
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(json.dumps(obj, indent=1) + "\n")
+  os.replace(tmp, path)
+
+
+def _init_worker(spec, bos, eos, quiet_threads):
+  global _worker_tok
+  if quiet_threads:  # one process per core already: no extra tokenizer threads
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+  _worker_tok = tokenizer_lib.load(spec, bos, eos)
+
+
+def _documents(tok, records, supervised):
+  """Tokenized documents ([BOS] body EOS) and the index of each one's first trainable token."""
+  head = [] if tok.bos_id is None else [tok.bos_id]
+  if supervised:
+    prompts = tok.encode_batch([p for p, _ in records])
+    completions = tok.encode_batch([c for _, c in records])
+    docs = [np.concatenate([head, p, c, [tok.eos_id]]) for p, c in zip(prompts, completions)]
+    train_from = [max(1, len(head) + len(p)) for p in prompts]
+  else:
+    docs = [np.concatenate([head, b, [tok.eos_id]]) for b in tok.encode_batch(records)]
+    train_from = [1] * len(docs)
+  return docs, train_from
+
+
+def run_unit(job: dict, n: int, output: str, tok=None) -> dict:
+  """Tokenizes unit n into shard n; returns the shard's meta (also written to shard-n.json)."""
+  tok = tok or _worker_tok
+  unit = job["units"][n]
+  src = job["sources"][unit[0]]
+  out = Path(output)
+  bad: list[str] = []
+
+  def on_bad(err):
+    bad.append(str(err))
+    if len(bad) > job["max_bad_records"]:
+      raise UserError(f"{err} (more than --max-bad-records={job['max_bad_records']} bad records)")
+
+  supervised = "prompt" in job["fields"]
+  records = readers.read_unit(Path(src["path"]), unit[1], unit[2], job["fields"], on_bad)
+  # Texts are kept byte for byte; only all-whitespace documents are dropped (and counted).
+  nonempty = [r for r in records if ((r[0].strip() or r[1].strip()) if supervised else r.strip())]
+  docs, train_from = _documents(tok, nonempty, supervised)
+  lengths = np.array([len(d) for d in docs], np.int64)
+  index = np.stack([np.concatenate([[0], np.cumsum(lengths)[:-1]]) if docs else lengths, lengths,
+                    np.array(train_from, np.int64)], axis=1).astype(np.int64).reshape(-1, 3)
+  tokens = (np.concatenate(docs) if docs else np.zeros(0)).astype(job["dtype"])
+  names = shards.shard_files(n)
+  meta = {
+      "unit": unit, "documents": len(docs), "tokens": int(lengths.sum()),
+      "trainable_tokens": int((lengths - index[:, 2]).sum()), "empty_documents": len(records) - len(nonempty),
+      "bad_records": bad, "input_bytes": unit[3],
+      "files": {k: _save(out, v, a) for (k, v), a in zip(names.items(), (tokens, index))},
+  }
+  _write_json(out / f"shard-{n:05d}.json", meta)
+  return meta
+
+
+def _finished(out: Path, n: int, unit: list) -> dict | None:
+  """The meta of shard n if it is complete and intact (sizes and digests), else None."""
+  path = out / f"shard-{n:05d}.json"
+  if not path.is_file():
+    return None
+  meta = json.loads(path.read_text())
+  try:
+    for entry in meta["files"].values():
+      shards.check_file(out, entry, verify=True)
+  except UserError:
+    return None
+  return meta if meta["unit"] == unit else None
+
+
+def plan(inputs: list[str], tok, fields: dict, shard_mb: float, max_bad: int) -> dict:
+  sources, units = [], []
+  for i, name in enumerate(inputs):
+    path = Path(name)
+    fmt = readers.file_format(path)
+    size = path.stat().st_size
+    sources.append({"path": str(path.resolve()), "format": fmt, "bytes": size,
+                    "sha256": tokenizer_lib.file_sha256(path)})
+    ranges = readers.plan_units(path, max(1, int(shard_mb * 2**20)))
+    span = ranges[-1][1] if ranges else 1
+    for a, b in ranges:  # input bytes of a unit: exact for text, proportional to row groups for Parquet
+      units.append([i, a, b, b - a if fmt != "parquet" else round(size * (b - a) / span)])
+  if not units:
+    raise UserError(f"the inputs ({', '.join(inputs)}) hold no data: an empty corpus")
+  return {"sources": sources, "units": units, "fields": fields, "max_bad_records": max_bad,
+          "tokenizer": {"spec": tok.spec, "digest": tok.digest, "vocab_size": tok.vocab_size,
+                        "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id},
+          "dtype": np.dtype(shards.token_dtype(tok.vocab_size)).name}
+
+
+class Progress:
+  """A one-line progress bar on stderr: shards done, input MB, MB/s of this run."""
+
+  def __init__(self, total_units: int, total_bytes: int, stream=sys.stderr):
+    self.n, self.total, self.bytes, self.total_bytes = 0, total_units, 0, total_bytes
+    self.fresh_bytes, self.t0, self.stream = 0, time.perf_counter(), stream
+
+  def done(self, nbytes: int, fresh: bool) -> None:
+    self.n += 1
+    self.bytes += nbytes
+    self.fresh_bytes += nbytes if fresh else 0
+    width = 30
+    fill = int(width * self.n / max(self.total, 1))
+    rate = self.fresh_bytes / 2**20 / max(time.perf_counter() - self.t0, 1e-9)
+    self.stream.write(f"\rprepare [{'#' * fill}{'.' * (width - fill)}] {self.n}/{self.total} shards  "
+                      f"{self.bytes / 2**20:.1f}/{self.total_bytes / 2**20:.1f} MB  {rate:.1f} MB/s")
+    if self.n == self.total:
+      self.stream.write("\n")
+    self.stream.flush()
+
+
+def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str = "text",
+            prompt_field: str | None = None, completion_field: str | None = None, workers: int = 1,
+            shard_mb: float = 64.0, max_bad_records: int = 0, bos_token: str | None = None,
+            eos_token: str | None = None, progress: bool = True) -> dict:
+  """Prepares `inputs` into `output`; returns the manifest (also written to output/manifest.json)."""
+  if not inputs:
+    raise UserError("prepare needs at least one --input")
+  if (prompt_field is None) != (completion_field is None):
+    raise UserError("supervised data needs both --prompt-field and --completion-field")
+  fields = {"prompt": prompt_field, "completion": completion_field} if prompt_field else {"text": text_field}
+  tok = tokenizer_lib.load(tokenizer, bos_token, eos_token)
+  job = plan(inputs, tok, fields, shard_mb, max_bad_records)
+  out = Path(output)
+  out.mkdir(parents=True, exist_ok=True)
+  if (out / JOB).is_file():
+    if json.loads((out / JOB).read_text()) != job:
+      raise UserError(f"{output!r} holds data prepared from other inputs or options; choose another --output or empty it")
+  else:
+    _write_json(out / JOB, job)
+  (out / shards.MANIFEST).unlink(missing_ok=True)  # no manifest until every shard is complete
+
+  metas: dict[int, dict] = {}
+  bar = Progress(len(job["units"]), sum(u[3] for u in job["units"])) if progress else None
+  todo = []
+  for n, unit in enumerate(job["units"]):
+    meta = _finished(out, n, unit)
+    if meta is None:
+      todo.append(n)
+    else:
+      metas[n] = meta
+      bar and bar.done(unit[3], fresh=False)
+  t0 = time.perf_counter()
+  if workers <= 1 or len(todo) <= 1:
+    for n in todo:
+      metas[n] = run_unit(job, n, output, tok)
+      bar and bar.done(job["units"][n][3], fresh=True)
+  else:
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold JAX or tokenizer threads
+    with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                initargs=(tokenizer, bos_token, eos_token, True)) as pool:
+      futures = {pool.submit(run_unit, job, n, output): n for n in todo}
+      try:
+        for fut in cf.as_completed(futures):
+          n = futures[fut]
+          metas[n] = fut.result()
+          bar and bar.done(job["units"][n][3], fresh=True)
+      except BaseException:
+        pool.shutdown(cancel_futures=True)
+        raise
+  seconds = time.perf_counter() - t0
+  manifest = _manifest(job, metas, out)
+  fresh = sum(job["units"][n][3] for n in todo)
+  print(f"throughput: {fresh / 2**20:.2f} MB of input tokenized in {seconds:.2f}s = "
+        f"{fresh / 2**20 / max(seconds, 1e-9):.1f} MB/s ({len(todo)} shard(s) this run, {workers} worker(s))")
+  return manifest
+
+
+def _manifest(job: dict, metas: dict[int, dict], out: Path) -> dict:
+  ordered = [metas[n] for n in range(len(job["units"]))]
+  bad = [b for m in ordered for b in m["bad_records"]]
+  if len(bad) > job["max_bad_records"]:
+    raise UserError(f"{bad[job['max_bad_records']]} (more than --max-bad-records={job['max_bad_records']} bad records)")
+  kept = [m for m in ordered if m["documents"]]
+  if not kept:
+    raise UserError(f"the inputs ({', '.join(s['path'] for s in job['sources'])}) hold no documents: an empty corpus")
+  manifest = {
+      "format": shards.FORMAT, "tokenizer": job["tokenizer"], "dtype": job["dtype"],
+      "kind": "supervised" if "prompt" in job["fields"] else "text", "fields": job["fields"],
+      "sources": job["sources"],
+      "documents": sum(m["documents"] for m in kept), "tokens": sum(m["tokens"] for m in kept),
+      "trainable_tokens": sum(m["trainable_tokens"] for m in kept),
+      "skipped": {"bad_records": len(bad), "empty_documents": sum(m["empty_documents"] for m in ordered),
+                  "examples": bad[:20]},
+      "shards": [{k: m[k] for k in ("documents", "tokens", "trainable_tokens", "files")} for m in kept],
+  }
+  _write_json(out / shards.MANIFEST, manifest)
+  manifest_note = (f"prepared {manifest['documents']:,} documents, {manifest['tokens']:,} tokens in "
+                   f"{len(kept)} shard(s) -> {out / shards.MANIFEST}")
+  skipped = manifest["skipped"]
+  if skipped["bad_records"] or skipped["empty_documents"]:
+    manifest_note += (f"; skipped {skipped['bad_records']} bad record(s) and {skipped['empty_documents']} "
+                      f"empty document(s)" + (f", first: {bad[0]}" if bad else ""))
+  print(manifest_note)
+  return manifest

@@ -1,0 +1,176 @@
+"""Reading raw corpora: plain text, JSON Lines and Parquet, in work units with locations.
+
+A work unit is a byte range of a .txt/.jsonl file (cut at record boundaries) or a range
+of Parquet row groups, so `prepare` can tokenize units in parallel and resume per unit.
+Records are a text, or a (prompt, completion) pair for supervised data. A bad record
+(invalid UTF-8, invalid JSON, a missing or non-string field) is reported with its file
+and line (or row); the caller decides whether it may be skipped (it is always counted).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from pathlib import Path
+
+from jaxtrain.errors import UserError
+
+FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
+# .txt documents are separated by a blank line; JSONL records by a newline.
+SEPARATOR = {"txt": b"\n\n", "jsonl": b"\n"}
+NEWLINE = b"\n"
+
+
+class BadRecord(Exception):
+  """One unreadable record; str() names its file and line or row."""
+
+
+def file_format(path: Path) -> str:
+  if not path.is_file():
+    raise UserError(f"input {str(path)!r} does not exist or is not a file")
+  fmt = FORMATS.get(path.suffix)
+  if fmt is None:
+    raise UserError(f"input {str(path)!r}: unsupported file type {path.suffix!r}; use {', '.join(FORMATS)}")
+  return fmt
+
+
+def pyarrow_parquet():
+  try:
+    import pyarrow.parquet as pq
+  except ImportError:
+    raise UserError("reading Parquet needs the 'pyarrow' package: pip install 'jaxtrain[data]'") from None
+  return pq
+
+
+def plan_units(path: Path, unit_bytes: int) -> list[tuple[int, int]]:
+  """Ranges [start, end) of about unit_bytes each: bytes at record boundaries, or row groups."""
+  fmt = file_format(path)
+  if fmt == "parquet":
+    meta = pyarrow_parquet().ParquetFile(path).metadata
+    units, start, size = [], 0, 0
+    for g in range(meta.num_row_groups):
+      size += meta.row_group(g).total_byte_size
+      if size >= unit_bytes:
+        units.append((start, g + 1))
+        start, size = g + 1, 0
+    if start < meta.num_row_groups:
+      units.append((start, meta.num_row_groups))
+    return units
+  total = path.stat().st_size
+  if total == 0:
+    return []
+  sep = SEPARATOR[fmt]
+  units, start = [], 0
+  with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+    while start < total:
+      cut = mm.find(sep, min(start + unit_bytes, total))
+      end = total if cut < 0 else cut + len(sep)
+      units.append((start, end))
+      start = end
+  return units
+
+
+def _field(obj, name: str, where):
+  """obj[name] as a string; `where()` names the record, computed only for an error."""
+  if not isinstance(obj, dict) or name not in obj:
+    raise BadRecord(f"{where()}: no {name!r} field")
+  value = obj[name]
+  if not isinstance(value, str):
+    raise BadRecord(f"{where()}: field {name!r} is {type(value).__name__}, not a string")
+  return value
+
+
+def _record(obj, fields: dict, where):
+  if "text" in fields:
+    return _field(obj, fields["text"], where)
+  return _field(obj, fields["prompt"], where), _field(obj, fields["completion"], where)
+
+
+def read_unit(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
+  """The records of one unit. `on_bad(BadRecord)` is called per bad record (it may raise)."""
+  fmt = file_format(path)
+  if fmt == "parquet":
+    return _read_parquet(path, start, end, fields, on_bad)
+  with open(path, "rb") as f:
+    f.seek(start)
+    blob = f.read(end - start)
+  line0 = None
+
+  def where(offset):  # 1-based line of byte `offset` of the unit; counted only for errors
+    nonlocal line0
+    if line0 is None:
+      with open(path, "rb") as f:
+        line0 = f.read(start).count(b"\n") + 1
+    return f"{path}:{line0 + blob.count(NEWLINE, 0, offset)}"
+
+  out, pos = [], 0
+  sep = SEPARATOR[fmt]
+  for piece in blob.split(sep):
+    here, pos = pos, pos + len(piece) + len(sep)
+    if not piece.strip():
+      continue
+    try:
+      try:
+        text = piece.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise BadRecord(f"{where(here + e.start)}: invalid UTF-8 (byte 0x{piece[e.start]:02x})") from None
+      if fmt == "txt":
+        if "text" not in fields:
+          raise UserError(f"input {str(path)!r}: supervised (prompt/completion) data must be .jsonl or .parquet")
+        out.append(text.strip())
+        continue
+      try:
+        obj = json.loads(text)
+      except json.JSONDecodeError as e:
+        raise BadRecord(f"{where(here)}: invalid JSON ({e.msg})") from None
+      out.append(_record(obj, fields, lambda: where(here)))
+    except BadRecord as bad:
+      on_bad(bad)
+  return out
+
+
+def _read_parquet(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
+  pf = pyarrow_parquet().ParquetFile(path)
+  names = list(fields.values())
+  missing = [n for n in names if n not in pf.schema_arrow.names]
+  if missing:
+    raise UserError(f"input {str(path)!r} has no column {missing[0]!r}; columns: {', '.join(pf.schema_arrow.names)}")
+  first_row = sum(pf.metadata.row_group(g).num_rows for g in range(start))
+  table = pf.read_row_groups(list(range(start, end)), columns=names)
+  cols = {n: table.column(n).to_pylist() for n in names}
+  out = []
+  for i in range(table.num_rows):
+    where = lambda: f"{path} row {first_row + i + 1}"  # noqa: E731
+    try:
+      obj = {}
+      for n in names:
+        v = cols[n][i]
+        if isinstance(v, bytes):
+          try:
+            v = v.decode("utf-8")
+          except UnicodeDecodeError as e:
+            raise BadRecord(f"{where()}: column {n!r} is invalid UTF-8 (byte 0x{v[e.start]:02x})") from None
+        if v is not None:
+          obj[n] = v
+      out.append(_record(obj, fields, where))
+    except BadRecord as bad:
+      on_bad(bad)
+  return out
+
+
+def read_documents(source: str, text_field: str = "text") -> list[str]:
+  """All texts of one .txt/.jsonl/.parquet file; any bad record is an error."""
+  path = Path(source)
+  if not path.is_file():
+    raise UserError(f"data.source={source!r} is not a file; use 'bundled', a prepared directory, "
+                    f"or a .txt, .jsonl or .parquet file")
+  docs = []
+  for start, end in plan_units(path, 1 << 62):
+
+    def fail(bad):
+      raise UserError(f"{bad} (data.text_field={text_field!r})" if "field" in str(bad) else str(bad))
+    docs += read_unit(path, start, end, {"text": text_field}, fail)
+  docs = [d for d in docs if d.strip()]
+  if not docs:
+    raise UserError(f"data.source={source!r} holds no documents")
+  return docs
