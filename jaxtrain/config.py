@@ -82,6 +82,12 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  heartbeat_timeout_s: int = key(100, "A process silent this long counts as dead; the others then exit non-zero.", min=1)
+  init_timeout_s: int = key(300, "How long processes wait for each other at start-up.", min=1)
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
   source: str = key("bundled", "'bundled' (shipped corpus), a prepared dir, or a .txt/.jsonl/.parquet file; "
                     "comma-separated prepared dirs make a mixture.")
@@ -102,6 +108,7 @@ class Config:
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
 
   def to_dict(self) -> dict[str, dict[str, Any]]:

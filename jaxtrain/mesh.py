@@ -44,37 +44,51 @@ def preset_names() -> list[str]:
   return sorted(p.stem for p in MESH_DIR.glob("*.toml"))
 
 
-def _from_preset(path: Path) -> dict[str, int]:
+def _from_preset(path: Path) -> str:
+  """A preset file -> the equivalent inline spec."""
   try:
     doc = tomllib.loads(path.read_text())
   except tomllib.TOMLDecodeError as e:
     raise UserError(f"mesh preset {str(path)!r} is not valid TOML: {e}") from None
-  axes = doc.get("axes")
-  if not isinstance(axes, dict) or set(doc) - {"axes", "description"}:
-    raise UserError(f"mesh preset {str(path)!r} must hold an [axes] table (and optionally a description)")
-  return parse(",".join(f"{k}={v}" for k, v in axes.items()))
+  axes, dcn = doc.get("axes"), doc.get("dcn", {})
+  if not isinstance(axes, dict) or not isinstance(dcn, dict) or set(doc) - {"axes", "dcn", "description"}:
+    raise UserError(f"mesh preset {str(path)!r} must hold an [axes] table (optionally [dcn] and a description)")
+  return ",".join([f"{k}={v}" for k, v in axes.items()] + [f"dcn.{k}={v}" for k, v in dcn.items()])
 
 
-def parse(spec: str) -> dict[str, int]:
-  """`dp=8,tp=8` (or a preset name/path) -> sizes of all five axes; -1 kept for `fill`."""
+def parse_full(spec: str) -> tuple[dict[str, int], dict[str, int]]:
+  """`dp=8,tp=8[,dcn.dp=4]` or a preset -> (sizes of all five axes, cross-host factor of each).
+
+  `dcn.AXIS=K`: K of AXIS's size lies across hosts (slow links), the rest within a host.
+  """
   spec = spec.strip()
   if "=" not in spec:
     path = Path(spec) if spec.endswith(".toml") else MESH_DIR / f"{spec}.toml"
     if not path.is_file():
       raise UserError(f"mesh {spec!r} is neither axis=size pairs (e.g. dp=8,tp=8) nor a preset; presets: {', '.join(preset_names())}")
-    return _from_preset(path)
+    spec = _from_preset(path)
   sizes: dict[str, int] = {}
+  dcn: dict[str, int] = {}
   for part in spec.split(","):
     name, eq, value = part.partition("=")
     if not eq:
       raise UserError(f"mesh entry {part!r} must look like axis=size (e.g. dp=8,tp=8)")
-    axis = _axis(name)
-    if axis in sizes:
+    table = dcn if name.strip().startswith("dcn.") else sizes
+    axis = _axis(name.strip().removeprefix("dcn."))
+    if axis in table:
       raise UserError(f"mesh axis {axis!r} is given twice in {spec!r}")
-    sizes[axis] = _size(name, value)
+    table[axis] = _size(name, value)
   if list(sizes.values()).count(-1) > 1:
     raise UserError(f"mesh {spec!r} has more than one -1; at most one axis may fill the rest")
-  return {a: sizes.get(a, 1) for a in AXES}
+  for axis, k in dcn.items():
+    if k == -1 or sizes.get(axis, 1) == -1 or sizes.get(axis, 1) % k:
+      raise UserError(f"mesh dcn.{axis}={k} must divide {axis}={sizes.get(axis, 1)} (both given explicitly)")
+  return {a: sizes.get(a, 1) for a in AXES}, {a: dcn.get(a, 1) for a in AXES}
+
+
+def parse(spec: str) -> dict[str, int]:
+  """`dp=8,tp=8` (or a preset name/path) -> sizes of all five axes; -1 kept for `fill`."""
+  return parse_full(spec)[0]
 
 
 def fill(sizes: dict[str, int], device_count: int) -> dict[str, int]:
@@ -95,7 +109,7 @@ def describe(sizes: dict[str, int]) -> str:
   return ",".join(parts) or "single device"
 
 
-def _has_accelerator_plugin() -> bool:
+def has_accelerator_plugin() -> bool:
   """True if a GPU/TPU PJRT plugin is installed; decided without starting a JAX backend."""
   import importlib.util
   platforms = os.environ.get("JAX_PLATFORMS", "")
@@ -113,7 +127,7 @@ def provide_cpu_devices(count: int) -> None:
   (XLA_FLAGS or JAX_NUM_CPU_DEVICES), theirs wins.
   """
   import jax
-  if _has_accelerator_plugin() or count <= 1:
+  if has_accelerator_plugin() or count <= 1:
     return
   if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
     return
@@ -125,21 +139,36 @@ def provide_cpu_devices(count: int) -> None:
     pass  # backend already running (e.g. inside tests); `build` reports any shortfall
 
 
-def build(sizes: dict[str, int], devices=None):
-  """A Mesh with all five axes, Auto axis types (sharding by annotation; XLA picks collectives)."""
+def build(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None):
+  """A Mesh with all five axes, Auto axis types (sharding by annotation; XLA picks collectives).
+
+  With `dcn`, the mesh is hybrid: each axis is (cross-host part) x (within-host part),
+  hosts being processes, so e.g. `tensor` stays inside a host while `data` crosses hosts.
+  """
   import jax
-  from jax.sharding import AxisType
+  import numpy as np
+  from jax.experimental import mesh_utils
+  from jax.sharding import AxisType, Mesh
   devices = list(devices) if devices is not None else jax.devices()
   sizes = fill(sizes, len(devices))
   shape = tuple(sizes[a] for a in AXES)
   # Auto, not the Explicit default: the model annotates shardings and XLA propagates
   # them; orbax/flax paths also assume Auto.
-  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+  types = (AxisType.Auto,) * len(AXES)
+  if not dcn or all(k == 1 for k in dcn.values()):
+    return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
+  hosts = len({d.process_index for d in devices})
+  dcn_shape = tuple(dcn[a] for a in AXES)
+  if math.prod(dcn_shape) != hosts:
+    raise UserError(f"mesh dcn factors multiply to {math.prod(dcn_shape)} but the run has {hosts} host(s) (processes)")
+  ici_shape = tuple(s // k for s, k in zip(shape, dcn_shape))
+  grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices, process_is_granule=True)
+  return Mesh(np.asarray(grid), AXES, axis_types=types)
 
 
 def setup(spec: str):
   """Parses the spec, provides simulated devices if needed, and builds the mesh."""
-  sizes = parse(spec)
+  sizes, dcn = parse_full(spec)
   if -1 not in sizes.values():
     provide_cpu_devices(math.prod(sizes.values()))
-  return build(sizes)
+  return build(sizes, dcn=dcn)

@@ -182,9 +182,24 @@ class Setup:
     shapes = jax.eval_shape(self.init)
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, self.state_shardings)
 
+  def local_rows(self) -> tuple[int, int]:
+    """(block, blocks): this process feeds rows [block*B/blocks, (block+1)*B/blocks) of
+    each global batch, exactly the rows its devices hold (processes that share rows,
+    e.g. when `tensor` spans hosts, feed the same block)."""
+    B, L = self.cfg.train.batch_size, self.cfg.train.seq_len
+    spans = {(ix[0].start or 0, B if ix[0].stop is None else ix[0].stop)
+             for ix in self.batch_sharding.addressable_devices_indices_map((B, L)).values()}
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    size = hi - lo
+    if B % size or lo % size or sum(b - a for a, b in spans) < size:
+      raise UserError(f"this process's devices hold batch rows {sorted(spans)}, not one contiguous block; "
+                      "put the batch axes (data, fsdp, expert) outside the axes that span hosts")
+    return lo // size, B // size
+
   def device_batch(self, local: dict):
     """This process's rows -> global arrays sharded over the batch axes."""
-    return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in local.items()}
+    shape = (self.cfg.train.batch_size, self.cfg.train.seq_len)
+    return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, shape) for k, v in local.items()}
 
 
 def check_fits_mesh(cfg: Config, mesh) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -47,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--allow-mismatch", default="", metavar="WHAT",
                  help="resume even though these differ from the checkpoint: comma list of "
                       f"{', '.join(MISMATCH_CATEGORIES)}, or all")
+  p.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process run: address of process 0's coordinator")
+  p.add_argument("--num-processes", type=int, help="multi-process run: number of processes (one per host)")
+  p.add_argument("--process-id", type=int, help="multi-process run: this process's index, 0..N-1")
   p.add_argument("--help-config", action="store_true", help="list every config key with type, default and meaning")
   return p.parse_args(argv)
 
@@ -62,8 +66,11 @@ class MetricsLog:
     from jaxtrain import checkpoint, flops
     cfg = setup.cfg
     self.progress = progress or checkpoint.Progress()
-    _prepare_metrics_file(path, self.progress.step if resumed else None)
-    self.file = path.open("a", buffering=1)
+    if path is None:  # not process 0: clocks kept, nothing written
+      self.file = open(os.devnull, "w")
+    else:
+      _prepare_metrics_file(path, self.progress.step if resumed else None)
+      self.file = path.open("a", buffering=1)
     self.total, self.log_every = total_steps, log_every
     self.flops_per_step = flops.flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
     peak = flops.peak_flops(setup.mesh.devices.flat[0].device_kind)
@@ -149,18 +156,29 @@ def make_evaluator(cfg, setup):
 
 
 class Preemption:
-  """SIGTERM sets a flag; the loop checkpoints at the current step and exits 0."""
+  """SIGTERM: the loop checkpoints at the current step and exits 0.
 
-  def __init__(self):
-    self.requested = False
-    self._old = signal.signal(signal.SIGTERM, self._handle)
+  One process: our own SIGTERM flag. Several: JAX's coordination service catches the
+  signal and all processes agree on the step to stop at (else they would deadlock)."""
+
+  def __init__(self, multi_process: bool):
+    self.multi, self.requested, self._old = multi_process, False, None
+    if not multi_process:
+      self._old = signal.signal(signal.SIGTERM, self._handle)
 
   def _handle(self, signum, frame):
     self.requested = True
     print("SIGTERM: will checkpoint after the current step and exit", flush=True)
 
+  def check(self, step: int) -> bool:
+    if self.multi and not self.requested:
+      from jax.experimental import multihost_utils
+      self.requested = multihost_utils.reached_preemption_sync_point(step)
+    return self.requested
+
   def restore(self):
-    signal.signal(signal.SIGTERM, self._old)
+    if self._old is not None:
+      signal.signal(signal.SIGTERM, self._old)
 
 
 def _allowed(text: str) -> set[str]:
@@ -188,7 +206,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     aside = workdir / f"checkpoints.{int(time.time())}"
     ckdir.rename(aside)
     print(f"--fresh: previous checkpoints moved to {aside}")
-  (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+  if jax.process_index() == 0:
+    (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
   dev = mesh.devices.flat[0]
   mesh_text = mesh_lib.describe(dict(mesh.shape))
   print(f"jaxtrain: {config_name} ({setup.n_params:,} params), mesh {mesh_text} "
@@ -200,9 +219,9 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   ck = cfg.checkpoint
   ckpts = checkpoint.Checkpoints(ckdir, ck.keep, ck.keep_every, ck.async_save, is_writer=jax.process_index() == 0)
   current = checkpoint.fingerprint(cfg, data.tokenizer_digest(cfg), data.source_digest(cfg))
-  batches = data.batches(cfg, jax.process_index(), jax.process_count())
+  batches = data.batches(cfg, *setup.local_rows())
   evaluate = make_evaluator(cfg, setup)
-  preempt = Preemption()
+  preempt = Preemption(jax.process_count() > 1)
   log = None
   try:
     t0 = time.perf_counter()
@@ -222,7 +241,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     else:
       state = setup.init()
     start = progress.step if progress else 0
-    log = MetricsLog(workdir / "metrics.jsonl", setup, stop_at, cfg.train.log_every, progress, resumed=bool(progress))
+    metrics_path = workdir / "metrics.jsonl" if jax.process_index() == 0 else None
+    log = MetricsLog(metrics_path, setup, stop_at, cfg.train.log_every, progress, resumed=bool(progress))
     if start >= stop_at:
       print(f"nothing to do: the run is at step {start} and --steps asks for {stop_at}")
       return []
@@ -252,11 +272,14 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       if pending:  # step s-1's metrics: reading them waits for s-1, while s is already queued
         last_done = log_step(*pending, last_done)
       pending = (s, metrics, wait)
-      stop = s == stop_at or preempt.requested
+      stop = s == stop_at or preempt.check(s)
       if stop or (ck.interval and s % ck.interval == 0):
         last_done = log_step(*pending, last_done)  # the manifest's clocks must include step s
         pending = None
+        t = time.perf_counter()
         ckpts.save(s, state, manifest_body())
+        last_done = time.perf_counter()  # the save's blocking part is not the next step's time
+        print(f"checkpoint {s}: saving ({last_done - t:.2f}s blocking{', async' if ck.async_save else ''})", flush=True)
       ckpts.poll()
       if stop:
         break
@@ -277,10 +300,11 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from jaxtrain import config, mesh as mesh_lib
+  from jaxtrain import config, distributed, mesh as mesh_lib
   if args.help_config:
     print(config.help_text())
     return 0
+  prog = "jaxtrain"
   try:
     if args.steps is not None and args.steps < 1:
       raise UserError(f"--steps {args.steps}: must be a positive integer")
@@ -288,7 +312,17 @@ def main(argv=None) -> int:
       raise UserError("--fresh and --resume-from contradict each other; give one")
     _allowed(args.allow_mismatch)
     cfg = config.load(args.config, args.set)
-    mesh = mesh_lib.setup(args.mesh)
+    sizes, dcn = mesh_lib.parse_full(args.mesh)
+    cluster = distributed.cluster_from(args.coordinator, args.num_processes, args.process_id)
+    if cluster is not None:
+      prog = f"jaxtrain[process {cluster.process_id if cluster.process_id is not None else '?'}]"
+    distributed.initialize(cluster, sizes, cfg.distributed.heartbeat_timeout_s, cfg.distributed.init_timeout_s)
+    import jax
+    if jax.process_count() > 1:
+      prog = f"jaxtrain[process {jax.process_index()}]"
+      if jax.process_index() != 0:  # process 0 alone reports progress
+        sys.stdout = open(os.devnull, "w")
+    mesh = mesh_lib.build(sizes, dcn=dcn)
     workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
     t0 = time.perf_counter()
     records = run(cfg, mesh, workdir, Path(args.config).stem, stop_at=args.steps, fresh=args.fresh,
@@ -298,7 +332,7 @@ def main(argv=None) -> int:
       print(f"done: {len(records)} steps ({skipped} skipped) in {time.perf_counter() - t0:.1f}s, "
             f"final loss {records[-1]['loss']:.4f}; metrics in {workdir / 'metrics.jsonl'}")
   except (UserError, RunAborted) as e:
-    exit_with(e)
+    exit_with(e, prog)
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
     return 130

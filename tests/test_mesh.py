@@ -45,3 +45,27 @@ def test_build_orders_tensor_innermost():
   assert mesh.axis_names == mesh_lib.AXES and mesh.axis_names[-1] == "tensor"
   # Neighbouring device ids share a tensor group (fast links are innermost).
   assert [d.id for d in mesh.devices.reshape(2, 4)[0]] == [0, 1, 2, 3]
+
+
+def test_hybrid_mesh_parsing_and_its_errors():
+  sizes, dcn = mesh_lib.parse_full("pod-4x8")
+  assert sizes["data"] == 4 and sizes["fsdp"] == 8 and dcn["data"] == 4 and dcn["fsdp"] == 1
+  assert mesh_lib.parse_full("dp=4,tp=2,dcn.dp=2")[1]["data"] == 2
+  with pytest.raises(UserError, match="dcn.data=3 must divide data=4"):
+    mesh_lib.parse_full("dp=4,dcn.dp=3")
+  import jax
+  sizes, dcn = mesh_lib.parse_full("dp=4,dcn.dp=2")
+  with pytest.raises(UserError, match="dcn factors multiply to 2 but the run has 1 host"):
+    mesh_lib.build(sizes, jax.devices()[:4], dcn=dcn)
+
+
+@pytest.mark.parametrize("args, words", [
+    (("127.0.0.1:1234", 2, None), "missing --process-id"),
+    (("localhost", 2, 0), "must look like HOST:PORT"),
+    (("127.0.0.1:1234", 2, 2), "--process-id 2 must lie in [0, --num-processes=2)"),
+])
+def test_distributed_flags_are_checked(args, words):
+  from jaxtrain import distributed
+  with pytest.raises(UserError) as e:
+    distributed.cluster_from(*args)
+  assert words in str(e.value)

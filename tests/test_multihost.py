@@ -1,0 +1,117 @@
+"""Two processes x 4 simulated CPU devices on localhost (gloo) against one process x 8."""
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from jaxtrain import config, data
+from tests import multihost
+from tests.conftest import REPO
+
+TIMEOUT = 300
+RUN = ["jaxtrain.train", "--mesh", "dp=2,fsdp=2,tp=2,dcn.dp=2", "--set", "model.dtype=float32",
+       "--set", "train.microbatches=2", "--set", "checkpoint.interval=2"]
+
+
+def _records(workdir):
+  return {r["step"]: r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _two(tmp_path, name, *extra, env=None):
+  cwd = tmp_path / name
+  cwd.mkdir()
+  codes = multihost.wait_all(multihost.launch([*RUN, "--workdir", "w", *extra], 2, cwd, env), TIMEOUT)
+  assert codes == [0, 0], multihost.log_of(cwd, 0)[-2000:] + multihost.log_of(cwd, 1)[-2000:]
+  return cwd / "w"
+
+
+def _one(run_cli, tmp_path, name, *extra):
+  w = tmp_path / name
+  r = run_cli(*[a if a != "dp=2,fsdp=2,tp=2,dcn.dp=2" else "dp=2,fsdp=2,tp=2" for a in RUN], "--workdir", str(w), *extra)
+  assert r.returncode == 0, r.stderr[-2000:]
+  return w, r
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """4 steps on 2 processes and on 1 process of 8 devices (checkpoints at 2 and 4)."""
+  import subprocess
+  import sys
+  tmp = tmp_path_factory.mktemp("mh")
+  two = _two(tmp, "two", "--steps", "4")
+  one = tmp / "one"
+  r = subprocess.run([sys.executable, "-m", *[a if "dcn" not in a else "dp=2,fsdp=2,tp=2" for a in RUN],
+                      "--workdir", str(one), "--steps", "4"], env=multihost.clean_env(), capture_output=True,
+                     text=True, timeout=TIMEOUT)
+  assert r.returncode == 0, r.stderr[-2000:]
+  return two, one
+
+
+def test_two_processes_match_one_process(runs):
+  two, one = _records(runs[0]), _records(runs[1])
+  assert sorted(two) == sorted(one) == [1, 2, 3, 4]
+  for s in two:
+    np.testing.assert_allclose(two[s]["loss"], one[s]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(two[s]["grad_norm"], one[s]["grad_norm"], rtol=1e-5)
+  assert two[4]["tokens_seen"] == one[4]["tokens_seen"]
+
+
+def test_only_process_0_reports(runs):
+  log1 = multihost.log_of(runs[0].parent, 1)
+  assert "step      1/4" in multihost.log_of(runs[0].parent, 0) and "step " not in log1
+  assert json.loads((runs[0] / "checkpoints" / "4" / "manifest.json").read_text())["process_count"] == 2
+
+
+def test_checkpoint_moves_between_process_counts(run_cli, tmp_path, runs):
+  two, one = runs
+  # Written by 2 processes, resumed by 1 process with 8 devices.
+  w, r = _one(run_cli, tmp_path, "to_one", "--steps", "4", "--resume-from", str(two / "checkpoints" / "2"))
+  assert "at step 2" in r.stdout
+  # Written by 1 process, resumed by 2 processes.
+  w2 = _two(tmp_path, "to_two", "--steps", "4", "--resume-from", str(one / "checkpoints" / "2"))
+  ref = _records(one)
+  for got in (_records(w), _records(w2)):
+    for s in (3, 4):
+      np.testing.assert_allclose(got[s]["loss"], ref[s]["loss"], rtol=1e-5)
+      np.testing.assert_allclose(got[s]["grad_norm"], ref[s]["grad_norm"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh, disjoint", [("dp=2,fsdp=2,tp=2,dcn.dp=2", True), ("tp=8", False)])
+def test_each_process_reads_its_slice_of_the_global_batch(tmp_path, mesh, disjoint):
+  procs = multihost.launch(["tests.multihost_rows", "--mesh", mesh, "--out", str(tmp_path / "rows")], 2, tmp_path,
+                           env={"PYTHONPATH": REPO})
+  assert multihost.wait_all(procs, TIMEOUT) == [0, 0], multihost.log_of(tmp_path, 0)[-2000:]
+  parts = [np.load(tmp_path / f"rows.p{i}.npy") for i in range(2)]
+  it = data.batches(config.load("tiny"))
+  whole = next(it)["inputs"]
+  it.close()
+  if disjoint:  # data crosses hosts: each process reads its own half
+    assert parts[0].shape[0] == parts[1].shape[0] == whole.shape[0] // 2
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
+  else:  # tensor spans both hosts: both hold (and so read) the same rows
+    np.testing.assert_array_equal(parts[0], whole)
+    np.testing.assert_array_equal(parts[1], whole)
+
+
+def test_a_lost_process_makes_the_other_exit_within_the_bound(tmp_path):
+  procs = multihost.launch([*RUN, "--workdir", "w", "--steps", "100000", "--set", "distributed.heartbeat_timeout_s=5"],
+                           2, tmp_path)
+  try:
+    deadline = time.monotonic() + TIMEOUT
+    while "step      2/" not in multihost.log_of(tmp_path, 0):
+      assert time.monotonic() < deadline and procs[0].poll() is None, multihost.log_of(tmp_path, 0)[-2000:]
+      time.sleep(0.5)
+    procs[1].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    code = procs[0].wait(timeout=60)
+    took = time.monotonic() - killed
+  finally:
+    for p in procs:
+      p.kill()
+  assert code != 0 and took < 30, (code, took)
+  log = multihost.log_of(tmp_path, 0)
+  assert "stopped sending heartbeats" in log and "\n1\n" in log  # the runtime names the lost task
