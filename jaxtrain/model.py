@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.config import ModelConfig
+from jaxtrain import ring
 from jaxtrain.sharding import constrain
 
 NEG_INF = -1e30  # finite, so a fully masked row (padding) gives no NaN
@@ -80,7 +81,7 @@ class Attention(nnx.Module):
     q = constrain(rope(q, pos_BxL, self.theta), ("batch", "length", "act_heads", None))
     k = constrain(rope(k, pos_BxL, self.theta), ("batch", "length", "act_kv_heads", None))
     v = constrain(v, ("batch", "length", "act_kv_heads", None))
-    o_BxLxHxE = attention(q, k, v, seg_BxL)
+    o_BxLxHxE = ring.attention(attention, q, k, v, seg_BxL)  # ring over `length` when it is sharded
     return jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt))
 
 

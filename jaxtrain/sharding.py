@@ -94,6 +94,11 @@ def active_mesh(mesh):
     _MESH.reset(token)
 
 
+def current_mesh():
+  """The mesh of the sharded trace in progress, or None."""
+  return _MESH.get()
+
+
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
   """Annotates an activation with logical axes; a no-op when no mesh is active."""
   mesh = _MESH.get()
