@@ -23,12 +23,14 @@ RULES: dict[str, tuple[str, ...]] = {
     "act_kv_heads": ("tensor",),
     "act_mlp": ("tensor",),
     "act_vocab": ("tensor",),
+    "act_experts": ("expert",),
     # parameters: stored FSDP-sharded on `embed`, Megatron-sharded on heads/mlp/vocab
     "embed": ("fsdp",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": (),
     "mlp": ("tensor",),
+    "experts": ("expert",),
     "vocab": ("tensor",),
     "norm": (),
 }

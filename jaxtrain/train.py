@@ -74,6 +74,7 @@ class MetricsLog:
         "skipped": skipped, "loss_scale": m["loss_scale"],
         "tokens_seen": self.tokens_seen, "tokens_updated": self.tokens_updated,
     }
+    rec.update({k: m[k] for k in ("moe_aux_loss", "moe_dropped_frac") if k in m})  # MoE models only
     self.file.write(json.dumps(rec) + "\n")
     if step % self.log_every == 0 or step == self.total:
       mfu = f"{rec['mfu']:.1%}" if rec["mfu"] is not None else "n/a"

@@ -1,9 +1,25 @@
 """Loss parity for the shard_map parallelisms (ring attention, ...) against one device."""
 
+import numpy as np
 import pytest
 
-from tests.test_parity import _trajectory, reference  # noqa: F401  (module fixture)
-import numpy as np
+from jaxtrain import config, data, step
+from tests.helpers import mesh_of
+from tests.test_parity import STEPS, reference  # noqa: F401  (module fixture: the dense one-device run)
+
+
+def _trajectory(spec: str, cfg=None):
+  """(loss, grad_norm) per step on mesh `spec`; cfg defaults to test_parity's dense config."""
+  from tests.test_parity import CFG
+  cfg = cfg or CFG
+  setup = step.Setup(cfg, mesh_of(spec))
+  it = data.batches(cfg)
+  state, out = setup.init(), []
+  for _ in range(STEPS):
+    state, m = setup.step(state, setup.device_batch(next(it)))
+    out.append((float(m["loss"]), float(m["grad_norm"])))
+  it.close()
+  return np.array(out)
 
 
 @pytest.mark.parametrize("spec", ["sp=4", "dp=2,sp=2,tp=2"])
@@ -12,3 +28,19 @@ def test_ring_attention_matches_single_device(spec, reference):  # noqa: F811
   assert got[-1, 0] < got[0, 0]
   np.testing.assert_allclose(got[:, 0], reference[:, 0], rtol=1e-5, err_msg=f"loss on {spec}")
   np.testing.assert_allclose(got[:, 1], reference[:, 1], rtol=1e-5, err_msg=f"grad_norm on {spec}")
+
+
+MOE_CFG = config.load("moe-tiny", ["model.dtype=float32", "train.microbatches=2", "model.moe_capacity_factor=0"])
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+  return _trajectory("dp=1", MOE_CFG)
+
+
+@pytest.mark.parametrize("spec", ["ep=4", "ep=2,fsdp=2,tp=2"])
+def test_expert_parallel_moe_matches_single_device(spec, moe_reference):
+  got = _trajectory(spec, MOE_CFG)
+  assert got[-1, 0] < got[0, 0]
+  np.testing.assert_allclose(got[:, 0], moe_reference[:, 0], rtol=1e-5, err_msg=f"loss on {spec}")
+  np.testing.assert_allclose(got[:, 1], moe_reference[:, 1], rtol=1e-5, err_msg=f"grad_norm on {spec}")
