@@ -65,6 +65,8 @@ class TrainConfig:
   seed: int = key(0, "Seed of the parameter init and of the data order.", min=0)
   max_skipped_in_a_row: int = key(10, "Abort the run after this many non-finite (skipped) steps in a row.", min=1)
   log_every: int = key(1, "Print a progress line every N steps (metrics.jsonl gets every step).", min=1)
+  sequence_parallel: bool = key(
+      False, "Megatron sequence parallelism: with tensor > 1, norms and residual adds run split along the sequence.")
 
 
 @dataclasses.dataclass(frozen=True)

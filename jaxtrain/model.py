@@ -138,12 +138,14 @@ class Block(nnx.Module):
     self.mlp = MoE(cfg, rngs) if moe_layer else MLP(cfg, rngs)
 
   def __call__(self, x_BxLxD, pos_BxL, seg_BxL):
-    """Returns (x, MoE stats or None)."""
-    x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), pos_BxL, seg_BxL)
-    x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
-    y_BxLxD, stats = self.mlp(self.mlp_norm(x_BxLxD)) if isinstance(self.mlp, MoE) else (
-        self.mlp(self.mlp_norm(x_BxLxD)), None)
-    return constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), stats
+    """Returns (x, MoE stats or None). The residual stream is `act_length`; each norm's
+    output enters a tensor-parallel region whole along `length`."""
+    h_BxLxD = constrain(self.attn_norm(x_BxLxD), ("batch", "length", "act_embed"))
+    x_BxLxD = x_BxLxD + self.attn(h_BxLxD, pos_BxL, seg_BxL)
+    x_BxLxD = constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
+    h_BxLxD = constrain(self.mlp_norm(x_BxLxD), ("batch", "length", "act_embed"))
+    y_BxLxD, stats = self.mlp(h_BxLxD) if isinstance(self.mlp, MoE) else (self.mlp(h_BxLxD), None)
+    return constrain(x_BxLxD + y_BxLxD, ("batch", "act_length", "act_embed")), stats
 
 
 class Transformer(nnx.Module):
@@ -164,7 +166,7 @@ class Transformer(nnx.Module):
     """Returns (float32 logits (B, L, V), list of the MoE layers' stats; empty if dense)."""
     dt = jnp.dtype(self.cfg.dtype)
     x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(dt)
-    x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
+    x_BxLxD = constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
     moe_stats = []
     for block in self.layers:
       x_BxLxD, stats = block(x_BxLxD, pos_BxL, seg_BxL)

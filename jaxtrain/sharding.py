@@ -18,6 +18,7 @@ RULES: dict[str, tuple[str, ...]] = {
     # activations
     "batch": ("data", "fsdp", "expert"),  # expert shards the batch outside MoE layers
     "length": ("sequence",),
+    "act_length": ("sequence",),  # length of the residual stream (norms, residual adds)
     "act_embed": (),
     "act_heads": ("tensor",),
     "act_kv_heads": ("tensor",),
@@ -36,6 +37,16 @@ RULES: dict[str, tuple[str, ...]] = {
 }
 
 
+# Megatron sequence parallelism (train.sequence_parallel): the residual stream between
+# tensor-parallel regions is split along its length over `tensor` as well, so XLA turns
+# each TP region's closing all-reduce into a reduce-scatter and opens the next with an
+# all-gather.
+SEQUENCE_PARALLEL_RULES: dict[str, tuple[str, ...]] = {"act_length": ("sequence", "tensor")}
+
+# Rule overrides in force while tracing (set with `active_mesh`).
+_OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("jaxtrain_rule_overrides", default={})
+
+
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh, notes: list[str] | None = None,
              where: str = "") -> P:
   """PartitionSpec for logical `axes` of an array of `shape` on `mesh`.
@@ -45,9 +56,10 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh, notes: 
   """
   used: set[str] = set()
   out = []
+  rules = {**RULES, **_OVERRIDES.get()}
   for name, dim in zip(axes, shape, strict=True):
     chosen = []
-    for mesh_axis in RULES.get(name, ()) if name else ():
+    for mesh_axis in rules.get(name, ()) if name else ():
       size = mesh.shape[mesh_axis]
       if size == 1 or mesh_axis in used:
         continue
@@ -88,11 +100,13 @@ _MESH: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxtrain_mesh", def
 
 
 @contextlib.contextmanager
-def active_mesh(mesh):
+def active_mesh(mesh, sequence_parallel: bool = False):
   token = _MESH.set(mesh)
+  rules = _OVERRIDES.set(SEQUENCE_PARALLEL_RULES if sequence_parallel else {})
   try:
     yield
   finally:
+    _OVERRIDES.reset(rules)
     _MESH.reset(token)
 
 

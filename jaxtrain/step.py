@@ -173,7 +173,7 @@ class Setup:
       return init_state(cfg, self.opt, params)
 
     def step(state, batch):
-      with sharding.active_mesh(mesh):
+      with sharding.active_mesh(mesh, sequence_parallel=cfg.train.sequence_parallel):
         return train_step(self.graphdef, self.opt, cfg, state, batch)
 
     # Initializers run under jit with output shardings: each shard is created on its device.

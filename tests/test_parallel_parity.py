@@ -44,3 +44,12 @@ def test_expert_parallel_moe_matches_single_device(spec, moe_reference):
   assert got[-1, 0] < got[0, 0]
   np.testing.assert_allclose(got[:, 0], moe_reference[:, 0], rtol=1e-5, err_msg=f"loss on {spec}")
   np.testing.assert_allclose(got[:, 1], moe_reference[:, 1], rtol=1e-5, err_msg=f"grad_norm on {spec}")
+
+
+def test_tensor_parallel_with_sequence_parallelism_matches_single_device(reference):  # noqa: F811
+  from tests.test_parity import CFG
+  cfg = config.load("tiny", ["model.dtype=float32", "train.microbatches=2", "train.sequence_parallel=true"])
+  assert cfg.model == CFG.model and cfg.train.microbatches == CFG.train.microbatches
+  got = _trajectory("tp=4", cfg)
+  np.testing.assert_allclose(got[:, 0], reference[:, 0], rtol=1e-5, err_msg="loss on tp=4 + SP")
+  np.testing.assert_allclose(got[:, 1], reference[:, 1], rtol=1e-5, err_msg="grad_norm on tp=4 + SP")
