@@ -117,3 +117,15 @@ def test_metrics_log_moe_fields(tmp_path):
     assert rec["moe_aux_loss"] > 0
   dense = config.load("tiny", ["train.batch_size=4", "train.seq_len=32"], steps=1)
   assert "moe_aux_loss" not in train.run(dense, mesh_of("dp=1"), tmp_path / "dense", "tiny")[0]
+
+
+def test_moe_flops_count_the_active_experts_only():
+  """Matmul weights per token = every parameter but the lookup table and norms, less the
+  experts a token does not visit (X - k per MoE layer)."""
+  from jaxtrain import flops
+  m = config.load("moe-tiny", ["model.moe_every=2"]).model
+  _, state = model_lib.abstract(m)
+  norms = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(state) if "norm" in jax.tree_util.keystr(path))
+  idle = (m.moe_experts - m.moe_top_k) * 3 * m.d_model * m.d_ff  # one MoE layer (layer 1 of 2)
+  want = model_lib.param_count(state) - m.vocab_size * m.d_model - norms - idle
+  assert flops.matmul_params(m) == want
