@@ -2,6 +2,7 @@
 
 import re
 
+import jax
 import jax.numpy as jnp
 
 from jaxtrain import config, sharding, step
@@ -11,12 +12,12 @@ B = 4
 
 
 def _compiled_text(sequence_parallel: bool):
-  cfg = config.load("tiny", ["model.dtype=float32", f"train.batch_size={B}",
+  cfg = config.load("tiny", ["model.dtype=float32", f"train.batch_size={B}", "train.seq_len=32",
                              f"train.sequence_parallel={str(sequence_parallel).lower()}"])
   setup = step.Setup(cfg, mesh_of("tp=4"))
-  batch = {k: jnp.zeros((B, cfg.train.seq_len), jnp.int32)
+  batch = {k: jax.ShapeDtypeStruct((B, cfg.train.seq_len), jnp.int32, sharding=setup.batch_sharding)
            for k in ("inputs", "targets", "loss_mask", "segment_ids", "positions")}
-  return cfg, setup.step.lower(setup.init(), setup.device_batch(batch)).compile().as_text()
+  return cfg, setup.step.lower(jax.eval_shape(setup.init), batch).compile().as_text()
 
 
 def test_sequence_parallel_splits_the_residual_stream_over_tensor():
