@@ -39,6 +39,13 @@ class ModelConfig:
   init_std: float = key(0.02, "Std of the normal initializer of embeddings and projections.", min=0.0)
   dtype: Literal["bfloat16", "float16", "float32"] = key(
       "bfloat16", "Compute dtype. Parameters, Adam moments, logits and the loss are always float32.")
+  moe_experts: int = key(0, "Experts per mixture-of-experts layer; 0 = dense MLP in every layer.", min=0)
+  moe_top_k: int = key(2, "Experts each token is routed to (weights renormalized over them).", min=1)
+  moe_every: int = key(1, "Layer i is MoE when (i + 1) % moe_every == 0; 1 = every layer.", min=1)
+  moe_capacity_factor: float = key(
+      1.25, "Expert capacity ceil(factor * tokens * top_k / experts) per device's tokens; 0 = never drop.", min=0.0)
+  moe_aux_weight: float = key(0.01, "Weight of the load-balancing loss added to the training loss.", min=0.0)
+  moe_z_weight: float = key(0.001, "Weight of the router z-loss added to the training loss.", min=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +66,8 @@ class TrainConfig:
   max_skipped_in_a_row: int = key(10, "Abort the run after this many non-finite (skipped) steps in a row.", min=1)
   log_every: int = key(1, "Print a progress line every N steps (metrics.jsonl gets every step).", min=1)
   eval_interval: int = key(0, "Evaluate on the held-out split every N steps (0 = never); see data.eval_*.", min=0)
+  sequence_parallel: bool = key(
+      False, "Megatron sequence parallelism: with tensor > 1, norms and residual adds run split along the sequence.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +240,8 @@ def validate(cfg: Config) -> None:
   m, t = cfg.model, cfg.train
   if m.n_heads % m.n_kv_heads:
     raise UserError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+  if m.moe_experts and m.moe_top_k > m.moe_experts:
+    raise UserError(f"model.moe_top_k={m.moe_top_k} must be at most model.moe_experts={m.moe_experts}")
   if m.head_dim % 2:
     raise UserError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
   ls = cfg.loss_scale

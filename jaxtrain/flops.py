@@ -1,7 +1,8 @@
 """Model FLOPs per token and MFU. One formula, shared by the trainer and (later) inspect.
 
 Training FLOPs per token = 3 x forward (backward costs twice the forward):
-  forward matmuls: 2 x (every projection weight: q, k, v, o, gate, up, down, lm_head)
+  forward matmuls: 2 x (every projection weight: q, k, v, o, gate, up, down, lm_head;
+                   for a MoE layer the router and top_k experts' gate/up/down)
   forward attention: 2 x 2 x seq_len x n_heads x head_dim per layer (QK^T and PV),
                      halved because causal masking skips the upper triangle.
 The embedding lookup is a gather, not a matmul, and is excluded. MFU counts every
@@ -33,7 +34,10 @@ def matmul_params(m: ModelConfig) -> int:
   """Weights that take part in a matmul per token (everything but norms and the lookup)."""
   attn = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
   mlp = 3 * m.d_model * m.d_ff
-  return m.n_layers * (attn + mlp) + m.d_model * m.vocab_size
+  # A MoE layer runs top_k experts per token, plus the router.
+  n_moe = sum((i + 1) % m.moe_every == 0 for i in range(m.n_layers)) if m.moe_experts else 0
+  moe_extra = (m.moe_top_k - 1) * mlp + m.d_model * m.moe_experts
+  return m.n_layers * (attn + mlp) + n_moe * moe_extra + m.d_model * m.vocab_size
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.config import ModelConfig
+from jaxtrain import moe, ring
 from jaxtrain.sharding import constrain
 
 NEG_INF = -1e30  # finite, so a fully masked row (padding) gives no NaN
@@ -80,7 +81,7 @@ class Attention(nnx.Module):
     q = constrain(rope(q, pos_BxL, self.theta), ("batch", "length", "act_heads", None))
     k = constrain(rope(k, pos_BxL, self.theta), ("batch", "length", "act_kv_heads", None))
     v = constrain(v, ("batch", "length", "act_kv_heads", None))
-    o_BxLxHxE = attention(q, k, v, seg_BxL)
+    o_BxLxHxE = ring.attention(attention, q, k, v, seg_BxL)  # ring over `length` when it is sharded
     return jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt))
 
 
@@ -101,19 +102,50 @@ class MLP(nnx.Module):
     return h_BxLxF @ self.w_down[...].astype(dt)
 
 
-class Block(nnx.Module):
+class MoE(nnx.Module):
+  """Mixture of X SwiGLU experts with a float32 top-k router (routing math in `jaxtrain.moe`).
+
+  Returns (y, stats) where stats are this layer's auxiliary-loss terms and drop counts.
+  """
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    D, F, X, std = cfg.d_model, cfg.d_ff, cfg.moe_experts, cfg.init_std
+    self.router = _param(rngs, (D, X), ("embed", None), std)
+    self.w_gate = _param(rngs, (X, D, F), ("experts", "embed", "mlp"), std)
+    self.w_up = _param(rngs, (X, D, F), ("experts", "embed", "mlp"), std)
+    self.w_down = _param(rngs, (X, F, D), ("experts", "mlp", "embed"), std)
+    self.cfg = cfg
+
+  def __call__(self, x_BxLxD):
+    dt, c = x_BxLxD.dtype, self.cfg
+    y_BxLxD, stats = moe.moe_ffn(x_BxLxD, self.router[...], self.w_gate[...].astype(dt), self.w_up[...].astype(dt),
+                                 self.w_down[...].astype(dt), top_k=c.moe_top_k,
+                                 capacity_factor=c.moe_capacity_factor)
+    stats["aux"] = c.moe_aux_weight * stats["balance"] + c.moe_z_weight * stats["z"]
+    return y_BxLxD, stats
+
+
+def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
+  return cfg.moe_experts > 0 and (i + 1) % cfg.moe_every == 0
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe_layer: bool = False):
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.attn = Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-    self.mlp = MLP(cfg, rngs)
+    self.mlp = MoE(cfg, rngs) if moe_layer else MLP(cfg, rngs)
 
   def __call__(self, x_BxLxD, pos_BxL, seg_BxL):
-    x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), pos_BxL, seg_BxL)
-    x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
-    x_BxLxD = x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
-    return constrain(x_BxLxD, ("batch", "length", "act_embed"))
+    """Returns (x, MoE stats or None). The residual stream is `act_length`; each norm's
+    output enters a tensor-parallel region whole along `length`."""
+    h_BxLxD = constrain(self.attn_norm(x_BxLxD), ("batch", "length", "act_embed"))
+    x_BxLxD = x_BxLxD + self.attn(h_BxLxD, pos_BxL, seg_BxL)
+    x_BxLxD = constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
+    h_BxLxD = constrain(self.mlp_norm(x_BxLxD), ("batch", "length", "act_embed"))
+    y_BxLxD, stats = self.mlp(h_BxLxD) if isinstance(self.mlp, MoE) else (self.mlp(h_BxLxD), None)
+    return constrain(x_BxLxD + y_BxLxD, ("batch", "act_length", "act_embed")), stats
 
 
 class Transformer(nnx.Module):
@@ -121,22 +153,29 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std)
-    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+    self.layers = nnx.List([Block(cfg, rngs, is_moe_layer(cfg, i)) for i in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
 
   def __call__(self, tokens_BxL, pos_BxL, seg_BxL):
     """Returns float32 logits (B, L, V)."""
+    return self.forward(tokens_BxL, pos_BxL, seg_BxL)[0]
+
+  def forward(self, tokens_BxL, pos_BxL, seg_BxL):
+    """Returns (float32 logits (B, L, V), list of the MoE layers' stats; empty if dense)."""
     dt = jnp.dtype(self.cfg.dtype)
     x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(dt)
-    x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
+    x_BxLxD = constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
+    moe_stats = []
     for block in self.layers:
-      x_BxLxD = block(x_BxLxD, pos_BxL, seg_BxL)
+      x_BxLxD, stats = block(x_BxLxD, pos_BxL, seg_BxL)
+      if stats is not None:
+        moe_stats.append(stats)
     x_BxLxD = self.final_norm(x_BxLxD)
     w_DxV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
     logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(dt), preferred_element_type=jnp.float32)
-    return constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
+    return constrain(logits_BxLxV, ("batch", "length", "act_vocab")), moe_stats
 
 
 def abstract(cfg: ModelConfig, seed: int = 0):

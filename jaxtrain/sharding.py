@@ -20,20 +20,33 @@ RULES: dict[str, tuple[str, ...]] = {
     # activations
     "batch": ("data", "fsdp", "expert"),  # expert shards the batch outside MoE layers
     "length": ("sequence",),
+    "act_length": ("sequence",),  # length of the residual stream (norms, residual adds)
     "act_embed": (),
     "act_heads": ("tensor",),
     "act_kv_heads": ("tensor",),
     "act_mlp": ("tensor",),
     "act_vocab": ("tensor",),
+    "act_experts": ("expert",),
     # parameters: stored FSDP-sharded on `embed`, Megatron-sharded on heads/mlp/vocab
     "embed": ("fsdp",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": (),
     "mlp": ("tensor",),
+    "experts": ("expert",),
     "vocab": ("tensor",),
     "norm": (),
 }
+
+
+# Megatron sequence parallelism (train.sequence_parallel): the residual stream between
+# tensor-parallel regions is split along its length over `tensor` as well, so XLA turns
+# each TP region's closing all-reduce into a reduce-scatter and opens the next with an
+# all-gather.
+SEQUENCE_PARALLEL_RULES: dict[str, tuple[str, ...]] = {"act_length": ("sequence", "tensor")}
+
+# Rule overrides in force while tracing (set with `active_mesh`).
+_OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("jaxtrain_rule_overrides", default={})
 
 
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh, notes: list[str] | None = None,
@@ -48,9 +61,10 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh, notes: 
   """
   used: set[str] = set()
   out = []
+  rules = {**RULES, **_OVERRIDES.get()}
   for name, dim in zip(axes, shape, strict=True):
     chosen = []
-    for mesh_axis in RULES.get(name, ()) if name else ():
+    for mesh_axis in rules.get(name, ()) if name else ():
       size = mesh.shape[mesh_axis]
       if size == 1 or mesh_axis in used:
         continue
@@ -131,12 +145,19 @@ _MESH: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxtrain_mesh", def
 
 
 @contextlib.contextmanager
-def active_mesh(mesh):
+def active_mesh(mesh, sequence_parallel: bool = False):
   token = _MESH.set(mesh)
+  rules = _OVERRIDES.set(SEQUENCE_PARALLEL_RULES if sequence_parallel else {})
   try:
     yield
   finally:
+    _OVERRIDES.reset(rules)
     _MESH.reset(token)
+
+
+def current_mesh():
+  """The mesh of the sharded trace in progress, or None."""
+  return _MESH.get()
 
 
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:

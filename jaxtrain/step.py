@@ -53,10 +53,18 @@ def optimizer(t: TrainConfig) -> optax.GradientTransformation:
 
 def token_loss_sum(graphdef, params, mb):
   """Sum (not mean) of next-token cross-entropy over the valid targets of a microbatch."""
-  logits_BxLxV = nnx.merge(graphdef, params)(mb["inputs"], mb["positions"], mb["segment_ids"])
+  return token_loss_and_moe(graphdef, params, mb)[0]
+
+
+def token_loss_and_moe(graphdef, params, mb):
+  """(token_loss_sum, MoE totals of the microbatch: aux loss averaged over MoE layers,
+  dropped and assigned token-to-expert assignments; zeros for a dense model)."""
+  logits_BxLxV, moe_stats = nnx.merge(graphdef, params).forward(mb["inputs"], mb["positions"], mb["segment_ids"])
   target_logit_BxL = jnp.take_along_axis(logits_BxLxV, mb["targets"][..., None], axis=-1)[..., 0]
   nll_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1) - target_logit_BxL
-  return jnp.sum(nll_BxL * mb["loss_mask"].astype(jnp.float32))
+  moe = {k: sum((s[k] for s in moe_stats), jnp.float32(0)) for k in ("aux", "dropped", "assigned")}
+  moe["aux"] = moe["aux"] / max(len(moe_stats), 1)
+  return jnp.sum(nll_BxL * mb["loss_mask"].astype(jnp.float32)), moe
 
 
 def split_microbatches(batch, k: int):
@@ -68,30 +76,40 @@ def split_microbatches(batch, k: int):
   return jax.tree.map(split, batch)
 
 
-def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0):
+def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metrics: bool = False):
   """Token-normalized loss and (unscaled) gradient of one update, accumulated over microbatches.
 
   The valid-token count of the whole update is known before any microbatch runs, so
   each microbatch's backward pass runs on loss_sum * loss_scale / n_valid: per-token
   gradients are O(loss_scale / n_valid), in float16 range, and the summed gradient is
   already the token average. Dividing by loss_scale at the end unscales it.
+
+  MoE: the objective differentiated is loss + (mean over microbatches of the
+  microbatch's aux loss, itself the mean over MoE layers); the returned loss is the
+  cross-entropy alone. With moe_metrics=True a 4th value holds `moe_aux_loss` and
+  `moe_dropped_frac` (dropped / all token-to-expert assignments of the update).
   """
   n_valid = jnp.sum(batch["loss_mask"] > 0)
   denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
   zeros = jax.tree.map(jnp.zeros_like, params)
 
   def scaled(p, mb):
-    loss_sum = token_loss_sum(graphdef, p, mb)
-    return loss_sum * (loss_scale / denom), loss_sum
+    loss_sum, moe = token_loss_and_moe(graphdef, p, mb)
+    return (loss_sum + moe["aux"] * denom / microbatches) * (loss_scale / denom), (loss_sum, moe)
 
   def accumulate(carry, mb):
-    loss_sum, grad_sum = carry
-    (_, l), g = jax.value_and_grad(scaled, has_aux=True)(params, mb)
-    return (loss_sum + l, jax.tree.map(jnp.add, grad_sum, g)), None
+    loss_sum, grad_sum, moe_sum = carry
+    (_, (l, moe)), g = jax.value_and_grad(scaled, has_aux=True)(params, mb)
+    return (loss_sum + l, jax.tree.map(jnp.add, grad_sum, g), jax.tree.map(jnp.add, moe_sum, moe)), None
 
-  (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros),
-                                         split_microbatches(batch, microbatches))
-  return loss_sum / denom, jax.tree.map(lambda g: g / loss_scale, grad_sum), n_valid
+  moe0 = {k: jnp.float32(0) for k in ("aux", "dropped", "assigned")}
+  (loss_sum, grad_sum, moe), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros, moe0),
+                                              split_microbatches(batch, microbatches))
+  out = loss_sum / denom, jax.tree.map(lambda g: g / loss_scale, grad_sum), n_valid
+  if not moe_metrics:
+    return out
+  return *out, {"moe_aux_loss": moe["aux"] / microbatches,
+                "moe_dropped_frac": moe["dropped"] / jnp.maximum(moe["assigned"], 1.0)}
 
 
 def eval_loss(graphdef, params, batch, microbatches: int):
@@ -118,7 +136,7 @@ def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, state, 
   moves nothing: params, Adam state and the schedule position (`step`) stay as they were."""
   t = cfg.train
   scale = state["loss_scale"]["scale"]
-  loss, g, n_valid = grads(graphdef, state["params"], batch, t.microbatches, scale)
+  loss, g, n_valid, moe_metrics = grads(graphdef, state["params"], batch, t.microbatches, scale, moe_metrics=True)
   grad_norm = global_norm(g)  # before clipping, as logged
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)  # a non-finite element makes the norm non-finite
   if t.grad_clip > 0:
@@ -135,6 +153,8 @@ def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, state, 
   }
   metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(t)(state["step"]), "tokens": n_valid,
              "skipped": ~apply, "loss_scale": scale}
+  if cfg.model.moe_experts:
+    metrics.update(moe_metrics)
   return new_state, metrics
 
 
@@ -164,7 +184,7 @@ class Setup:
       return init_state(cfg, self.opt, params)
 
     def step(state, batch):
-      with sharding.active_mesh(mesh):
+      with sharding.active_mesh(mesh, sequence_parallel=cfg.train.sequence_parallel):
         return train_step(self.graphdef, self.opt, cfg, state, batch)
 
     def eval_step(params, batch):
@@ -210,5 +230,8 @@ def check_fits_mesh(cfg: Config, mesh) -> None:
   if per_micro % batch_ways:
     raise UserError(f"train.batch_size={t.batch_size} / train.microbatches={t.microbatches} = {per_micro} sequences "
                     f"per microbatch must divide over data*fsdp*expert={batch_ways} devices")
+  m = cfg.model
+  if m.moe_experts and m.moe_experts % mesh.shape["expert"]:
+    raise UserError(f"model.moe_experts={m.moe_experts} must divide over expert={mesh.shape['expert']} devices")
   if t.seq_len % mesh.shape["sequence"]:
     raise UserError(f"train.seq_len={t.seq_len} must divide over sequence={mesh.shape['sequence']} devices")

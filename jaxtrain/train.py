@@ -99,6 +99,7 @@ class MetricsLog:
         "tokens_seen": p.tokens_seen, "tokens_updated": p.tokens_updated,
     }
     rec.update({k: m[k] for k in ("eval_loss", "eval_ppl") if k in m})
+    rec.update({k: m[k] for k in ("moe_aux_loss", "moe_dropped_frac") if k in m})  # MoE models only
     self.file.write(json.dumps(rec) + "\n")
     if step % self.log_every == 0 or step == self.total:
       mfu = f"{rec['mfu']:.1%}" if rec["mfu"] is not None else "n/a"
