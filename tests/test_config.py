@@ -20,7 +20,7 @@ def test_overrides_are_typed():
 
 @pytest.mark.parametrize("override, words", [
     ("train.nope=1", ["unknown config key 'train.nope'", "batch_size", "seq_len"]),
-    ("optim.lr=1", ["unknown config section 'optim'", "model, train, loss_scale, checkpoint, data"]),
+    ("optim.lr=1", ["unknown config section 'optim'", "model, train, loss_scale, checkpoint, distributed, data"]),
     ("model.dtype=float64", ["model.dtype='float64'", "bfloat16, float16, float32"]),
     ("train.batch_size=1.5", ["train.batch_size='1.5'", "not an integer"]),
     ("train.lr=fast", ["not a number"]),

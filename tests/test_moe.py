@@ -109,8 +109,8 @@ def test_moe_config_errors():
 
 def test_metrics_log_moe_fields(tmp_path):
   cfg = config.load("moe-tiny", ["train.batch_size=4", "train.seq_len=32", "model.n_layers=1",
-                                  "model.moe_capacity_factor=0.5"], steps=2)
-  records = train.run(cfg, mesh_of("ep=2"), tmp_path, "moe-tiny")
+                                  "model.moe_capacity_factor=0.5"])
+  records = train.run(cfg, mesh_of("ep=2"), tmp_path, "moe-tiny", stop_at=2)
   lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert len(lines) == 2 and lines == records
   for rec in lines:
