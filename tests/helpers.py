@@ -3,10 +3,23 @@
 import math
 
 import jax
+import numpy as np
 
-from jaxtrain import mesh as mesh_lib
+from jaxtrain import data, mesh as mesh_lib, step
 
 
 def mesh_of(spec: str):
   sizes = mesh_lib.parse(spec)
   return mesh_lib.build(sizes, jax.devices()[:math.prod(sizes.values())])
+
+
+def trajectory(cfg, spec: str, steps: int):
+  """(loss, grad_norm) at each of `steps` train steps of `cfg` on mesh `spec`."""
+  setup = step.Setup(cfg, mesh_of(spec))
+  it = data.batches(cfg)
+  state, out = setup.init(), []
+  for _ in range(steps):
+    state, m = setup.step(state, setup.device_batch(next(it)))
+    out.append((float(m["loss"]), float(m["grad_norm"])))
+  it.close()
+  return np.array(out)

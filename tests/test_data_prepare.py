@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from jaxtrain import config, data
-from jaxtrain.data import shards
 from jaxtrain.data.prepare import prepare
 from jaxtrain.errors import UserError
 from tests.corpora import prepared, texts, write_jsonl
@@ -48,8 +47,8 @@ def test_several_worker_processes_and_parquet_give_the_same_shards(tmp_path):
   import pyarrow as pa
   import pyarrow.parquet as pq
   docs = texts(60, seed=3)
-  one = prepared(tmp_path, "one", docs, shard_mb=0.001)
-  two = prepared(tmp_path, "two", docs, shard_mb=0.001, workers=2)
+  prepared(tmp_path, "one", docs, shard_mb=0.001)
+  prepared(tmp_path, "two", docs, shard_mb=0.001, workers=2)
   pq.write_table(pa.table({"body": docs}), tmp_path / "c.parquet", row_group_size=7)
   prepare([str(tmp_path / "c.parquet")], "byte", str(tmp_path / "pq"), text_field="body", progress=False,
           shard_mb=0.001)

@@ -1,6 +1,5 @@
 """Attention isolation for packed documents, and the attention math against a plain loop."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -1,7 +1,6 @@
 """Two processes x 4 simulated CPU devices on localhost (gloo) against one process x 8."""
 
 import json
-import os
 import signal
 import time
 

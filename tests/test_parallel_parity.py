@@ -3,23 +3,15 @@
 import numpy as np
 import pytest
 
-from jaxtrain import config, data, step
-from tests.helpers import mesh_of
+from jaxtrain import config
+from tests.helpers import trajectory
 from tests.test_parity import STEPS, reference  # noqa: F401  (module fixture: the dense one-device run)
 
 
 def _trajectory(spec: str, cfg=None):
   """(loss, grad_norm) per step on mesh `spec`; cfg defaults to test_parity's dense config."""
   from tests.test_parity import CFG
-  cfg = cfg or CFG
-  setup = step.Setup(cfg, mesh_of(spec))
-  it = data.batches(cfg)
-  state, out = setup.init(), []
-  for _ in range(STEPS):
-    state, m = setup.step(state, setup.device_batch(next(it)))
-    out.append((float(m["loss"]), float(m["grad_norm"])))
-  it.close()
-  return np.array(out)
+  return trajectory(cfg or CFG, spec, STEPS)
 
 
 @pytest.mark.parametrize("spec", ["sp=4", "dp=2,sp=2,tp=2"])

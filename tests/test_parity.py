@@ -3,22 +3,15 @@
 import numpy as np
 import pytest
 
-from jaxtrain import config, data, step
-from tests.helpers import mesh_of
+from jaxtrain import config, step
+from tests.helpers import mesh_of, trajectory
 
 STEPS = 3
 CFG = config.load("tiny", ["model.dtype=float32", "train.microbatches=2"])
 
 
 def _trajectory(spec: str):
-  setup = step.Setup(CFG, mesh_of(spec))
-  it = data.batches(CFG)
-  state, out = setup.init(), []
-  for _ in range(STEPS):
-    state, m = setup.step(state, setup.device_batch(next(it)))
-    out.append((float(m["loss"]), float(m["grad_norm"])))
-  it.close()
-  return np.array(out)
+  return trajectory(CFG, spec, STEPS)
 
 
 @pytest.fixture(scope="module")
