@@ -296,7 +296,10 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     if log is not None:
       log.close()
     batches.close()
-    ckpts.mgr.close()
+    try:  # a save already in flight still gets its manifest, whatever ended the run
+      ckpts.close()
+    except checkpoint.CheckpointError as e:
+      print(f"jaxtrain: warning: {e}", file=sys.stderr)
 
 
 def main(argv=None) -> int:

@@ -220,3 +220,13 @@ def test_fresh_moves_old_checkpoints_aside(run_cli, tmp_path, saved):
   r = _train(run_cli, w, "--steps", "1", "--fresh")
   assert "previous checkpoints moved to" in r.stdout and "resumed" not in r.stdout
   assert list(w.glob("checkpoints.*/2/manifest.json")) and checkpoint.committed_steps(w / "checkpoints") == [1]
+
+
+def test_an_aborted_run_keeps_its_committed_checkpoints(run_cli, tmp_path):
+  # lr=1e30 makes every step after the first non-finite; the run aborts at step 4, after
+  # saving step 2 asynchronously: that save must still be committed with its manifest.
+  w = tmp_path / "w"
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "50", "--set", "train.lr=1e30",
+              "--set", "train.max_skipped_in_a_row=2", "--set", "checkpoint.interval=2")
+  assert r.returncode == 1 and "aborting at step 3" in r.stderr
+  assert checkpoint.committed_steps(w / "checkpoints") == [2]
