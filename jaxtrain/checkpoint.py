@@ -260,12 +260,16 @@ class Checkpoints:
     import orbax.checkpoint as ocp
     manifest = read_manifest(step_dir)
     verify(step_dir, manifest)
-    mgr = self.mgr if step_dir.parent == self.dir else ocp.CheckpointManager(step_dir.parent)
+    own = step_dir.parent.absolute() == self.dir
+    mgr = self.mgr if own else ocp.CheckpointManager(step_dir.parent.absolute())
     try:
       state = mgr.restore(manifest["step"], args=ocp.args.StandardRestore(abstract_state))
     except Exception as e:  # noqa: BLE001
       raise CheckpointError(f"checkpoint {step_dir} could not be restored: {_reason(e)}") from e
-    self.last_committed = manifest["step"] if step_dir.parent == self.dir else None
+    finally:
+      if not own:
+        mgr.close()
+    self.last_committed = manifest["step"] if own else None
     return state, manifest
 
 
