@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -52,9 +53,18 @@ def stats(xs) -> dict:
           "p25": float(np.percentile(a, 25)), "p75": float(np.percentile(a, 75)), "n": int(a.size)}
 
 
-def time_steps(run, sync, n: int) -> list[float]:
+def time_steps(run, sync, n: int, pipelined: bool = True) -> list[float]:
   """Per-step seconds of n steps: `run()` dispatches one step and returns a handle,
-  `sync(handle)` waits for it. Step s's end is awaited while s+1 is already queued."""
+  `sync(handle)` waits for it. Pipelined (asynchronous dispatch): step s's end is awaited
+  while s+1 is already queued. Otherwise (`run` returns when the step is done, e.g.
+  torch on CPU) each step is timed alone."""
+  if not pipelined:
+    times = []
+    for _ in range(n):
+      t = time.perf_counter()
+      sync(run())
+      times.append(time.perf_counter() - t)
+    return times
   times, pending, last = [], None, time.perf_counter()
   for _ in range(n):
     handle = run()
@@ -122,6 +132,7 @@ class _Side:
     self.times: list[float] = []
     self.tokens: list[int] = []
     self.peak_memory, self.memory_note = None, ""
+    self.pipelined = True
 
 
 def jaxtrain_side(cfg, setup, batches):
@@ -175,8 +186,7 @@ def torch_side(cfg, params, batches, platform):
   t = time.perf_counter()
   run().item()
   side = _Side("torch", run, lambda loss: loss.item(), time.perf_counter() - t, [])
-  side.torch = torch
-  side.torch_device = device
+  side.torch, side.torch_device, side.pipelined = torch, device, device == "cuda"
   return side
 
 
@@ -222,7 +232,7 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baseline: str, 
   for r in range(rounds if baseline != "none" else 1):
     medians = []
     for side in sides:
-      times = time_steps(side.run, side.sync, steps)
+      times = time_steps(side.run, side.sync, steps, side.pipelined)
       side.tokens += [valid[(i + warmup + r * steps) % len(valid)] for i in range(steps)]
       side.times += times
       medians.append(float(np.median(times)))
@@ -305,14 +315,18 @@ def main(argv=None) -> int:
       if args.baseline == "torch":
         # JAX would otherwise reserve 75% of GPU memory up front, leaving torch the rest.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    out = Path(args.out)
+    if not out.parent.is_dir():  # checked before a long run, not after
+      raise UserError(f"--out {args.out}: directory {str(out.parent)!r} does not exist")
+    sizes = mesh_lib.parse(args.mesh)
+    if -1 not in sizes.values():  # before the mesh is built: it may need simulated devices
+      _check_one_device(args, math.prod(sizes.values()))
     mesh = mesh_lib.setup(args.mesh)
-    if args.baseline != "none" and mesh.size != 1:
-      raise UserError(f"--baseline {args.baseline} runs on one device; the mesh {args.mesh!r} has {mesh.size} "
-                      f"(use --mesh fsdp=1)")
+    _check_one_device(args, mesh.size)
     rep = run(cfg, mesh, Path(args.config).stem, steps=args.steps, warmup=args.warmup, baseline=args.baseline,
               rounds=args.rounds, measure=args.measure_peak)
     try:
-      Path(args.out).write_text(json.dumps(rep, indent=1) + "\n")
+      out.write_text(json.dumps(rep, indent=1) + "\n")
     except OSError as e:
       raise UserError(f"--out {args.out}: cannot write ({e.strerror})") from None
   except UserError as e:
@@ -320,6 +334,12 @@ def main(argv=None) -> int:
   print(f"wrote {args.out}")
   print(table(rep))
   return 0
+
+
+def _check_one_device(args, devices: int) -> None:
+  if args.baseline != "none" and devices != 1:
+    raise UserError(f"--baseline {args.baseline} runs on one device; the mesh {args.mesh!r} has {devices} "
+                    f"(use --mesh fsdp=1)")
 
 
 def check_baseline(cfg, baseline: str, mesh_spec: str) -> None:

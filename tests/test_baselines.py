@@ -1,5 +1,7 @@
 """The bench's baselines compute jaxtrain's loss and update from the same weights (float32)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,14 +9,22 @@ import pytest
 
 from jaxtrain import bench, config, step
 from jaxtrain.baselines import minimal
+from tests.helpers import mesh_of
 
 # float32 everywhere; the baselines differ from jaxtrain only in summation order (and
 # optax's clip formula, norm/max(norm, c) against c/(norm+1e-6)).
 LOSS_RTOL, PARAM_ATOL = 2e-5, 2e-5
 
 
-def _jaxtrain(cfg, unpacked):
+def _cfg(tied):
+  return config.load("tiny", ["model.dtype=float32", "train.batch_size=4", "train.seq_len=64",
+                              f"model.tie_embeddings={str(tied).lower()}", "train.grad_clip=0.05"])
+
+
+@functools.cache
+def _jaxtrain(tied, unpacked):
   """jaxtrain's initial params, one batch, and its losses at step 0 and after one update."""
+  cfg = _cfg(tied)
   setup = step.Setup(cfg, mesh_of("fsdp=1"))
   state = setup.init()
   params0 = jax.device_get(state["params"])
@@ -32,18 +42,12 @@ def _jaxtrain(cfg, unpacked):
   return params0, batch, float(m0["loss"]), float(m1["loss"]), params1
 
 
-def mesh_of(spec):
-  from tests.helpers import mesh_of as build
-  return build(spec)
-
-
-@pytest.mark.parametrize("tied", [False, True])
-def test_minimal_baseline_matches_jaxtrain_loss_and_update(tied):
-  cfg = config.load("tiny", ["model.dtype=float32", "train.batch_size=4", "train.seq_len=64",
-                             f"model.tie_embeddings={str(tied).lower()}", "train.grad_clip=0.05"])
-  params0, batch, loss0, loss1, params1 = _jaxtrain(cfg, unpacked=False)
-  assert (batch["segment_ids"] != batch["segment_ids"][:, :1]).any()  # packed rows: segment masking is exercised
-  b = minimal.Minimal(cfg)
+@pytest.mark.parametrize("tied, unpacked", [(False, False), (True, True)])
+def test_minimal_baseline_matches_jaxtrain_loss_and_update(tied, unpacked):
+  params0, batch, loss0, loss1, params1 = _jaxtrain(tied, unpacked)
+  if not unpacked:
+    assert (batch["segment_ids"] != batch["segment_ids"][:, :1]).any()  # segment masking is exercised
+  b = minimal.Minimal(_cfg(tied))
   state = b.init(params0)
   dev = {k: jnp.asarray(v) for k, v in batch.items()}
   state, l0 = b.step(state, dev)
@@ -59,10 +63,8 @@ def test_minimal_baseline_matches_jaxtrain_loss_and_update(tied):
 def test_torch_baseline_matches_jaxtrain_loss_and_update(tied):
   pytest.importorskip("torch")
   from jaxtrain.baselines import torch_model
-  cfg = config.load("tiny", ["model.dtype=float32", "train.batch_size=4", "train.seq_len=64",
-                             f"model.tie_embeddings={str(tied).lower()}", "train.grad_clip=0.05"])
-  params0, batch, loss0, loss1, params1 = _jaxtrain(cfg, unpacked=True)
-  b = torch_model.TorchBaseline(cfg, params0, compile=False)
+  params0, batch, loss0, loss1, _ = _jaxtrain(tied, True)
+  b = torch_model.TorchBaseline(_cfg(tied), params0, compile=False)
   dev = b.to_device(batch)
   np.testing.assert_allclose(float(b.step(dev)), loss0, rtol=LOSS_RTOL)
   np.testing.assert_allclose(float(b.step(dev)), loss1, rtol=LOSS_RTOL)
@@ -72,7 +74,6 @@ def test_torch_baseline_matches_jaxtrain_loss_and_update(tied):
 def test_torch_baseline_refuses_packed_rows():
   pytest.importorskip("torch")
   from jaxtrain.baselines import torch_model
-  cfg = config.load("tiny", ["model.dtype=float32", "train.batch_size=2", "train.seq_len=64"])
-  params0, batch, *_ = _jaxtrain(cfg, unpacked=False)
+  params0, batch, *_ = _jaxtrain(False, False)
   with pytest.raises(ValueError, match="one document per row"):
-    torch_model.TorchBaseline(cfg, params0, compile=False).to_device(batch)
+    torch_model.TorchBaseline(_cfg(False), params0, compile=False).to_device(batch)
