@@ -1,13 +1,13 @@
 """`python -m jaxtrain.bench`: the real train step's speed, with baselines side by side.
 
     python -m jaxtrain.bench --config llama3-1b --mesh fsdp=1 [--steps 20] [--warmup 3]
-        [--baseline minimal|torch|none] [--rounds 3] [--measure-peak] [--out bench.json] [--set k=v ...]
+        [--baseline minimal,torch|minimal|torch|none] [--rounds 3] [--measure-peak] [--out bench.json] [--set k=v ...]
 
 Times `Setup.step` (compiled ahead of time, state donated, batches from jaxtrain.data
 staged on the device before timing) over N steps after W warm-up steps. A step's time
 runs from the end of the previous step to the end of this one, with the next step
-already queued (as the trainer measures). With a baseline, R rounds alternate N
-jaxtrain steps and N baseline steps, and the ratio is taken round by round.
+already queued (as the trainer measures). With baselines, R rounds alternate N
+jaxtrain steps and N steps of each baseline, and each ratio is taken round by round.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from jaxtrain.errors import UserError, exit_with
 
+BASELINES = ("minimal", "torch")
 PEAK_SIZE = {"gpu": 8192, "tpu": 8192, "cpu": 1024}  # bf16 n x n x n matmul for --measure-peak
 
 
@@ -38,8 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config key")
   p.add_argument("--steps", type=int, default=10, help="timed steps per round and side (default 10)")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps per side before the first round (default 2)")
-  p.add_argument("--baseline", default="none", choices=("none", "minimal", "torch"),
-                 help="minimal: a plain jax.jit step; torch: PyTorch, torch.compile + SDPA (default none)")
+  p.add_argument("--baseline", default="none", metavar="none|minimal|torch|minimal,torch",
+                 help="minimal: a plain jax.jit step; torch: PyTorch, torch.compile + SDPA; both: minimal,torch "
+                      "(default none)")
   p.add_argument("--rounds", type=int, default=3, help="alternating rounds with a baseline (default 3)")
   p.add_argument("--measure-peak", action="store_true", help="time a large bf16 matmul; MFU also against it")
   p.add_argument("--out", default="bench.json", help="JSON result file (default bench.json)")
@@ -171,10 +173,11 @@ def minimal_side(cfg, params, batches, device):
 
 
 def torch_side(cfg, params, batches, platform):
-  from jaxtrain.baselines import torch_model
-  import torch
-  device = "cuda" if platform == "gpu" and torch.cuda.is_available() else "cpu"
-  b = torch_model.TorchBaseline(cfg, params, device)
+  from jaxtrain.baselines import torch_model  # imports torch; only here
+  try:
+    b = torch_model.TorchBaseline(cfg, params, "cuda" if platform == "gpu" else "cpu")
+  except ValueError as e:
+    raise UserError(f"--baseline torch: {e}") from None
   dev = [b.to_device(x) for x in batches]
   box = {"i": 0}
 
@@ -186,7 +189,7 @@ def torch_side(cfg, params, batches, platform):
   t = time.perf_counter()
   run().item()
   side = _Side("torch", run, lambda loss: loss.item(), time.perf_counter() - t, [])
-  side.torch, side.torch_device, side.pipelined = torch, device, device == "cuda"
+  side.torch_baseline, side.pipelined = b, b.device.type == "cuda"  # CPU torch runs each step eagerly
   return side
 
 
@@ -203,7 +206,7 @@ def summarize(side: _Side, flops_per_step: float, n_devices: int, peak: float | 
   }
 
 
-def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baseline: str, rounds: int,
+def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list[str], rounds: int,
         measure: bool) -> dict:
   import jax
   import numpy as np
@@ -211,7 +214,7 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baseline: str, 
   setup = step_lib.Setup(cfg, mesh)
   dev0 = mesh.devices.flat[0]
   t = cfg.train
-  unpacked = baseline == "torch"
+  unpacked = "torch" in baselines  # SDPA's flash path masks causally only: every side gets unpacked rows
   batches = first_batches(cfg, setup, min(steps, 4), unpacked)
   valid = [int((b["loss_mask"] > 0).sum()) for b in batches]
   flops_per_step = flops.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
@@ -219,58 +222,56 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baseline: str, 
   measured = measure_peak(dev0) if measure else None
 
   sides = [jaxtrain_side(cfg, setup, batches)]
-  params0 = None
-  if baseline != "none":
+  if baselines:
     # The baselines start from jaxtrain's initial weights (fetched before any step donates them).
     params0 = jax.device_get(setup.init()["params"])
-    sides.append(minimal_side(cfg, params0, batches, dev0) if baseline == "minimal"
-                 else torch_side(cfg, params0, batches, dev0.platform))
+    for name in baselines:
+      sides.append(minimal_side(cfg, params0, batches, dev0) if name == "minimal"
+                   else torch_side(cfg, params0, batches, dev0.platform))
   for side in sides:
     for _ in range(warmup):
       side.sync(side.run())
-  per_round = []
-  for r in range(rounds if baseline != "none" else 1):
-    medians = []
+  per_round: dict[str, list[float]] = {name: [] for name in baselines}
+  for r in range(rounds if baselines else 1):
+    medians = {}
     for side in sides:
       times = time_steps(side.run, side.sync, steps, side.pipelined)
       side.tokens += [valid[(i + warmup + r * steps) % len(valid)] for i in range(steps)]
       side.times += times
-      medians.append(float(np.median(times)))
+      medians[side.name] = float(np.median(times))
       if side.name == "jaxtrain" and r == 0:
         # Before any baseline step: the device peak is jaxtrain's own.
         side.peak_memory = device_peak_memory(side.devices)
         side.memory_note = ("device.memory_stats() peak_bytes_in_use, max over devices" if side.peak_memory is not None
                             else f"not reported by the {dev0.platform} backend")
-    if len(medians) == 2:
-      per_round.append(medians[1] / medians[0])  # = jaxtrain tokens/s / baseline tokens/s (same batches)
+    for name in baselines:  # same batches: step-time ratio = tokens/s ratio
+      per_round[name].append(medians[name] / medians["jaxtrain"])
   for side in sides[1:]:
-    if side.name == "torch" and side.torch_device == "cuda":
-      side.peak_memory = side.torch.cuda.max_memory_allocated()
-      side.memory_note = "torch.cuda.max_memory_allocated()"
-    elif side.name == "torch":
-      side.memory_note = "not reported for torch on CPU"
+    if side.name == "torch":
+      side.peak_memory = side.torch_baseline.peak_memory()
+      side.memory_note = ("torch.cuda.max_memory_allocated()" if side.peak_memory is not None
+                          else "not reported for torch on CPU")
     else:
       side.memory_note = "not separable: shares the device (and its peak counter) with jaxtrain"
 
-  out = {
+  mflops = measured and measured["flops"]
+  return {
       "config": config_name, "mesh": mesh_lib.describe(dict(mesh.shape)), "devices": mesh.size,
       "platform": dev0.platform, "device_kind": dev0.device_kind, "batch_size": t.batch_size, "seq_len": t.seq_len,
       "compute_dtype": cfg.model.dtype, "batch": "one document per row" if unpacked else "packed",
-      "steps": steps, "warmup": warmup, "rounds": len(per_round) or 1, "baseline": None if baseline == "none" else baseline,
+      "steps": steps, "warmup": warmup, "rounds": rounds if baselines else 1, "baselines": baselines,
       "valid_tokens_per_step": stats(valid),
       "flops_per_token": flops_per_step / (t.batch_size * t.seq_len), "flops_per_step": flops_per_step,
       "flops_formula": "jaxtrain.flops.flops_per_token (as in jaxtrain.inspect)",
       "peak_flops_per_device": peak, "peak_source": "jaxtrain.flops.PEAK_BF16_FLOPS" if peak else
       f"unknown for device kind {dev0.device_kind!r}: MFU is null",
       "measured_peak": measured,
-      "jaxtrain": summarize(sides[0], flops_per_step, mesh.size, peak, measured and measured["flops"]),
-      "baseline_result": (summarize(sides[1], flops_per_step, 1, peak, measured and measured["flops"])
-                          if baseline != "none" else None),
-      "ratio": ({**stats(per_round), "per_round": per_round,
-                 "meaning": f"jaxtrain tokens/s / {baseline} tokens/s, median step time of each round"}
-                if per_round else None),
+      "jaxtrain": summarize(sides[0], flops_per_step, mesh.size, peak, mflops),
+      "baseline_results": {s.name: summarize(s, flops_per_step, 1, peak, mflops) for s in sides[1:]},
+      "ratios": {name: {**stats(q), "per_round": q,
+                        "meaning": f"jaxtrain tokens/s / {name} tokens/s, from the median step time of each round"}
+                 for name, q in per_round.items()},
   }
-  return out
 
 
 def _fmt(x, spec):
@@ -278,28 +279,38 @@ def _fmt(x, spec):
 
 
 def table(rep: dict) -> str:
-  rows = [("jaxtrain", rep["jaxtrain"])] + ([(rep["baseline"], rep["baseline_result"])] if rep["baseline"] else [])
-  head = f"{'':<9} {'step ms median [min..max]':>27} {'tokens/s':>11} {'TFLOP/s/dev':>11} {'MFU':>6} {'compile s':>9} {'peak mem':>10}"
+  rows = [("jaxtrain", rep["jaxtrain"]), *rep["baseline_results"].items()]
   L = [f"jaxtrain.bench: {rep['config']} on {rep['mesh']} ({rep['devices']} x {rep['device_kind']}), "
        f"batch {rep['batch_size']} x {rep['seq_len']} ({rep['batch']}), {rep['compute_dtype']}, "
-       f"{rep['steps']} steps x {rep['rounds']} round(s)", head]
+       f"{rep['steps']} steps x {rep['rounds']} round(s)",
+       f"{'':<9} {'step ms: median [min..max]':<28} {'tokens/s':>11} {'TFLOP/s/dev':>11} {'MFU':>6} "
+       f"{'compile s':>9} {'peak mem':>10}"]
   for name, r in rows:
     st = r["step_time_s"]
     mfu = r["mfu"]["median"] if r["mfu"] else None
     mem = r["peak_memory_bytes"]
-    L.append(f"{name:<9} {st['median'] * 1e3:>9.2f} [{st['min'] * 1e3:.2f}..{st['max'] * 1e3:.2f}]".ljust(38)
-             + f" {r['tokens_per_s']['median']:>11,.0f} {r['tflops_per_device']['median']:>11.4g} "
-             f"{_fmt(mfu, '.1%'):>6} {r['compile_s']:>9.1f} {_fmt(mem and mem / 2**30, '.2f') + (' GiB' if mem else ''):>10}")
+    steps = f"{st['median'] * 1e3:.2f} [{st['min'] * 1e3:.2f}..{st['max'] * 1e3:.2f}]"
+    L.append(f"{name:<9} {steps:<28} {r['tokens_per_s']['median']:>11,.0f} {r['tflops_per_device']['median']:>11.4g} "
+             f"{_fmt(mfu, '.1%'):>6} {r['compile_s']:>9.1f} {'n/a' if mem is None else f'{mem / 2**30:.2f} GiB':>10}")
   if rep["measured_peak"]:
     m = rep["measured_peak"]
     mfu = rep["jaxtrain"]["mfu_vs_measured_peak"]["median"]
     L.append(f"measured bf16 matmul peak ({m['size']}^3): {m['tflops']:.4g} TFLOP/s per device; "
              f"jaxtrain MFU against it {mfu:.1%}")
-  if rep["ratio"]:
-    q = rep["ratio"]
-    L.append(f"ratio jaxtrain/{rep['baseline']} tokens/s: {q['median']:.3f}x median over {q['n']} rounds "
+  for name, q in rep["ratios"].items():
+    L.append(f"ratio jaxtrain/{name} tokens/s: {q['median']:.3f}x median over {q['n']} rounds "
              f"[{q['min']:.3f}..{q['max']:.3f}]")
   return "\n".join(L)
+
+
+def parse_baselines(text: str) -> list[str]:
+  names = [n.strip() for n in text.split(",") if n.strip()]
+  if names == ["none"]:
+    return []
+  bad = [n for n in names if n not in BASELINES]
+  if bad or not names or len(set(names)) != len(names):
+    raise UserError(f"--baseline {text!r}: use none, or one or more of {', '.join(BASELINES)} separated by commas")
+  return names
 
 
 def main(argv=None) -> int:
@@ -309,21 +320,22 @@ def main(argv=None) -> int:
     for flag, value, lo in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1)):
       if value < lo:
         raise UserError(f"{flag} {value}: must be an integer >= {lo}")
+    baselines = parse_baselines(args.baseline)
     cfg = config.load(args.config, args.set)
-    if args.baseline != "none":
-      check_baseline(cfg, args.baseline, args.mesh)
-      if args.baseline == "torch":
-        # JAX would otherwise reserve 75% of GPU memory up front, leaving torch the rest.
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     out = Path(args.out)
     if not out.parent.is_dir():  # checked before a long run, not after
       raise UserError(f"--out {args.out}: directory {str(out.parent)!r} does not exist")
+    for name in baselines:
+      check_baseline(cfg, name)
+    if "torch" in baselines:
+      # JAX would otherwise reserve 75% of GPU memory up front, leaving torch the rest.
+      os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     sizes = mesh_lib.parse(args.mesh)
     if -1 not in sizes.values():  # before the mesh is built: it may need simulated devices
-      _check_one_device(args, math.prod(sizes.values()))
+      _check_one_device(baselines, args.mesh, math.prod(sizes.values()))
     mesh = mesh_lib.setup(args.mesh)
-    _check_one_device(args, mesh.size)
-    rep = run(cfg, mesh, Path(args.config).stem, steps=args.steps, warmup=args.warmup, baseline=args.baseline,
+    _check_one_device(baselines, args.mesh, mesh.size)
+    rep = run(cfg, mesh, Path(args.config).stem, steps=args.steps, warmup=args.warmup, baselines=baselines,
               rounds=args.rounds, measure=args.measure_peak)
     try:
       out.write_text(json.dumps(rep, indent=1) + "\n")
@@ -336,13 +348,13 @@ def main(argv=None) -> int:
   return 0
 
 
-def _check_one_device(args, devices: int) -> None:
-  if args.baseline != "none" and devices != 1:
-    raise UserError(f"--baseline {args.baseline} runs on one device; the mesh {args.mesh!r} has {devices} "
+def _check_one_device(baselines: list[str], spec: str, devices: int) -> None:
+  if baselines and devices != 1:
+    raise UserError(f"--baseline {','.join(baselines)} runs on one device; the mesh {spec!r} has {devices} "
                     f"(use --mesh fsdp=1)")
 
 
-def check_baseline(cfg, baseline: str, mesh_spec: str) -> None:
+def check_baseline(cfg, baseline: str) -> None:
   """What the baselines implement: one device, no microbatches, bf16 or fp32 compute."""
   if cfg.model.dtype not in ("bfloat16", "float32"):
     raise UserError(f"--baseline {baseline}: model.dtype={cfg.model.dtype} is not supported (no loss scaling in "

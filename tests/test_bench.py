@@ -20,8 +20,8 @@ def test_bench_with_minimal_baseline_and_measured_peak_emits_every_field(run_cli
               "--baseline", "minimal", "--measure-peak", "--out", "b.json", *TINY)
   assert r.returncode == 0, r.stderr[-2000:]
   rep = json.loads((tmp_path / "b.json").read_text())
-  assert rep["platform"] == "cpu" and rep["baseline"] == "minimal" and rep["batch"] == "packed"
-  for side in (rep["jaxtrain"], rep["baseline_result"]):
+  assert rep["platform"] == "cpu" and rep["baselines"] == ["minimal"] and rep["batch"] == "packed"
+  for side in (rep["jaxtrain"], rep["baseline_results"]["minimal"]):
     assert set(side) == SIDE
     for k in ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu_vs_measured_peak"):
       assert set(side[k]) == STATS and side[k]["n"] == 6 and side[k]["median"] > 0, k
@@ -36,7 +36,7 @@ def test_bench_with_minimal_baseline_and_measured_peak_emits_every_field(run_cli
   assert rep["measured_peak"]["tflops"] > 0 and rep["measured_peak"]["size"] == 1024
   assert j["mfu_vs_measured_peak"]["max"] == pytest.approx(
       j["tflops_per_device"]["max"] / rep["measured_peak"]["tflops"], rel=1e-6)
-  q = rep["ratio"]
+  q = rep["ratios"]["minimal"]
   assert len(q["per_round"]) == 2 and q["median"] > 0 and set(STATS) <= set(q)
   assert 0 < rep["valid_tokens_per_step"]["median"] <= 4 * 64
   # The table comes last and names both sides and the ratio.
@@ -48,7 +48,7 @@ def test_bench_on_a_sharded_mesh_reports_per_device_rates(run_cli, tmp_path):
   r = run_cli("jaxtrain.bench", "--mesh", "dp=2", "--steps", "2", "--warmup", "1", "--out", "b.json", *TINY)
   assert r.returncode == 0, r.stderr[-2000:]
   rep = json.loads((tmp_path / "b.json").read_text())
-  assert rep["devices"] == 2 and rep["baseline"] is None and rep["ratio"] is None and rep["measured_peak"] is None
+  assert rep["devices"] == 2 and rep["baselines"] == [] and rep["ratios"] == {} and rep["measured_peak"] is None
   j = rep["jaxtrain"]
   assert j["devices"] == 2 and j["step_time_s"]["n"] == 2 and j["mfu_vs_measured_peak"] is None
   assert j["tflops_per_device"]["min"] == pytest.approx(rep["flops_per_step"] / j["step_time_s"]["max"] / 2e12, rel=1e-6)
@@ -79,11 +79,19 @@ def test_measure_peak_is_a_positive_rate_close_to_the_matmul_flops():
   assert m["tflops"] > 0 and m["flops"] == pytest.approx(m["tflops"] * 1e12) and m["size"] == 256
 
 
+@pytest.mark.parametrize("kind, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA B200", 2250e12), ("cpu", None)])
+def test_peak_table_by_device_kind(kind, peak):
+  assert flops.peak_flops(kind) == peak
+
+
 @pytest.mark.parametrize("args, words", [
     (["--steps", "0"], ["--steps 0", ">= 1"]),
     (["--rounds", "0", "--baseline", "minimal"], ["--rounds 0"]),
     (["--warmup", "-1"], ["--warmup -1"]),
-    (["--baseline", "jax"], ["invalid choice: 'jax'", "minimal", "torch"]),
+    (["--baseline", "jax"], ["--baseline 'jax'", "minimal, torch"]),
+    (["--baseline", "minimal,minimal"], ["--baseline 'minimal,minimal'"]),
     (["--baseline", "minimal", "--mesh", "dp=2"], ["runs on one device", "has 2"]),
     (["--baseline", "minimal", "--set", "train.microbatches=2"], ["train.microbatches=2"]),
     (["--baseline", "torch", "--set", "model.dtype=float16"], ["model.dtype=float16", "bfloat16 or float32"]),

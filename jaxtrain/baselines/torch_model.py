@@ -135,6 +135,8 @@ class TorchBaseline:
   def __init__(self, cfg, params, device: str = "cpu", compile: bool = True):  # noqa: A002
     if cfg.model.dtype not in ("bfloat16", "float32"):
       raise ValueError(f"the torch baseline supports bfloat16 or float32 compute, not {cfg.model.dtype}")
+    if device == "cuda" and not torch.cuda.is_available():
+      raise ValueError("the torch baseline was asked to run on a GPU, but this torch build has no CUDA")
     t = cfg.train
     self.device, self.dtype, self.clip = torch.device(device), getattr(torch, cfg.model.dtype), t.grad_clip
     self.model = Transformer(cfg.model).to(self.device)  # fp32 master weights, as jaxtrain
@@ -152,6 +154,9 @@ class TorchBaseline:
       raise ValueError("the torch baseline takes one document per row (unpacked batch)")
     return {k: torch.from_numpy(np.asarray(batch[k], np.int64)).to(self.device)
             for k in ("inputs", "targets", "loss_mask", "positions")}
+
+  def peak_memory(self) -> int | None:
+    return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
 
   def step(self, batch: dict):
     loss = self.loss(self.model, batch, self.dtype)
