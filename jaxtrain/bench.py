@@ -129,8 +129,9 @@ def device_peak_memory(devices) -> int | None:
 class _Side:
   """One trainer under test: dispatch/sync callables, compile time, timings."""
 
-  def __init__(self, name, run, sync, compile_s, devices):
+  def __init__(self, name, run, sync, compile_s, devices, box):
     self.name, self.run, self.sync, self.compile_s, self.devices = name, run, sync, compile_s, devices
+    self.box = box  # box["i"]: steps dispatched so far; step i trains on batch i % len(batches)
     self.times: list[float] = []
     self.tokens: list[int] = []
     self.peak_memory, self.memory_note = None, ""
@@ -150,7 +151,7 @@ def jaxtrain_side(cfg, setup, batches):
     box["state"], metrics = compiled(box["state"], dev[box["i"] % len(dev)])
     box["i"] += 1
     return metrics["loss"]
-  return _Side("jaxtrain", run, jax.block_until_ready, compile_s, list(setup.mesh.devices.flat))
+  return _Side("jaxtrain", run, jax.block_until_ready, compile_s, list(setup.mesh.devices.flat), box)
 
 
 def minimal_side(cfg, params, batches, device):
@@ -169,7 +170,7 @@ def minimal_side(cfg, params, batches, device):
     box["state"], loss = compiled(box["state"], dev[box["i"] % len(dev)])
     box["i"] += 1
     return loss
-  return _Side("minimal", run, jax.block_until_ready, compile_s, [device])
+  return _Side("minimal", run, jax.block_until_ready, compile_s, [device], box)
 
 
 def torch_side(cfg, params, batches, platform):
@@ -188,7 +189,7 @@ def torch_side(cfg, params, batches, platform):
   # torch.compile compiles on the first call: that call's time is the compile time.
   t = time.perf_counter()
   run().item()
-  side = _Side("torch", run, lambda loss: loss.item(), time.perf_counter() - t, [])
+  side = _Side("torch", run, lambda loss: loss.item(), time.perf_counter() - t, [], box)
   side.torch_baseline, side.pipelined = b, b.device.type == "cuda"  # CPU torch runs each step eagerly
   return side
 
@@ -235,8 +236,9 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
   for r in range(rounds if baselines else 1):
     medians = {}
     for side in sides:
+      first = side.box["i"]
       times = time_steps(side.run, side.sync, steps, side.pipelined)
-      side.tokens += [valid[(i + warmup + r * steps) % len(valid)] for i in range(steps)]
+      side.tokens += [valid[(first + i) % len(valid)] for i in range(steps)]
       side.times += times
       medians[side.name] = float(np.median(times))
       if side.name == "jaxtrain" and r == 0:

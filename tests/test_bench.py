@@ -33,6 +33,9 @@ def test_bench_with_minimal_baseline_and_measured_peak_emits_every_field(run_cli
   j = rep["jaxtrain"]
   # Independent check of the derived rates: the fastest step has the highest rate.
   assert j["tflops_per_device"]["max"] == pytest.approx(rep["flops_per_step"] / j["step_time_s"]["min"] / 1e12, rel=1e-6)
+  v = rep["valid_tokens_per_step"]
+  assert v["min"] / j["step_time_s"]["max"] <= j["tokens_per_s"]["min"] * (1 + 1e-9)
+  assert j["tokens_per_s"]["max"] <= v["max"] / j["step_time_s"]["min"] * (1 + 1e-9)
   assert rep["measured_peak"]["tflops"] > 0 and rep["measured_peak"]["size"] == 1024
   assert j["mfu_vs_measured_peak"]["max"] == pytest.approx(
       j["tflops_per_device"]["max"] / rep["measured_peak"]["tflops"], rel=1e-6)
