@@ -18,6 +18,7 @@ PEAK_BF16_FLOPS = {
     "H200": 989e12,
     "H100": 989e12,   # SXM; the PCIe card is lower (756e12) and reports "H100 PCIe"
     "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
     "GH200": 989e12,
     "B200": 2250e12,
     "A100": 312e12,

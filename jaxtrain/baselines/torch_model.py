@@ -1,0 +1,169 @@
+"""jaxtrain's dense model in PyTorch: torch.compile, SDPA attention, fused AdamW on CUDA.
+
+What a user would pick instead of jaxtrain, written the usual PyTorch way (nn.Linear
+weights are (out, in)); `load_jax_params` copies jaxtrain's pure-dict parameters across
+so both start from the same weights. One document per row: attention is plain causal
+(`is_causal=True`, the flash path on GPU), so the batch must not be packed; the segment
+ids are checked. Imported only by `--baseline torch`: torch is the optional `bench` extra.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DECAYED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+
+
+class RMSNorm(nn.Module):
+
+  def __init__(self, dim: int, eps: float):
+    super().__init__()
+    self.scale, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+  def forward(self, x):
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale).to(x.dtype)
+
+
+def rope(x, pos, theta: float):
+  """x (B, N, L, E); pairs are (first half, second half) of E, as in jaxtrain."""
+  half = x.shape[-1] // 2
+  freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
+  ang = (pos.float()[..., None] * freq)[:, None]  # (B, 1, L, E/2)
+  cos, sin = ang.cos(), ang.sin()
+  h = x.float()
+  a, b = h[..., :half], h[..., half:]
+  return torch.cat([a * cos - b * sin, b * cos + a * sin], -1).to(x.dtype)
+
+
+class Block(nn.Module):
+
+  def __init__(self, m):
+    super().__init__()
+    D, H, K, E, F_ = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
+    self.m = m
+    self.attn_norm, self.mlp_norm = RMSNorm(D, m.norm_eps), RMSNorm(D, m.norm_eps)
+    self.wq, self.wk, self.wv = nn.Linear(D, H * E, bias=False), nn.Linear(D, K * E, bias=False), nn.Linear(D, K * E, bias=False)
+    self.wo = nn.Linear(H * E, D, bias=False)
+    self.w_gate, self.w_up, self.w_down = nn.Linear(D, F_, bias=False), nn.Linear(D, F_, bias=False), nn.Linear(F_, D, bias=False)
+
+  def forward(self, x, pos):
+    m = self.m
+    B, L, _ = x.shape
+    h = self.attn_norm(x)
+    q = rope(self.wq(h).view(B, L, m.n_heads, m.head_dim).transpose(1, 2), pos, m.rope_theta)
+    k = rope(self.wk(h).view(B, L, m.n_kv_heads, m.head_dim).transpose(1, 2), pos, m.rope_theta)
+    v = self.wv(h).view(B, L, m.n_kv_heads, m.head_dim).transpose(1, 2)
+    G = m.n_heads // m.n_kv_heads  # query head i reads kv head i // G
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    x = x + self.wo(o.transpose(1, 2).reshape(B, L, -1))
+    h = self.mlp_norm(x)
+    return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+
+
+class Transformer(nn.Module):
+
+  def __init__(self, m):
+    super().__init__()
+    self.m = m
+    self.embed = nn.Embedding(m.vocab_size, m.d_model)
+    self.layers = nn.ModuleList([Block(m) for _ in range(m.n_layers)])
+    self.final_norm = RMSNorm(m.d_model, m.norm_eps)
+    if not m.tie_embeddings:
+      self.lm_head = nn.Linear(m.d_model, m.vocab_size, bias=False)
+
+  def forward(self, tokens, pos):
+    x = self.embed(tokens)
+    for block in self.layers:
+      x = block(x, pos)
+    x = self.final_norm(x)
+    w = self.embed.weight if self.m.tie_embeddings else self.lm_head.weight
+    return F.linear(x, w)
+
+
+def load_jax_params(model: Transformer, params) -> None:
+  """Copies jaxtrain's pure dict (numpy-convertible leaves) into the torch model."""
+  def put(dst, src, to_out_in):
+    a = np.asarray(src, np.float32)
+    a = a.reshape(-1, a.shape[-1]).T if to_out_in == "in_first" else a.reshape(a.shape[0], -1).T if to_out_in == "out_last" else a
+    with torch.no_grad():
+      dst.copy_(torch.from_numpy(np.array(a, copy=True, order="C")))
+
+  put(model.embed.weight, params["embed"], None)
+  put(model.final_norm.scale, params["final_norm"]["scale"], None)
+  if not model.m.tie_embeddings:
+    put(model.lm_head.weight, params["lm_head"], "out_last")  # (D, V) -> (V, D)
+  for i, block in enumerate(model.layers):
+    p = params["layers"][i]
+    for name in ("wq", "wk", "wv"):  # (D, N, E) -> (N*E, D)
+      put(getattr(block, name).weight, p["attn"][name], "out_last")
+    put(block.wo.weight, p["attn"]["wo"], "in_first")  # (H, E, D) -> (D, H*E)
+    for name in ("w_gate", "w_up", "w_down"):  # (in, out) -> (out, in)
+      put(getattr(block, name).weight, p["mlp"][name], "out_last")
+    put(block.attn_norm.scale, p["attn_norm"]["scale"], None)
+    put(block.mlp_norm.scale, p["mlp_norm"]["scale"], None)
+
+
+def loss_fn(model, batch, dtype):
+  """Mean next-token cross-entropy over the valid targets (float32 logits and loss)."""
+  with torch.autocast(batch["inputs"].device.type, dtype=dtype, enabled=dtype != torch.float32):
+    logits = model(batch["inputs"], batch["positions"])
+  nll = F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten(), reduction="none")
+  mask = batch["loss_mask"].flatten().float()
+  return (nll * mask).sum() / mask.sum().clamp(min=1)
+
+
+def lr_lambda(t):
+  """jaxtrain's schedule as a multiplier of t.lr: linear warmup, then cosine to min_lr_ratio."""
+  def f(s):
+    if s < t.warmup_steps:
+      return (s + 1) / max(t.warmup_steps, 1)
+    progress = min(max((s - t.warmup_steps) / max(t.steps - t.warmup_steps, 1), 0.0), 1.0)
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+  return f
+
+
+class TorchBaseline:
+  """`step(batch)` -> loss tensor (one optimizer update); the model and optimizer live inside."""
+
+  def __init__(self, cfg, params, device: str = "cpu", compile: bool = True):  # noqa: A002
+    if cfg.model.dtype not in ("bfloat16", "float32"):
+      raise ValueError(f"the torch baseline supports bfloat16 or float32 compute, not {cfg.model.dtype}")
+    if device == "cuda" and not torch.cuda.is_available():
+      raise ValueError("the torch baseline was asked to run on a GPU, but this torch build has no CUDA")
+    t = cfg.train
+    self.device, self.dtype, self.clip = torch.device(device), getattr(torch, cfg.model.dtype), t.grad_clip
+    self.model = Transformer(cfg.model).to(self.device)  # fp32 master weights, as jaxtrain
+    load_jax_params(self.model, params)
+    named = list(self.model.named_parameters())
+    groups = [{"params": [p for n, p in named if n.split(".")[-2] in DECAYED], "weight_decay": t.weight_decay},
+              {"params": [p for n, p in named if n.split(".")[-2] not in DECAYED], "weight_decay": 0.0}]
+    self.opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.b1, t.b2), eps=t.eps, fused=self.device.type == "cuda")
+    self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(t))
+    self.loss = torch.compile(loss_fn) if compile else loss_fn
+
+  def to_device(self, batch: dict) -> dict:
+    seg = np.asarray(batch["segment_ids"])
+    if (seg != seg[:, :1]).any():
+      raise ValueError("the torch baseline takes one document per row (unpacked batch)")
+    return {k: torch.from_numpy(np.asarray(batch[k], np.int64)).to(self.device)
+            for k in ("inputs", "targets", "loss_mask", "positions")}
+
+  def peak_memory(self) -> int | None:
+    return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
+  def step(self, batch: dict):
+    loss = self.loss(self.model, batch, self.dtype)
+    loss.backward()
+    if self.clip > 0:
+      torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+    self.opt.step()
+    self.sched.step()
+    self.opt.zero_grad(set_to_none=True)
+    return loss.detach()
