@@ -13,8 +13,26 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.config import ModelConfig
-from jaxtrain import moe, ring
+from jaxtrain import attention as attention_lib, moe, ring
 from jaxtrain.sharding import constrain
+
+from jax.ad_checkpoint import checkpoint_name
+# Tensors named for the save_named / offload_named remat policies.
+NAMED = ("q", "k", "v", "attn_out", "mlp_hidden")
+
+
+def remat_policy(name: str):
+  """model.remat -> (use jax.checkpoint, its policy). `none` saves everything autodiff wants."""
+  cp = jax.checkpoint_policies
+  return {
+      "none": (False, None),
+      "full": (True, cp.nothing_saveable),
+      "save_dots": (True, cp.dots_with_no_batch_dims_saveable),  # projections, not the L x L scores
+      "save_named": (True, cp.save_only_these_names(*NAMED)),
+      "offload_named": (True, cp.save_and_offload_only_these_names(
+          names_which_can_be_saved=[], names_which_can_be_offloaded=list(NAMED),
+          offload_src="device", offload_dst="pinned_host")),
+  }[name]
 
 NEG_INF = -1e30  # finite, so a fully masked row (padding) gives no NaN
 
@@ -72,16 +90,18 @@ class Attention(nnx.Module):
     self.wv = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
     self.wo = _param(rngs, (H, E, D), ("heads", "head_dim", "embed"), std)
     self.theta = cfg.rope_theta
+    self.cfg = cfg
 
   def __call__(self, x_BxLxD, pos_BxL, seg_BxL):
     dt = x_BxLxD.dtype
     q = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
     k = jnp.einsum("bld,dke->blke", x_BxLxD, self.wk[...].astype(dt))
     v = jnp.einsum("bld,dke->blke", x_BxLxD, self.wv[...].astype(dt))
-    q = constrain(rope(q, pos_BxL, self.theta), ("batch", "length", "act_heads", None))
-    k = constrain(rope(k, pos_BxL, self.theta), ("batch", "length", "act_kv_heads", None))
-    v = constrain(v, ("batch", "length", "act_kv_heads", None))
-    o_BxLxHxE = ring.attention(attention, q, k, v, seg_BxL)  # ring over `length` when it is sharded
+    q = checkpoint_name(constrain(rope(q, pos_BxL, self.theta), ("batch", "length", "act_heads", None)), "q")
+    k = checkpoint_name(constrain(rope(k, pos_BxL, self.theta), ("batch", "length", "act_kv_heads", None)), "k")
+    v = checkpoint_name(constrain(v, ("batch", "length", "act_kv_heads", None)), "v")
+    o_BxLxHxE = ring.attention(attention_lib.kernel(self.cfg, attention), q, k, v, seg_BxL)  # ring over `length` when it is sharded
+    o_BxLxHxE = checkpoint_name(o_BxLxHxE, "attn_out")
     return jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt))
 
 
@@ -98,7 +118,7 @@ class MLP(nnx.Module):
     dt = x_BxLxD.dtype
     g_BxLxF = x_BxLxD @ self.w_gate[...].astype(dt)
     u_BxLxF = x_BxLxD @ self.w_up[...].astype(dt)
-    h_BxLxF = constrain(jax.nn.silu(g_BxLxF) * u_BxLxF, ("batch", "length", "act_mlp"))
+    h_BxLxF = checkpoint_name(constrain(jax.nn.silu(g_BxLxF) * u_BxLxF, ("batch", "length", "act_mlp")), "mlp_hidden")
     return h_BxLxF @ self.w_down[...].astype(dt)
 
 
@@ -168,14 +188,20 @@ class Transformer(nnx.Module):
     x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(dt)
     x_BxLxD = constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
     moe_stats = []
+    use_remat, policy = remat_policy(self.cfg.remat)
+    run_block = nnx.remat(_run_block, policy=policy) if use_remat else _run_block
     for block in self.layers:
-      x_BxLxD, stats = block(x_BxLxD, pos_BxL, seg_BxL)
+      x_BxLxD, stats = run_block(block, x_BxLxD, pos_BxL, seg_BxL)
       if stats is not None:
         moe_stats.append(stats)
     x_BxLxD = self.final_norm(x_BxLxD)
     w_DxV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
     logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(dt), preferred_element_type=jnp.float32)
     return constrain(logits_BxLxV, ("batch", "length", "act_vocab")), moe_stats
+
+
+def _run_block(block, x_BxLxD, pos_BxL, seg_BxL):
+  return block(x_BxLxD, pos_BxL, seg_BxL)
 
 
 def abstract(cfg: ModelConfig, seed: int = 0):
