@@ -11,12 +11,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.config import ModelConfig
 from jaxtrain import attention as attention_lib, moe, ring
 from jaxtrain.sharding import constrain
 
-from jax.ad_checkpoint import checkpoint_name
 # Tensors named for the save_named / offload_named remat policies.
 NAMED = ("q", "k", "v", "attn_out", "mlp_hidden")
 

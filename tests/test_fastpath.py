@@ -76,3 +76,100 @@ def test_remat_policy_gives_the_loss_and_gradients_of_none(policy):
   np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_unknown_xla_flag_is_dropped_with_a_warning(tmp_path, capsys):
+  from jaxtrain import xla_flags
+  cache = tmp_path / "flags.json"
+  env = {"XLA_FLAGS": "--xla_dump_to=/tmp/user_choice"}
+  added = xla_flags.apply("none", "--xla_jaxtrain_no_such_flag=1 --xla_gpu_enable_latency_hiding_scheduler=true "
+                          "--xla_dump_to=/tmp/ignored", environ=env, cache=cache)
+  assert added == ["--xla_gpu_enable_latency_hiding_scheduler=true"]
+  assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/user_choice --xla_gpu_enable_latency_hiding_scheduler=true"
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == ["warning: dropping XLA flag(s) this jaxlib does not know: --xla_jaxtrain_no_such_flag=1"]
+  # The verdicts are cached: a second call decides without a probe.
+  assert xla_flags.validate(["--xla_jaxtrain_no_such_flag=2"], cache)[1] == ["--xla_jaxtrain_no_such_flag=2"]
+  # What is kept really starts XLA (the independent check: a fresh process with those flags).
+  import subprocess, sys
+  r = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True, text=True,
+                     env={**__import__("os").environ, "XLA_FLAGS": env["XLA_FLAGS"], "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0, r.stderr[-500:]
+
+
+def test_gpu_default_preset_flags_are_known_to_this_jaxlib(tmp_path):
+  from jaxtrain import xla_flags
+  kept, dropped = xla_flags.validate(xla_flags.PRESETS["gpu-default"], tmp_path / "flags.json")
+  assert dropped == [] and len(kept) == len(xla_flags.PRESETS["gpu-default"])
+
+
+def _read_events(path):
+  """(step, {tag: value}) per record, decoded with Google's protobuf runtime from a
+  descriptor of TensorBoard's Event/Summary messages (field numbers from event.proto)."""
+  import struct
+  from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+  fd = descriptor_pb2.FileDescriptorProto(name="tb_event_test.proto", package="tbtest", syntax="proto3")
+  F = descriptor_pb2.FieldDescriptorProto
+  def msg(name, *fields):
+    m = fd.message_type.add(name=name)
+    for fname, num, ftype, label, tname in fields:
+      f = m.field.add(name=fname, number=num, type=ftype, label=label)
+      if tname:
+        f.type_name = tname
+  msg("Value", ("tag", 1, F.TYPE_STRING, F.LABEL_OPTIONAL, None), ("simple_value", 2, F.TYPE_FLOAT, F.LABEL_OPTIONAL, None))
+  msg("Summary", ("value", 1, F.TYPE_MESSAGE, F.LABEL_REPEATED, ".tbtest.Value"))
+  msg("Event", ("wall_time", 1, F.TYPE_DOUBLE, F.LABEL_OPTIONAL, None), ("step", 2, F.TYPE_INT64, F.LABEL_OPTIONAL, None),
+      ("file_version", 3, F.TYPE_STRING, F.LABEL_OPTIONAL, None),
+      ("summary", 5, F.TYPE_MESSAGE, F.LABEL_OPTIONAL, ".tbtest.Summary"))
+  pool = descriptor_pool.DescriptorPool()
+  pool.Add(fd)
+  Event = message_factory.GetMessageClass(pool.FindMessageTypeByName("tbtest.Event"))
+  from jaxtrain.observe import crc32c
+  assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720)
+  data, out, i = path.read_bytes(), [], 0
+  while i < len(data):
+    (n,) = struct.unpack_from("<Q", data, i)
+    body = data[i + 12:i + 12 + n]
+    c = crc32c(body)
+    assert struct.unpack_from("<I", data, i + 12 + n)[0] == (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+    ev = Event.FromString(body)
+    out.append((ev.file_version, ev.step, {v.tag: v.simple_value for v in ev.summary.value}))
+    i += 12 + n + 4
+  return out
+
+
+def test_tensorboard_scalars_and_profile_trace_next_to_metrics(run_cli, tmp_path):
+  import json
+  r = run_cli("jaxtrain.train", "--mesh", "dp=2", "--steps", "3", "--workdir", "w",
+              "--set", "train.batch_size=4", "--set", "train.seq_len=32", "--set", "train.profile_steps=2-3",
+              "--set", "train.xla_flags=gpu-default", "--set", "train.xla_flags_extra=--xla_jaxtrain_bogus=1",
+              "--set", "model.remat=save_named", env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "attention: xla (reference XLA attention: backend is cpu, not a CUDA GPU); remat save_named" in r.stdout
+  assert "dropping XLA flag(s) this jaxlib does not know: --xla_jaxtrain_bogus=1" in r.stderr
+  assert "xla flags: 12 added to XLA_FLAGS (preset gpu-default)" in r.stdout
+  w = tmp_path / "w"
+  records = [json.loads(l) for l in (w / "metrics.jsonl").read_text().splitlines()]
+  (event_file,) = (w / "tb").glob("events.out.tfevents.*")
+  events = _read_events(event_file)
+  assert events[0][0] == "brain.Event:2"
+  assert [e[1] for e in events[1:]] == [rec["step"] for rec in records] == [1, 2, 3]
+  for (_, step, scalars), rec in zip(events[1:], records):
+    for k in ("loss", "lr", "grad_norm", "tokens", "tokens_per_sec", "step_time_s"):
+      assert scalars[k] == pytest.approx(rec[k], rel=1e-6)
+    assert "mfu" not in scalars and "skipped" not in scalars  # None and bool are not scalars
+  traces = list((w / "profile").rglob("*.xplane.pb"))
+  assert traces and all(t.stat().st_size > 0 for t in traces)
+
+
+@pytest.mark.parametrize("setting, words", [
+    ("model.attention=cudnn", "model.attention=cudnn is not supported here: backend is cpu"),
+    ("train.profile_steps=7-5", "train.profile_steps='7-5'"),
+    ("train.xla_flags_extra=xla_no_dashes", "train.xla_flags_extra: xla_no_dashes is not a flag"),
+])
+def test_fast_path_user_errors_are_one_line(run_cli, setting, words):
+  r = run_cli("jaxtrain.train", "--mesh", "dp=2", "--steps", "1", "--workdir", "w", "--set", setting,
+              "--set", "train.batch_size=4", "--set", "train.seq_len=32")
+  assert r.returncode == 2, (r.stdout, r.stderr)
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1 and words in lines[0], r.stderr
