@@ -173,3 +173,16 @@ def test_fast_path_user_errors_are_one_line(run_cli, setting, words):
   assert r.returncode == 2, (r.stdout, r.stderr)
   lines = r.stderr.strip().splitlines()
   assert len(lines) == 1 and words in lines[0], r.stderr
+
+
+def test_memory_bill_counts_activations_for_the_remat_setting():
+  from jaxtrain import memory
+  from tests.helpers import mesh_of
+  cfg = config.load("tiny")
+  mesh = mesh_of("dp=2")
+  for remat in ("none", "full"):
+    setup = step_lib.Setup(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat)), mesh)
+    b = memory.bill(setup, memory.param_rows(setup), 0.0)
+    assert b.items["activations"] == sum(memory.activations(setup.cfg, mesh, remat).values())
+  assert b.items["activations"] < sum(memory.activations(cfg, mesh, "none").values())
+
