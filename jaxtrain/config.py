@@ -48,6 +48,8 @@ class ModelConfig:
   moe_z_weight: float = key(0.001, "Weight of the router z-loss added to the training loss.", min=0.0)
   attention: Literal["auto", "xla", "cudnn"] = key(
       "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if unsupported).")
+  scan_layers: bool = key(
+      False, "Stack the blocks' params on a leading `layers` axis and run them with one jax.lax.scan (faster compiles).")
   remat: Literal["none", "full", "save_dots", "save_named", "offload_named"] = key(
       "none", "Per-block rematerialization: none; full; save_dots (keep projection matmuls); save_named "
       "(keep q/k/v, attention output, MLP hidden); offload_named (those to pinned host memory).")
@@ -252,6 +254,9 @@ def validate(cfg: Config) -> None:
     raise UserError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
   if m.moe_experts and m.moe_top_k > m.moe_experts:
     raise UserError(f"model.moe_top_k={m.moe_top_k} must be at most model.moe_experts={m.moe_experts}")
+  if m.scan_layers and m.moe_experts and m.moe_every > 1:
+    raise UserError(f"model.scan_layers=true needs identical layers; model.moe_every={m.moe_every} mixes dense and MoE "
+                    "layers (use moe_every=1 or scan_layers=false)")
   if m.head_dim % 2:
     raise UserError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
   ls = cfg.loss_scale

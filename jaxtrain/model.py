@@ -173,7 +173,8 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std)
-    self.layers = nnx.List([Block(cfg, rngs, is_moe_layer(cfg, i)) for i in range(cfg.n_layers)])
+    blocks = [Block(cfg, rngs, is_moe_layer(cfg, i)) for i in range(cfg.n_layers)]
+    self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
@@ -189,8 +190,10 @@ class Transformer(nnx.Module):
     x_BxLxD = constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
     moe_stats = []
     use_remat, policy = remat_policy(self.cfg.remat)
-    run_block = nnx.remat(_run_block, policy=policy) if use_remat else _run_block
-    for block in self.layers:
+    run_block = nnx.remat(_run_block, policy=policy, prevent_cse=not self.cfg.scan_layers) if use_remat else _run_block
+    if self.cfg.scan_layers:
+      x_BxLxD, moe_stats = _scan_blocks(run_block, self.layers, x_BxLxD, pos_BxL, seg_BxL)
+    for block in ([] if self.cfg.scan_layers else self.layers):
       x_BxLxD, stats = run_block(block, x_BxLxD, pos_BxL, seg_BxL)
       if stats is not None:
         moe_stats.append(stats)
@@ -202,6 +205,32 @@ class Transformer(nnx.Module):
 
 def _run_block(block, x_BxLxD, pos_BxL, seg_BxL):
   return block(x_BxLxD, pos_BxL, seg_BxL)
+
+
+def stack_blocks(blocks: list[Block]) -> Block:
+  """One Block whose every parameter has a leading `layers` axis (model.scan_layers);
+  layer i of the stack holds exactly `blocks[i]`'s parameters."""
+  graphdef = nnx.split(blocks[0])[0]
+  states = [nnx.split(b)[1] for b in blocks]
+  stacked = jax.tree.map(lambda *vs: jnp.stack(vs), *states)
+  block = nnx.merge(graphdef, stacked)
+  for _, var in nnx.iter_graph(block):
+    if isinstance(var, nnx.Param):
+      var.set_metadata(axes=("layers", *var.get_metadata()["axes"]))
+  return block
+
+
+def _scan_blocks(run_block, stacked: Block, x_BxLxD, pos_BxL, seg_BxL):
+  """jax.lax.scan over the `layers` axis: one traced block, applied n_layers times."""
+  graphdef, state = nnx.split(stacked)
+
+  def body(x, layer_state):
+    x, stats = run_block(nnx.merge(graphdef, layer_state), x, pos_BxL, seg_BxL)
+    return x, stats
+
+  x_BxLxD, stats = jax.lax.scan(body, x_BxLxD, state)
+  n = jax.tree.leaves(state)[0].shape[0]
+  return x_BxLxD, ([] if stats is None else [jax.tree.map(lambda a, i=i: a[i], stats) for i in range(n)])
 
 
 def abstract(cfg: ModelConfig, seed: int = 0):

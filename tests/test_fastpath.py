@@ -58,10 +58,13 @@ def test_fused_call_masks_segments_like_the_reference():
 
 @functools.lru_cache(maxsize=None)
 def _loss_and_grads(cfg):
-  graphdef, params = nnx.split(model_lib.Transformer(cfg, nnx.Rngs(0)))
+  return _loss_and_grads_of(*nnx.split(model_lib.Transformer(cfg, nnx.Rngs(0))))
+
+
+def _loss_and_grads_of(graphdef, params):
   rng = np.random.default_rng(1)
   B, L = 2, 16
-  toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, L + 1)), jnp.int32)
+  toks = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, L + 1)), jnp.int32)
   seg = jnp.asarray([[1] * 9 + [2] * 7, [1] * 16], jnp.int32)
   pos = jnp.asarray([list(range(9)) + list(range(7)), list(range(16))], jnp.int32)
   mb = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "positions": pos, "segment_ids": seg,
@@ -186,3 +189,49 @@ def test_memory_bill_counts_activations_for_the_remat_setting():
     assert b.items["activations"] == sum(memory.activations(setup.cfg, mesh, remat).values())
   assert b.items["activations"] < sum(memory.activations(cfg, mesh, "none").values())
 
+
+
+def _restack(params_unscanned, n_layers):
+  """The unscanned pure params with layers/0..n-1 stacked into one `layers` subtree."""
+  pure = nnx.to_pure_dict(params_unscanned)
+  per_layer = [pure["layers"][i] for i in range(n_layers)]
+  return {**pure, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)}
+
+
+@pytest.mark.parametrize("extra", [{}, {"remat": "full"}, {"moe_experts": 4, "moe_top_k": 2}])
+def test_scanned_layers_give_the_loss_and_gradients_of_unscanned(extra):
+  cfg = dataclasses.replace(CFG, n_layers=3, **extra)
+  loss_ref, g_ref = _loss_and_grads(cfg)
+  scanned = dataclasses.replace(cfg, scan_layers=True)
+  graphdef, params = nnx.split(model_lib.Transformer(scanned, nnx.Rngs(0)))
+  # Same weights: the unscanned model's, restacked independently of model.stack_blocks.
+  _, unscanned_params = nnx.split(model_lib.Transformer(cfg, nnx.Rngs(0)))
+  nnx.replace_by_pure_dict(params, _restack(unscanned_params, cfg.n_layers))
+  loss, g = _loss_and_grads_of(graphdef, params)
+  np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
+  expected = _restack(g_ref, cfg.n_layers)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(g)), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+  # The stacked params carry the `layers` logical axis first.
+  axes = {v.get_metadata()["axes"] for _, v in nnx.iter_graph(model_lib.Transformer(scanned, nnx.Rngs(0)).layers)
+          if isinstance(v, nnx.Param)}
+  assert all(a[0] == "layers" for a in axes)
+
+
+def test_scan_layers_with_mixed_moe_layers_is_a_user_error():
+  with pytest.raises(UserError, match="model.scan_layers=true needs identical layers; model.moe_every=2"):
+    config.load("tiny", ["model.scan_layers=true", "model.moe_experts=4", "model.moe_every=2"])
+
+
+def test_scanned_layers_train_shard_and_resume(run_cli, tmp_path):
+  import json
+  args = ["--mesh", "fsdp=2,tp=2", "--workdir", "w", "--set", "model.scan_layers=true", "--set", "train.batch_size=4",
+          "--set", "train.seq_len=32", "--set", "checkpoint.interval=2", "--set", "train.tensorboard=false"]
+  r = run_cli("jaxtrain.train", *args, "--steps", "2")
+  assert r.returncode == 0, r.stderr[-2000:]
+  r = run_cli("jaxtrain.train", *args, "--steps", "3")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "resumed from" in r.stdout and "at step 2" in r.stdout
+  records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+  assert [rec["step"] for rec in records] == [1, 2, 3] and all(np.isfinite(rec["loss"]) for rec in records)
+  assert not (tmp_path / "w" / "tb").exists()
