@@ -100,7 +100,8 @@ class Attention(nnx.Module):
     q = checkpoint_name(constrain(rope(q, pos_BxL, self.theta), ("batch", "length", "act_heads", None)), "q")
     k = checkpoint_name(constrain(rope(k, pos_BxL, self.theta), ("batch", "length", "act_kv_heads", None)), "k")
     v = checkpoint_name(constrain(v, ("batch", "length", "act_kv_heads", None)), "v")
-    o_BxLxHxE = ring.attention(attention_lib.kernel(self.cfg, attention), q, k, v, seg_BxL)  # ring over `length` when it is sharded
+    # ring over `length` when it is sharded; else cuDNN or the reference, per attention.select
+    o_BxLxHxE = ring.attention(attention_lib.kernel(self.cfg, attention), q, k, v, seg_BxL)
     o_BxLxHxE = checkpoint_name(o_BxLxHxE, "attn_out")
     return jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt))
 
@@ -190,13 +191,15 @@ class Transformer(nnx.Module):
     x_BxLxD = constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
     moe_stats = []
     use_remat, policy = remat_policy(self.cfg.remat)
+    # prevent_cse is only needed outside a scan (scan already keeps the recomputation apart)
     run_block = nnx.remat(_run_block, policy=policy, prevent_cse=not self.cfg.scan_layers) if use_remat else _run_block
     if self.cfg.scan_layers:
       x_BxLxD, moe_stats = _scan_blocks(run_block, self.layers, x_BxLxD, pos_BxL, seg_BxL)
-    for block in ([] if self.cfg.scan_layers else self.layers):
-      x_BxLxD, stats = run_block(block, x_BxLxD, pos_BxL, seg_BxL)
-      if stats is not None:
-        moe_stats.append(stats)
+    else:
+      for block in self.layers:
+        x_BxLxD, stats = run_block(block, x_BxLxD, pos_BxL, seg_BxL)
+        if stats is not None:
+          moe_stats.append(stats)
     x_BxLxD = self.final_norm(x_BxLxD)
     w_DxV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
     logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(dt), preferred_element_type=jnp.float32)
