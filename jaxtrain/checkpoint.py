@@ -30,7 +30,10 @@ from jaxtrain.errors import RunAborted, UserError
 MANIFEST = "manifest.json"
 FORMAT = 1
 # Train keys that only steer the run, not the math: they may change on resume.
-RUN_CONTROL_KEYS = ("log_every", "max_skipped_in_a_row", "microbatches")
+RUN_CONTROL_KEYS = ("log_every", "max_skipped_in_a_row", "microbatches",
+                    "xla_flags", "xla_flags_extra", "tensorboard", "profile_steps")
+# Model keys that choose how the same math runs, not what it computes.
+MODEL_SPEED_KEYS = ("attention", "remat")
 
 
 @dataclasses.dataclass
@@ -50,7 +53,8 @@ class CheckpointError(RunAborted):
 def fingerprint(cfg, tokenizer_digest: str, data_digest: str) -> dict[str, Any]:
   """What must match for a resume to be the same run, with the fields to name a change."""
   train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in RUN_CONTROL_KEYS}
-  return {"model": dataclasses.asdict(cfg.model), "train": train,
+  model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in MODEL_SPEED_KEYS}
+  return {"model": model, "train": train,
           "tokenizer": tokenizer_digest, "data": data_digest}
 
 

@@ -46,6 +46,13 @@ class ModelConfig:
       1.25, "Expert capacity ceil(factor * tokens * top_k / experts) per device's tokens; 0 = never drop.", min=0.0)
   moe_aux_weight: float = key(0.01, "Weight of the load-balancing loss added to the training loss.", min=0.0)
   moe_z_weight: float = key(0.001, "Weight of the router z-loss added to the training loss.", min=0.0)
+  attention: Literal["auto", "xla", "cudnn"] = key(
+      "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if unsupported).")
+  scan_layers: bool = key(
+      False, "Stack the blocks' params on a leading `layers` axis and run them with one jax.lax.scan (faster compiles).")
+  remat: Literal["none", "full", "save_dots", "save_named", "offload_named"] = key(
+      "none", "Per-block rematerialization: none; full; save_dots (keep projection matmuls); save_named "
+      "(keep q/k/v, attention output, MLP hidden); offload_named (those to pinned host memory).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +75,11 @@ class TrainConfig:
   eval_interval: int = key(0, "Evaluate on the held-out split every N steps (0 = never); see data.eval_*.", min=0)
   sequence_parallel: bool = key(
       False, "Megatron sequence parallelism: with tensor > 1, norms and residual adds run split along the sequence.")
+  xla_flags: Literal["none", "gpu-default"] = key(
+      "none", "XLA/NCCL flag preset applied before the backend starts (jaxtrain.xla_flags); unknown flags are dropped.")
+  xla_flags_extra: str = key("", "Extra XLA flags, space-separated (--xla_...=v), validated like the preset.")
+  tensorboard: bool = key(True, "Also write the metrics as TensorBoard scalars to <workdir>/tb/ (process 0).")
+  profile_steps: str = key("", "Steps to trace with jax.profiler into <workdir>/profile/, e.g. '5-7' or '3'; empty = none.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +254,9 @@ def validate(cfg: Config) -> None:
     raise UserError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
   if m.moe_experts and m.moe_top_k > m.moe_experts:
     raise UserError(f"model.moe_top_k={m.moe_top_k} must be at most model.moe_experts={m.moe_experts}")
+  if m.scan_layers and m.moe_experts and m.moe_every > 1:
+    raise UserError(f"model.scan_layers=true needs identical layers; model.moe_every={m.moe_every} mixes dense and MoE "
+                    "layers (use moe_every=1 or scan_layers=false)")
   if m.head_dim % 2:
     raise UserError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
   ls = cfg.loss_scale

@@ -111,7 +111,7 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
                  for r in rows],
       "param_count": setup.n_params,
       "param_bytes_per_device": sum(r.bytes * r.count for r in rows),
-      "memory": {"items": b.items, "notes": b.notes, "total": b.total, "remat": "none",
+      "memory": {"items": b.items, "notes": b.notes, "total": b.total, "remat": cfg.model.remat,
                  "activations_full_remat": b.full_remat_activations,
                  "device_memory": capacity, "device_memory_source": source,
                  "fits": None if capacity is None else b.total <= capacity, "verdict": memory.verdict(b, capacity)},
@@ -177,7 +177,7 @@ def render(rep: dict) -> str:
     L.append(f"  {k:<17} {memory.human(v):>11} {v:>17,}  {mem['notes'][k]}")
   L.append(f"  {'total':<17} {memory.human(mem['total']):>11} {mem['total']:>17,}")
   L.append(f"  (activations with full remat per block would be {memory.human(mem['activations_full_remat'])}; "
-           f"the trainer does not remat)")
+           f"model.remat is {mem['remat']})")
   src = f" [{mem['device_memory_source']}]" if mem["device_memory"] else ""
   L.append(f"  verdict{src}: {mem['verdict']}")
   if "compiled" in rep:

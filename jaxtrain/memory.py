@@ -218,7 +218,10 @@ def bill(setup, rows: list[Row], margin: float) -> Bill:
   st = state_bytes(setup)
   t = cfg.train
   batch = 5 * 4 * (t.batch_size // _ways("batch", t.batch_size, mesh)) * (t.seq_len // _ways("length", t.seq_len, mesh))
-  act = activations(cfg, mesh, "none")
+  # model.remat none/full are counted exactly; the partial policies save a subset of
+  # "none", so "none" is their upper bound.
+  remat = cfg.model.remat if cfg.model.remat in ("none", "full") else "none"
+  act = activations(cfg, mesh, remat)
   items = {
       "params": st["params"],
       "gradients": st["params"],
@@ -239,7 +242,9 @@ def bill(setup, rows: list[Row], margin: float) -> Bill:
       "counters": "step, Adam count, loss scale",
       "batch": "inputs, targets, positions, segment ids, loss mask (int32)",
       "weight_copies": f"{cfg.model.dtype} matmul weights gathered over fsdp, kept for backward",
-      "activations": "remat none, one microbatch: " + ", ".join(f"{k} {human(v)}" for k, v in act.items()),
+      "activations": f"remat {remat}"
+                     + (f" (upper bound for {cfg.model.remat})" if remat != cfg.model.remat else "")
+                     + ", one microbatch: " + ", ".join(f"{k} {human(v)}" for k, v in act.items()),
   }
   items["margin"] = int(margin * sum(items.values()))
   notes["margin"] = f"temporaries and communication buffers: {margin:.0%} of the items above"

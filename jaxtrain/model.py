@@ -11,10 +11,28 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.config import ModelConfig
-from jaxtrain import moe, ring
+from jaxtrain import attention as attention_lib, moe, ring
 from jaxtrain.sharding import constrain
+
+# Tensors named for the save_named / offload_named remat policies.
+NAMED = ("q", "k", "v", "attn_out", "mlp_hidden")
+
+
+def remat_policy(name: str):
+  """model.remat -> (use jax.checkpoint, its policy). `none` saves everything autodiff wants."""
+  cp = jax.checkpoint_policies
+  return {
+      "none": (False, None),
+      "full": (True, cp.nothing_saveable),
+      "save_dots": (True, cp.dots_with_no_batch_dims_saveable),  # projections, not the L x L scores
+      "save_named": (True, cp.save_only_these_names(*NAMED)),
+      "offload_named": (True, cp.save_and_offload_only_these_names(
+          names_which_can_be_saved=[], names_which_can_be_offloaded=list(NAMED),
+          offload_src="device", offload_dst="pinned_host")),
+  }[name]
 
 NEG_INF = -1e30  # finite, so a fully masked row (padding) gives no NaN
 
@@ -72,16 +90,19 @@ class Attention(nnx.Module):
     self.wv = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
     self.wo = _param(rngs, (H, E, D), ("heads", "head_dim", "embed"), std)
     self.theta = cfg.rope_theta
+    self.cfg = cfg
 
   def __call__(self, x_BxLxD, pos_BxL, seg_BxL):
     dt = x_BxLxD.dtype
     q = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
     k = jnp.einsum("bld,dke->blke", x_BxLxD, self.wk[...].astype(dt))
     v = jnp.einsum("bld,dke->blke", x_BxLxD, self.wv[...].astype(dt))
-    q = constrain(rope(q, pos_BxL, self.theta), ("batch", "length", "act_heads", None))
-    k = constrain(rope(k, pos_BxL, self.theta), ("batch", "length", "act_kv_heads", None))
-    v = constrain(v, ("batch", "length", "act_kv_heads", None))
-    o_BxLxHxE = ring.attention(attention, q, k, v, seg_BxL)  # ring over `length` when it is sharded
+    q = checkpoint_name(constrain(rope(q, pos_BxL, self.theta), ("batch", "length", "act_heads", None)), "q")
+    k = checkpoint_name(constrain(rope(k, pos_BxL, self.theta), ("batch", "length", "act_kv_heads", None)), "k")
+    v = checkpoint_name(constrain(v, ("batch", "length", "act_kv_heads", None)), "v")
+    # ring over `length` when it is sharded; else cuDNN or the reference, per attention.select
+    o_BxLxHxE = ring.attention(attention_lib.kernel(self.cfg, attention), q, k, v, seg_BxL)
+    o_BxLxHxE = checkpoint_name(o_BxLxHxE, "attn_out")
     return jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt))
 
 
@@ -98,7 +119,7 @@ class MLP(nnx.Module):
     dt = x_BxLxD.dtype
     g_BxLxF = x_BxLxD @ self.w_gate[...].astype(dt)
     u_BxLxF = x_BxLxD @ self.w_up[...].astype(dt)
-    h_BxLxF = constrain(jax.nn.silu(g_BxLxF) * u_BxLxF, ("batch", "length", "act_mlp"))
+    h_BxLxF = checkpoint_name(constrain(jax.nn.silu(g_BxLxF) * u_BxLxF, ("batch", "length", "act_mlp")), "mlp_hidden")
     return h_BxLxF @ self.w_down[...].astype(dt)
 
 
@@ -153,7 +174,8 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std)
-    self.layers = nnx.List([Block(cfg, rngs, is_moe_layer(cfg, i)) for i in range(cfg.n_layers)])
+    blocks = [Block(cfg, rngs, is_moe_layer(cfg, i)) for i in range(cfg.n_layers)]
+    self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
@@ -168,14 +190,50 @@ class Transformer(nnx.Module):
     x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(dt)
     x_BxLxD = constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
     moe_stats = []
-    for block in self.layers:
-      x_BxLxD, stats = block(x_BxLxD, pos_BxL, seg_BxL)
-      if stats is not None:
-        moe_stats.append(stats)
+    use_remat, policy = remat_policy(self.cfg.remat)
+    # prevent_cse is only needed outside a scan (scan already keeps the recomputation apart)
+    run_block = nnx.remat(_run_block, policy=policy, prevent_cse=not self.cfg.scan_layers) if use_remat else _run_block
+    if self.cfg.scan_layers:
+      x_BxLxD, moe_stats = _scan_blocks(run_block, self.layers, x_BxLxD, pos_BxL, seg_BxL)
+    else:
+      for block in self.layers:
+        x_BxLxD, stats = run_block(block, x_BxLxD, pos_BxL, seg_BxL)
+        if stats is not None:
+          moe_stats.append(stats)
     x_BxLxD = self.final_norm(x_BxLxD)
     w_DxV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
     logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(dt), preferred_element_type=jnp.float32)
     return constrain(logits_BxLxV, ("batch", "length", "act_vocab")), moe_stats
+
+
+def _run_block(block, x_BxLxD, pos_BxL, seg_BxL):
+  return block(x_BxLxD, pos_BxL, seg_BxL)
+
+
+def stack_blocks(blocks: list[Block]) -> Block:
+  """One Block whose every parameter has a leading `layers` axis (model.scan_layers);
+  layer i of the stack holds exactly `blocks[i]`'s parameters."""
+  graphdef = nnx.split(blocks[0])[0]
+  states = [nnx.split(b)[1] for b in blocks]
+  stacked = jax.tree.map(lambda *vs: jnp.stack(vs), *states)
+  block = nnx.merge(graphdef, stacked)
+  for _, var in nnx.iter_graph(block):
+    if isinstance(var, nnx.Param):
+      var.set_metadata(axes=("layers", *var.get_metadata()["axes"]))
+  return block
+
+
+def _scan_blocks(run_block, stacked: Block, x_BxLxD, pos_BxL, seg_BxL):
+  """jax.lax.scan over the `layers` axis: one traced block, applied n_layers times."""
+  graphdef, state = nnx.split(stacked)
+
+  def body(x, layer_state):
+    x, stats = run_block(nnx.merge(graphdef, layer_state), x, pos_BxL, seg_BxL)
+    return x, stats
+
+  x_BxLxD, stats = jax.lax.scan(body, x_BxLxD, state)
+  n = jax.tree.leaves(state)[0].shape[0]
+  return x_BxLxD, ([] if stats is None else [jax.tree.map(lambda a, i=i: a[i], stats) for i in range(n)])
 
 
 def abstract(cfg: ModelConfig, seed: int = 0):

@@ -77,6 +77,7 @@ class MetricsLog:
     self.peak_total = peak * setup.mesh.size if peak else None
     self.max_skipped = cfg.train.max_skipped_in_a_row
     self._jax = jax
+    self.tb = None  # an observe.EventWriter on process 0 when train.tensorboard
 
   # Kept as attributes for callers that read the clocks directly.
   tokens_seen = property(lambda self: self.progress.tokens_seen)
@@ -101,6 +102,8 @@ class MetricsLog:
     rec.update({k: m[k] for k in ("eval_loss", "eval_ppl") if k in m})
     rec.update({k: m[k] for k in ("moe_aux_loss", "moe_dropped_frac") if k in m})  # MoE models only
     self.file.write(json.dumps(rec) + "\n")
+    if self.tb is not None:
+      self.tb.scalars(step, rec)
     if step % self.log_every == 0 or step == self.total:
       mfu = f"{rec['mfu']:.1%}" if rec["mfu"] is not None else "n/a"
       print(f"step {step:>6}/{self.total}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  gnorm {rec['grad_norm']:.3f}  "
@@ -116,6 +119,8 @@ class MetricsLog:
 
   def close(self):
     self.file.close()
+    if self.tb is not None:
+      self.tb.close()
 
 
 def _prepare_metrics_file(path: Path, resumed_at: int | None) -> None:
@@ -196,7 +201,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
         resume_from: str | None = None, allow_mismatch: str = "") -> list[dict]:
   """Trains until `stop_at` (default train.steps) total steps; returns this run's metrics records."""
   import jax
-  from jaxtrain import checkpoint, data, mesh as mesh_lib, step as step_lib
+  from jaxtrain import attention, checkpoint, data, mesh as mesh_lib, observe, step as step_lib
 
   allowed = _allowed(allow_mismatch)
   stop_at = stop_at or cfg.train.steps
@@ -213,6 +218,9 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   mesh_text = mesh_lib.describe(dict(mesh.shape))
   print(f"jaxtrain: {config_name} ({setup.n_params:,} params), mesh {mesh_text} "
         f"on {mesh.size} {dev.platform} device(s) [{dev.device_kind}], workdir {workdir}")
+  impl, why = attention.select(cfg.model, cfg.train.seq_len)
+  ring_note = ", ring attention over sequence" if mesh.shape.get("sequence", 1) > 1 else ""
+  print(f"attention: {impl} ({why}{ring_note}); remat {cfg.model.remat}")
   if setup.notes:
     print(f"sharding: {len(setup.notes)} dimension(s) replicated where the mesh axis does not divide them, e.g. "
           f"{setup.notes[0]}")
@@ -223,6 +231,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   batches = data.batches(cfg, *setup.local_rows())
   evaluate = make_evaluator(cfg, setup)
   preempt = Preemption(jax.process_count() > 1)
+  profiler = observe.Profiler(cfg.train.profile_steps, workdir / "profile", enabled=jax.process_index() == 0)
   log = None
   try:
     t0 = time.perf_counter()
@@ -244,6 +253,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     start = progress.step if progress else 0
     metrics_path = workdir / "metrics.jsonl" if jax.process_index() == 0 else None
     log = MetricsLog(metrics_path, setup, stop_at, cfg.train.log_every, progress, resumed=bool(progress))
+    if metrics_path is not None and cfg.train.tensorboard:
+      log.tb = observe.EventWriter(workdir / "tb")
     if start >= stop_at:
       print(f"nothing to do: the run is at step {start} and --steps asks for {stop_at}")
       return []
@@ -267,7 +278,9 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
 
     wait, last_done = 0.0, time.perf_counter()
     for s in range(start + 1, stop_at + 1):
+      profiler.before(s)
       state, metrics = compiled(state, batch)
+      profiler.after(s, metrics)
       if evaluate and s % cfg.train.eval_interval == 0:  # dispatched before the next step donates state
         metrics = {**metrics, **evaluate(state["params"])}
       if pending:  # step s-1's metrics: reading them waits for s-1, while s is already queued
@@ -292,6 +305,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       print(f"preempted: checkpoint committed at step {log.progress.step}; run the same command to resume")
     return records
   finally:
+    profiler.close()
     preempt.restore()
     if log is not None:
       log.close()
@@ -316,6 +330,11 @@ def main(argv=None) -> int:
       raise UserError("--fresh and --resume-from contradict each other; give one")
     _allowed(args.allow_mismatch)
     cfg = config.load(args.config, args.set)
+    from jaxtrain import observe, xla_flags
+    observe.parse_steps(cfg.train.profile_steps)  # a bad value fails before any device starts
+    added = xla_flags.apply(cfg.train.xla_flags, cfg.train.xla_flags_extra)  # before the backend starts
+    if added:
+      print(f"xla flags: {len(added)} added to XLA_FLAGS (preset {cfg.train.xla_flags})")
     sizes, dcn = mesh_lib.parse_full(args.mesh)
     cluster = distributed.cluster_from(args.coordinator, args.num_processes, args.process_id)
     if cluster is not None:
