@@ -135,11 +135,23 @@ def verify(step_dir: Path, manifest: dict) -> None:
       raise CheckpointError(f"checkpoint {step_dir} is damaged: file {name} does not match its recorded sha256")
 
 
+def _write_each_shard_once() -> None:
+  """Orbax's default "replica-parallel" save splits every replicated shard among its
+  replicas with eager per-shard slices, each compiled on first use: on tiny at dp=8,tp=8
+  the first save blocked 22.2 s (0.21 s without it). Each shard is written once, by its
+  first replica, instead."""
+  import jax
+  import orbax.checkpoint as ocp
+  ocp.type_handlers.register_type_handler(
+      jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+
+
 class Checkpoints:
   """Saves and restores the train state of one run directory."""
 
   def __init__(self, directory: Path, keep: int, keep_every: int, async_save: bool, is_writer: bool = True):
     import orbax.checkpoint as ocp
+    _write_each_shard_once()
     self.dir = Path(directory).absolute()
     self.keep, self.keep_every, self.is_writer = keep, keep_every, is_writer
     if is_writer:
