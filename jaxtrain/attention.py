@@ -1,7 +1,7 @@
 """Which attention kernel runs: cuDNN fused attention or the plain XLA reference.
 
-The choice is explicit and made once from the config and the backend (`select`); the
-trainer prints it. `model.attention`:
+The choice is explicit and made once, for the target device, by the execution plan
+(`jaxtrain.plan`), which calls `select`; the trainer prints it. `model.attention`:
   auto   cuDNN when every condition below holds, else the reference, with the reason;
   xla    always the reference (`jaxtrain.model.attention`);
   cudnn  cuDNN, and a one-line user error when a condition fails (never a silent fallback).
@@ -18,33 +18,41 @@ packing, at the cost of reading an L x L bias; the causal blocks are still skipp
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from jaxtrain.errors import UserError
 
 
-def _gpu_info():
-  """(is a CUDA GPU backend, max head_dim) without raising on other backends."""
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError:
-    return False, 0
-  if dev.platform != "gpu" or "cuda" not in getattr(dev.client, "platform_version", "").lower():
-    return False, 0
-  major = int(str(getattr(dev, "compute_capability", "0")).split(".")[0] or 0)
-  return True, 256 if major >= 9 else 128
+def probe(device=None) -> tuple[bool, int, str]:
+  """(is a CUDA GPU, max head_dim for cuDNN, platform) of the target device (default: the
+  first local one); never raises on other backends."""
+  if device is None:
+    try:
+      device = jax.devices()[0]
+    except RuntimeError:
+      return False, 0, "none"
+  platform = device.platform
+  client_platform = getattr(getattr(device, "client", None), "platform_version", "") or ""
+  is_cuda = platform == "cuda" or (platform == "gpu" and "cuda" in client_platform.lower())
+  if not is_cuda:
+    return False, 0, platform
+  major = int(str(getattr(device, "compute_capability", "0")).split(".")[0] or 0)
+  return True, 256 if major >= 9 else 128, platform
 
 
-def select(model_cfg, seq_len: int | None = None, gpu_info=None) -> tuple[str, str]:
-  """("cudnn" | "xla", reason). `gpu_info` = (is CUDA GPU, max head_dim) overrides the probe (tests)."""
+def select(model_cfg, seq_len: int | None = None, gpu_info=None, device=None) -> tuple[str, str]:
+  """("cudnn" | "xla", reason) for the target `device`. `gpu_info` = (is CUDA GPU, max
+  head_dim) overrides the probe (tests)."""
   want = model_cfg.attention
   if want == "xla":
     return "xla", "model.attention=xla"
-  is_gpu, max_e = gpu_info if gpu_info is not None else _gpu_info()
+  if gpu_info is not None:
+    is_gpu, max_e, platform = *gpu_info, "cuda" if gpu_info[0] else "cpu"
+  else:
+    is_gpu, max_e, platform = probe(device)
   E, dt = model_cfg.head_dim, model_cfg.dtype
   problem = None
   if not is_gpu:
-    problem = f"backend is {jax.default_backend()}, not a CUDA GPU"
+    problem = f"backend is {platform}, not a CUDA GPU"
   elif dt not in ("bfloat16", "float16"):
     problem = f"model.dtype={dt} (cuDNN needs bfloat16 or float16)"
   elif E % 8 or E > max_e:
@@ -66,11 +74,3 @@ def fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, implementation: str = "cudnn
   mask_Bx1xLxL = (seg_BxL[:, :, None] == seg_BxL[:, None, :])[:, None]
   return jax.nn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask=mask_Bx1xLxL, is_causal=True,
                                       implementation=implementation).astype(q_BxLxHxE.dtype)
-
-
-def kernel(model_cfg, reference):
-  """The per-shard attention function the model calls: `fused` on cuDNN, else `reference`."""
-  def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
-    impl, _ = select(model_cfg, q_BxLxHxE.shape[1])
-    return (fused if impl == "cudnn" else reference)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
-  return attend

@@ -12,31 +12,23 @@ jaxtrain steps and N steps of each baseline, and each ratio is taken round by ro
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
 
-from jaxtrain.errors import UserError, exit_with
+from jaxtrain import cli, files
+from jaxtrain.errors import UserError
 
 BASELINES = ("minimal", "torch")
 PEAK_SIZE = {"gpu": 8192, "tpu": 8192, "cpu": 1024}  # bf16 n x n x n matmul for --measure-peak
 
 
-class _Parser(argparse.ArgumentParser):
-
-  def error(self, message):
-    exit_with(UserError(f"{message} (see --help)"), self.prog)
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-  p = _Parser(prog="jaxtrain.bench", description="Time the real train step; compare with baselines.")
-  p.add_argument("--config", default="tiny", help="preset name from configs/ or a path to a .toml file (default: tiny)")
-  p.add_argument("--mesh", default="fsdp=-1", help="as for jaxtrain.train (default: fsdp=-1)")
-  p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config key")
+def parse_args(argv=None):
+  p = cli.Parser(prog="jaxtrain.bench", description="Time the real train step; compare with baselines.")
+  cli.add_config_args(p, help_config=False)
+  cli.add_mesh_args(p)
   p.add_argument("--steps", type=int, default=10, help="timed steps per round and side (default 10)")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps per side before the first round (default 2)")
   p.add_argument("--baseline", default="none", metavar="none|minimal|torch|minimal,torch",
@@ -92,7 +84,7 @@ def unpack(batch: dict) -> dict:
 def first_batches(cfg, setup, n: int, unpacked: bool) -> list[dict]:
   """The first n numpy batches of this process from jaxtrain's data path."""
   from jaxtrain import data
-  it = data.batches(cfg, *setup.local_rows())
+  it = data.batches(cfg, *setup.placement.rows())
   try:
     out = [next(it) for _ in range(n)]
   finally:
@@ -265,7 +257,8 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
       "valid_tokens_per_step": stats(valid),
       "flops_per_token": flops_per_step / (t.batch_size * t.seq_len), "flops_per_step": flops_per_step,
       "flops_formula": "jaxtrain.flops.flops_per_token (as in jaxtrain.inspect)",
-      "peak_flops_per_device": peak, "peak_source": "jaxtrain.flops.PEAK_BF16_FLOPS" if peak else
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      "peak_flops_per_device": peak, "peak_source": "jaxtrain.devices.TABLE" if peak else
       f"unknown for device kind {dev0.device_kind!r}: MFU is null",
       "measured_peak": measured,
       "jaxtrain": summarize(sides[0], flops_per_step, mesh.size, peak, mflops),
@@ -317,8 +310,9 @@ def parse_baselines(text: str) -> list[str]:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from jaxtrain import config, mesh as mesh_lib
-  try:
+
+  def body(set_prog):
+    from jaxtrain import config, mesh as mesh_lib
     for flag, value, lo in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1)):
       if value < lo:
         raise UserError(f"{flag} {value}: must be an integer >= {lo}")
@@ -335,19 +329,17 @@ def main(argv=None) -> int:
     sizes = mesh_lib.parse(args.mesh)
     if -1 not in sizes.values():  # before the mesh is built: it may need simulated devices
       _check_one_device(baselines, args.mesh, math.prod(sizes.values()))
-    mesh = mesh_lib.setup(args.mesh)
-    _check_one_device(baselines, args.mesh, mesh.size)
-    rep = run(cfg, mesh, Path(args.config).stem, steps=args.steps, warmup=args.warmup, baselines=baselines,
-              rounds=args.rounds, measure=args.measure_peak)
+    started = cli.start(args, "jaxtrain.bench")  # the trainer's start-up: its XLA flags, its mesh
+    _check_one_device(baselines, args.mesh, started.mesh.size)
+    rep = run(started.cfg, started.mesh, Path(args.config).stem, steps=args.steps, warmup=args.warmup,
+              baselines=baselines, rounds=args.rounds, measure=args.measure_peak)
     try:
-      out.write_text(json.dumps(rep, indent=1) + "\n")
+      files.write_json_atomic(out, rep)
     except OSError as e:
       raise UserError(f"--out {args.out}: cannot write ({e.strerror})") from None
-  except UserError as e:
-    exit_with(e, "jaxtrain.bench")
-  print(f"wrote {args.out}")
-  print(table(rep))
-  return 0
+    print(f"wrote {args.out}")
+    print(table(rep))
+  return cli.main("jaxtrain.bench", body)
 
 
 def _check_one_device(baselines: list[str], spec: str, devices: int) -> None:

@@ -15,35 +15,19 @@ checkpoint is never deleted before its successor is committed and verified.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
-import os
 import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from jaxtrain import config
 from jaxtrain.errors import RunAborted, UserError
+from jaxtrain.files import sha256_file, write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-# Train keys that only steer the run, not the math: they may change on resume.
-RUN_CONTROL_KEYS = ("log_every", "max_skipped_in_a_row", "microbatches",
-                    "xla_flags", "xla_flags_extra", "tensorboard", "profile_steps")
-# Model keys that choose how the same math runs, not what it computes.
-MODEL_SPEED_KEYS = ("attention", "remat")
-
-
-@dataclasses.dataclass
-class Progress:
-  """Host-side run state, saved in the manifest. `step` counts consumed batches."""
-  step: int = 0
-  tokens_seen: int = 0
-  tokens_updated: int = 0
-  skipped_total: int = 0
-  skipped_in_a_row: int = 0
 
 
 class CheckpointError(RunAborted):
@@ -51,49 +35,66 @@ class CheckpointError(RunAborted):
 
 
 def fingerprint(cfg, tokenizer_digest: str, data_digest: str) -> dict[str, Any]:
-  """What must match for a resume to be the same run, with the fields to name a change."""
-  train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in RUN_CONTROL_KEYS}
-  model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in MODEL_SPEED_KEYS}
-  return {"model": model, "train": train,
-          "tokenizer": tokenizer_digest, "data": data_digest}
-
-
-def mismatches(saved: dict, current: dict) -> dict[str, str]:
-  """{category: 'what changed'} for every fingerprint category that differs."""
-  out = {}
-  for cat in ("model", "train", "tokenizer", "data"):
-    old, new = saved.get(cat), current.get(cat)
-    if old == new:
-      continue
-    if isinstance(old, dict) and isinstance(new, dict):
-      fields = [f"{cat}.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-                if old.get(k) != new.get(k)]
-      out[cat] = ", ".join(fields)
-    else:
-      out[cat] = f"{cat} digest {old} -> {new}"
+  """What must match for a resume to be the same run: {category: {"section.key": value}}
+  over exactly the keys declared `math=True` (config.py). A key naming files (`content`)
+  is recorded as its text and the digest of what it names; the digest is what counts."""
+  digests = {"data.tokenizer": tokenizer_digest, "data.source": data_digest}
+  values = _flat(cfg.to_dict())
+  out: dict[str, dict] = {c: {} for c in config.MISMATCH_CATEGORIES}
+  for dotted, field in config.all_keys().items():
+    cat = config.category(dotted)
+    if cat is not None:
+      out[cat][dotted] = ({"spec": values[dotted], "digest": digests[dotted]} if field.metadata["content"]
+                          else values[dotted])
   return out
 
 
-def _sha256(path: Path) -> str:
-  h = hashlib.sha256()
-  with path.open("rb") as f:
-    for chunk in iter(lambda: f.read(1 << 22), b""):
-      h.update(chunk)
-  return h.hexdigest()
+def _flat(sections: dict) -> dict[str, Any]:
+  return {f"{s}.{k}": v for s, table in sections.items() for k, v in table.items()}
+
+
+def _migrate(cat: str, saved) -> dict[str, Any]:
+  """A fingerprint category as written before keys declared their role (bare names, and
+  a bare digest for tokenizer/data) -> the current form."""
+  if isinstance(saved, str):
+    return {{"tokenizer": "data.tokenizer", "data": "data.source"}[cat]: {"spec": None, "digest": saved}}
+  out = {}
+  for k, v in (saved or {}).items():
+    if "." not in k:
+      k = config.RENAMED.get(f"train.{k}", f"train.{k}") if cat == "train" else f"{cat}.{k}"
+    out[k] = v
+  return out
+
+
+def _content(v) -> str:
+  if not isinstance(v, dict):
+    return repr(v)
+  return f"content {v['digest']}" if v.get("spec") is None else f"{v['spec']!r} (content {v['digest']})"
+
+
+def mismatches(saved: dict, current: dict) -> dict[str, str]:
+  """{category: 'what changed'} for every fingerprint category that differs. A key the
+  checkpoint predates is compared with its default (what that run used)."""
+  defaults = _flat(config.Config().to_dict())
+  out = {}
+  for cat in config.MISMATCH_CATEGORIES:
+    old, new = _migrate(cat, saved.get(cat)), current.get(cat, {})
+    changed = []
+    for k, now in sorted(new.items()):
+      was = old.get(k, defaults.get(k))
+      if isinstance(now, dict):  # a content key: the digests decide
+        if not isinstance(was, dict) or was.get("digest") != now["digest"]:
+          changed.append(f"{k}: {_content(was)} -> {_content(now)}")
+      elif was != now:
+        changed.append(f"{k}: {was!r} -> {now!r}")
+    if changed:
+      out[cat] = ", ".join(changed)
+  return out
 
 
 def _files(step_dir: Path) -> dict[str, dict]:
-  return {str(p.relative_to(step_dir)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+  return {str(p.relative_to(step_dir)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
           for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-  tmp = path.with_name(path.name + ".tmp")
-  with tmp.open("w") as f:
-    json.dump(obj, f, indent=1)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
 
 
 def _versions() -> dict[str, str]:
@@ -131,7 +132,7 @@ def verify(step_dir: Path, manifest: dict) -> None:
     if size != rec["size"]:
       raise CheckpointError(f"checkpoint {step_dir} is damaged: file {name} has {size} bytes, "
                             f"the manifest recorded {rec['size']}")
-    if _sha256(p) != rec["sha256"]:
+    if sha256_file(p) != rec["sha256"]:
       raise CheckpointError(f"checkpoint {step_dir} is damaged: file {name} does not match its recorded sha256")
 
 
@@ -226,7 +227,7 @@ class Checkpoints:
         step_dir = self.dir / str(step)
         manifest = {"format": FORMAT, "step": step, "written_at": time.time(), "versions": _versions(),
                     **body, "files": _files(step_dir)}
-        _write_json_atomic(step_dir / MANIFEST, manifest)
+        write_json_atomic(step_dir / MANIFEST, manifest)
         self._rotate()
       self.last_committed = step
     except BaseException as e:  # noqa: BLE001 (surfaced to the main thread by _raise_if_failed)
@@ -275,6 +276,9 @@ class Checkpoints:
     """Verified restore onto the shardings carried by `abstract_state` (any mesh)."""
     import orbax.checkpoint as ocp
     manifest = read_manifest(step_dir)
+    size = sum(f["size"] for f in manifest["files"].values())
+    t0 = time.perf_counter()
+    print(f"checkpoint: verifying and restoring {step_dir} ({size / 2**30:.2f} GiB)...", flush=True)
     verify(step_dir, manifest)
     own = step_dir.parent.absolute() == self.dir
     mgr = self.mgr if own else ocp.CheckpointManager(step_dir.parent.absolute())
@@ -286,6 +290,7 @@ class Checkpoints:
       if not own:
         mgr.close()
     self.last_committed = manifest["step"] if own else None
+    print(f"checkpoint: restored step {manifest['step']} in {time.perf_counter() - t0:.1f}s", flush=True)
     return state, manifest
 
 

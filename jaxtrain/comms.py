@@ -16,7 +16,11 @@ and e = a parameter's elements per device:
       also all-reduces its gradient there;
   sequence (ring attention): per layer each device passes its K and V blocks, T 2 K E s,
       to n-1 neighbours in the forward and again with dK and dV in the backward: 3 k (n-1) x that;
-  expert: all-to-all dispatch and combine of MoE layers; this model has none, so 0.
+  expert: expert weights split over `expert` are neither gathered nor reduced there (each
+      device computes and updates only its own experts); per MoE layer, the dispatch and
+      the combine all-to-all in the forward and their transposes in the backward, each
+      moving (n-1)/n of a device's (X, C, D) buffer in the compute dtype, C being the
+      capacity of the T tokens a device routes: 4 k (n-1)/n X C D s per MoE layer.
 The actual schedule is XLA's: it may fuse, reorder or keep gathered weights instead of
 gathering twice; these are the bytes the shardings imply.
 """
@@ -27,6 +31,7 @@ import math
 
 import numpy as np
 
+from jaxtrain import moe
 from jaxtrain.memory import Row, _ways, tokens_per_device
 
 GRAD_BYTES = 4
@@ -54,6 +59,8 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
       continue
     for r in rows:
       e = math.prod(r.device_shape) * r.count
+      if axis == "expert" and "experts" in r.axes:
+        continue  # expert parallelism: each device keeps and updates its own experts
       if axis in _axes_of(r.spec):
         add(axis, "param all-gather (fwd+bwd)", 2 * k * (n - 1) * e * s)
         add(axis, "grad reduce-scatter", k * (n - 1) * e * GRAD_BYTES)
@@ -78,6 +85,18 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
     K = m.n_kv_heads // _ways("act_kv_heads", m.n_kv_heads, mesh)
     add("sequence", "ring K/V transfers (fwd+bwd)", 3 * k * (n - 1) * m.n_layers * T * 2 * K * m.head_dim * s)
 
-  if mesh.shape["expert"] > 1:
-    add("expert", "MoE all-to-all (no MoE layers)", 0)
+  for what, nbytes in moe_traffic(cfg, mesh).items():
+    add("expert", what, nbytes)
   return out
+
+
+def moe_traffic(cfg, mesh) -> dict[str, int]:
+  """Bytes per device per step of the MoE dispatch/combine all-to-alls over `expert`."""
+  m, k = cfg.model, cfg.train.microbatches
+  n = mesh.shape["expert"]
+  if n == 1 or not m.moe_experts:
+    return {}
+  T = tokens_per_device(cfg, mesh)
+  C = moe.capacity(T, m.moe_experts, m.moe_top_k, m.moe_capacity_factor)
+  buffer = m.moe_experts * C * m.d_model * np.dtype(m.dtype).itemsize
+  return {f"MoE all-to-all (4 per MoE layer, capacity {C})": int(4 * k * m.moe_layers() * (n - 1) / n * buffer)}

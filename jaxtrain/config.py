@@ -1,132 +1,189 @@
 """Typed configuration: dataclasses, TOML presets, `--set section.key=value` overrides.
 
-Every key is declared once below with its type, default and meaning. Unknown keys and
-ill-typed values are user errors that name the key and what is allowed.
+Every key is declared once below with its type, default, meaning, bounds, and whether it
+changes the math of the run (`math=True`: the model function, the optimizer and schedule,
+the data order or content) or only how it runs (`math=False`: logging, cadences, the
+microbatch split, kernels, remat, flags). Checkpoints fingerprint exactly the math keys,
+so a resume with another value of a math key is a different run, and any other key may
+change freely. Unknown keys, ill-typed and non-finite values are user errors that name
+the key and what is allowed. Keys renamed when `[train]` was split keep working
+(`RENAMED`), with a one-line note.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
+import math as _math
+import sys
 import tomllib
 import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from jaxtrain import resources
 from jaxtrain.errors import UserError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Fingerprint categories (what --allow-mismatch names), and the category of each section's math keys.
+MISMATCH_CATEGORIES = ("model", "train", "tokenizer", "data")
+SECTION_CATEGORY = {"model": "model", "optim": "train", "train": "train", "loss_scale": "train", "data": "data"}
 
 
-def key(default: Any, doc: str, *, min: float | None = None):  # noqa: A002
-  """A config field: its default, one-line meaning and an optional lower bound."""
-  return dataclasses.field(default=default, metadata={"doc": doc, "min": min})
+def key(default: Any, doc: str, *, math: bool, min: float | None = None, max: float | None = None,  # noqa: A002
+        open_min: bool = False, open_max: bool = False, content: bool = False, category: str | None = None):
+  """A config field. `math`: does a different value make a different run (see the module
+  doc)? `min`/`max`: bounds, excluded themselves with `open_min`/`open_max`. `content`: the
+  value names files whose content, not the text, is fingerprinted. `category`: fingerprint
+  category when not the section's."""
+  return dataclasses.field(default=default, metadata={
+      "doc": doc, "math": math, "min": min, "max": max, "open_min": open_min, "open_max": open_max,
+      "content": content, "category": category})
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  vocab_size: int = key(512, "Embedding rows; >= the tokenizer's vocabulary (pad up for sharding).", min=1)
-  d_model: int = key(128, "Residual stream width.", min=1)
-  n_layers: int = key(2, "Number of transformer blocks.", min=1)
-  n_heads: int = key(8, "Query heads.", min=1)
-  n_kv_heads: int = key(4, "Key/value heads (grouped-query attention); divides n_heads.", min=1)
-  head_dim: int = key(16, "Width of one attention head.", min=1)
-  d_ff: int = key(256, "Hidden width of the SwiGLU MLP.", min=1)
-  rope_theta: float = key(10000.0, "RoPE base frequency.", min=1.0)
-  norm_eps: float = key(1e-5, "RMSNorm epsilon.", min=0.0)
-  tie_embeddings: bool = key(False, "Share the input embedding with the output projection.")
-  init_std: float = key(0.02, "Std of the normal initializer of embeddings and projections.", min=0.0)
+  vocab_size: int = key(512, "Embedding rows; >= the tokenizer's vocabulary (pad up for sharding).", math=True, min=1)
+  d_model: int = key(128, "Residual stream width.", math=True, min=1)
+  n_layers: int = key(2, "Number of transformer blocks.", math=True, min=1)
+  n_heads: int = key(8, "Query heads.", math=True, min=1)
+  n_kv_heads: int = key(4, "Key/value heads (grouped-query attention); divides n_heads.", math=True, min=1)
+  head_dim: int = key(16, "Width of one attention head.", math=True, min=1)
+  d_ff: int = key(256, "Hidden width of the SwiGLU MLP.", math=True, min=1)
+  rope_theta: float = key(10000.0, "RoPE base frequency.", math=True, min=1.0)
+  norm_eps: float = key(1e-5, "RMSNorm epsilon.", math=True, min=0.0)
+  tie_embeddings: bool = key(False, "Share the input embedding with the output projection.", math=True)
+  init_std: float = key(0.02, "Std of the normal initializer of embeddings and projections.", math=True, min=0.0)
   dtype: Literal["bfloat16", "float16", "float32"] = key(
-      "bfloat16", "Compute dtype. Parameters, Adam moments, logits and the loss are always float32.")
-  moe_experts: int = key(0, "Experts per mixture-of-experts layer; 0 = dense MLP in every layer.", min=0)
-  moe_top_k: int = key(2, "Experts each token is routed to (weights renormalized over them).", min=1)
-  moe_every: int = key(1, "Layer i is MoE when (i + 1) % moe_every == 0; 1 = every layer.", min=1)
+      "bfloat16", "Compute dtype. Parameters, Adam moments, logits and the loss are always float32.", math=True)
+  moe_experts: int = key(0, "Experts per mixture-of-experts layer; 0 = dense MLP in every layer.", math=True, min=0)
+  moe_top_k: int = key(2, "Experts each token is routed to (weights renormalized over them).", math=True, min=1)
+  moe_every: int = key(1, "Layer i is MoE when (i + 1) % moe_every == 0; 1 = every layer.", math=True, min=1)
   moe_capacity_factor: float = key(
-      1.25, "Expert capacity ceil(factor * tokens * top_k / experts) per device's tokens; 0 = never drop.", min=0.0)
-  moe_aux_weight: float = key(0.01, "Weight of the load-balancing loss added to the training loss.", min=0.0)
-  moe_z_weight: float = key(0.001, "Weight of the router z-loss added to the training loss.", min=0.0)
+      1.25, "Expert capacity ceil(factor * tokens * top_k / experts) per device's tokens; 0 = never drop.",
+      math=True, min=0.0)
+  moe_aux_weight: float = key(0.01, "Weight of the load-balancing loss added to the training loss.", math=True,
+                              min=0.0)
+  moe_z_weight: float = key(0.001, "Weight of the router z-loss added to the training loss.", math=True, min=0.0)
   attention: Literal["auto", "xla", "cudnn"] = key(
-      "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if unsupported).")
+      "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if "
+      "unsupported). With sequence > 1 ring attention runs (cudnn is then an error).", math=False)
+  # Not the math, but the checkpoint's layout (stacked vs per-layer params): resuming across it cannot work.
   scan_layers: bool = key(
-      False, "Stack the blocks' params on a leading `layers` axis and run them with one jax.lax.scan (faster compiles).")
+      False, "Stack the blocks' params on a leading `layers` axis and run them with one jax.lax.scan (faster "
+      "compiles).", math=True)
   remat: Literal["none", "full", "save_dots", "save_named", "offload_named"] = key(
       "none", "Per-block rematerialization: none; full; save_dots (keep projection matmuls); save_named "
-      "(keep q/k/v, attention output, MLP hidden); offload_named (those to pinned host memory).")
+      "(keep q/k/v, attention output, MLP hidden); offload_named (those to pinned host memory).", math=False)
+
+  def is_moe_layer(self, i: int) -> bool:
+    """The one rule for which layers are mixture-of-experts layers."""
+    return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
+
+  def moe_layers(self) -> int:
+    return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  lr: float = key(3e-3, "Peak learning rate.", math=True, min=0.0)
+  warmup_steps: int = key(5, "Linear warmup steps, from lr/warmup_steps up to lr.", math=True, min=0)
+  min_lr_ratio: float = key(0.1, "Cosine decay ends at lr * min_lr_ratio at the last step.", math=True, min=0.0,
+                            max=1.0)
+  weight_decay: float = key(0.1, "AdamW decoupled weight decay; applied to projection matrices only.", math=True,
+                            min=0.0)
+  b1: float = key(0.9, "Adam beta1, in [0, 1).", math=True, min=0.0, max=1.0, open_max=True)
+  b2: float = key(0.95, "Adam beta2, in [0, 1).", math=True, min=0.0, max=1.0, open_max=True)
+  eps: float = key(1e-8, "Adam epsilon (> 0).", math=True, min=0.0, open_min=True)
+  grad_clip: float = key(1.0, "Clip the global gradient norm to this value (0 disables).", math=True, min=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  steps: int = key(20, "Length of the LR schedule, and the run's length unless --steps stops it sooner or later.", min=1)
-  batch_size: int = key(16, "Global sequences per optimizer step (all microbatches, all ranks).", min=1)
-  seq_len: int = key(128, "Tokens per sequence.", min=2)
-  microbatches: int = key(1, "Gradient-accumulation steps per optimizer step; divides batch_size.", min=1)
-  lr: float = key(3e-3, "Peak learning rate.", min=0.0)
-  warmup_steps: int = key(5, "Linear warmup steps, from lr/warmup_steps up to lr.", min=0)
-  min_lr_ratio: float = key(0.1, "Cosine decay ends at lr * min_lr_ratio at the last step.", min=0.0)
-  weight_decay: float = key(0.1, "AdamW decoupled weight decay; applied to projection matrices only.", min=0.0)
-  b1: float = key(0.9, "Adam beta1.", min=0.0)
-  b2: float = key(0.95, "Adam beta2.", min=0.0)
-  eps: float = key(1e-8, "Adam epsilon.", min=0.0)
-  grad_clip: float = key(1.0, "Clip the global gradient norm to this value (0 disables).", min=0.0)
-  seed: int = key(0, "Seed of the parameter init and of the data order.", min=0)
-  max_skipped_in_a_row: int = key(10, "Abort the run after this many non-finite (skipped) steps in a row.", min=1)
-  log_every: int = key(1, "Print a progress line every N steps (metrics.jsonl gets every step).", min=1)
-  eval_interval: int = key(0, "Evaluate on the held-out split every N steps (0 = never); see data.eval_*.", min=0)
+  steps: int = key(20, "Length of the LR schedule, and the run's length unless --steps stops it sooner or later.",
+                   math=True, min=1)
+  batch_size: int = key(16, "Global sequences per optimizer step (all microbatches, all ranks).", math=True, min=1)
+  seq_len: int = key(128, "Tokens per sequence.", math=True, min=2)
+  microbatches: int = key(1, "Gradient-accumulation steps per optimizer step; divides batch_size.", math=False, min=1)
+  seed: int = key(0, "Seed of the parameter init and of the data order.", math=True, min=0)
+  max_skipped_in_a_row: int = key(10, "Abort the run after this many non-finite (skipped) steps in a row.",
+                                  math=False, min=1)
+  eval_interval: int = key(0, "Evaluate on the held-out split every N steps (0 = never); see data.eval_*.",
+                           math=False, min=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  log_every: int = key(1, "Print a progress line every N steps (metrics.jsonl gets every step).", math=False, min=1)
   sequence_parallel: bool = key(
-      False, "Megatron sequence parallelism: with tensor > 1, norms and residual adds run split along the sequence.")
+      False, "Megatron sequence parallelism: with tensor > 1, norms and residual adds run split along the sequence.",
+      math=False)
   xla_flags: Literal["none", "gpu-default"] = key(
-      "none", "XLA/NCCL flag preset applied before the backend starts (jaxtrain.xla_flags); unknown flags are dropped.")
-  xla_flags_extra: str = key("", "Extra XLA flags, space-separated (--xla_...=v), validated like the preset.")
-  tensorboard: bool = key(True, "Also write the metrics as TensorBoard scalars to <workdir>/tb/ (process 0).")
-  profile_steps: str = key("", "Steps to trace with jax.profiler into <workdir>/profile/, e.g. '5-7' or '3'; empty = none.")
+      "none", "XLA/NCCL flag preset applied before the backend starts (jaxtrain.xla_flags); unknown flags are "
+      "dropped.", math=False)
+  xla_flags_extra: str = key("", "Extra XLA flags, space-separated (--xla_...=v), validated like the preset.",
+                             math=False)
+  tensorboard: bool = key(True, "Also write the metrics as TensorBoard scalars to <workdir>/tb/ (process 0).",
+                          math=False)
+  profile_steps: str = key("", "Steps to trace with jax.profiler into <workdir>/profile/, e.g. '5-7' or '3'; "
+                           "empty = none.", math=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
   mode: Literal["auto", "dynamic", "off"] = key(
-      "auto", "Dynamic loss scaling: auto = on for float16 compute only; dynamic = always; off = scale 1.0.")
-  initial: float = key(2.0**15, "Initial loss scale.", min=1.0)
-  growth_interval: int = key(2000, "Finite steps in a row after which the scale grows.", min=1)
-  growth_factor: float = key(2.0, "Multiplier applied when the scale grows.", min=1.0)
-  backoff_factor: float = key(0.5, "Multiplier applied after a non-finite step (< 1).", min=0.0)
-  min: float = key(1.0, "Lower bound of the scale.", min=0.0)
-  max: float = key(2.0**24, "Upper bound of the scale.", min=1.0)
+      "auto", "Dynamic loss scaling: auto = on for float16 compute only; dynamic = always; off = scale 1.0.",
+      math=True)
+  initial: float = key(2.0**15, "Initial loss scale.", math=True, min=1.0)
+  growth_interval: int = key(2000, "Finite steps in a row after which the scale grows.", math=True, min=1)
+  growth_factor: float = key(2.0, "Multiplier applied when the scale grows.", math=True, min=1.0)
+  backoff_factor: float = key(0.5, "Multiplier applied after a non-finite step, in (0, 1).", math=True, min=0.0,
+                              max=1.0, open_min=True, open_max=True)
+  min: float = key(1.0, "Lower bound of the scale.", math=True, min=0.0)
+  max: float = key(2.0**24, "Upper bound of the scale.", math=True, min=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  interval: int = key(10, "Save every N steps (and always at the last step and on SIGTERM); 0 = only those.", min=0)
-  keep: int = key(3, "Committed checkpoints to keep (the newest ones).", min=1)
-  keep_every: int = key(0, "Also keep every checkpoint whose step is a multiple of this (0 = none).", min=0)
-  async_save: bool = key(True, "Write checkpoints in the background while training continues.")
+  interval: int = key(10, "Save every N steps (and always at the last step and on SIGTERM); 0 = only those.",
+                      math=False, min=0)
+  keep: int = key(3, "Committed checkpoints to keep (the newest ones).", math=False, min=1)
+  keep_every: int = key(0, "Also keep every checkpoint whose step is a multiple of this (0 = none).", math=False,
+                        min=0)
+  async_save: bool = key(True, "Write checkpoints in the background while training continues.", math=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-  heartbeat_timeout_s: int = key(100, "A process silent this long counts as dead; the others then exit non-zero.", min=1)
-  init_timeout_s: int = key(300, "How long processes wait for each other at start-up.", min=1)
+  heartbeat_timeout_s: int = key(100, "A process silent this long counts as dead; the others then exit non-zero.",
+                                 math=False, min=1)
+  init_timeout_s: int = key(300, "How long processes wait for each other at start-up.", math=False, min=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   source: str = key("bundled", "'bundled' (shipped corpus), a prepared dir, or a .txt/.jsonl/.parquet file; "
-                    "comma-separated prepared dirs make a mixture.")
-  text_field: str = key("text", "Field holding the text in a raw .jsonl/.parquet source.")
-  tokenizer: str = key("byte", "'byte' or a path to a tokenizer.json; must be the one the data was prepared with.")
-  weights: str = key("", "Mixture weights, comma-separated, one per source; empty = proportional to tokens.")
-  eval_source: str = key("", "Held-out data (same forms as source); empty = hold out data.eval_fraction.")
-  eval_fraction: float = key(0.0, "Fraction of each source's documents held out for evaluation (fixed split).", min=0.0)
-  eval_batches: int = key(4, "Global batches per evaluation (the same ones every time).", min=1)
-  workers: int = key(2, "Background threads building batches (0 = in the training thread).", min=0)
-  prefetch: int = key(4, "Batches built ahead of the training loop.", min=1)
-  verify: bool = key(True, "Check every shard's sha256 against the manifest when a prepared dir is opened.")
+                    "comma-separated prepared dirs make a mixture.", math=True, content=True)
+  text_field: str = key("text", "Field holding the text in a raw .jsonl/.parquet source.", math=True)
+  tokenizer: str = key("byte", "'byte' or a path to a tokenizer.json; must be the one the data was prepared with.",
+                       math=True, content=True, category="tokenizer")
+  weights: str = key("", "Mixture weights, comma-separated, one per source; empty = proportional to tokens.",
+                     math=True)
+  eval_source: str = key("", "Held-out data (same forms as source); empty = hold out data.eval_fraction.",
+                         math=False)
+  eval_fraction: float = key(0.0, "Fraction of each source's documents held out for evaluation (fixed split); "
+                             "it removes them from training.", math=True, min=0.0, max=1.0, open_max=True)
+  eval_batches: int = key(4, "Global batches per evaluation (the same ones every time).", math=False, min=1)
+  workers: int = key(2, "Background threads building batches (0 = in the training thread).", math=False, min=0)
+  prefetch: int = key(4, "Batches built ahead of the training loop.", math=False, min=1)
+  verify: bool = key(True, "Check every shard's sha256 against the manifest when a prepared dir is opened.",
+                     math=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  run: RunConfig = dataclasses.field(default_factory=RunConfig)
   loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
@@ -135,17 +192,29 @@ class Config:
   def to_dict(self) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(self)
 
-  def digest(self, section: str) -> str:
-    """A stable hash of one section, for checkpoint compatibility checks."""
-    blob = json.dumps(dataclasses.asdict(getattr(self, section)), sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 
+# Keys that moved when [train] was split by concern: old name -> new name.
+RENAMED = {f"train.{k}": f"optim.{k}" for k in dataclasses.asdict(OptimConfig())} | {
+    f"train.{k}": f"run.{k}" for k in dataclasses.asdict(RunConfig())}
 
-def _fields(section: str) -> dict[str, dataclasses.Field]:
+
+def fields(section: str) -> dict[str, dataclasses.Field]:
   return {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+
+
+def all_keys() -> dict[str, dataclasses.Field]:
+  """Every key as 'section.name' -> its field (with the declaration in `metadata`)."""
+  return {f"{s}.{n}": f for s in SECTIONS for n, f in fields(s).items()}
+
+
+def category(dotted: str) -> str | None:
+  """The fingerprint category of a math key; None for a key that only steers the run."""
+  field = all_keys()[dotted]
+  if not field.metadata["math"]:
+    return None
+  return field.metadata["category"] or SECTION_CATEGORY[dotted.partition(".")[0]]
 
 
 def _type_name(tp: Any) -> str:
@@ -169,21 +238,25 @@ def _coerce(where: str, tp: Any, value: Any, *, from_text: bool) -> Any:
     raise UserError(f"{where}={value!r} is not a bool; use true or false")
   if tp is int:
     if from_text and isinstance(value, str):
-      try:
-        value = int(value.replace("_", ""))
-      except ValueError:
-        raise UserError(f"{where}={value!r} is not an integer") from None
+      text = value.replace("_", "")
+      if not (text.isascii() and text.lstrip("+-").isdigit()):  # int() would take full-width digits
+        raise UserError(f"{where}={value!r} is not an integer")
+      value = int(text)
     if isinstance(value, bool) or not isinstance(value, int):
       raise UserError(f"{where}={value!r} is not an integer")
     return value
   if tp is float:
     if from_text and isinstance(value, str):
       try:
-        value = float(value)
+        value = float(value) if value.isascii() else value
       except ValueError:
-        raise UserError(f"{where}={value!r} is not a number") from None
+        pass
+      if isinstance(value, str):
+        raise UserError(f"{where}={value!r} is not a number")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise UserError(f"{where}={value!r} is not a number")
+    if not _math.isfinite(value):
+      raise UserError(f"{where}={value} is not a finite number")
     return float(value)
   if tp is str:
     if not isinstance(value, str):
@@ -192,24 +265,31 @@ def _coerce(where: str, tp: Any, value: Any, *, from_text: bool) -> Any:
   raise TypeError(f"unsupported config type {tp}")
 
 
-def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: bool) -> None:
+def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: bool, renamed: set[str]) -> None:
+  if dotted in RENAMED:
+    renamed.add(dotted)
+    dotted = RENAMED[dotted]
   section, _, name = dotted.partition(".")
   if section not in SECTIONS:
     raise UserError(f"unknown config section {section!r} in {dotted!r}; sections: {', '.join(SECTIONS)}")
-  fields = _fields(section)
-  if name not in fields:
-    raise UserError(f"unknown config key {dotted!r}; keys of [{section}]: {', '.join(fields)}")
-  field = fields[name]
+  fs = fields(section)
+  if name not in fs:
+    raise UserError(f"unknown config key {dotted!r}; keys of [{section}]: {', '.join(fs)}")
+  meta = fs[name].metadata
   tp = typing.get_type_hints(SECTIONS[section])[name]
   value = _coerce(dotted, tp, value, from_text=from_text)
-  lo = field.metadata["min"]
+  lo, hi = meta["min"], meta["max"]
   if lo is not None and value < lo:
     raise UserError(f"{dotted}={value} is below its minimum {lo}")
+  if lo is not None and meta["open_min"] and value == lo:
+    raise UserError(f"{dotted}={value} must be above {lo}")
+  if hi is not None and (value >= hi if meta["open_max"] else value > hi):
+    raise UserError(f"{dotted}={value} must be {'below' if meta['open_max'] else 'at most'} {hi}")
   raw.setdefault(section, {})[name] = value
 
 
 def preset_names() -> list[str]:
-  return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+  return resources.names("configs")
 
 
 def resolve_preset(name_or_path: str) -> Path:
@@ -218,10 +298,34 @@ def resolve_preset(name_or_path: str) -> Path:
     if not path.is_file():
       raise UserError(f"config file {name_or_path!r} does not exist")
     return path
-  path = CONFIG_DIR / f"{name_or_path}.toml"
-  if not path.is_file():
-    raise UserError(f"unknown config {name_or_path!r}; presets: {', '.join(preset_names())} (or a path to a .toml file)")
-  return path
+  found = resources.find("configs", name_or_path)
+  if found is None:
+    raise UserError(f"unknown config {name_or_path!r}; presets: {', '.join(preset_names())} (or a path to a .toml "
+                    "file)")
+  return found
+
+
+def from_dict(doc: dict[str, Any], overrides: list[str] = (), where: str = "config") -> Config:
+  """A Config from nested {section: {key: value}} (a TOML file, or a stored config.json)
+  plus `section.key=value` overrides."""
+  raw: dict[str, dict[str, Any]] = {}
+  renamed: set[str] = set()
+  for section, table in doc.items():
+    if not isinstance(table, dict):
+      raise UserError(f"{where}: top-level key {section!r} must be a [section]; sections: {', '.join(SECTIONS)}")
+    for name, value in table.items():
+      _set(raw, f"{section}.{name}", value, from_text=False, renamed=renamed)
+  for item in overrides:
+    dotted, eq, value = item.partition("=")
+    if not eq or "." not in dotted:
+      raise UserError(f"--set {item!r} must look like section.key=value")
+    _set(raw, dotted.strip(), value.strip(), from_text=True, renamed=renamed)
+  if renamed:
+    print(f"note: renamed config keys accepted: {', '.join(f'{k} -> {RENAMED[k]}' for k in sorted(renamed))}",
+          file=sys.stderr)
+  cfg = Config(**{s: SECTIONS[s](**raw.get(s, {})) for s in SECTIONS})
+  validate(cfg)
+  return cfg
 
 
 def load(name_or_path: str = "tiny", overrides: list[str] = ()) -> Config:
@@ -231,20 +335,9 @@ def load(name_or_path: str = "tiny", overrides: list[str] = ()) -> Config:
     doc = tomllib.loads(path.read_text())
   except tomllib.TOMLDecodeError as e:
     raise UserError(f"config file {str(path)!r} is not valid TOML: {e}") from None
-  raw: dict[str, dict[str, Any]] = {}
-  for section, table in doc.items():
-    if not isinstance(table, dict):
-      raise UserError(f"{path.name}: top-level key {section!r} must be a [section]; sections: {', '.join(SECTIONS)}")
-    for name, value in table.items():
-      _set(raw, f"{section}.{name}", value, from_text=False)
-  for item in overrides:
-    dotted, eq, value = item.partition("=")
-    if not eq or "." not in dotted:
-      raise UserError(f"--set {item!r} must look like section.key=value")
-    _set(raw, dotted.strip(), value.strip(), from_text=True)
-  cfg = Config(**{s: SECTIONS[s](**raw.get(s, {})) for s in SECTIONS})
-  validate(cfg)
-  return cfg
+  except (OSError, UnicodeDecodeError) as e:
+    raise UserError(f"config file {str(path)!r} cannot be read: {e}") from None
+  return from_dict(doc, overrides, path.name)
 
 
 def validate(cfg: Config) -> None:
@@ -255,26 +348,30 @@ def validate(cfg: Config) -> None:
   if m.moe_experts and m.moe_top_k > m.moe_experts:
     raise UserError(f"model.moe_top_k={m.moe_top_k} must be at most model.moe_experts={m.moe_experts}")
   if m.scan_layers and m.moe_experts and m.moe_every > 1:
-    raise UserError(f"model.scan_layers=true needs identical layers; model.moe_every={m.moe_every} mixes dense and MoE "
-                    "layers (use moe_every=1 or scan_layers=false)")
+    raise UserError(f"model.scan_layers=true needs identical layers; model.moe_every={m.moe_every} mixes dense and "
+                    "MoE layers (use moe_every=1 or scan_layers=false)")
   if m.head_dim % 2:
     raise UserError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
   ls = cfg.loss_scale
-  if not 0 < ls.backoff_factor < 1:
-    raise UserError(f"loss_scale.backoff_factor={ls.backoff_factor} must be between 0 and 1 (exclusive)")
   if not ls.min <= ls.initial <= ls.max:
-    raise UserError(f"loss_scale.initial={ls.initial} must lie within [loss_scale.min={ls.min}, loss_scale.max={ls.max}]")
+    raise UserError(f"loss_scale.initial={ls.initial} must lie within [loss_scale.min={ls.min}, "
+                    f"loss_scale.max={ls.max}]")
   if t.batch_size % t.microbatches:
     raise UserError(f"train.microbatches={t.microbatches} must divide train.batch_size={t.batch_size}")
 
 
 def help_text() -> str:
-  """Every key with its type, default and meaning."""
+  """Every key with its type, default, meaning, and whether it is part of the run's identity."""
   lines = []
   for section, cls in SECTIONS.items():
     lines.append(f"[{section}]")
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-      lines.append(f"  {section}.{f.name} ({_type_name(hints[f.name])}, default {f.default!r})")
+      role = "same-run" if f.metadata["math"] else "free"
+      lines.append(f"  {section}.{f.name} ({_type_name(hints[f.name])}, default {f.default!r}, {role})")
       lines.append(f"      {f.metadata['doc']}")
+  lines.append("")
+  lines.append("same-run: part of the checkpoint's fingerprint (a resume with another value is refused unless "
+               "--allow-mismatch); free: may change on resume.")
+  lines.append("Renamed keys still accepted: " + ", ".join(f"{k} -> {v}" for k, v in RENAMED.items()))
   return "\n".join(lines)

@@ -11,30 +11,22 @@ beside the analytic bill. Simulated CPU devices stand in for the mesh, as in the
 
 from __future__ import annotations
 
-import argparse
 import json
-import re
 import sys
 import time
 
-from jaxtrain.errors import UserError, exit_with
+from jaxtrain import cli
+from jaxtrain.errors import UserError
 
 # The fields of one batch (see data.fields_from_rows), all int32 (batch, seq_len).
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 
 
-class _Parser(argparse.ArgumentParser):
-
-  def error(self, message):
-    exit_with(UserError(f"{message} (see --help)"), self.prog)
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-  p = _Parser(prog="jaxtrain.inspect", description="Show parameter shardings, the memory bill, FLOPs and "
-                                                   "communication of a run before launching it.")
-  p.add_argument("--mesh", default="fsdp=-1", help="as for jaxtrain.train (default: fsdp=-1)")
-  p.add_argument("--config", default="tiny", help="preset name from configs/ or a path to a .toml file (default: tiny)")
-  p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config key")
+def parse_args(argv=None):
+  p = cli.Parser(prog="jaxtrain.inspect", description="Show parameter shardings, the memory bill, FLOPs and "
+                                                      "communication of a run before launching it.")
+  cli.add_mesh_args(p)
+  cli.add_config_args(p, help_config=False)
   p.add_argument("--compile", action="store_true", help="also compile the train step and print XLA's memory analysis")
   p.add_argument("--device-memory", metavar="SIZE|KIND",
                  help="memory per device for the verdict: a size (80GiB, 80GB, bytes) or a device kind (H100, ...); "
@@ -61,9 +53,11 @@ def abstract_inputs(setup):
 
 def compiled_memory(setup) -> dict:
   """Lowers and compiles the real train step; XLA's per-device memory analysis."""
+  print("compiling the train step (this can take a minute for large models)...", file=sys.stderr, flush=True)
   t0 = time.perf_counter()
   compiled = setup.step.lower(*abstract_inputs(setup)).compile()
   seconds = time.perf_counter() - t0
+  print(f"compiled in {seconds:.1f}s", file=sys.stderr, flush=True)
   ma = compiled.memory_analysis()
   if ma is None:
     return {"seconds": seconds, "available": False}
@@ -138,9 +132,10 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
 
 def _collapse(lines: list[str]) -> dict[str, int]:
   """Identical notes about repeated layers, once with a count."""
+  from jaxtrain import memory
   out: dict[str, int] = {}
   for line in lines:
-    key = re.sub(r"(^|/)layers/\d+/", r"\1layers/*/", line)
+    key = memory.generic_path(line)
     out[key] = out.get(key, 0) + 1
   return out
 
@@ -213,20 +208,18 @@ def render(rep: dict) -> str:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from jaxtrain import config, memory, mesh as mesh_lib
-  from pathlib import Path
-  try:
+
+  def body(set_prog):
+    from pathlib import Path
+    from jaxtrain import memory
     if not 0 <= args.margin < 10:
       raise UserError(f"--margin {args.margin}: must be a fraction >= 0 (e.g. 0.1)")
     threshold = memory.parse_size(args.warn_replicated, "--warn-replicated")
-    cfg = config.load(args.config, args.set)
-    mesh = mesh_lib.setup(args.mesh)
-    rep = report(cfg, mesh, Path(args.config).stem, compile=args.compile, device_memory=args.device_memory,
-                 margin=args.margin, warn_replicated=threshold)
-  except UserError as e:
-    exit_with(e, "jaxtrain.inspect")
-  print(json.dumps(rep, indent=1) if args.json else render(rep))
-  return 0
+    started = cli.start(args, "jaxtrain.inspect")
+    rep = report(started.cfg, started.mesh, Path(args.config).stem, compile=args.compile,
+                 device_memory=args.device_memory, margin=args.margin, warn_replicated=threshold)
+    print(json.dumps(rep, indent=1) if args.json else render(rep))
+  return cli.main("jaxtrain.inspect", body)
 
 
 if __name__ == "__main__":

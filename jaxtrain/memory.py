@@ -15,27 +15,13 @@ import re
 import jax
 import numpy as np
 
-from jaxtrain import sharding
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxtrain import devices, sharding
 from jaxtrain.errors import UserError
 
 GiB = 2**30
 
-# Memory per device by substring of jax's device_kind (the longest match wins).
-DEVICE_MEMORY = {
-    "H100": 80 * GiB,
-    "H200": 141 * 10**9,
-    "GH200": 96 * GiB,
-    "B200": 180 * 10**9,
-    "A100": 80 * GiB,
-    "A100-SXM4-40GB": 40 * GiB,
-    "A100-PCIE-40GB": 40 * GiB,
-    "L40S": 48 * GiB,
-    "A10G": 24 * GiB,
-    "TPU v4": 32 * GiB,
-    "TPU v5 lite": 16 * GiB,
-    "TPU v5p": 95 * GiB,
-    "TPU v6 lite": 32 * GiB,
-}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -51,14 +37,14 @@ def parse_size(text: str, flag: str = "--device-memory") -> int:
 def device_memory(text: str | None, device_kind: str) -> tuple[int | None, str]:
   """(bytes, where it came from) for --device-memory SIZE|KIND, else the local device's kind."""
   def by_kind(kind):
-    hits = [k for k in DEVICE_MEMORY if k.lower() in kind.lower()]
-    return DEVICE_MEMORY[max(hits, key=len)] if hits else None
+    entry = devices.lookup(kind)
+    return entry.memory_bytes if entry else None
   if text:
     if text.strip()[:1].isdigit():
       return parse_size(text), text
     if by_kind(text) is None:
       raise UserError(f"--device-memory {text!r} is neither a size (e.g. 80GiB) nor a known device kind: "
-                      f"{', '.join(DEVICE_MEMORY)}")
+                      f"{', '.join(devices.TABLE)}")
     return by_kind(text), text
   found = by_kind(device_kind)
   return found, device_kind if found else "unknown"
@@ -66,14 +52,7 @@ def device_memory(text: str | None, device_kind: str) -> tuple[int | None, str]:
 
 def per_device_shape(shape, spec, mesh) -> tuple[int, ...]:
   """Global shape divided, dimension by dimension, by the mesh axes that split it."""
-  out = []
-  for i, dim in enumerate(shape):
-    entry = spec[i] if i < len(spec) else None
-    names = entry if isinstance(entry, tuple) else ((entry,) if entry else ())
-    ways = math.prod(mesh.shape[a] for a in names)
-    assert dim % ways == 0, (shape, spec)
-    out.append(dim // ways)
-  return tuple(out)
+  return tuple(NamedSharding(mesh, P(*spec)).shard_shape(tuple(shape)))
 
 
 def _path(path) -> str:
@@ -111,11 +90,19 @@ def param_rows(setup) -> list[Row]:
   return rows
 
 
+_LAYER = re.compile(r"(^|/)layers/\d+(/|$)")
+
+
+def generic_path(text: str) -> str:
+  """'layers/3/attn/wq' -> 'layers/*/attn/wq': the one pattern for a repeated layer's path."""
+  return _LAYER.sub(r"\1layers/*\2", text)
+
+
 def grouped(rows: list[Row]) -> list[Row]:
   """Repeated layers (layers/0/..., layers/1/...) shown once with a count where identical."""
   groups: dict[tuple, list[Row]] = {}
   for r in rows:
-    key = re.sub(r"(^|/)layers/\d+(/|$)", r"\1layers/*\2", r.path)
+    key = generic_path(r.path)
     groups.setdefault((key, r.axes, r.spec, r.shape, r.dtype), []).append(r)
   return [dataclasses.replace(g[0], path=k[0] if len(g) > 1 else g[0].path, count=len(g)) for k, g in groups.items()]
 
@@ -154,7 +141,7 @@ def tokens_per_device(cfg, mesh) -> int:
 def activations(cfg, mesh, remat: str = "none") -> dict[str, int]:
   """Activation bytes per device kept for the backward pass of one microbatch.
 
-  remat "none" (what the trainer does today): everything autodiff saves, per token per
+  remat "none" (the default of model.remat): everything autodiff saves, per token per
   layer, with s = bytes of the compute dtype and sizes per device (heads H, KV heads K and
   MLP width F divided by their tensor split, D by its act_embed split, L the full length):
     2 RMSNorms      2 (8 + s) D + 16   f32 input, f32 normalized, s output, f32 statistics

@@ -12,12 +12,12 @@ import os
 import tomllib
 from pathlib import Path
 
+from jaxtrain import resources
 from jaxtrain.errors import UserError
 
 # Outermost to innermost.
 AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 ALIASES = {"dp": "data", "fsdp": "fsdp", "ep": "expert", "sp": "sequence", "tp": "tensor"}
-MESH_DIR = Path(__file__).resolve().parent.parent / "meshes"
 
 
 def _axis(name: str) -> str:
@@ -31,17 +31,16 @@ def _axis(name: str) -> str:
 
 
 def _size(given: str, text: str) -> int:
-  try:
-    size = int(text)
-  except ValueError:
-    size = 0
+  text = text.strip()
+  # ASCII digits only: int() would also take full-width or other Unicode digits.
+  size = int(text) if text.isascii() and text.lstrip("-").isdigit() else 0
   if size == -1 or size >= 1:
     return size
   raise UserError(f"mesh {given.strip()}={text.strip()}: size must be a positive integer (or -1 for one axis to fill the rest)")
 
 
 def preset_names() -> list[str]:
-  return sorted(p.stem for p in MESH_DIR.glob("*.toml"))
+  return resources.names("meshes")
 
 
 def _from_preset(path: Path) -> str:
@@ -63,8 +62,8 @@ def parse_full(spec: str) -> tuple[dict[str, int], dict[str, int]]:
   """
   spec = spec.strip()
   if "=" not in spec:
-    path = Path(spec) if spec.endswith(".toml") else MESH_DIR / f"{spec}.toml"
-    if not path.is_file():
+    path = Path(spec) if spec.endswith(".toml") else resources.find("meshes", spec)
+    if path is None or not path.is_file():
       raise UserError(f"mesh {spec!r} is neither axis=size pairs (e.g. dp=8,tp=8) nor a preset; presets: {', '.join(preset_names())}")
     spec = _from_preset(path)
   sizes: dict[str, int] = {}

@@ -3,7 +3,9 @@
 Tensors are named with their shape: B batch, L length, D d_model, H query heads,
 K kv heads, G = H/K queries per kv head, E head_dim, F d_ff, V vocab.
 Parameters carry their logical axes in the `axes` metadata; `jaxtrain.sharding` maps
-those to the mesh. Nothing here names a mesh axis or calls a collective.
+those to the mesh. Nothing here names a mesh axis or calls a collective: activations are
+annotated, attention run and MoE tokens dispatched through the execution plan
+(`jaxtrain.plan`) that the caller passes in.
 """
 
 from __future__ import annotations
@@ -13,9 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxtrain import plan as plan_lib
 from jaxtrain.config import ModelConfig
-from jaxtrain import attention as attention_lib, moe, ring
-from jaxtrain.sharding import constrain
 
 # Tensors named for the save_named / offload_named remat policies.
 NAMED = ("q", "k", "v", "attn_out", "mlp_hidden")
@@ -90,19 +91,16 @@ class Attention(nnx.Module):
     self.wv = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
     self.wo = _param(rngs, (H, E, D), ("heads", "head_dim", "embed"), std)
     self.theta = cfg.rope_theta
-    self.cfg = cfg
 
-  def __call__(self, x_BxLxD, pos_BxL, seg_BxL):
+  def __call__(self, x_BxLxD, pos_BxL, seg_BxL, plan):
     dt = x_BxLxD.dtype
     q = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
     k = jnp.einsum("bld,dke->blke", x_BxLxD, self.wk[...].astype(dt))
     v = jnp.einsum("bld,dke->blke", x_BxLxD, self.wv[...].astype(dt))
-    q = checkpoint_name(constrain(rope(q, pos_BxL, self.theta), ("batch", "length", "act_heads", None)), "q")
-    k = checkpoint_name(constrain(rope(k, pos_BxL, self.theta), ("batch", "length", "act_kv_heads", None)), "k")
-    v = checkpoint_name(constrain(v, ("batch", "length", "act_kv_heads", None)), "v")
-    # ring over `length` when it is sharded; else cuDNN or the reference, per attention.select
-    o_BxLxHxE = ring.attention(attention_lib.kernel(self.cfg, attention), q, k, v, seg_BxL)
-    o_BxLxHxE = checkpoint_name(o_BxLxHxE, "attn_out")
+    q = checkpoint_name(plan.constrain(rope(q, pos_BxL, self.theta), ("batch", "length", "act_heads", None)), "q")
+    k = checkpoint_name(plan.constrain(rope(k, pos_BxL, self.theta), ("batch", "length", "act_kv_heads", None)), "k")
+    v = checkpoint_name(plan.constrain(v, ("batch", "length", "act_kv_heads", None)), "v")
+    o_BxLxHxE = checkpoint_name(plan.attend(q, k, v, seg_BxL), "attn_out")
     return jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt))
 
 
@@ -115,11 +113,12 @@ class MLP(nnx.Module):
     self.w_up = _param(rngs, (D, F), ("embed", "mlp"), std)
     self.w_down = _param(rngs, (F, D), ("mlp", "embed"), std)
 
-  def __call__(self, x_BxLxD):
+  def __call__(self, x_BxLxD, plan):
     dt = x_BxLxD.dtype
     g_BxLxF = x_BxLxD @ self.w_gate[...].astype(dt)
     u_BxLxF = x_BxLxD @ self.w_up[...].astype(dt)
-    h_BxLxF = checkpoint_name(constrain(jax.nn.silu(g_BxLxF) * u_BxLxF, ("batch", "length", "act_mlp")), "mlp_hidden")
+    h_BxLxF = plan.constrain(jax.nn.silu(g_BxLxF) * u_BxLxF, ("batch", "length", "act_mlp"))
+    h_BxLxF = checkpoint_name(h_BxLxF, "mlp_hidden")
     return h_BxLxF @ self.w_down[...].astype(dt)
 
 
@@ -137,17 +136,13 @@ class MoE(nnx.Module):
     self.w_down = _param(rngs, (X, F, D), ("experts", "mlp", "embed"), std)
     self.cfg = cfg
 
-  def __call__(self, x_BxLxD):
+  def __call__(self, x_BxLxD, plan):
     dt, c = x_BxLxD.dtype, self.cfg
-    y_BxLxD, stats = moe.moe_ffn(x_BxLxD, self.router[...], self.w_gate[...].astype(dt), self.w_up[...].astype(dt),
-                                 self.w_down[...].astype(dt), top_k=c.moe_top_k,
-                                 capacity_factor=c.moe_capacity_factor)
+    y_BxLxD, stats = plan.moe_ffn(x_BxLxD, self.router[...], self.w_gate[...].astype(dt), self.w_up[...].astype(dt),
+                                  self.w_down[...].astype(dt), top_k=c.moe_top_k,
+                                  capacity_factor=c.moe_capacity_factor)
     stats["aux"] = c.moe_aux_weight * stats["balance"] + c.moe_z_weight * stats["z"]
     return y_BxLxD, stats
-
-
-def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
-  return cfg.moe_experts > 0 and (i + 1) % cfg.moe_every == 0
 
 
 class Block(nnx.Module):
@@ -158,15 +153,15 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.mlp = MoE(cfg, rngs) if moe_layer else MLP(cfg, rngs)
 
-  def __call__(self, x_BxLxD, pos_BxL, seg_BxL):
+  def __call__(self, x_BxLxD, pos_BxL, seg_BxL, plan):
     """Returns (x, MoE stats or None). The residual stream is `act_length`; each norm's
     output enters a tensor-parallel region whole along `length`."""
-    h_BxLxD = constrain(self.attn_norm(x_BxLxD), ("batch", "length", "act_embed"))
-    x_BxLxD = x_BxLxD + self.attn(h_BxLxD, pos_BxL, seg_BxL)
-    x_BxLxD = constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
-    h_BxLxD = constrain(self.mlp_norm(x_BxLxD), ("batch", "length", "act_embed"))
-    y_BxLxD, stats = self.mlp(h_BxLxD) if isinstance(self.mlp, MoE) else (self.mlp(h_BxLxD), None)
-    return constrain(x_BxLxD + y_BxLxD, ("batch", "act_length", "act_embed")), stats
+    h_BxLxD = plan.constrain(self.attn_norm(x_BxLxD), ("batch", "length", "act_embed"))
+    x_BxLxD = x_BxLxD + self.attn(h_BxLxD, pos_BxL, seg_BxL, plan)
+    x_BxLxD = plan.constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
+    h_BxLxD = plan.constrain(self.mlp_norm(x_BxLxD), ("batch", "length", "act_embed"))
+    y_BxLxD, stats = self.mlp(h_BxLxD, plan) if isinstance(self.mlp, MoE) else (self.mlp(h_BxLxD, plan), None)
+    return plan.constrain(x_BxLxD + y_BxLxD, ("batch", "act_length", "act_embed")), stats
 
 
 class Transformer(nnx.Module):
@@ -174,23 +169,29 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std)
-    blocks = [Block(cfg, rngs, is_moe_layer(cfg, i)) for i in range(cfg.n_layers)]
+    blocks = [Block(cfg, rngs, cfg.is_moe_layer(i)) for i in range(cfg.n_layers)]
     self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
 
-  def __call__(self, tokens_BxL, pos_BxL, seg_BxL):
+  def __call__(self, tokens_BxL, pos_BxL, seg_BxL, plan=None):
     """Returns float32 logits (B, L, V)."""
-    return self.forward(tokens_BxL, pos_BxL, seg_BxL)[0]
+    return self.forward(tokens_BxL, pos_BxL, seg_BxL, plan)[0]
 
-  def forward(self, tokens_BxL, pos_BxL, seg_BxL):
-    """Returns (float32 logits (B, L, V), list of the MoE layers' stats; empty if dense)."""
+  def forward(self, tokens_BxL, pos_BxL, seg_BxL, plan=None):
+    """Returns (float32 logits (B, L, V), list of the MoE layers' stats; empty if dense).
+    `plan`: how to run on the mesh (`jaxtrain.plan`); None = one device, reference attention."""
+    plan = plan or plan_lib.local(None)
     dt = jnp.dtype(self.cfg.dtype)
     x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(dt)
-    x_BxLxD = constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
+    x_BxLxD = plan.constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
     moe_stats = []
     use_remat, policy = remat_policy(self.cfg.remat)
+
+    def _run_block(block, x_BxLxD, pos_BxL, seg_BxL):
+      return block(x_BxLxD, pos_BxL, seg_BxL, plan)
+
     # prevent_cse is only needed outside a scan (scan already keeps the recomputation apart)
     run_block = nnx.remat(_run_block, policy=policy, prevent_cse=not self.cfg.scan_layers) if use_remat else _run_block
     if self.cfg.scan_layers:
@@ -203,11 +204,7 @@ class Transformer(nnx.Module):
     x_BxLxD = self.final_norm(x_BxLxD)
     w_DxV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
     logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(dt), preferred_element_type=jnp.float32)
-    return constrain(logits_BxLxV, ("batch", "length", "act_vocab")), moe_stats
-
-
-def _run_block(block, x_BxLxD, pos_BxL, seg_BxL):
-  return block(x_BxLxD, pos_BxL, seg_BxL)
+    return plan.constrain(logits_BxLxV, ("batch", "length", "act_vocab")), moe_stats
 
 
 def stack_blocks(blocks: list[Block]) -> Block:

@@ -30,10 +30,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import sharding
-
-AXIS = "expert"
-
 
 def route(x_BxLxD, router_DxX, top_k: int):
   """-> expert ids (B,L,k) int32, renormalized weights (B,L,k) f32, load-balance loss, z-loss."""
@@ -80,43 +76,44 @@ def combine(out_XxCxD, idx_Txk, slot_Txk, keep_Txk, w_Txk):
   return jnp.einsum("tkd,tk->td", got_TxkxD, w_Txk * keep_Txk)
 
 
-def experts_ffn(buf_XxNxD, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD):
+def experts_ffn(buf_XxNxD, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, plan):
   """SwiGLU of every expert on its own buffer (hidden Megatron-sharded over `tensor`)."""
   g = jnp.einsum("xnd,xdf->xnf", buf_XxNxD, w_gate_XxDxF)
   u = jnp.einsum("xnd,xdf->xnf", buf_XxNxD, w_up_XxDxF)
-  h_XxNxF = sharding.constrain(jax.nn.silu(g) * u, ("act_experts", None, "act_mlp"))
+  h_XxNxF = plan.constrain(jax.nn.silu(g) * u, ("act_experts", None, "act_mlp"))
   return jnp.einsum("xnf,xfd->xnd", h_XxNxF, w_down_XxFxD)
 
 
 def moe_ffn(x_BxLxD, router_DxX, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, *, top_k: int,
-            capacity_factor: float):
-  """The MoE feed-forward. Returns (y_BxLxD, stats): stats holds the load-balance loss,
-  the z-loss, and the dropped and total assignment counts (float32 scalars)."""
+            capacity_factor: float, plan):
+  """The MoE feed-forward, dispatched as the execution plan says. Returns (y_BxLxD, stats):
+  stats holds the load-balance loss, the z-loss, and the dropped and total assignment
+  counts (float32 scalars)."""
   B, L, D = x_BxLxD.shape
   X = router_DxX.shape[1]
   idx, w, balance, z = route(x_BxLxD, router_DxX, top_k)
-  mesh = sharding.current_mesh()
-  if mesh is None:
+  if plan.moe != "all_to_all":
     T = B * L
     cap = capacity(T, X, top_k, capacity_factor)
     idx_T, w_T = idx.reshape(T, top_k), w.reshape(T, top_k)
     slot, keep = slots(idx_T, X, cap)
     out = experts_ffn(dispatch(x_BxLxD.reshape(T, D), idx_T, slot, keep, X, cap), w_gate_XxDxF, w_up_XxDxF,
-                      w_down_XxFxD)
+                      w_down_XxFxD, plan)
     y = combine(out, idx_T, slot, keep, w_T).reshape(B, L, D)
     dropped = jnp.sum(~keep).astype(jnp.float32)
   else:
-    y, dropped = _expert_parallel(x_BxLxD, idx, w, (w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD), mesh,
+    y, dropped = _expert_parallel(x_BxLxD, idx, w, (w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD), plan,
                                   top_k, capacity_factor)
   stats = {"balance": balance, "z": z, "dropped": jax.lax.stop_gradient(dropped),
            "assigned": jnp.float32(B * L * top_k)}
   return y.astype(x_BxLxD.dtype), stats
 
 
-def _expert_parallel(x_BxLxD, idx_BxLxk, w_BxLxk, weights, mesh, top_k, capacity_factor):
+def _expert_parallel(x_BxLxD, idx_BxLxk, w_BxLxk, weights, plan, top_k, capacity_factor):
   X = weights[0].shape[0]
+  mesh, AXIS = plan.mesh, plan.expert_axis
   ep = mesh.shape[AXIS]
-  tok_spec = sharding.spec_for(("batch", "length", None), x_BxLxD.shape, mesh)
+  tok_spec = plan.spec(("batch", "length", None), x_BxLxD.shape)
   tok_axes = tuple(a for entry in tok_spec[:2] if entry for a in ((entry,) if isinstance(entry, str) else entry))
   other = tuple(a for a in tok_axes if a != AXIS)
   buf_spec = P(AXIS, other or None, None)  # (experts, tokens of every group, D)
@@ -149,7 +146,7 @@ def _expert_parallel(x_BxLxD, idx_BxLxk, w_BxLxk, weights, mesh, top_k, capacity
   buf, slot, keep, dropped = jax.shard_map(
       send, mesh=mesh, in_specs=(tok_spec, tok_spec), out_specs=(buf_spec, tok_spec, tok_spec, P()),
       check_vma=False)(x_BxLxD, idx_BxLxk)
-  out = experts_ffn(buf, *(w.astype(buf.dtype) for w in weights))
+  out = experts_ffn(buf, *(w.astype(buf.dtype) for w in weights), plan)
   y = jax.shard_map(receive, mesh=mesh, in_specs=(buf_spec, tok_spec, tok_spec, tok_spec, tok_spec),
                     out_specs=tok_spec, check_vma=False)(out, idx_BxLxk, slot, keep, w_BxLxk)
   return y, dropped

@@ -28,34 +28,25 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import sharding
-
-AXIS = "sequence"
 NEG_INF = -1e30
 
 
-def attention(plain, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
-  """`plain(q, k, v, seg)` on one sequence shard; ring attention when the mesh splits the sequence."""
-  mesh = sharding.current_mesh()
-  if mesh is None or mesh.shape.get(AXIS, 1) == 1:
-    return plain(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
-  return ring_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, mesh)
-
-
-def ring_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, mesh, zigzag: bool = True):
-  """Causal GQA with segment masking, sharded over `sequence` (and batch/heads as the rules say)."""
+def ring_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, plan, zigzag: bool = True):
+  """Causal GQA with segment masking, sharded over the plan's sequence axis (and
+  batch/heads as the plan's rules say)."""
+  mesh, AXIS = plan.mesh, plan.sequence_axis
   sp = mesh.shape[AXIS]
   L = q_BxLxHxE.shape[1]
   zigzag = zigzag and L % (2 * sp) == 0
-  kv_spec = sharding.spec_for(("batch", "length", "act_kv_heads", None), k_BxLxKxE.shape, mesh)
-  q_spec = sharding.spec_for(("batch", "length", "act_heads", None), q_BxLxHxE.shape, mesh)
+  kv_spec = plan.spec(("batch", "length", "act_kv_heads", None), k_BxLxKxE.shape)
+  q_spec = plan.spec(("batch", "length", "act_heads", None), q_BxLxHxE.shape)
   # A query head must find its kv head on the same device: shard heads only if both divide.
   q_spec = P(kv_spec[0], kv_spec[1], kv_spec[2] if q_spec[2] == kv_spec[2] else None, None)
   kv_spec = P(*q_spec[:2], q_spec[2], None)
   if q_spec[1] != AXIS:
     raise ValueError(f"ring attention needs the length axis on {AXIS!r}; got spec {q_spec}")
   seg_spec = P(q_spec[0], q_spec[1])
-  body = functools.partial(_ring_local, sp=sp, zigzag=zigzag)
+  body = functools.partial(_ring_local, axis=AXIS, sp=sp, zigzag=zigzag)
   # check_vma=False: the custom VJP and the per-device lax.cond carry values that vary
   # over `sequence` mixed with invariant initial values; shard_map's replication typing
   # would need pvary casts everywhere for no benefit (outputs are fully sharded).
@@ -70,12 +61,12 @@ def _dest(m: int, sp: int) -> int:
   return m if m < sp else 2 * sp - 1 - m
 
 
-def _to_zigzag(x, sp: int):
+def _to_zigzag(x, axis: str, sp: int):
   """Contiguous block (chunks 2j, 2j+1) on device j -> zig-zag (chunks j, 2sp-1-j), along axis 1."""
   c = x.shape[1] // 2
-  j = jax.lax.axis_index(AXIS)
-  from_even = jax.lax.ppermute(x[:, :c], AXIS, [(i, _dest(2 * i, sp)) for i in range(sp)])
-  from_odd = jax.lax.ppermute(x[:, c:], AXIS, [(i, _dest(2 * i + 1, sp)) for i in range(sp)])
+  j = jax.lax.axis_index(axis)
+  from_even = jax.lax.ppermute(x[:, :c], axis, [(i, _dest(2 * i, sp)) for i in range(sp)])
+  from_odd = jax.lax.ppermute(x[:, c:], axis, [(i, _dest(2 * i + 1, sp)) for i in range(sp)])
   # Device j's two chunks: the one with an even global index came through `from_even`.
   even_j = (j % 2) == 0
   first = jnp.where(even_j, from_even, from_odd)
@@ -83,40 +74,40 @@ def _to_zigzag(x, sp: int):
   return jnp.concatenate([first, second], axis=1)
 
 
-def _from_zigzag(y, sp: int):
+def _from_zigzag(y, axis: str, sp: int):
   """Inverse of `_to_zigzag`."""
   c = y.shape[1] // 2
-  j = jax.lax.axis_index(AXIS)
+  j = jax.lax.axis_index(axis)
   even_j = (j % 2) == 0
   send_even = jnp.where(even_j, y[:, :c], y[:, c:])
   send_odd = jnp.where(even_j, y[:, c:], y[:, :c])
   even_chunk = lambda i: i if i % 2 == 0 else 2 * sp - 1 - i  # noqa: E731
   odd_chunk = lambda i: 2 * sp - 1 - i if i % 2 == 0 else i  # noqa: E731
-  half0 = jax.lax.ppermute(send_even, AXIS, [(i, even_chunk(i) // 2) for i in range(sp)])
-  half1 = jax.lax.ppermute(send_odd, AXIS, [(i, odd_chunk(i) // 2) for i in range(sp)])
+  half0 = jax.lax.ppermute(send_even, axis, [(i, even_chunk(i) // 2) for i in range(sp)])
+  half1 = jax.lax.ppermute(send_odd, axis, [(i, odd_chunk(i) // 2) for i in range(sp)])
   return jnp.concatenate([half0, half1], axis=1)
 
 
-def _global_index(n: int, sp: int, zigzag: bool):
+def _global_index(n: int, axis: str, sp: int, zigzag: bool):
   """Global sequence index of each of this device's n local tokens."""
-  j = jax.lax.axis_index(AXIS)
+  j = jax.lax.axis_index(axis)
   if not zigzag:
     return j * n + jnp.arange(n)
   c = n // 2
   return jnp.concatenate([j * c + jnp.arange(c), (2 * sp - 1 - j) * c + jnp.arange(c)])
 
 
-def _rotate(tree, sp: int):
-  return jax.lax.ppermute(tree, AXIS, [(i, (i + 1) % sp) for i in range(sp)])
+def _rotate(tree, axis: str, sp: int):
+  return jax.lax.ppermute(tree, axis, [(i, (i + 1) % sp) for i in range(sp)])
 
 
-def _ring_local(q, k, v, seg, *, sp: int, zigzag: bool):
+def _ring_local(q, k, v, seg, *, axis: str, sp: int, zigzag: bool):
   n = q.shape[1]
   if zigzag:
-    q, k, v, seg = (_to_zigzag(x, sp) for x in (q, k, v, seg))
-  idx = _global_index(n, sp, zigzag)
-  out = _ring_core(q, k, v, seg, idx, sp, zigzag)
-  return _from_zigzag(out, sp) if zigzag else out
+    q, k, v, seg = (_to_zigzag(x, axis, sp) for x in (q, k, v, seg))
+  idx = _global_index(n, axis, sp, zigzag)
+  out = _ring_core(q, k, v, seg, idx, axis, sp, zigzag)
+  return _from_zigzag(out, axis, sp) if zigzag else out
 
 
 # ------------------------------------------------------------------------- the block math
@@ -165,10 +156,10 @@ def _put_rows(tree, sl, part):
   return jax.tree.map(lambda x, p: x.at[:, sl].set(p), tree, part)
 
 
-def _step_plan(t: int, sp: int, zigzag: bool):
+def _step_plan(t: int, axis: str, sp: int, zigzag: bool):
   """At ring step t >= 1 the block comes from device s = j - t (mod sp). Returns
   (pred, (q rows, k rows) if pred, (q rows, k rows) if not); None rows = skip."""
-  j = jax.lax.axis_index(AXIS)
+  j = jax.lax.axis_index(axis)
   earlier = ((j - t) % sp) < j
   if zigzag:
     return earlier, (slice(None), "first"), ("second", slice(None))
@@ -180,12 +171,12 @@ def _resolve(sl, n):
   return {"first": slice(0, c), "second": slice(c, n)}.get(sl, sl) if isinstance(sl, str) else sl
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _ring_core(q, k, v, seg, idx, sp, zigzag):
-  return _ring_fwd(q, k, v, seg, idx, sp, zigzag)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring_core(q, k, v, seg, idx, axis, sp, zigzag):
+  return _ring_fwd(q, k, v, seg, idx, axis, sp, zigzag)[0]
 
 
-def _ring_fwd(q, k, v, seg, idx, sp, zigzag):
+def _ring_fwd(q, k, v, seg, idx, axis, sp, zigzag):
   b, n, H, E = q.shape
   K = k.shape[2]
   q5 = q.reshape(b, n, K, H // K, E)
@@ -195,13 +186,13 @@ def _ring_fwd(q, k, v, seg, idx, sp, zigzag):
   # Step 0: the device's own (diagonal) block; every query sees at least itself here.
   stats = _fold(stats, q5, k, v, _mask(idx, seg, idx, seg))
   for t in range(1, sp):
-    blk = _rotate(blk, sp)
-    pred, yes, no = _step_plan(t, sp, zigzag)
+    blk = _rotate(blk, axis, sp)
+    pred, yes, no = _step_plan(t, axis, sp, zigzag)
 
-    def run(plan, stats=stats, blk=blk):
-      if plan is None:
+    def run(rows, stats=stats, blk=blk):
+      if rows is None:
         return stats
-      qs, ks = (_resolve(p, n) for p in plan)
+      qs, ks = (_resolve(p, n) for p in rows)
       kb, vb, segb, idxb = blk[0][:, ks], blk[1][:, ks], blk[2][:, ks], blk[3][ks]
       part = _fold(_rows(stats, qs), q5[:, qs], kb, vb, _mask(idx[qs], seg[:, qs], idxb, segb))
       return _put_rows(stats, qs, part)
@@ -213,7 +204,7 @@ def _ring_fwd(q, k, v, seg, idx, sp, zigzag):
   return out, (q, k, v, seg, idx, out, lse)
 
 
-def _ring_bwd(sp, zigzag, res, do):
+def _ring_bwd(axis, sp, zigzag, res, do):
   q, k, v, seg, idx, out, lse = res
   b, n, H, E = q.shape
   K = k.shape[2]
@@ -224,13 +215,13 @@ def _ring_bwd(sp, zigzag, res, do):
   blk = (k, v, seg, idx)
   for t in range(1, sp):
     # K/V and their gradient accumulators travel together; after sp hops dk/dv are home.
-    blk, (dk, dv) = _rotate((blk, (dk, dv)), sp)
-    pred, yes, no = _step_plan(t, sp, zigzag)
+    blk, (dk, dv) = _rotate((blk, (dk, dv)), axis, sp)
+    pred, yes, no = _step_plan(t, axis, sp, zigzag)
 
-    def run(plan, grads=(dq, dk, dv), blk=blk):
-      if plan is None:
+    def run(rows, grads=(dq, dk, dv), blk=blk):
+      if rows is None:
         return grads
-      qs, ks = (_resolve(p, n) for p in plan)
+      qs, ks = (_resolve(p, n) for p in rows)
       kb, vb, segb, idxb = blk[0][:, ks], blk[1][:, ks], blk[2][:, ks], blk[3][ks]
       gq, gk, gv = _grad_block(q5[:, qs], kb, vb, do5[:, qs], lse[:, qs], delta[:, qs],
                                _mask(idx[qs], seg[:, qs], idxb, segb))
@@ -238,7 +229,7 @@ def _ring_bwd(sp, zigzag, res, do):
       return dq_.at[:, qs].add(gq), dk_.at[:, ks].add(gk), dv_.at[:, ks].add(gv)
 
     dq, dk, dv = jax.lax.cond(pred, lambda yes=yes, run=run: run(yes), lambda no=no, run=run: run(no))
-  dk, dv = _rotate((dk, dv), sp)
+  dk, dv = _rotate((dk, dv), axis, sp)
   none_like = lambda x: None  # noqa: E731  integer inputs have no cotangent
   return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), none_like(seg),
           none_like(idx))

@@ -1,14 +1,12 @@
-"""The ONE rules table from logical axis names to mesh axes, and the code that applies it.
+"""The rules table from logical axis names to mesh axes, and the code that applies it.
 
-The model names logical axes only. Parallelizing differently means editing RULES.
+The model names logical axes only. Parallelizing differently means editing RULES (or the
+one entry that Megatron sequence parallelism overrides, below).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -40,32 +38,35 @@ RULES: dict[str, tuple[str, ...]] = {
 }
 
 
-# Megatron sequence parallelism (train.sequence_parallel): the residual stream between
-# tensor-parallel regions is split along its length over `tensor` as well, so XLA turns
-# each TP region's closing all-reduce into a reduce-scatter and opens the next with an
-# all-gather.
-SEQUENCE_PARALLEL_RULES: dict[str, tuple[str, ...]] = {"act_length": ("sequence", "tensor")}
+# Megatron sequence parallelism (run.sequence_parallel) changes one entry: the residual
+# stream between tensor-parallel regions is split along its length over `tensor` as well,
+# so XLA turns each TP region's closing all-reduce into a reduce-scatter and opens the next
+# with an all-gather. The execution plan (`jaxtrain.plan`) picks the rules once.
+SEQUENCE_PARALLEL = {"act_length": ("sequence", "tensor")}
 
-# Rule overrides in force while tracing (set with `active_mesh`).
-_OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("jaxtrain_rule_overrides", default={})
+
+def rules_for(sequence_parallel: bool) -> dict[str, tuple[str, ...]]:
+  return {**RULES, **SEQUENCE_PARALLEL} if sequence_parallel else dict(RULES)
 
 
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh, notes: list[str] | None = None,
-             where: str = "") -> P:
+             where: str = "", rules: dict[str, tuple[str, ...]] = RULES) -> P:
   """PartitionSpec for logical `axes` of an array of `shape` on `mesh`.
 
   Divisibility rule (the trainer and inspect share it): a mesh axis splits a dimension
   it divides. A dimension that itself divides the mesh axis (smaller, e.g. 4 KV heads
   on tensor=8) is replicated over that axis, every shard keeping the whole dimension
   (as Megatron duplicates KV heads), and noted. Any other size is a UserError naming what
-  would work. A mesh axis already used by an earlier dimension is skipped.
+  would work. A mesh axis already used by an earlier dimension is skipped. A logical name
+  the rules do not know is a programming error (a typo must not silently replicate).
   """
   used: set[str] = set()
   out = []
-  rules = {**RULES, **_OVERRIDES.get()}
   for name, dim in zip(axes, shape, strict=True):
+    if name is not None and name not in rules:
+      raise KeyError(f"logical axis {name!r} (at {where or axes}) is not in sharding.RULES: {', '.join(rules)}")
     chosen = []
-    for mesh_axis in rules.get(name, ()) if name else ():
+    for mesh_axis in rules[name] if name else ():
       size = mesh.shape[mesh_axis]
       if size == 1 or mesh_axis in used:
         continue
@@ -137,33 +138,5 @@ def param_shardings(abstract_state, mesh, notes: list[str] | None = None):
   return nnx.to_pure_dict(shardings)
 
 
-def logical_sharding(mesh, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> NamedSharding:
-  return NamedSharding(mesh, spec_for(axes, shape, mesh))
-
-
-# The mesh that `constrain` annotates against; None outside a sharded trace.
-_MESH: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxtrain_mesh", default=None)
-
-
-@contextlib.contextmanager
-def active_mesh(mesh, sequence_parallel: bool = False):
-  token = _MESH.set(mesh)
-  rules = _OVERRIDES.set(SEQUENCE_PARALLEL_RULES if sequence_parallel else {})
-  try:
-    yield
-  finally:
-    _OVERRIDES.reset(rules)
-    _MESH.reset(token)
-
-
-def current_mesh():
-  """The mesh of the sharded trace in progress, or None."""
-  return _MESH.get()
-
-
-def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-  """Annotates an activation with logical axes; a no-op when no mesh is active."""
-  mesh = _MESH.get()
-  if mesh is None:
-    return x
-  return jax.lax.with_sharding_constraint(x, logical_sharding(mesh, axes, x.shape))
+def logical_sharding(mesh, axes: tuple[str | None, ...], shape: tuple[int, ...], rules=RULES) -> NamedSharding:
+  return NamedSharding(mesh, spec_for(axes, shape, mesh, rules=rules))

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jaxtrain import files
 from jaxtrain.errors import UserError
 
 # GPU collectives and scheduling (the usual large-model set): overlap communication with
@@ -54,7 +55,7 @@ def parse(text: str) -> list[str]:
   flags = text.split()
   bad = [f for f in flags if not re.fullmatch(r"--[A-Za-z0-9_]+(=.*)?", f)]
   if bad:
-    raise UserError(f"train.xla_flags_extra: {' '.join(bad)} is not a flag; write --xla_name=value, space-separated")
+    raise UserError(f"run.xla_flags_extra: {' '.join(bad)} is not a flag; write --xla_name=value, space-separated")
   return flags
 
 
@@ -96,7 +97,7 @@ def validate(flags: list[str], cache: Path | None = None) -> tuple[list[str], li
     known.update({name_of(f): name_of(f) not in unknown for f in todo})
     try:
       cache.parent.mkdir(parents=True, exist_ok=True)
-      cache.write_text(json.dumps(known, indent=1, sort_keys=True))
+      files.write_json_atomic(cache, dict(sorted(known.items())))
     except OSError:
       pass  # a read-only home only costs a probe next time
   return [f for f in flags if known[name_of(f)]], [f for f in flags if not known[name_of(f)]]

@@ -5,12 +5,17 @@ import math
 import jax
 import numpy as np
 
-from jaxtrain import data, mesh as mesh_lib, step
+from jaxtrain import config, data, mesh as mesh_lib, plan as plan_lib, step
 
 
 def mesh_of(spec: str):
   sizes = mesh_lib.parse(spec)
   return mesh_lib.build(sizes, jax.devices()[:math.prod(sizes.values())])
+
+
+def plan_of(mesh, *sets):
+  """The execution plan the trainer would build for tiny (plus `sets`) on `mesh`."""
+  return plan_lib.build(config.load("tiny", list(sets)), mesh)
 
 
 def trajectory(cfg, spec: str, steps: int):

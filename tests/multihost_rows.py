@@ -19,7 +19,7 @@ def main():
   sizes, dcn = mesh_lib.parse_full(a.mesh)
   distributed.initialize(distributed.cluster_from(a.coordinator, a.num_processes, a.process_id), sizes, 30, 60)
   setup = step.Setup(cfg, mesh_lib.build(sizes, dcn=dcn))
-  block, blocks = setup.local_rows()
+  block, blocks = setup.placement.rows()
   it = data.batches(cfg, block, blocks)
   np.save(f"{a.out}.p{a.process_id}.npy", next(it)["inputs"])
   it.close()

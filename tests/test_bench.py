@@ -48,9 +48,13 @@ def test_bench_with_minimal_baseline_and_measured_peak_emits_every_field(run_cli
 
 
 def test_bench_on_a_sharded_mesh_reports_per_device_rates(run_cli, tmp_path):
-  r = run_cli("jaxtrain.bench", "--mesh", "dp=2", "--steps", "2", "--warmup", "1", "--out", "b.json", *TINY)
+  r = run_cli("jaxtrain.bench", "--mesh", "dp=2", "--steps", "2", "--warmup", "1", "--out", "b.json", *TINY,
+              "--set", "run.xla_flags=gpu-default")
   assert r.returncode == 0, r.stderr[-2000:]
   rep = json.loads((tmp_path / "b.json").read_text())
+  # The bench times the trainer's program: the config's XLA flags were in force (they were ignored once).
+  from jaxtrain import xla_flags
+  assert set(xla_flags.PRESETS["gpu-default"]) <= set(rep["xla_flags"].split())
   assert rep["devices"] == 2 and rep["baselines"] == [] and rep["ratios"] == {} and rep["measured_peak"] is None
   j = rep["jaxtrain"]
   assert j["devices"] == 2 and j["step_time_s"]["n"] == 2 and j["mfu_vs_measured_peak"] is None

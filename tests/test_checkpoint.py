@@ -191,14 +191,14 @@ def test_changed_config_or_tokenizer_aborts_unless_allowed(run_cli, tmp_path, sa
   assert r.returncode == 2
   assert "model.rope_theta: 10000.0 -> 500000.0" in r.stderr and "--allow-mismatch model" in r.stderr
   r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "3", "--set", "train.lr=0.1")
-  assert r.returncode == 2 and "train.lr: 0.003 -> 0.1" in r.stderr
+  assert r.returncode == 2 and "optim.lr: 0.003 -> 0.1" in r.stderr
   # A checkpoint written with another tokenizer.
   mpath = w / "checkpoints" / "2" / "manifest.json"
   manifest = json.loads(mpath.read_text())
   manifest["fingerprint"]["tokenizer"] = "0123456789abcdef"
   mpath.write_text(json.dumps(manifest))
   r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "3")
-  assert r.returncode == 2 and "tokenizer digest 0123456789abcdef ->" in r.stderr
+  assert r.returncode == 2 and "data.tokenizer: content 0123456789abcdef -> 'byte' (content " in r.stderr
   r = _train(run_cli, w, "--steps", "3", "--allow-mismatch", "tokenizer")
   assert "at step 2" in r.stdout and sorted(_records(w)) == [1, 2, 3]
 

@@ -1,6 +1,8 @@
 """Analytic traffic per mesh axis against hand computations for `tiny` (426,624 params,
 640 of them in norm scales; 2 layers, d_model 128, 4 KV heads of 16, batch 16 x 128, bf16)."""
 
+import math
+
 from jaxtrain import comms, config, memory, step
 from tests.helpers import mesh_of
 
@@ -35,3 +37,19 @@ def test_tensor_and_sequence_traffic():
   s = _traffic("sp=2")["sequence"]
   # K and V (4 heads x 16, bf16) of 16 x 64 local tokens, to 1 neighbour, forward + 2x backward, 2 layers
   assert s["ring K/V transfers (fwd+bwd)"] == 3 * 1 * 2 * (16 * 64) * 2 * 4 * 16 * 2
+
+
+def test_expert_parallel_moe_traffic_follows_the_capacity():
+  """moe-tiny on ep=4: 4 tokens rows x 128 per device, 4 experts, top-2, capacity 1.25."""
+  setup = step.Setup(config.load("moe-tiny"), mesh_of("ep=4"))
+  rows = memory.grouped(memory.param_rows(setup))
+  t = comms.traffic(setup.cfg, setup.mesh, rows)["expert"]
+  T = 16 // 4 * 128
+  C = -(-5 * T * 2 // (4 * 4))  # ceil(1.25 * T * k / X)
+  want = 4 * 2 * (3 / 4) * 4 * C * 128 * 2  # 4 all-to-alls x 2 MoE layers x (n-1)/n of (X, C, D) bf16
+  assert t[f"MoE all-to-all (4 per MoE layer, capacity {C})"] == int(want)
+  # Expert weights stay on their devices: nothing of them is gathered or reduced over `expert`.
+  experts = sum(math.prod(r.device_shape) * r.count for r in rows if "experts" in r.axes)
+  others = sum(math.prod(r.device_shape) * r.count for r in rows if "experts" not in r.axes)
+  assert experts > 0 and "param all-gather (fwd+bwd)" not in t
+  assert t["grad all-reduce"] == int(2 * 3 / 4 * others * 4)

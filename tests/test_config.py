@@ -13,17 +13,17 @@ def test_real_shapes_parameter_count(name, count):
 
 
 def test_overrides_are_typed():
-  cfg = config.load("tiny", ["train.lr=1e-4", "model.tie_embeddings=true", "model.dtype=float32", "train.steps=7"])
-  assert cfg.train.lr == 1e-4 and cfg.model.tie_embeddings is True and cfg.model.dtype == "float32"
+  cfg = config.load("tiny", ["optim.lr=1e-4", "model.tie_embeddings=true", "model.dtype=float32", "train.steps=7"])
+  assert cfg.optim.lr == 1e-4 and cfg.model.tie_embeddings is True and cfg.model.dtype == "float32"
   assert cfg.train.steps == 7
 
 
 @pytest.mark.parametrize("override, words", [
     ("train.nope=1", ["unknown config key 'train.nope'", "batch_size", "seq_len"]),
-    ("optim.lr=1", ["unknown config section 'optim'", "model, train, loss_scale, checkpoint, distributed, data"]),
+    ("optimizer.lr=1", ["unknown config section 'optimizer'", "model, optim, train, run, loss_scale, checkpoint"]),
     ("model.dtype=float64", ["model.dtype='float64'", "bfloat16, float16, float32"]),
     ("train.batch_size=1.5", ["train.batch_size='1.5'", "not an integer"]),
-    ("train.lr=fast", ["not a number"]),
+    ("optim.lr=fast", ["not a number"]),
     ("train.batch_size=0", ["below its minimum"]),
     ("train.microbatches=3", ["must divide train.batch_size=16"]),
     ("lr=1", ["section.key=value"]),

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxtrain import config, data
+from jaxtrain import config, data, files
 from jaxtrain.data.prepare import prepare
 from jaxtrain.errors import UserError
 from tests.corpora import prepared, texts, write_jsonl
@@ -28,7 +28,7 @@ def test_manifest_lists_sources_shards_and_counts(tmp_path):
   manifest, stored = _docs_of(tmp_path / "c")
   src = tmp_path / "c.jsonl"
   assert manifest["sources"][0]["bytes"] == src.stat().st_size
-  assert manifest["sources"][0]["sha256"] == data.tokenizer.file_sha256(src)
+  assert manifest["sources"][0]["sha256"] == files.sha256_file(src)
   assert manifest["tokenizer"]["digest"] == data.ByteTokenizer.digest and manifest["dtype"] == "uint16"
   assert len(manifest["shards"]) > 3  # --shard-mb cut the input into several shards
   assert manifest["documents"] == len(docs) == len(stored)
@@ -39,7 +39,7 @@ def test_manifest_lists_sources_shards_and_counts(tmp_path):
     assert train_from == 1
   for shard in manifest["shards"]:
     for entry in shard["files"].values():
-      assert entry["sha256"] == data.tokenizer.file_sha256(tmp_path / "c" / entry["name"])
+      assert entry["sha256"] == files.sha256_file(tmp_path / "c" / entry["name"])
   assert data.source_digest(config.load("tiny", [f"data.source={out}"])) != data.source_digest(config.load("tiny"))
 
 

@@ -1,5 +1,6 @@
 """Evaluation: the loss-only step against a plain reference, and eval records in the run."""
 
+import json
 import math
 
 import jax
@@ -32,7 +33,8 @@ def test_eval_step_is_the_token_mean_loss_on_a_sharded_mesh():
 def test_run_records_eval_loss_every_interval(tmp_path):
   cfg = config.load("tiny", ["train.steps=4", "train.eval_interval=2", "data.eval_fraction=0.05",
                              "data.eval_batches=2", "model.dtype=float32", "model.n_layers=1"])
-  records = train.run(cfg, mesh_of("dp=2"), tmp_path / "w", "tiny")
+  train.run(cfg, mesh_of("dp=2"), tmp_path / "w", "tiny")
+  records = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
   assert [("eval_loss" in r) for r in records] == [False, True, False, True]
   for r in records:
     assert r["data_wait_s"] >= 0

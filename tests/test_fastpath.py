@@ -106,6 +106,16 @@ def test_gpu_default_preset_flags_are_known_to_this_jaxlib(tmp_path):
   assert dropped == [] and len(kept) == len(xla_flags.PRESETS["gpu-default"])
 
 
+def crc32c(data: bytes) -> int:
+  """CRC-32C (Castagnoli), bit by bit: the test's own reference for the TFRecord framing."""
+  c = 0xFFFFFFFF
+  for b in data:
+    c ^= b
+    for _ in range(8):
+      c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+  return c ^ 0xFFFFFFFF
+
+
 def _read_events(path):
   """(step, {tag: value}) per record, decoded with Google's protobuf runtime from a
   descriptor of TensorBoard's Event/Summary messages (field numbers from event.proto)."""
@@ -127,7 +137,6 @@ def _read_events(path):
   pool = descriptor_pool.DescriptorPool()
   pool.Add(fd)
   Event = message_factory.GetMessageClass(pool.FindMessageTypeByName("tbtest.Event"))
-  from jaxtrain.observe import crc32c
   assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720)
   data, out, i = path.read_bytes(), [], 0
   while i < len(data):
@@ -156,8 +165,12 @@ def test_tensorboard_scalars_and_profile_trace_next_to_metrics(run_cli, tmp_path
   (event_file,) = (w / "tb").glob("events.out.tfevents.*")
   events = _read_events(event_file)
   assert events[0][0] == "brain.Event:2"
-  assert [e[1] for e in events[1:]] == [rec["step"] for rec in records] == [1, 2, 3]
-  for (_, step, scalars), rec in zip(events[1:], records):
+  by_step = {}
+  for _, step, scalars in events[1:]:  # one event per scalar and step
+    by_step.setdefault(step, {}).update(scalars)
+  assert sorted(by_step) == [rec["step"] for rec in records] == [1, 2, 3]
+  for rec in records:
+    scalars = by_step[rec["step"]]
     for k in ("loss", "lr", "grad_norm", "tokens", "tokens_per_sec", "step_time_s"):
       assert scalars[k] == pytest.approx(rec[k], rel=1e-6)
     assert "mfu" not in scalars and "skipped" not in scalars  # None and bool are not scalars
@@ -167,8 +180,8 @@ def test_tensorboard_scalars_and_profile_trace_next_to_metrics(run_cli, tmp_path
 
 @pytest.mark.parametrize("setting, words", [
     ("model.attention=cudnn", "model.attention=cudnn is not supported here: backend is cpu"),
-    ("train.profile_steps=7-5", "train.profile_steps='7-5'"),
-    ("train.xla_flags_extra=xla_no_dashes", "train.xla_flags_extra: xla_no_dashes is not a flag"),
+    ("run.profile_steps=7-5", "run.profile_steps='7-5'"),
+    ("run.xla_flags_extra=xla_no_dashes", "run.xla_flags_extra: xla_no_dashes is not a flag"),
 ])
 def test_fast_path_user_errors_are_one_line(run_cli, setting, words):
   r = run_cli("jaxtrain.train", "--mesh", "dp=2", "--steps", "1", "--workdir", "w", "--set", setting,

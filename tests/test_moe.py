@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import config, model as model_lib, moe, sharding, train
-from tests.helpers import mesh_of
+from jaxtrain import config, model as model_lib, moe, plan as plan_lib, train
+from tests.helpers import mesh_of, plan_of
 
 
 def _silu(x):
@@ -38,10 +38,9 @@ def _weights(rng, D, X, F):
 
 
 def _layer(mesh, **kw):
-  def run(*args):
-    with sharding.active_mesh(mesh):
-      return moe.moe_ffn(*args, **kw)
-  return jax.jit(run)
+  plan = plan_of(mesh, "model.moe_experts=8")
+  assert plan.moe == "all_to_all"
+  return jax.jit(lambda *args: moe.moe_ffn(*args, **kw, plan=plan))
 
 
 @pytest.mark.parametrize("spec", ["ep=4", "ep=2,fsdp=2,tp=2"])
@@ -85,7 +84,8 @@ def test_dropped_tokens_match_a_hand_count():
   np.testing.assert_allclose(np.asarray(y)[~dropped], ref[~dropped], rtol=1e-4, atol=1e-5)
   # Without a mesh the whole batch is one group of 16 tokens: capacity 4 per expert.
   # Expert 0 gets 5 (drops 1), expert 3 gets 9 (drops 5).
-  _, stats = jax.jit(lambda *a: moe.moe_ffn(*a, top_k=1, capacity_factor=1.0))(x, router, wg, wu, wd)
+  _, stats = jax.jit(lambda *a: moe.moe_ffn(*a, top_k=1, capacity_factor=1.0, plan=plan_lib.local()))(
+      x, router, wg, wu, wd)
   assert float(stats["dropped"]) == 1 + 5
 
 
@@ -110,9 +110,9 @@ def test_moe_config_errors():
 def test_metrics_log_moe_fields(tmp_path):
   cfg = config.load("moe-tiny", ["train.batch_size=4", "train.seq_len=32", "model.n_layers=1",
                                   "model.moe_capacity_factor=0.5"])
-  records = train.run(cfg, mesh_of("ep=2"), tmp_path, "moe-tiny", stop_at=2)
+  summary = train.run(cfg, mesh_of("ep=2"), tmp_path, "moe-tiny", stop_at=2)
   lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert len(lines) == 2 and lines == records
+  assert len(lines) == summary.steps == 2 and lines[-1] == summary.last
   for rec in lines:
     assert 0 < rec["moe_dropped_frac"] < 1  # capacity 0.5 must drop some assignments
     assert rec["moe_aux_loss"] > 0

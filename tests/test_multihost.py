@@ -114,3 +114,17 @@ def test_a_lost_process_makes_the_other_exit_within_the_bound(tmp_path):
   assert code != 0 and took < 30, (code, took)
   log = multihost.log_of(tmp_path, 0)
   assert "stopped sending heartbeats" in log and "\n1\n" in log  # the runtime names the lost task
+
+
+def test_eval_on_processes_that_share_batch_rows(tmp_path):
+  """tp=8 across 2 processes: both hold every row, for training and for the held-out batches."""
+  cwd = tmp_path / "tp"
+  cwd.mkdir()
+  args = ["jaxtrain.train", "--mesh", "tp=8", "--workdir", "w", "--steps", "2", "--set", "model.dtype=float32",
+          "--set", "model.n_layers=1", "--set", "train.batch_size=4", "--set", "train.seq_len=32",
+          "--set", "train.eval_interval=2", "--set", "data.eval_fraction=0.05", "--set", "data.eval_batches=1",
+          "--set", "checkpoint.interval=0"]
+  codes = multihost.wait_all(multihost.launch(args, 2, cwd), TIMEOUT)
+  assert codes == [0, 0], multihost.log_of(cwd, 0)[-2000:] + multihost.log_of(cwd, 1)[-2000:]
+  recs = _records(cwd / "w")
+  assert "eval_loss" in recs[2] and np.isfinite(recs[2]["eval_loss"])

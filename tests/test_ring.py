@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxtrain import config, model as model_lib, ring, step
-from tests.helpers import mesh_of
+from tests.helpers import mesh_of, plan_of
 
 B, L, H, K, E = 2, 32, 4, 2, 8
 
@@ -30,9 +30,10 @@ def _loss(attn):
 
 @pytest.mark.parametrize("spec,zigzag", [("sp=2", True), ("sp=4", True), ("sp=4", False), ("dp=2,sp=2,tp=2", True)])
 def test_ring_matches_plain_attention(spec, zigzag):
-  mesh = mesh_of(spec)
+  plan = plan_of(mesh_of(spec))
+  assert plan.attention == "ring"
   q, k, v, seg = _inputs()
-  ring_fn = lambda q, k, v, seg: ring.ring_attention(q, k, v, seg, mesh, zigzag=zigzag)  # noqa: E731
+  ring_fn = lambda q, k, v, seg: ring.ring_attention(q, k, v, seg, plan, zigzag=zigzag)  # noqa: E731
   want = model_lib.attention(q, k, v, seg)
   got = jax.jit(ring_fn)(q, k, v, seg)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -44,9 +45,9 @@ def test_ring_matches_plain_attention(spec, zigzag):
 
 def test_compiled_program_is_a_ring():
   """sp=4: K/V move by collective-permute; nothing gathers a full-length K or V."""
-  mesh = mesh_of("sp=4")
+  plan = plan_of(mesh_of("sp=4"))
   q, k, v, seg = _inputs()
-  fn = jax.jit(jax.grad(_loss(lambda *a: ring.ring_attention(*a, mesh)), argnums=(0, 1, 2)))
+  fn = jax.jit(jax.grad(_loss(lambda *a: ring.ring_attention(*a, plan)), argnums=(0, 1, 2)))
   hlo = fn.lower(q, k, v, seg).compile().as_text()
   assert len(re.findall(r"collective-permute(-start)?\(", hlo)) >= 2 * 3  # forward + backward ring hops
   gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)

@@ -1,4 +1,4 @@
-"""Megatron sequence parallelism (train.sequence_parallel) as seen in the compiled program."""
+"""Megatron sequence parallelism (run.sequence_parallel) as seen in the compiled program."""
 
 import re
 
@@ -6,14 +6,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain import config, sharding, step
-from tests.helpers import mesh_of
+from tests.helpers import mesh_of, plan_of
 
 B = 4
 
 
 def _compiled_text(sequence_parallel: bool):
   cfg = config.load("tiny", ["model.dtype=float32", f"train.batch_size={B}", "train.seq_len=32",
-                             f"train.sequence_parallel={str(sequence_parallel).lower()}"])
+                             f"run.sequence_parallel={str(sequence_parallel).lower()}"])
   setup = step.Setup(cfg, mesh_of("tp=4"))
   batch = {k: jax.ShapeDtypeStruct((B, cfg.train.seq_len), jnp.int32, sharding=setup.batch_sharding)
            for k in ("inputs", "targets", "loss_mask", "segment_ids", "positions")}
@@ -34,9 +34,9 @@ def test_sequence_parallel_splits_the_residual_stream_over_tensor():
   assert local not in tp_hlo
 
 
-def test_sequence_parallel_rule_only_inside_its_context():
+def test_sequence_parallel_rule_only_in_its_plan():
   mesh = mesh_of("tp=4")
-  assert sharding.spec_for(("batch", "act_length", "act_embed"), (4, 128, 128), mesh)[1] is None
-  with sharding.active_mesh(mesh, sequence_parallel=True):
-    assert sharding.spec_for(("batch", "act_length", "act_embed"), (4, 128, 128), mesh)[1] == "tensor"
-  assert sharding.spec_for(("batch", "act_length", "act_embed"), (4, 128, 128), mesh)[1] is None
+  axes, shape = ("batch", "act_length", "act_embed"), (4, 128, 128)
+  assert sharding.spec_for(axes, shape, mesh)[1] is None
+  assert plan_of(mesh, "run.sequence_parallel=true").spec(axes, shape)[1] == "tensor"
+  assert plan_of(mesh).spec(axes, shape)[1] is None

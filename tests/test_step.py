@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import config, data, model as model_lib, step
+from jaxtrain import config, data, model as model_lib, plan as plan_lib, step
 
 
 def _setup():
@@ -46,8 +46,8 @@ def test_loss_is_the_mean_over_valid_tokens_of_the_whole_update():
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
-  t = config.load("tiny", ["train.steps=100", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr_ratio=0.1"]).train
-  lr = step.lr_schedule(t)
+  cfg = config.load("tiny", ["train.steps=100", "optim.warmup_steps=10", "optim.lr=1.0", "optim.min_lr_ratio=0.1"])
+  lr = step.lr_schedule(cfg.optim, cfg.train.steps)
   np.testing.assert_allclose([lr(0), lr(4), lr(9)], [0.1, 0.5, 1.0], rtol=1e-6)
   np.testing.assert_allclose([lr(10), lr(55), lr(100)], [1.0, 0.55, 0.1], rtol=1e-5)
 
@@ -64,7 +64,7 @@ def test_grad_norm_is_logged_before_clipping():
   graphdef, params, batch = _setup()
   _, g, _ = step.grads(graphdef, params, batch, 1)
   unclipped = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g))))
-  cfg = config.load("tiny", ["model.dtype=float32", "train.batch_size=8", "train.grad_clip=1e-3"])
-  opt = step.optimizer(cfg.train)
-  _, metrics = step.train_step(graphdef, opt, cfg, step.init_state(cfg, opt, params), batch)
+  cfg = config.load("tiny", ["model.dtype=float32", "train.batch_size=8", "optim.grad_clip=1e-3"])
+  opt = step.optimizer(cfg)
+  _, metrics = step.train_step(graphdef, opt, cfg, plan_lib.local(cfg), step.init_state(cfg, opt, params), batch)
   assert unclipped > 1.0 and float(metrics["grad_norm"]) == pytest.approx(unclipped, rel=1e-5)

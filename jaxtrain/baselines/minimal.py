@@ -63,11 +63,12 @@ def loss_fn(p, m, batch):
   return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def make_optimizer(t):
-  """Global-norm clipping, then AdamW on the projection matrices' decay, warmup + cosine LR."""
+def make_optimizer(t, steps: int):
+  """Global-norm clipping, then AdamW on the projection matrices' decay, warmup + cosine LR
+  reaching its floor at `steps` (`t`: the [optim] section)."""
   def lr(s):
     s = jnp.asarray(s, jnp.float32)
-    progress = jnp.clip((s - t.warmup_steps) / max(t.steps - t.warmup_steps, 1), 0.0, 1.0)
+    progress = jnp.clip((s - t.warmup_steps) / max(steps - t.warmup_steps, 1), 0.0, 1.0)
     cosine = t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * progress)))
     return jnp.where(s < t.warmup_steps, t.lr * (s + 1) / max(t.warmup_steps, 1), cosine)
 
@@ -83,7 +84,7 @@ class Minimal:
 
   def __init__(self, cfg):
     self.m = cfg.model
-    self.opt = make_optimizer(cfg.train)
+    self.opt = make_optimizer(cfg.optim, cfg.train.steps)
 
     def step(state, batch):
       params, opt_state = state

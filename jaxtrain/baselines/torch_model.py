@@ -119,12 +119,13 @@ def loss_fn(model, batch, dtype):
   return (nll * mask).sum() / mask.sum().clamp(min=1)
 
 
-def lr_lambda(t):
-  """jaxtrain's schedule as a multiplier of t.lr: linear warmup, then cosine to min_lr_ratio."""
+def lr_lambda(t, steps: int):
+  """jaxtrain's schedule as a multiplier of t.lr ([optim]): linear warmup, then cosine to
+  min_lr_ratio at `steps`."""
   def f(s):
     if s < t.warmup_steps:
       return (s + 1) / max(t.warmup_steps, 1)
-    progress = min(max((s - t.warmup_steps) / max(t.steps - t.warmup_steps, 1), 0.0), 1.0)
+    progress = min(max((s - t.warmup_steps) / max(steps - t.warmup_steps, 1), 0.0), 1.0)
     return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
   return f
 
@@ -137,7 +138,7 @@ class TorchBaseline:
       raise ValueError(f"the torch baseline supports bfloat16 or float32 compute, not {cfg.model.dtype}")
     if device == "cuda" and not torch.cuda.is_available():
       raise ValueError("the torch baseline was asked to run on a GPU, but this torch build has no CUDA")
-    t = cfg.train
+    t = cfg.optim
     self.device, self.dtype, self.clip = torch.device(device), getattr(torch, cfg.model.dtype), t.grad_clip
     self.model = Transformer(cfg.model).to(self.device)  # fp32 master weights, as jaxtrain
     load_jax_params(self.model, params)
@@ -145,7 +146,7 @@ class TorchBaseline:
     groups = [{"params": [p for n, p in named if n.split(".")[-2] in DECAYED], "weight_decay": t.weight_decay},
               {"params": [p for n, p in named if n.split(".")[-2] not in DECAYED], "weight_decay": 0.0}]
     self.opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.b1, t.b2), eps=t.eps, fused=self.device.type == "cuda")
-    self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(t))
+    self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(t, cfg.train.steps))
     self.loss = torch.compile(loss_fn) if compile else loss_fn
 
   def to_device(self, batch: dict) -> dict:

@@ -1,7 +1,8 @@
 """Data: tokenizers, prepared token shards, packing, the host-sharded grain loader, eval.
 
     from jaxtrain import data
-    it = data.batches(cfg, process_index, process_count)   # next(it), get_state(), set_state(), close()
+    it = data.batches(cfg, block, blocks)   # next(it), get_state(), set_state(), close()
+    # (block, blocks): which rows of each global batch this process feeds (placement.Placement.rows())
     data.eval_batches(cfg, ...), data.source_digest(cfg), data.tokenizer_digest(cfg)
 
 `python -m jaxtrain.data prepare|bench` is the CLI (see __main__.py).

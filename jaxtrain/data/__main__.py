@@ -8,23 +8,18 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
-from jaxtrain.errors import UserError, exit_with
-
-
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):
-    exit_with(UserError(f"{message} (see --help)"), self.prog)
+from jaxtrain import cli
+from jaxtrain.errors import UserError
 
 
 def parse_args(argv=None):
-  p = _Parser(prog="jaxtrain.data", description="Prepare token shards; benchmark the data pipeline.")
-  sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+  p = cli.Parser(prog="jaxtrain.data", description="Prepare token shards; benchmark the data pipeline.")
+  sub = p.add_subparsers(dest="command", required=True, parser_class=cli.Parser)
   pr = sub.add_parser("prepare", help="tokenize .txt/.jsonl/.parquet inputs into token shards + manifest")
   pr.add_argument("--input", nargs="+", required=True, metavar="PATH", help=".txt, .jsonl or .parquet files")
   pr.add_argument("--tokenizer", default="byte", help="'byte' or a path to a Hugging Face tokenizer.json")
@@ -41,18 +36,16 @@ def parse_args(argv=None):
   pr.add_argument("--no-progress", action="store_true", help="no progress bar")
   be = sub.add_parser("bench", help="tokens/s the loader delivers for a config")
   be.add_argument("source", help="a prepared dir (or anything data.source accepts)")
-  be.add_argument("--config", default="tiny", help="preset or .toml giving batch_size, seq_len, data.workers")
-  be.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")
+  cli.add_config_args(be, help_config=False)
   be.add_argument("--batches", type=int, default=50, help="batches to time (after one warm-up batch)")
   return p.parse_args(argv)
 
 
 def bench(args) -> dict:
-  from jaxtrain import config
   from jaxtrain.data import pipeline
   if args.batches < 1:
     raise UserError(f"--batches {args.batches}: must be a positive integer")
-  cfg = config.load(args.config, [*args.set, f"data.source={args.source}"])
+  cfg = cli.start(args, "jaxtrain.data", mesh=False, overrides=[f"data.source={args.source}"]).cfg
   it = pipeline.batches(cfg, check_tokenizer=False)  # measures the loader, whatever tokenizer made the data
   next(it)  # opens, verifies and starts the workers
   t0 = time.perf_counter()
@@ -73,7 +66,8 @@ def bench(args) -> dict:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  try:
+
+  def body(set_prog):
     if args.command == "prepare":
       from jaxtrain.data.prepare import prepare
       if args.workers < 1:
@@ -86,12 +80,8 @@ def main(argv=None) -> int:
               eos_token=args.eos_token, progress=not args.no_progress)
     else:
       bench(args)
-  except UserError as e:
-    exit_with(e, "jaxtrain.data")
-  except KeyboardInterrupt:
-    print("interrupted (finished shards are kept; re-run the same command to resume)", file=sys.stderr)
-    return 130
-  return 0
+  return cli.main("jaxtrain.data", body,
+                  interrupted="interrupted (finished shards are kept; re-run the same command to resume)")
 
 
 if __name__ == "__main__":

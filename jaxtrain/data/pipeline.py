@@ -21,6 +21,7 @@ from jaxtrain.config import Config
 from jaxtrain.data import readers, shards, tokenizer as tokenizer_lib
 from jaxtrain.data.packing import Packer, fields_from_rows
 from jaxtrain.errors import UserError
+from jaxtrain.files import sha256_file
 
 BUNDLED = Path(__file__).resolve().parent.parent / "corpus" / "bundled.jsonl"
 SPLIT_SEED = 20240517  # which documents are held out; independent of train.seed on purpose
@@ -59,7 +60,7 @@ class Source:
       raise UserError(f"data source {spec!r} does not exist; use 'bundled', a prepared directory, "
                       f"or a .txt, .jsonl or .parquet file")
     # A raw file is tokenized in memory with data.tokenizer (fine for small corpora).
-    key = (str(path.resolve()), tokenizer_lib.file_sha256(path), want, cfg.data.text_field)
+    key = (str(path.resolve()), sha256_file(path), want, cfg.data.text_field)
     with cls._lock:
       if key not in cls._memo:
         tok = tokenizer_lib.load(want)
@@ -209,28 +210,28 @@ class DataIterator:
     self._it = None
 
 
-def _slice(cfg: Config, process_index: int, process_count: int) -> tuple[int, int]:
+def _slice(cfg: Config, block: int, blocks: int) -> tuple[int, int]:
   B = cfg.train.batch_size
-  if B % process_count:
-    raise UserError(f"train.batch_size={B} must divide evenly over {process_count} processes")
-  per = B // process_count
-  return process_index * per, (process_index + 1) * per
+  if B % blocks:
+    raise UserError(f"train.batch_size={B} must divide evenly into {blocks} blocks of rows")
+  per = B // blocks
+  return block * per, (block + 1) * per
 
 
-def batches(cfg: Config, process_index: int = 0, process_count: int = 1, *, check_tokenizer: bool = True):
-  """An iterator of this process's slice of each global batch (numpy dicts), with
-  get_state()/set_state()/close()."""
-  lo, hi = _slice(cfg, process_index, process_count)
+def batches(cfg: Config, block: int = 0, blocks: int = 1, *, check_tokenizer: bool = True):
+  """An iterator of rows block `block` of `blocks` of each global batch (numpy dicts), with
+  get_state()/set_state()/close(). `placement.Placement.rows()` says which block a process feeds."""
+  lo, hi = _slice(cfg, block, blocks)
   train, _, pad = open_sources(cfg, check_tokenizer)
   t = cfg.train
   mixture = Mixture(train, _weights(cfg, train), t.seed, t.seq_len, t.batch_size, pad)
   return DataIterator(mixture, lo, hi, cfg.data.workers, cfg.data.prefetch)
 
 
-def eval_batches(cfg: Config, process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
-  """The fixed held-out batches (this process's slices): the first data.eval_batches
-  global batches of the held-out split, the same at every evaluation."""
-  lo, hi = _slice(cfg, process_index, process_count)
+def eval_batches(cfg: Config, block: int = 0, blocks: int = 1) -> list[dict[str, np.ndarray]]:
+  """The fixed held-out batches (rows block `block` of `blocks`, as for training): the first
+  data.eval_batches global batches of the held-out split, the same at every evaluation."""
+  lo, hi = _slice(cfg, block, blocks)
   _, held, pad = open_sources(cfg)
   if held is None:
     raise UserError(f"train.eval_interval={cfg.train.eval_interval} needs a held-out split: "
@@ -251,7 +252,7 @@ def _digest_one(spec: str) -> str:
     return hashlib.sha256((path / shards.MANIFEST).read_bytes()).hexdigest()[:16]
   if not path.is_file():
     raise UserError(f"data source {spec!r} does not exist")
-  return tokenizer_lib.file_sha256(path)[:16]
+  return sha256_file(path)[:16]
 
 
 def source_digest(cfg: Config) -> str:

@@ -17,9 +17,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import tqdm
 
 from jaxtrain.data import readers, shards, tokenizer as tokenizer_lib
 from jaxtrain.errors import UserError
+from jaxtrain.files import sha256_file, write_json_atomic
 
 JOB = "prepare.json"
 _worker_tok = None
@@ -31,13 +33,7 @@ def _save(directory: Path, name: str, array: np.ndarray) -> dict:
     np.save(f, array)
   os.replace(tmp, directory / name)
   return {"name": name, "bytes": (directory / name).stat().st_size,
-          "sha256": tokenizer_lib.file_sha256(directory / name)}
-
-
-def _write_json(path: Path, obj) -> None:
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(obj, indent=1) + "\n")
-  os.replace(tmp, path)
+          "sha256": sha256_file(directory / name)}
 
 
 def _init_worker(spec, bos, eos, quiet_threads):
@@ -49,14 +45,14 @@ def _init_worker(spec, bos, eos, quiet_threads):
 
 def _documents(tok, records, supervised):
   """Tokenized documents ([BOS] body EOS) and the index of each one's first trainable token."""
-  head = [] if tok.bos_id is None else [tok.bos_id]
+  head = 0 if tok.bos_id is None else 1
   if supervised:
     prompts = tok.encode_batch([p for p, _ in records])
     completions = tok.encode_batch([c for _, c in records])
-    docs = [np.concatenate([head, p, c, [tok.eos_id]]) for p, c in zip(prompts, completions)]
-    train_from = [max(1, len(head) + len(p)) for p in prompts]
+    docs = [tokenizer_lib.frame(tok, p, c) for p, c in zip(prompts, completions)]
+    train_from = [max(1, head + len(p)) for p in prompts]
   else:
-    docs = [np.concatenate([head, b, [tok.eos_id]]) for b in tok.encode_batch(records)]
+    docs = [tokenizer_lib.frame(tok, b) for b in tok.encode_batch(records)]
     train_from = [1] * len(docs)
   return docs, train_from
 
@@ -90,7 +86,7 @@ def run_unit(job: dict, n: int, output: str, tok=None) -> dict:
       "bad_records": bad, "input_bytes": unit[3],
       "files": {k: _save(out, v, a) for (k, v), a in zip(names.items(), (tokens, index))},
   }
-  _write_json(out / f"shard-{n:05d}.json", meta)
+  write_json_atomic(out / f"shard-{n:05d}.json", meta)
   return meta
 
 
@@ -115,7 +111,7 @@ def plan(inputs: list[str], tok, fields: dict, shard_mb: float, max_bad: int) ->
     fmt = readers.file_format(path)
     size = path.stat().st_size
     sources.append({"path": str(path.resolve()), "format": fmt, "bytes": size,
-                    "sha256": tokenizer_lib.file_sha256(path)})
+                    "sha256": sha256_file(path)})
     ranges = readers.plan_units(path, max(1, int(shard_mb * 2**20)))
     span = ranges[-1][1] if ranges else 1
     for a, b in ranges:  # input bytes of a unit: exact for text, proportional to row groups for Parquet
@@ -126,27 +122,6 @@ def plan(inputs: list[str], tok, fields: dict, shard_mb: float, max_bad: int) ->
           "tokenizer": {"spec": tok.spec, "digest": tok.digest, "vocab_size": tok.vocab_size,
                         "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id},
           "dtype": np.dtype(shards.token_dtype(tok.vocab_size)).name}
-
-
-class Progress:
-  """A one-line progress bar on stderr: shards done, input MB, MB/s of this run."""
-
-  def __init__(self, total_units: int, total_bytes: int, stream=sys.stderr):
-    self.n, self.total, self.bytes, self.total_bytes = 0, total_units, 0, total_bytes
-    self.fresh_bytes, self.t0, self.stream = 0, time.perf_counter(), stream
-
-  def done(self, nbytes: int, fresh: bool) -> None:
-    self.n += 1
-    self.bytes += nbytes
-    self.fresh_bytes += nbytes if fresh else 0
-    width = 30
-    fill = int(width * self.n / max(self.total, 1))
-    rate = self.fresh_bytes / 2**20 / max(time.perf_counter() - self.t0, 1e-9)
-    self.stream.write(f"\rprepare [{'#' * fill}{'.' * (width - fill)}] {self.n}/{self.total} shards  "
-                      f"{self.bytes / 2**20:.1f}/{self.total_bytes / 2**20:.1f} MB  {rate:.1f} MB/s")
-    if self.n == self.total:
-      self.stream.write("\n")
-    self.stream.flush()
 
 
 def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str = "text",
@@ -167,11 +142,14 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
     if json.loads((out / JOB).read_text()) != job:
       raise UserError(f"{output!r} holds data prepared from other inputs or options; choose another --output or empty it")
   else:
-    _write_json(out / JOB, job)
+    write_json_atomic(out / JOB, job)
   (out / shards.MANIFEST).unlink(missing_ok=True)  # no manifest until every shard is complete
 
   metas: dict[int, dict] = {}
-  bar = Progress(len(job["units"]), sum(u[3] for u in job["units"])) if progress else None
+  # Progress in input megabytes (shards vary in size); finished shards of an earlier run count at once.
+  bar = tqdm.tqdm(total=sum(u[3] for u in job["units"]) / 2**20, unit="MB", desc="prepare", disable=not progress,
+                  file=sys.stderr, bar_format="{desc} {percentage:3.0f}%|{bar:30}| {n:.1f}/{total:.1f} MB "
+                  "[{elapsed}<{remaining}, {rate_fmt}]")
   todo = []
   for n, unit in enumerate(job["units"]):
     meta = _finished(out, n, unit)
@@ -179,12 +157,12 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
       todo.append(n)
     else:
       metas[n] = meta
-      bar and bar.done(unit[3], fresh=False)
+      bar.update(unit[3] / 2**20)
   t0 = time.perf_counter()
   if workers <= 1 or len(todo) <= 1:
     for n in todo:
       metas[n] = run_unit(job, n, output, tok)
-      bar and bar.done(job["units"][n][3], fresh=True)
+      bar.update(job["units"][n][3] / 2**20)
   else:
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold JAX or tokenizer threads
     with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
@@ -194,10 +172,11 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
         for fut in cf.as_completed(futures):
           n = futures[fut]
           metas[n] = fut.result()
-          bar and bar.done(job["units"][n][3], fresh=True)
+          bar.update(job["units"][n][3] / 2**20)
       except BaseException:
         pool.shutdown(cancel_futures=True)
         raise
+  bar.close()
   seconds = time.perf_counter() - t0
   manifest = _manifest(job, metas, out)
   fresh = sum(job["units"][n][3] for n in todo)
@@ -224,7 +203,7 @@ def _manifest(job: dict, metas: dict[int, dict], out: Path) -> dict:
                   "examples": bad[:20]},
       "shards": [{k: m[k] for k in ("documents", "tokens", "trainable_tokens", "files")} for m in kept],
   }
-  _write_json(out / shards.MANIFEST, manifest)
+  write_json_atomic(out / shards.MANIFEST, manifest)
   manifest_note = (f"prepared {manifest['documents']:,} documents, {manifest['tokens']:,} tokens in "
                    f"{len(kept)} shard(s) -> {out / shards.MANIFEST}")
   skipped = manifest["skipped"]

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxtrain.data import tokenizer as tokenizer_lib
 from jaxtrain.errors import UserError
+from jaxtrain.files import sha256_file
 
 FORMAT = "jaxtrain-tokens-v1"
 MANIFEST = "manifest.json"
@@ -87,7 +87,7 @@ def check_file(directory: Path, entry: dict, verify: bool) -> Path:
     raise UserError(f"shard {path} is missing (listed in {directory / MANIFEST})")
   if path.stat().st_size != entry["bytes"]:
     raise UserError(f"shard {path} has {path.stat().st_size} bytes but the manifest says {entry['bytes']}")
-  if verify and tokenizer_lib.file_sha256(path) != entry["sha256"]:
+  if verify and sha256_file(path) != entry["sha256"]:
     raise UserError(f"shard {path}: sha256 does not match the manifest (corrupt or replaced; re-run prepare)")
   return path
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxtrain.errors import UserError
+from jaxtrain.files import sha256_file
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
@@ -35,7 +36,7 @@ class ByteTokenizer:
 
   def encode(self, text: str) -> np.ndarray:
     """BOS + body + EOS, one document as it is stored and trained on."""
-    return np.concatenate([[self.BOS], self.encode_body(text), [self.EOS]]).astype(np.int32)
+    return frame(self, self.encode_body(text))
 
   def decode(self, ids) -> str:
     data = bytes(int(i) - self.OFFSET for i in ids if int(i) >= self.OFFSET)
@@ -59,7 +60,7 @@ class HFTokenizer:
       raise UserError(f"tokenizer {path!r} cannot be read as a Hugging Face tokenizer.json: "
                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     self.spec = str(p.resolve())
-    self.digest = file_sha256(p)[:16]
+    self.digest = sha256_file(p)[:16]
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     self.eos_id = self._special(eos_token, EOS_CANDIDATES, "EOS", "--eos-token", required=True)
     self.bos_id = self._special(bos_token, BOS_CANDIDATES, "BOS", "--bos-token", required=False)
@@ -83,14 +84,13 @@ class HFTokenizer:
     return [np.asarray(e.ids, np.int32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
   def encode(self, text: str) -> np.ndarray:
-    body = self.encode_batch([text])[0]
-    head = [] if self.bos_id is None else [self.bos_id]
-    return np.concatenate([head, body, [self.eos_id]]).astype(np.int32)
+    return frame(self, self.encode_batch([text])[0])
 
 
-def file_sha256(path: Path) -> str:
-  with open(path, "rb") as f:
-    return hashlib.file_digest(f, "sha256").hexdigest()
+def frame(tok, *bodies) -> np.ndarray:
+  """One document as it is stored and trained on: [BOS] bodies... EOS (BOS where the tokenizer has one)."""
+  head = [] if tok.bos_id is None else [tok.bos_id]
+  return np.concatenate([head, *bodies, [tok.eos_id]]).astype(np.int32)
 
 
 def load(spec: str, bos_token: str | None = None, eos_token: str | None = None):
@@ -107,4 +107,4 @@ def digest_of(spec: str) -> str:
   p = Path(spec)
   if not p.is_file():
     raise UserError(f"data.tokenizer={spec!r} does not exist; use 'byte' or a path to a tokenizer.json")
-  return file_sha256(p)[:16]
+  return sha256_file(p)[:16]

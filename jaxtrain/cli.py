@@ -1,0 +1,92 @@
+"""The one start-up path of every command (`train`, `inspect`, `bench`, `data`, ...).
+
+Order matters and is the same everywhere: parse the flags; read the config; put the XLA
+flags in place (XLA reads them once, when the backend starts); start the distributed
+runtime (it must precede any backend use) and provide simulated CPU devices; build the
+mesh. User mistakes end in one line and exit 2 (`main`), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Callable
+
+from jaxtrain.errors import RunAborted, UserError, exit_with
+
+
+class Parser(argparse.ArgumentParser):
+  """argparse that reports a bad flag in one line (no usage dump), exit 2."""
+
+  def error(self, message):
+    exit_with(UserError(f"{message} (see --help)"), self.prog)
+
+
+def add_config_args(p: argparse.ArgumentParser, *, help_config: bool = True) -> None:
+  p.add_argument("--config", default="tiny", help="preset name from configs/ or a path to a .toml file (default: tiny)")
+  p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                 help="override one config key (repeatable); see --help-config")
+  if help_config:
+    p.add_argument("--help-config", action="store_true", help="list every config key with type, default and meaning")
+
+
+def add_mesh_args(p: argparse.ArgumentParser, *, cluster: bool = False) -> None:
+  p.add_argument("--mesh", default="fsdp=-1",
+                 help="axis=size pairs over data/fsdp/tensor/sequence/expert (aliases dp/fsdp/tp/sp/ep), one size "
+                      "may be -1 to fill the rest; or a preset name from meshes/ (default: fsdp=-1)")
+  if cluster:
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process run: address of process 0's coordinator")
+    p.add_argument("--num-processes", type=int, help="multi-process run: number of processes (one per host)")
+    p.add_argument("--process-id", type=int, help="multi-process run: this process's index, 0..N-1")
+
+
+@dataclasses.dataclass
+class Started:
+  cfg: object
+  mesh: object  # None when the command asked for no mesh
+  prog: str  # the name errors are reported under (with the process index on multi-process runs)
+
+
+def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: list[str] = ()) -> Started:
+  """Config, XLA flags, distributed runtime, mesh: in that order (see the module doc)."""
+  from jaxtrain import config, distributed, mesh as mesh_lib, observe, xla_flags
+  started = Started(config.load(args.config, [*args.set, *overrides]), None, prog)
+  cfg = started.cfg
+  observe.parse_steps(cfg.run.profile_steps)  # a bad value fails before any device starts
+  added = xla_flags.apply(cfg.run.xla_flags, cfg.run.xla_flags_extra)
+  if added:
+    print(f"xla flags: {len(added)} added to XLA_FLAGS (preset {cfg.run.xla_flags})")
+  if not mesh:
+    return started
+  sizes, dcn = mesh_lib.parse_full(args.mesh)
+  cluster = distributed.cluster_from(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
+                                     getattr(args, "process_id", None))
+  if cluster is not None:
+    started.prog = f"{prog}[process {cluster.process_id if cluster.process_id is not None else '?'}]"
+  distributed.initialize(cluster, sizes, cfg.distributed.heartbeat_timeout_s, cfg.distributed.init_timeout_s)
+  import jax
+  if jax.process_count() > 1:
+    started.prog = f"{prog}[process {jax.process_index()}]"
+    if jax.process_index() != 0:  # process 0 alone reports progress
+      sys.stdout = open(os.devnull, "w")
+  started.mesh = mesh_lib.build(sizes, dcn=dcn)
+  return started
+
+
+def main(prog: str, body: Callable[[Callable[[str], None]], int | None], interrupted: str = "interrupted") -> int:
+  """Runs `body(set_prog)` with the one error epilogue: a UserError exits 2 and a RunAborted
+  exits 1, each with one line on stderr; Ctrl-C exits 130. `set_prog` renames the
+  command in error lines once the process index is known."""
+  name = [prog]
+  try:
+    return body(lambda p: name.__setitem__(0, p)) or 0
+  except (UserError, RunAborted) as e:
+    exit_with(e, name[0])
+  except KeyboardInterrupt:
+    print(interrupted, file=sys.stderr)
+    return 130
+  except BrokenPipeError:  # e.g. `... | head`: the reader left; nothing to report
+    sys.stdout = open(os.devnull, "w")
+    return 0

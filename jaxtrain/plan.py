@@ -1,0 +1,100 @@
+"""The execution plan of one (config, mesh): decided once at set-up, printed once, passed to the model.
+
+It owns every choice about *how* the model's math runs on the mesh:
+- the logical-to-mesh rules (`sharding.RULES`, or its Megatron sequence-parallel variant);
+- the attention kernel: `ring` when the mesh splits `sequence` (ring.py's own blocks),
+  else `cudnn` or the XLA reference `xla`, as `attention.select` decides for the target
+  device (the mesh's devices, which may be abstract GPUs when compiling ahead of time);
+- the MoE dispatch: `local` (one group, no mesh) or `all_to_all` over `expert`;
+- the mesh axis names that the explicit collectives of ring.py and moe.py use.
+The model calls `plan.constrain`, `plan.attend` and `plan.moe_ffn`; it never looks at a
+mesh itself, so what `describe()` prints is what runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from jaxtrain import attention as attention_lib, sharding
+from jaxtrain.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+  mesh: Any  # a jax.sharding.Mesh, or None: one device, no annotations
+  rules: dict[str, tuple[str, ...]]
+  attention: str  # "xla" | "cudnn" | "ring"
+  attention_why: str
+  moe: str  # "dense" | "local" | "all_to_all"
+  remat: str = "none"
+  sequence_axis: str = "sequence"
+  expert_axis: str = "expert"
+
+  def spec(self, axes, shape):
+    return sharding.spec_for(axes, shape, self.mesh, rules=self.rules)
+
+  def sharding(self, axes, shape) -> NamedSharding:
+    return NamedSharding(self.mesh, self.spec(axes, shape))
+
+  def constrain(self, x: jax.Array, axes) -> jax.Array:
+    """Annotates an activation with logical axes (nothing without a mesh)."""
+    if self.mesh is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
+
+  def attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
+    """Causal grouped-query attention with segment masking, by the kernel this plan chose."""
+    if self.attention == "ring":
+      from jaxtrain import ring
+      return ring.ring_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, self)
+    return KERNELS[self.attention](q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+
+  def moe_ffn(self, x_BxLxD, router_DxX, w_gate, w_up, w_down, *, top_k: int, capacity_factor: float):
+    from jaxtrain import moe
+    return moe.moe_ffn(x_BxLxD, router_DxX, w_gate, w_up, w_down, top_k=top_k, capacity_factor=capacity_factor,
+                       plan=self)
+
+  def describe(self) -> str:
+    moe = {"dense": "", "local": "; moe: one local group",
+           "all_to_all": f"; moe: all_to_all over {self.expert_axis}"}[self.moe]
+    rules = "; sequence-parallel residual stream" if self.rules.get("act_length") != sharding.RULES["act_length"] else ""
+    return f"attention: {self.attention} ({self.attention_why}){moe}; remat {self.remat}{rules}"
+
+
+def _reference(q, k, v, seg):
+  from jaxtrain import model
+  return model.attention(q, k, v, seg)
+
+
+# Kernels that run on one shard of heads/batch (the ring calls neither: it scores its own blocks).
+KERNELS = {"xla": _reference, "cudnn": attention_lib.fused}
+
+
+def build(cfg, mesh, device=None) -> Plan:
+  """The plan for `cfg` on `mesh` (None: one device, nothing sharded). `device`: the target
+  device whose kernels to use (default: the mesh's first device, or the local one)."""
+  m = cfg.model
+  sp = mesh.shape.get("sequence", 1) if mesh is not None else 1
+  if sp > 1:
+    if m.attention == "cudnn":
+      raise UserError(f"model.attention=cudnn cannot run with sequence={sp}: ring attention computes its own "
+                      "blocks; use model.attention=auto or xla")
+    impl, why = "ring", f"ring attention over sequence={sp}, zig-zag blocks, online softmax"
+  else:
+    if device is None and mesh is not None:
+      device = mesh.devices.flat[0]
+    impl, why = attention_lib.select(m, cfg.train.seq_len, device=device)
+  moe = "dense" if not m.moe_experts else ("local" if mesh is None else "all_to_all")
+  return Plan(mesh=mesh, rules=sharding.rules_for(cfg.run.sequence_parallel), attention=impl, attention_why=why,
+              moe=moe, remat=m.remat)
+
+
+def local(cfg=None) -> Plan:
+  """One device, reference attention, no annotations: the single-device reference of the tests."""
+  moe = "local" if cfg is not None and cfg.model.moe_experts else "dense"
+  return Plan(mesh=None, rules=dict(sharding.RULES), attention="xla", attention_why="one device, no mesh", moe=moe,
+              remat=cfg.model.remat if cfg is not None else "none")
