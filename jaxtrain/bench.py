@@ -37,6 +37,8 @@ def parse_args(argv=None):
   p.add_argument("--rounds", type=int, default=3, help="alternating rounds with a baseline (default 3)")
   p.add_argument("--measure-peak", action="store_true", help="time a large bf16 matmul; MFU also against it")
   p.add_argument("--out", default="bench.json", help="JSON result file (default bench.json)")
+  p.add_argument("--breakdown", type=int, default=0, metavar="N",
+                 help="after timing, trace a few steps with jax.profiler and print the N ops that take the most time")
   return p.parse_args(argv)
 
 
@@ -137,7 +139,7 @@ def jaxtrain_side(cfg, setup, batches):
   t = time.perf_counter()
   compiled = setup.step.lower(state, dev[0]).compile()
   compile_s = time.perf_counter() - t
-  box = {"state": state, "i": 0}
+  box = {"state": state, "i": 0, "compiled": compiled}
 
   def run():
     box["state"], metrics = compiled(box["state"], dev[box["i"] % len(dev)])
@@ -200,10 +202,10 @@ def summarize(side: _Side, flops_per_step: float, n_devices: int, peak: float | 
 
 
 def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list[str], rounds: int,
-        measure: bool) -> dict:
+        measure: bool, breakdown: int = 0, trace_dir: Path | None = None) -> dict:
   import jax
   import numpy as np
-  from jaxtrain import flops, mesh as mesh_lib, step as step_lib
+  from jaxtrain import costs, flops, memory, mesh as mesh_lib, step as step_lib
   setup = step_lib.Setup(cfg, mesh)
   dev0 = mesh.devices.flat[0]
   t = cfg.train
@@ -248,6 +250,14 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
     else:
       side.memory_note = "not separable: shares the device (and its peak counter) with jaxtrain"
 
+  compiled = sides[0].box["compiled"]
+  eff = costs.efficiency(compiled, flops_per_step / mesh.size, sum(memory.state_bytes(setup).values()))
+  top = None
+  if breakdown:
+    def run_steps(n):
+      for _ in range(n):
+        sides[0].sync(sides[0].run())
+    top = costs.breakdown(run_steps, min(steps, 3), compiled.as_text(), breakdown, trace_dir)
   mflops = measured and measured["flops"]
   return {
       "config": config_name, "mesh": mesh_lib.describe(dict(mesh.shape)), "devices": mesh.size,
@@ -261,6 +271,8 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
       "peak_flops_per_device": peak, "peak_source": "jaxtrain.devices.TABLE" if peak else
       f"unknown for device kind {dev0.device_kind!r}: MFU is null",
       "measured_peak": measured,
+      "efficiency": eff,
+      "breakdown": top,
       "jaxtrain": summarize(sides[0], flops_per_step, mesh.size, peak, mflops),
       "baseline_results": {s.name: summarize(s, flops_per_step, 1, peak, mflops) for s in sides[1:]},
       "ratios": {name: {**stats(q), "per_round": q,
@@ -292,6 +304,17 @@ def table(rep: dict) -> str:
     mfu = rep["jaxtrain"]["mfu_vs_measured_peak"]["median"]
     L.append(f"measured bf16 matmul peak ({m['size']}^3): {m['tflops']:.4g} TFLOP/s per device; "
              f"jaxtrain MFU against it {mfu:.1%}")
+  e = rep["efficiency"]
+  if e["compiled_over_model_flops"] is not None:
+    L.append(f"compiled program: {e['compiled_over_model_flops']:.3f}x the model FLOPs per device; bytes accessed "
+             f"{_fmt(e['bytes_accessed_over_state'], '.2f')}x the train state per device (XLA cost analysis)")
+  b = rep["breakdown"]
+  if b and b["available"]:
+    L.append(f"top ops of {b['steps']} traced step(s), {b['ops_ms_per_step']:.2f} ms of ops per step:")
+    for row in b["top"]:
+      L.append(f"  {row['share']:6.1%} {row['ms_per_step']:9.3f} ms  {row['op']:<28} {row['jax_op'][-90:]}")
+  elif b:
+    L.append(f"breakdown: not available ({b['why']})")
   for name, q in rep["ratios"].items():
     L.append(f"ratio jaxtrain/{name} tokens/s: {q['median']:.3f}x median over {q['n']} rounds "
              f"[{q['min']:.3f}..{q['max']:.3f}]")
@@ -332,7 +355,8 @@ def main(argv=None) -> int:
     started = cli.start(args, "jaxtrain.bench")  # the trainer's start-up: its XLA flags, its mesh
     _check_one_device(baselines, args.mesh, started.mesh.size)
     rep = run(started.cfg, started.mesh, Path(args.config).stem, steps=args.steps, warmup=args.warmup,
-              baselines=baselines, rounds=args.rounds, measure=args.measure_peak)
+              baselines=baselines, rounds=args.rounds, measure=args.measure_peak, breakdown=args.breakdown,
+              trace_dir=out.parent / (out.stem + "-trace"))
     try:
       files.write_json_atomic(out, rep)
     except OSError as e:

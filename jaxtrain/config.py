@@ -63,6 +63,10 @@ class ModelConfig:
   moe_aux_weight: float = key(0.01, "Weight of the load-balancing loss added to the training loss.", math=True,
                               min=0.0)
   moe_z_weight: float = key(0.001, "Weight of the router z-loss added to the training loss.", math=True, min=0.0)
+  attention_logits_dtype: Literal["float32", "bfloat16"] = key(
+      "float32", "Dtype of the reference attention's L x L scores and softmax (bfloat16 halves their memory and "
+      "traffic; see README for its accuracy). cuDNN and ring attention keep their own float32 statistics.",
+      math=True)
   attention: Literal["auto", "xla", "cudnn"] = key(
       "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if "
       "unsupported). With sequence > 1 ring attention runs (cudnn is then an error).", math=False)

@@ -146,11 +146,12 @@ def activations(cfg, mesh, remat: str = "none") -> dict[str, int]:
   MLP width F divided by their tensor split, D by its act_embed split, L the full length):
     2 RMSNorms      2 (8 + s) D + 16   f32 input, f32 normalized, s output, f32 statistics
     q, k, v, o      s (2H + 2K) E
-    rope tables     8 E                sin and cos (f32, E/2) for q and for k
-    attention       H (L (9 + s) + 8)  bool mask, f32 masked scores, f32 exp, s probabilities,
-                                       f32 softmax row statistics
+    attention       H (L (1 + 2c + s) + 2c)  bool mask, masked scores, exp, s probabilities,
+                                       softmax row statistics (c = bytes of
+                                       model.attention_logits_dtype: 4 for float32)
     SwiGLU          6 s F              gate, up, three silu residuals, their product
-  plus, once, the final norm and the f32 exp of the logits: (8 + s) D + 4 V.
+  plus, once, the RoPE tables (sin and cos, f32, E/2 each: 4 E), the final norm and the
+  f32 exp of the logits: 4 E + (8 + s) D + 4 V.
   remat "full" (one checkpoint per block): the block inputs s D per token per layer, plus
   one layer's "none" set recomputed during the backward pass.
   """
@@ -162,12 +163,13 @@ def activations(cfg, mesh, remat: str = "none") -> dict[str, int]:
   F = m.d_ff // _ways("act_mlp", m.d_ff, mesh)
   V = m.vocab_size // _ways("act_vocab", m.vocab_size, mesh)
   E, L = m.head_dim, cfg.train.seq_len
+  c = np.dtype(m.attention_logits_dtype).itemsize
   T = tokens_per_device(cfg, mesh)
   per_layer = {
-      "norms": 2 * (8 + s) * D + 16, "qkvo": s * (2 * H + 2 * K) * E, "rope": 8 * E,
-      "attention_matrix": H * (L * (9 + s) + 8), "swiglu": 6 * s * F,
+      "norms": 2 * (8 + s) * D + 16, "qkvo": s * (2 * H + 2 * K) * E,
+      "attention_matrix": H * (L * (1 + 2 * c + s) + 2 * c), "swiglu": 6 * s * F,
   }
-  head = T * ((8 + s) * D + 4 * V)
+  head = T * (4 * E + (8 + s) * D + 4 * V)
   if remat == "none":
     out = {k: m.n_layers * T * v for k, v in per_layer.items()}
   elif remat == "full":

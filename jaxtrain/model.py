@@ -54,25 +54,34 @@ class RMSNorm(nnx.Module):
     return (x * self.scale[...]).astype(x_BxLxD.dtype)
 
 
-def rope(x_BxLxNxE, pos_BxL, theta: float):
-  """Rotary embedding on pairs (first half, second half) of the head dimension."""
-  half = x_BxLxNxE.shape[-1] // 2
+def rope_tables(pos_BxL, head_dim: int, theta: float):
+  """(sin, cos) of the rotary angles, each (B, L, 1, E/2) float32 (the 1 broadcasts over
+  heads): computed once per forward pass and shared by every layer, so neither each layer
+  nor remat recomputes them, and the backward pass keeps one copy."""
+  half = head_dim // 2
   freq_E2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
   ang_BxLx1xE2 = (pos_BxL.astype(jnp.float32)[:, :, None] * freq_E2)[:, :, None, :]
-  sin, cos = jnp.sin(ang_BxLx1xE2), jnp.cos(ang_BxLx1xE2)
+  return jnp.sin(ang_BxLx1xE2), jnp.cos(ang_BxLx1xE2)
+
+
+def rope(x_BxLxNxE, tables):
+  """Rotary embedding on pairs (first half, second half) of the head dimension."""
+  sin_BxLx1xE2, cos_BxLx1xE2 = tables
+  half = x_BxLxNxE.shape[-1] // 2
   x = x_BxLxNxE.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  out = jnp.concatenate([x1 * cos_BxLx1xE2 - x2 * sin_BxLx1xE2, x2 * cos_BxLx1xE2 + x1 * sin_BxLx1xE2], axis=-1)
   return out.astype(x_BxLxNxE.dtype)
 
 
-def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
-  """Causal grouped-query attention; a token sees only earlier tokens of its own segment."""
+def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype=jnp.float32):
+  """Causal grouped-query attention; a token sees only earlier tokens of its own segment.
+  Scores and softmax in `logits_dtype` (model.attention_logits_dtype)."""
   B, L, H, E = q_BxLxHxE.shape
   K = k_BxLxKxE.shape[2]
   q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, H // K, E)
   s_BxKxGxLxL = jnp.einsum("blkge,bmke->bkglm", q_BxLxKxGxE, k_BxLxKxE,
-                           preferred_element_type=jnp.float32) * E**-0.5
+                           preferred_element_type=logits_dtype) * jnp.asarray(E**-0.5, logits_dtype)
   causal_LxL = jnp.tril(jnp.ones((L, L), bool))
   same_BxLxL = seg_BxL[:, :, None] == seg_BxL[:, None, :]
   mask_Bx1x1xLxL = (causal_LxL & same_BxLxL)[:, None, None]
@@ -90,15 +99,14 @@ class Attention(nnx.Module):
     self.wk = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
     self.wv = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
     self.wo = _param(rngs, (H, E, D), ("heads", "head_dim", "embed"), std)
-    self.theta = cfg.rope_theta
 
-  def __call__(self, x_BxLxD, pos_BxL, seg_BxL, plan):
+  def __call__(self, x_BxLxD, rope_tables, seg_BxL, plan):
     dt = x_BxLxD.dtype
     q = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
     k = jnp.einsum("bld,dke->blke", x_BxLxD, self.wk[...].astype(dt))
     v = jnp.einsum("bld,dke->blke", x_BxLxD, self.wv[...].astype(dt))
-    q = checkpoint_name(plan.constrain(rope(q, pos_BxL, self.theta), ("batch", "length", "act_heads", None)), "q")
-    k = checkpoint_name(plan.constrain(rope(k, pos_BxL, self.theta), ("batch", "length", "act_kv_heads", None)), "k")
+    q = checkpoint_name(plan.constrain(rope(q, rope_tables), ("batch", "length", "act_heads", None)), "q")
+    k = checkpoint_name(plan.constrain(rope(k, rope_tables), ("batch", "length", "act_kv_heads", None)), "k")
     v = checkpoint_name(plan.constrain(v, ("batch", "length", "act_kv_heads", None)), "v")
     o_BxLxHxE = checkpoint_name(plan.attend(q, k, v, seg_BxL), "attn_out")
     return jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt))
@@ -153,11 +161,11 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.mlp = MoE(cfg, rngs) if moe_layer else MLP(cfg, rngs)
 
-  def __call__(self, x_BxLxD, pos_BxL, seg_BxL, plan):
+  def __call__(self, x_BxLxD, rope_tables, seg_BxL, plan):
     """Returns (x, MoE stats or None). The residual stream is `act_length`; each norm's
     output enters a tensor-parallel region whole along `length`."""
     h_BxLxD = plan.constrain(self.attn_norm(x_BxLxD), ("batch", "length", "act_embed"))
-    x_BxLxD = x_BxLxD + self.attn(h_BxLxD, pos_BxL, seg_BxL, plan)
+    x_BxLxD = x_BxLxD + self.attn(h_BxLxD, rope_tables, seg_BxL, plan)
     x_BxLxD = plan.constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
     h_BxLxD = plan.constrain(self.mlp_norm(x_BxLxD), ("batch", "length", "act_embed"))
     y_BxLxD, stats = self.mlp(h_BxLxD, plan) if isinstance(self.mlp, MoE) else (self.mlp(h_BxLxD, plan), None)
@@ -182,23 +190,24 @@ class Transformer(nnx.Module):
   def forward(self, tokens_BxL, pos_BxL, seg_BxL, plan=None):
     """Returns (float32 logits (B, L, V), list of the MoE layers' stats; empty if dense).
     `plan`: how to run on the mesh (`jaxtrain.plan`); None = one device, reference attention."""
-    plan = plan or plan_lib.local(None)
+    plan = plan or plan_lib.local(self.cfg)
     dt = jnp.dtype(self.cfg.dtype)
     x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(dt)
     x_BxLxD = plan.constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
+    tables = rope_tables(pos_BxL, self.cfg.head_dim, self.cfg.rope_theta)
     moe_stats = []
     use_remat, policy = remat_policy(self.cfg.remat)
 
-    def _run_block(block, x_BxLxD, pos_BxL, seg_BxL):
-      return block(x_BxLxD, pos_BxL, seg_BxL, plan)
+    def _run_block(block, x_BxLxD, tables, seg_BxL):
+      return block(x_BxLxD, tables, seg_BxL, plan)
 
     # prevent_cse is only needed outside a scan (scan already keeps the recomputation apart)
     run_block = nnx.remat(_run_block, policy=policy, prevent_cse=not self.cfg.scan_layers) if use_remat else _run_block
     if self.cfg.scan_layers:
-      x_BxLxD, moe_stats = _scan_blocks(run_block, self.layers, x_BxLxD, pos_BxL, seg_BxL)
+      x_BxLxD, moe_stats = _scan_blocks(run_block, self.layers, x_BxLxD, tables, seg_BxL)
     else:
       for block in self.layers:
-        x_BxLxD, stats = run_block(block, x_BxLxD, pos_BxL, seg_BxL)
+        x_BxLxD, stats = run_block(block, x_BxLxD, tables, seg_BxL)
         if stats is not None:
           moe_stats.append(stats)
     x_BxLxD = self.final_norm(x_BxLxD)
@@ -220,12 +229,12 @@ def stack_blocks(blocks: list[Block]) -> Block:
   return block
 
 
-def _scan_blocks(run_block, stacked: Block, x_BxLxD, pos_BxL, seg_BxL):
+def _scan_blocks(run_block, stacked: Block, x_BxLxD, tables, seg_BxL):
   """jax.lax.scan over the `layers` axis: one traced block, applied n_layers times."""
   graphdef, state = nnx.split(stacked)
 
   def body(x, layer_state):
-    x, stats = run_block(nnx.merge(graphdef, layer_state), x, pos_BxL, seg_BxL)
+    x, stats = run_block(nnx.merge(graphdef, layer_state), x, tables, seg_BxL)
     return x, stats
 
   x_BxLxD, stats = jax.lax.scan(body, x_BxLxD, state)

@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jaxtrain import attention as attention_lib, sharding
@@ -31,6 +32,7 @@ class Plan:
   attention_why: str
   moe: str  # "dense" | "local" | "all_to_all"
   remat: str = "none"
+  logits_dtype: str = "float32"  # scores/softmax of the reference kernel
   sequence_axis: str = "sequence"
   expert_axis: str = "expert"
 
@@ -51,6 +53,8 @@ class Plan:
     if self.attention == "ring":
       from jaxtrain import ring
       return ring.ring_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, self)
+    if self.attention == "xla":
+      return KERNELS["xla"](q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype=jnp.dtype(self.logits_dtype))
     return KERNELS[self.attention](q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
 
   def moe_ffn(self, x_BxLxD, router_DxX, w_gate, w_up, w_down, *, top_k: int, capacity_factor: float):
@@ -62,12 +66,13 @@ class Plan:
     moe = {"dense": "", "local": "; moe: one local group",
            "all_to_all": f"; moe: all_to_all over {self.expert_axis}"}[self.moe]
     rules = "; sequence-parallel residual stream" if self.rules.get("act_length") != sharding.RULES["act_length"] else ""
-    return f"attention: {self.attention} ({self.attention_why}){moe}; remat {self.remat}{rules}"
+    scores = f", {self.logits_dtype} scores" if self.attention == "xla" and self.logits_dtype != "float32" else ""
+    return f"attention: {self.attention} ({self.attention_why}{scores}){moe}; remat {self.remat}{rules}"
 
 
-def _reference(q, k, v, seg):
+def _reference(q, k, v, seg, logits_dtype=jnp.float32):
   from jaxtrain import model
-  return model.attention(q, k, v, seg)
+  return model.attention(q, k, v, seg, logits_dtype)
 
 
 # Kernels that run on one shard of heads/batch (the ring calls neither: it scores its own blocks).
@@ -90,11 +95,12 @@ def build(cfg, mesh, device=None) -> Plan:
     impl, why = attention_lib.select(m, cfg.train.seq_len, device=device)
   moe = "dense" if not m.moe_experts else ("local" if mesh is None else "all_to_all")
   return Plan(mesh=mesh, rules=sharding.rules_for(cfg.run.sequence_parallel), attention=impl, attention_why=why,
-              moe=moe, remat=m.remat)
+              moe=moe, remat=m.remat, logits_dtype=m.attention_logits_dtype)
 
 
-def local(cfg=None) -> Plan:
+def local(model_cfg=None) -> Plan:
   """One device, reference attention, no annotations: the single-device reference of the tests."""
-  moe = "local" if cfg is not None and cfg.model.moe_experts else "dense"
-  return Plan(mesh=None, rules=dict(sharding.RULES), attention="xla", attention_why="one device, no mesh", moe=moe,
-              remat=cfg.model.remat if cfg is not None else "none")
+  m = model_cfg
+  return Plan(mesh=None, rules=dict(sharding.RULES), attention="xla", attention_why="one device, no mesh",
+              moe="local" if m is not None and m.moe_experts else "dense", remat=m.remat if m is not None else "none",
+              logits_dtype=m.attention_logits_dtype if m is not None else "float32")

@@ -90,7 +90,6 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   cross-entropy alone. With moe_metrics=True a 4th value holds `moe_aux_loss` and
   `moe_dropped_frac` (dropped / all token-to-expert assignments of the update).
   """
-  plan = plan or plan_lib.local()
   n_valid = jnp.sum(batch["loss_mask"] > 0)
   denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
   zeros = jax.tree.map(jnp.zeros_like, params)
@@ -106,7 +105,7 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
 
   moe0 = {k: jnp.float32(0) for k in ("aux", "dropped", "assigned")}
   (loss_sum, grad_sum, moe), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros, moe0),
-                                              split_microbatches(batch, microbatches, plan))
+                                              split_microbatches(batch, microbatches, plan or plan_lib.local()))
   out = loss_sum / denom, jax.tree.map(lambda g: g / loss_scale, grad_sum), n_valid
   if not moe_metrics:
     return out
@@ -129,9 +128,20 @@ def init_state(cfg: Config, opt: optax.GradientTransformation, params) -> dict:
           "loss_scale": precision.init(cfg)}
 
 
+def guarded_update(opt: optax.GradientTransformation, params, opt_state, g, ok):
+  """(params, opt_state, applied): the AdamW update when `ok` and the new params are
+  finite, else the old values untouched. The choice is one `lax.cond` between the two
+  states, not an elementwise select over every array."""
+  updates, new_opt = opt.update(g, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  # e.g. a huge lr: finite gradients, overflowing params
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(new_params)]))
+  return jax.lax.cond(ok & finite, lambda: (new_params, new_opt, True), lambda: (params, opt_state, False))
+
+
 def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, plan, state, batch):
-  """One update. A step whose gradients are not all finite (or that has no valid token)
-  moves nothing: params, Adam state and the schedule position (`step`) stay as they were."""
+  """One update. A step whose gradients or update are not all finite (or that has no valid
+  token) moves nothing: params, Adam state and the schedule position (`step`) stay as they were."""
   t = cfg.train
   scale = state["loss_scale"]["scale"]
   loss, g, n_valid, moe_metrics = grads(graphdef, state["params"], batch, t.microbatches, scale, moe_metrics=True,
@@ -140,13 +150,10 @@ def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, plan, s
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)  # a non-finite element makes the norm non-finite
   if cfg.optim.grad_clip > 0:
     g, _ = optax.clip_by_global_norm(cfg.optim.grad_clip).update(g, optax.EmptyState())
-  updates, opt_state = opt.update(g, state["opt"], state["params"])
-  params = optax.apply_updates(state["params"], updates)
-  apply = finite & (n_valid > 0)
-  keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
+  params, opt_state, apply = guarded_update(opt, state["params"], state["opt"], g, finite & (n_valid > 0))
   new_state = {
-      "params": jax.tree.map(keep, params, state["params"]),
-      "opt": jax.tree.map(keep, opt_state, state["opt"]),
+      "params": params,
+      "opt": opt_state,
       "step": state["step"] + apply.astype(jnp.int32),
       "loss_scale": precision.update(cfg, state["loss_scale"], finite),
   }

@@ -66,5 +66,5 @@ def test_grad_norm_is_logged_before_clipping():
   unclipped = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g))))
   cfg = config.load("tiny", ["model.dtype=float32", "train.batch_size=8", "optim.grad_clip=1e-3"])
   opt = step.optimizer(cfg)
-  _, metrics = step.train_step(graphdef, opt, cfg, plan_lib.local(cfg), step.init_state(cfg, opt, params), batch)
+  _, metrics = step.train_step(graphdef, opt, cfg, plan_lib.local(cfg.model), step.init_state(cfg, opt, params), batch)
   assert unclipped > 1.0 and float(metrics["grad_norm"]) == pytest.approx(unclipped, rel=1e-5)
