@@ -13,9 +13,17 @@ Packed segments: `jax.nn.dot_product_attention` has no public packed-segment (of
 argument, so the segment mask is passed as its boolean `mask` (B, 1, L, L), which cuDNN
 applies as an additive bias together with its causal mask. That is exact for any
 packing, at the cost of reading an L x L bias; the causal blocks are still skipped.
+On Hopper or later (compute capability >= 9.0) the segments go to cuDNN's packed layout
+instead (segment lengths and offsets, O(L) per row, no L x L tensor): see `packed`.
+
+The decision is made for the device the step is compiled FOR (`device_info` of the
+mesh's first device), not the host: an H100 compile-only target on a CPU machine
+selects cuDNN.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -23,28 +31,62 @@ import jax.numpy as jnp
 from jaxtrain.errors import UserError
 
 
-def _gpu_info():
-  """(is a CUDA GPU backend, max head_dim) without raising on other backends."""
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError:
-    return False, 0
-  if dev.platform != "gpu" or "cuda" not in getattr(dev.client, "platform_version", "").lower():
-    return False, 0
-  major = int(str(getattr(dev, "compute_capability", "0")).split(".")[0] or 0)
-  return True, 256 if major >= 9 else 128
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+  """What the kernel choice needs to know of the target device."""
+  platform: str                           # jax's device.platform: cpu, gpu, tpu
+  cuda: bool = False                      # an NVIDIA GPU (real, or a compile-only target)
+  capability: tuple[int, int] = (0, 0)    # CUDA compute capability
+
+  @property
+  def max_head_dim(self) -> int:
+    return 256 if self.capability >= (9, 0) else 128
+
+  @property
+  def packed(self) -> bool:
+    """cuDNN's packed layout (segment offsets) needs Hopper or later."""
+    return self.capability >= (9, 0)
 
 
-def select(model_cfg, seq_len: int | None = None, gpu_info=None) -> tuple[str, str]:
-  """("cudnn" | "xla", reason). `gpu_info` = (is CUDA GPU, max head_dim) overrides the probe (tests)."""
+def info_of(device=None) -> DeviceInfo:
+  """DeviceInfo of `device` (default: the first local device), never raising.
+
+  CUDA devices, including compile-only ones from jax.experimental.topologies, report
+  platform "gpu" and a numeric compute capability ("9.0"); ROCm reports a gfx name."""
+  if device is None:
+    try:
+      device = jax.devices()[0]
+    except RuntimeError:
+      return DeviceInfo(jax.default_backend())
+  cc = str(getattr(device, "compute_capability", "")).split(".")
+  if device.platform != "gpu" or len(cc) != 2 or not all(c.isdigit() for c in cc):
+    return DeviceInfo(device.platform)
+  return DeviceInfo("gpu", True, (int(cc[0]), int(cc[1])))
+
+
+def target_device():
+  """The device the step is being traced for: the active mesh's first device, else the
+  first local one. (The one place to switch to the execution plan's device.)"""
+  from jaxtrain import sharding
+  mesh = sharding.current_mesh()
+  return mesh.devices.flat[0] if mesh is not None else None
+
+
+def select(model_cfg, seq_len: int | None = None, device_info: DeviceInfo | None = None,
+           gpu_info=None) -> tuple[str, str]:
+  """("cudnn" | "xla", reason) for the target `device_info` (default: the first local
+  device). `gpu_info` = (is CUDA GPU, max head_dim) is the older override (tests)."""
   want = model_cfg.attention
   if want == "xla":
     return "xla", "model.attention=xla"
-  is_gpu, max_e = gpu_info if gpu_info is not None else _gpu_info()
+  if device_info is None and gpu_info is not None:
+    device_info = DeviceInfo("gpu" if gpu_info[0] else "cpu", gpu_info[0], (9, 0) if gpu_info[1] >= 256 else (8, 0))
+  info = device_info if device_info is not None else info_of()
+  is_gpu, max_e = info.cuda, info.max_head_dim
   E, dt = model_cfg.head_dim, model_cfg.dtype
   problem = None
   if not is_gpu:
-    problem = f"backend is {jax.default_backend()}, not a CUDA GPU"
+    problem = f"backend is {info.platform}, not a CUDA GPU"
   elif dt not in ("bfloat16", "float16"):
     problem = f"model.dtype={dt} (cuDNN needs bfloat16 or float16)"
   elif E % 8 or E > max_e:
@@ -52,7 +94,8 @@ def select(model_cfg, seq_len: int | None = None, gpu_info=None) -> tuple[str, s
   elif seq_len is not None and seq_len % 2:
     problem = f"train.seq_len={seq_len} is odd (cuDNN needs it even)"
   if problem is None:
-    return "cudnn", "cuDNN fused attention (causal + segment mask)"
+    how = "segments as packed offsets" if info.packed else "segments as an L x L mask"
+    return "cudnn", f"cuDNN fused attention (causal; {how})"
   if want == "cudnn":
     raise UserError(f"model.attention=cudnn is not supported here: {problem}; use auto or xla")
   return "xla", f"reference XLA attention: {problem}"
@@ -68,9 +111,42 @@ def fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, implementation: str = "cudnn
                                       implementation=implementation).astype(q_BxLxHxE.dtype)
 
 
+def segment_offsets(seg_BxL):
+  """Contiguous segments of each row in cuDNN's packed-layout terms: (lengths, starts),
+  int32 (B, L) and (B, L + 1), the k-th segment of row b being tokens starts[b, k] ..
+  starts[b, k] + lengths[b, k] - 1; unused slots are -1. A row can hold up to L segments,
+  so L slots never drop one. Segments are runs of equal ids, as the packer writes them."""
+  B, L = seg_BxL.shape
+  new_BxL = jnp.concatenate([jnp.ones((B, 1), bool), seg_BxL[:, 1:] != seg_BxL[:, :-1]], axis=1)
+  ordinal_BxL = jnp.cumsum(new_BxL, axis=1, dtype=jnp.int32) - 1
+  rows_Bx1 = jnp.arange(B)[:, None]
+  lengths_BxL = jnp.zeros((B, L), jnp.int32).at[rows_Bx1, ordinal_BxL].add(1)
+  pos_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+  starts_BxL1 = jnp.full((B, L + 1), L, jnp.int32).at[rows_Bx1, ordinal_BxL].min(pos_BxL)
+  used_BxL1 = jnp.concatenate([lengths_BxL, jnp.zeros((B, 1), jnp.int32)], axis=1) > 0
+  return jnp.where(lengths_BxL > 0, lengths_BxL, -1), jnp.where(used_BxL1, starts_BxL1, -1)
+
+
+def packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
+  """Causal GQA within segments through cuDNN's packed layout (Hopper or later): each
+  segment is its own causal sequence, described by O(L) lengths and offsets, so no
+  L x L mask or bias exists. jax.nn.dot_product_attention does not expose the offsets,
+  hence jax's cuDNN module (private: re-check on a jax upgrade)."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  lengths_BxL, starts_BxL1 = segment_offsets(seg_BxL)
+  out = cudnn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, q_seqlen=lengths_BxL, kv_seqlen=lengths_BxL,
+                                    q_offsets=starts_BxL1, kv_offsets=starts_BxL1,
+                                    scale=q_BxLxHxE.shape[-1] ** -0.5, mask_type=cudnn.MaskType.PADDING_CAUSAL,
+                                    qkv_layout="BTNH")
+  return out.astype(q_BxLxHxE.dtype)
+
+
 def kernel(model_cfg, reference):
-  """The per-shard attention function the model calls: `fused` on cuDNN, else `reference`."""
+  """The per-shard attention function the model calls: cuDNN (`packed` on Hopper or
+  later, else `fused`) when `select` picks it for the target device, else `reference`."""
   def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
-    impl, _ = select(model_cfg, q_BxLxHxE.shape[1])
-    return (fused if impl == "cudnn" else reference)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+    info = info_of(target_device())
+    impl, _ = select(model_cfg, q_BxLxHxE.shape[1], info)
+    fn = reference if impl == "xla" else packed if info.packed else fused
+    return fn(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
   return attend

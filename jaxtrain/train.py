@@ -218,7 +218,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   mesh_text = mesh_lib.describe(dict(mesh.shape))
   print(f"jaxtrain: {config_name} ({setup.n_params:,} params), mesh {mesh_text} "
         f"on {mesh.size} {dev.platform} device(s) [{dev.device_kind}], workdir {workdir}")
-  impl, why = attention.select(cfg.model, cfg.train.seq_len)
+  impl, why = attention.select(cfg.model, cfg.train.seq_len, attention.info_of(dev))
   ring_note = ", ring attention over sequence" if mesh.shape.get("sequence", 1) > 1 else ""
   print(f"attention: {impl} ({why}{ring_note}); remat {cfg.model.remat}")
   if setup.notes:
