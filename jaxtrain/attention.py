@@ -13,8 +13,10 @@ Packed segments: `jax.nn.dot_product_attention` has no public packed-segment (of
 argument, so the segment mask is passed as its boolean `mask` (B, 1, L, L), which cuDNN
 applies as an additive bias together with its causal mask. That is exact for any
 packing, at the cost of reading an L x L bias; the causal blocks are still skipped.
-On Hopper or later (compute capability >= 9.0) the segments go to cuDNN's packed layout
-instead (segment lengths and offsets, O(L) per row, no L x L tensor): see `packed`.
+On Hopper or later (compute capability >= 9.0) with `model.attention_max_segments` = M > 0
+the segments go to cuDNN's packed layout instead (segment lengths and offsets, no L x L
+tensor; `packed`). cuDNN then keeps softmax statistics for M x L positions per row, so M
+is a bound the data must respect: `check_rows` refuses a batch row with more segments.
 
 The decision is made for the device the step is compiled FOR (`device_info` of the
 mesh's first device), not the host: an H100 compile-only target on a CPU machine
@@ -94,7 +96,8 @@ def select(model_cfg, seq_len: int | None = None, device_info: DeviceInfo | None
   elif seq_len is not None and seq_len % 2:
     problem = f"train.seq_len={seq_len} is odd (cuDNN needs it even)"
   if problem is None:
-    how = "segments as packed offsets" if info.packed else "segments as an L x L mask"
+    how = (f"segments as packed offsets, at most {model_cfg.attention_max_segments} per row"
+           if uses_packed(model_cfg, info) else "segments as an L x L mask")
     return "cudnn", f"cuDNN fused attention (causal; {how})"
   if want == "cudnn":
     raise UserError(f"model.attention=cudnn is not supported here: {problem}; use auto or xla")
@@ -111,42 +114,65 @@ def fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, implementation: str = "cudnn
                                       implementation=implementation).astype(q_BxLxHxE.dtype)
 
 
-def segment_offsets(seg_BxL):
+def uses_packed(model_cfg, info: DeviceInfo) -> bool:
+  return info.packed and model_cfg.attention_max_segments > 0
+
+
+def segments_per_row(seg_BxL):
+  """Number of segments (runs of equal ids) in each row; numpy or jax arrays."""
+  return 1 + (seg_BxL[:, 1:] != seg_BxL[:, :-1]).sum(axis=1)
+
+
+def check_rows(model_cfg, seg_BxL, device) -> None:
+  """A UserError if a batch row holds more segments than cuDNN's packed layout was
+  compiled for (they would silently attend nowhere). Host side, before each step."""
+  info = info_of(device)
+  if not uses_packed(model_cfg, info) or select(model_cfg, seg_BxL.shape[1], info)[0] != "cudnn":
+    return
+  most = int(segments_per_row(seg_BxL).max())
+  if most > model_cfg.attention_max_segments:
+    raise UserError(f"a batch row holds {most} documents but model.attention_max_segments="
+                    f"{model_cfg.attention_max_segments}; raise it to at least {most}, or set it to 0 (L x L mask)")
+
+
+def segment_offsets(seg_BxL, max_segments: int):
   """Contiguous segments of each row in cuDNN's packed-layout terms: (lengths, starts),
-  int32 (B, L) and (B, L + 1), the k-th segment of row b being tokens starts[b, k] ..
-  starts[b, k] + lengths[b, k] - 1; unused slots are -1. A row can hold up to L segments,
-  so L slots never drop one. Segments are runs of equal ids, as the packer writes them."""
+  int32 (B, M) and (B, M + 1), the k-th segment of row b being tokens starts[b, k] ..
+  starts[b, k] + lengths[b, k] - 1; unused slots are -1. Segments are runs of equal ids,
+  as the packer writes them; a row must hold at most M of them (`check_rows`)."""
   B, L = seg_BxL.shape
+  M = max_segments
   new_BxL = jnp.concatenate([jnp.ones((B, 1), bool), seg_BxL[:, 1:] != seg_BxL[:, :-1]], axis=1)
   ordinal_BxL = jnp.cumsum(new_BxL, axis=1, dtype=jnp.int32) - 1
   rows_Bx1 = jnp.arange(B)[:, None]
-  lengths_BxL = jnp.zeros((B, L), jnp.int32).at[rows_Bx1, ordinal_BxL].add(1)
+  lengths_BxM = jnp.zeros((B, M), jnp.int32).at[rows_Bx1, ordinal_BxL].add(1, mode="drop")
   pos_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-  starts_BxL1 = jnp.full((B, L + 1), L, jnp.int32).at[rows_Bx1, ordinal_BxL].min(pos_BxL)
-  used_BxL1 = jnp.concatenate([lengths_BxL, jnp.zeros((B, 1), jnp.int32)], axis=1) > 0
-  return jnp.where(lengths_BxL > 0, lengths_BxL, -1), jnp.where(used_BxL1, starts_BxL1, -1)
+  starts_BxM1 = jnp.full((B, M + 1), L, jnp.int32).at[rows_Bx1, ordinal_BxL].min(pos_BxL, mode="drop")
+  used_BxM1 = jnp.concatenate([lengths_BxM, jnp.zeros((B, 1), jnp.int32)], axis=1) > 0
+  return jnp.where(lengths_BxM > 0, lengths_BxM, -1), jnp.where(used_BxM1, starts_BxM1, -1)
 
 
-def packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
+def packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, max_segments: int):
   """Causal GQA within segments through cuDNN's packed layout (Hopper or later): each
   segment is its own causal sequence, described by O(L) lengths and offsets, so no
   L x L mask or bias exists. jax.nn.dot_product_attention does not expose the offsets,
   hence jax's cuDNN module (private: re-check on a jax upgrade)."""
   from jax._src.cudnn import fused_attention_stablehlo as cudnn
-  lengths_BxL, starts_BxL1 = segment_offsets(seg_BxL)
-  out = cudnn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, q_seqlen=lengths_BxL, kv_seqlen=lengths_BxL,
-                                    q_offsets=starts_BxL1, kv_offsets=starts_BxL1,
+  lengths_BxM, starts_BxM1 = segment_offsets(seg_BxL, max_segments)
+  out = cudnn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, q_seqlen=lengths_BxM, kv_seqlen=lengths_BxM,
+                                    q_offsets=starts_BxM1, kv_offsets=starts_BxM1,
                                     scale=q_BxLxHxE.shape[-1] ** -0.5, mask_type=cudnn.MaskType.PADDING_CAUSAL,
                                     qkv_layout="BTNH")
   return out.astype(q_BxLxHxE.dtype)
 
 
 def kernel(model_cfg, reference):
-  """The per-shard attention function the model calls: cuDNN (`packed` on Hopper or
-  later, else `fused`) when `select` picks it for the target device, else `reference`."""
+  """The per-shard attention function the model calls: cuDNN (`packed` when
+  `uses_packed`, else `fused`) when `select` picks it for the target device, else `reference`."""
   def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
     info = info_of(target_device())
     impl, _ = select(model_cfg, q_BxLxHxE.shape[1], info)
-    fn = reference if impl == "xla" else packed if info.packed else fused
-    return fn(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+    if impl == "cudnn" and uses_packed(model_cfg, info):
+      return packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, model_cfg.attention_max_segments)
+    return (fused if impl == "cudnn" else reference)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
   return attend

@@ -48,6 +48,10 @@ class ModelConfig:
   moe_z_weight: float = key(0.001, "Weight of the router z-loss added to the training loss.", min=0.0)
   attention: Literal["auto", "xla", "cudnn"] = key(
       "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if unsupported).")
+  attention_max_segments: int = key(
+      0, "cuDNN on Hopper+: most documents (segments) one row may hold, passed as O(L) offsets (no L x L mask); "
+      "costs 4*M*heads*seq_len bytes of softmax statistics per row and layer; a row with more is an error. "
+      "0 = pass segments as an L x L mask.", min=0)
   scan_layers: bool = key(
       False, "Stack the blocks' params on a leading `layers` axis and run them with one jax.lax.scan (faster compiles).")
   remat: Literal["none", "full", "save_dots", "save_named", "offload_named"] = key(

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import model as model_lib
-from jaxtrain import precision, sharding
+from jaxtrain import attention, precision, sharding
 from jaxtrain.config import Config, TrainConfig
 from jaxtrain.errors import UserError
 
@@ -219,6 +219,7 @@ class Setup:
   def device_batch(self, local: dict):
     """This process's rows -> global arrays sharded over the batch axes."""
     shape = (self.cfg.train.batch_size, self.cfg.train.seq_len)
+    attention.check_rows(self.cfg.model, local["segment_ids"], self.mesh.devices.flat[0])
     return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, shape) for k, v in local.items()}
 
 
