@@ -338,7 +338,7 @@ def analyse(compiled, mesh, seq_len: int | None = None) -> dict:
   gpu = dev.platform == "gpu"
   hlo = Hlo.parse(compiled.as_text())
   out = {"backend": "cuda" if gpu else dev.platform, "device_kind": dev.device_kind,
-         "compiler": "XLA:GPU (compile-only target)" if gpu else f"XLA:{dev.platform.upper()}",
+         "compiler": "XLA:GPU, compile-only" if gpu else f"XLA:{dev.platform.upper()}",
          "collectives": collectives(hlo), "cudnn_attention": cudnn_attention_calls(hlo)}
   if seq_len:
     out["square_buffers"] = square_buffers(hlo, seq_len)
