@@ -332,14 +332,20 @@ def device_kind_of(mesh) -> Kind | None:
   return hits[0] if hits else None
 
 
-def analyse(compiled, mesh, seq_len: int | None = None) -> dict:
-  """What the compiled program shows, as inspect's `compiled` object adds it."""
+def analyse(compiled, mesh, seq_len: int | None = None, model_cfg=None) -> dict:
+  """What the compiled program shows, as inspect's `compiled` object adds it; with
+  `model_cfg`, also the attention kernel chosen for the mesh's device (to set beside the
+  cuDNN calls actually found)."""
   dev = mesh.devices.flat[0]
   gpu = dev.platform == "gpu"
   hlo = Hlo.parse(compiled.as_text())
   out = {"backend": "cuda" if gpu else dev.platform, "device_kind": dev.device_kind,
          "compiler": "XLA:GPU, compile-only" if gpu else f"XLA:{dev.platform.upper()}",
          "collectives": collectives(hlo), "cudnn_attention": cudnn_attention_calls(hlo)}
+  if model_cfg is not None:
+    from jaxtrain import attention
+    kernel, why = attention.select(model_cfg, seq_len, attention.info_of(dev))
+    out["attention"] = {"kernel": kernel, "reason": why}
   if seq_len:
     out["square_buffers"] = square_buffers(hlo, seq_len)
   c = cost(compiled, hlo)

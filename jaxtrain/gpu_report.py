@@ -35,6 +35,8 @@ def render(c: dict) -> list[str]:
   """Text lines for the collectives, cuDNN attention, cost analysis and roofline bound."""
   L = []
   att = c.get("cudnn_attention", {})
+  if "attention" in c:
+    L.append(f"  attention: {c['attention']['kernel']} ({c['attention']['reason']})")
   L.append(f"  cuDNN fused attention: {att.get('ops', 0)} custom call(s) in the program, {att.get('per_step', 0)} "
            "executed per step")
   if c.get("square_buffers"):

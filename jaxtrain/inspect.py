@@ -15,7 +15,6 @@ import argparse
 import json
 import re
 import sys
-import time
 
 from jaxtrain.errors import UserError, exit_with
 
@@ -67,7 +66,7 @@ def compiled_memory(setup) -> dict:
   compile-only GPUs); XLA's per-device memory analysis and what the program shows."""
   from jaxtrain import gpu_compile
   compiled, seconds = gpu_compile.compile_step(setup)
-  shows = gpu_compile.analyse(compiled, setup.mesh, setup.cfg.train.seq_len)
+  shows = gpu_compile.analyse(compiled, setup.mesh, setup.cfg.train.seq_len, setup.cfg.model)
   ma = compiled.memory_analysis()
   if ma is None:
     return {"seconds": seconds, "available": False, **shows}
