@@ -3,6 +3,7 @@
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -40,7 +41,7 @@ def test_segment_offsets_describe_exactly_the_reference_mask():
     rows.append(np.repeat(np.arange(len(cuts) + 1) + 1, np.diff(np.concatenate([[0], cuts, [L]]))))
   rows[0][-5:] = 0  # trailing padding is a segment of its own, as in the reference
   seg = np.stack(rows).astype(np.int32)
-  lengths, starts = (np.asarray(a) for a in attention.segment_offsets(seg, M))
+  lengths, starts = (np.asarray(a) for a in jax.jit(attention.segment_offsets, static_argnums=1)(seg, M))
   assert lengths.shape == (6, M) and starts.shape == (6, M + 1)
   for b in range(6):
     want = (seg[b][:, None] == seg[b][None, :]) & np.tri(L, dtype=bool)
