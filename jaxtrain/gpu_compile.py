@@ -292,7 +292,7 @@ def square_buffers(hlo: Hlo, length: int) -> list[str]:
   return sorted(found)
 
 
-def cost(compiled, hlo: Hlo) -> dict | None:
+def cost(hlo: Hlo) -> dict | None:
   """XLA's HloCostAnalysis of the optimized module, loop bodies weighted by trip count.
 
   The analysis counts each while body once; each body is therefore also analysed as
@@ -319,7 +319,6 @@ def cost(compiled, hlo: Hlo) -> dict | None:
       extra = hlo.times.get(outer, 1) * (trip - 1)
       flops += extra * part.get("flops", 0.0)
       nbytes += extra * part.get("bytes accessed", 0.0)
-    del compiled
     return {"flops": flops, "bytes_accessed": nbytes, "flops_once": whole.get("flops", 0.0),
             "bytes_accessed_once": whole.get("bytes accessed", 0.0)}
   except Exception as e:  # noqa: BLE001 - private API; the report says it is missing
@@ -348,7 +347,7 @@ def analyse(compiled, mesh, seq_len: int | None = None, model_cfg=None) -> dict:
     out["attention"] = {"kernel": kernel, "reason": why}
   if seq_len:
     out["square_buffers"] = square_buffers(hlo, seq_len)
-  c = cost(compiled, hlo)
+  c = cost(hlo)
   if c is not None:
     out["cost"] = c
     k = device_kind_of(mesh) if gpu else None
