@@ -70,6 +70,10 @@ class ModelConfig:
   attention: Literal["auto", "xla", "cudnn"] = key(
       "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if "
       "unsupported). With sequence > 1 ring attention runs (cudnn is then an error).", math=False)
+  attention_max_segments: int = key(
+      0, "cuDNN on Hopper+: most documents (segments) one row may hold, passed as O(L) offsets (no L x L mask); "
+      "costs 4*M*heads*seq_len bytes of softmax statistics per row and layer; a row with more is an error. "
+      "0 = pass segments as an L x L mask.", math=False, min=0)
   # Not the math, but the checkpoint's layout (stacked vs per-layer params): resuming across it cannot work.
   scan_layers: bool = key(
       False, "Stack the blocks' params on a leading `layers` axis and run them with one jax.lax.scan (faster "

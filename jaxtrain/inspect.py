@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 from jaxtrain import cli
 from jaxtrain.errors import UserError
@@ -28,6 +27,9 @@ def parse_args(argv=None):
   cli.add_mesh_args(p)
   cli.add_config_args(p, help_config=False)
   p.add_argument("--compile", action="store_true", help="also compile the train step and print XLA's memory analysis")
+  p.add_argument("--device", metavar="KIND",
+                 help="target GPU kind (H100, H200, A100-80GB): with --compile, XLA's GPU compiler compiles the step "
+                      "for a mesh of them without any GPU here (needs the gpu-aot extra); also sets the memory verdict")
   p.add_argument("--device-memory", metavar="SIZE|KIND",
                  help="memory per device for the verdict: a size (80GiB, 80GB, bytes) or a device kind (H100, ...); "
                       "default: the local device's kind, if known")
@@ -52,20 +54,21 @@ def abstract_inputs(setup):
 
 
 def compiled_memory(setup) -> dict:
-  """Lowers and compiles the real train step; XLA's per-device memory analysis."""
+  """Lowers and compiles the real train step (for the mesh's devices: XLA:GPU for
+  compile-only GPUs); XLA's per-device memory analysis and what the program shows."""
+  from jaxtrain import gpu_compile
   print("compiling the train step (this can take a minute for large models)...", file=sys.stderr, flush=True)
-  t0 = time.perf_counter()
-  compiled = setup.step.lower(*abstract_inputs(setup)).compile()
-  seconds = time.perf_counter() - t0
+  compiled, seconds = gpu_compile.compile_step(setup)
   print(f"compiled in {seconds:.1f}s", file=sys.stderr, flush=True)
+  shows = gpu_compile.analyse(compiled, setup.mesh, setup.cfg.train.seq_len, setup.plan)
   ma = compiled.memory_analysis()
   if ma is None:
-    return {"seconds": seconds, "available": False}
+    return {"seconds": seconds, "available": False, **shows}
   out = {"arguments": ma.argument_size_in_bytes, "outputs": ma.output_size_in_bytes,
          "aliased": ma.alias_size_in_bytes, "temporaries": ma.temp_size_in_bytes,
          "generated_code": ma.generated_code_size_in_bytes}
   out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"] + out["generated_code"]
-  return {"seconds": seconds, "available": True, **out}
+  return {"seconds": seconds, "available": True, **out, **shows}
 
 
 def replication_warnings(rows, mesh, threshold: int) -> list[str]:
@@ -126,6 +129,10 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
           "total": b.total,
       }
       c["ratio"] = c["total"] / b.total
+      if capacity is not None:  # the compiled total, when there is one, decides the fit
+        from jaxtrain import gpu_compile
+        rep["memory"]["fits"] = c["total"] <= capacity
+        rep["memory"]["verdict"] = gpu_compile.verdict(c["total"], capacity, c["compiler"])
     rep["compiled"] = c
   return rep
 
@@ -178,7 +185,8 @@ def render(rep: dict) -> str:
   if "compiled" in rep:
     c = rep["compiled"]
     L.append("")
-    L.append(f"Compiled train step (XLA memory analysis per device; compiled in {c['seconds']:.1f}s)")
+    L.append(f"Compiled train step by {c['compiler']} for {c['device_kind']} (XLA memory analysis per device; "
+             f"compiled in {c['seconds']:.1f}s)")
     if not c["available"]:
       L.append("  this backend gives no memory analysis")
     else:
@@ -187,6 +195,8 @@ def render(rep: dict) -> str:
         a = c["analytic"].get(k)
         L.append(f"  {k:<15} {memory.human(c[k]):>12} {'' if a is None else memory.human(a):>12}")
       L.append(f"  ratio compiled/analytic total: {c['ratio']:.2f}")
+    from jaxtrain import gpu_report
+    L.extend(gpu_report.render(c))
   f = rep["flops"]
   L.append("")
   L.append(f"Model FLOPs (as for MFU): {f['per_token']:.4g} per token, {f['per_step']:.4g} per step, "
@@ -215,9 +225,13 @@ def main(argv=None) -> int:
     if not 0 <= args.margin < 10:
       raise UserError(f"--margin {args.margin}: must be a fraction >= 0 (e.g. 0.1)")
     threshold = memory.parse_size(args.warn_replicated, "--warn-replicated")
-    started = cli.start(args, "jaxtrain.inspect")
-    rep = report(started.cfg, started.mesh, Path(args.config).stem, compile=args.compile,
-                 device_memory=args.device_memory, margin=args.margin, warn_replicated=threshold)
+    started = cli.start(args, "jaxtrain.inspect", mesh=args.device is None)
+    mesh, device_memory = started.mesh, args.device_memory
+    if args.device is not None:
+      from jaxtrain import gpu_report
+      mesh, device_memory = gpu_report.target_mesh(args.device, args.mesh, args.compile, args.device_memory)
+    rep = report(started.cfg, mesh, Path(args.config).stem, compile=args.compile, device_memory=device_memory,
+                 margin=args.margin, warn_replicated=threshold)
     print(json.dumps(rep, indent=1) if args.json else render(rep))
   return cli.main("jaxtrain.inspect", body)
 

@@ -16,6 +16,7 @@ BATCH_AXES = ("batch", "length")
 class Placement:
 
   def __init__(self, plan, batch_size: int, seq_len: int):
+    self.plan = plan
     self.shape = (batch_size, seq_len)
     self.sharding = plan.sharding(BATCH_AXES, self.shape)
     self.block, self.blocks = self._rows()
@@ -38,4 +39,5 @@ class Placement:
 
   def device_batch(self, local: dict) -> dict:
     """This process's rows -> global arrays sharded over the batch axes."""
+    self.plan.check_rows(local["segment_ids"])
     return {k: jax.make_array_from_process_local_data(self.sharding, v, self.shape) for k, v in local.items()}

@@ -33,6 +33,7 @@ class Plan:
   moe: str  # "dense" | "local" | "all_to_all"
   remat: str = "none"
   logits_dtype: str = "float32"  # scores/softmax of the reference kernel
+  packed_segments: int = 0  # cudnn only: segments go as offsets, at most this many per row (0: an L x L mask)
   sequence_axis: str = "sequence"
   expert_axis: str = "expert"
 
@@ -55,7 +56,18 @@ class Plan:
       return ring.ring_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, self)
     if self.attention == "xla":
       return KERNELS["xla"](q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype=jnp.dtype(self.logits_dtype))
+    if self.packed_segments:
+      return attention_lib.packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, self.packed_segments)
     return KERNELS[self.attention](q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+
+  def check_rows(self, seg_BxL) -> None:
+    """Host side, before a batch goes to the devices: a row with more segments than the
+    packed cuDNN layout was compiled for is a one-line error (it would attend nowhere)."""
+    if self.packed_segments:
+      most = int(attention_lib.segments_per_row(seg_BxL).max())
+      if most > self.packed_segments:
+        raise UserError(f"a batch row holds {most} documents but model.attention_max_segments="
+                        f"{self.packed_segments}; raise it to at least {most}, or set it to 0 (L x L mask)")
 
   def moe_ffn(self, x_BxLxD, router_DxX, w_gate, w_up, w_down, *, top_k: int, capacity_factor: float):
     from jaxtrain import moe
@@ -88,14 +100,16 @@ def build(cfg, mesh, device=None) -> Plan:
     if m.attention == "cudnn":
       raise UserError(f"model.attention=cudnn cannot run with sequence={sp}: ring attention computes its own "
                       "blocks; use model.attention=auto or xla")
-    impl, why = "ring", f"ring attention over sequence={sp}, zig-zag blocks, online softmax"
+    impl, why, packed = "ring", f"ring attention over sequence={sp}, zig-zag blocks, online softmax", 0
   else:
     if device is None and mesh is not None:
       device = mesh.devices.flat[0]
-    impl, why = attention_lib.select(m, cfg.train.seq_len, device=device)
+    info = attention_lib.info_of(device)
+    impl, why = attention_lib.select(m, cfg.train.seq_len, info)
+    packed = m.attention_max_segments if impl == "cudnn" and attention_lib.uses_packed(m, info) else 0
   moe = "dense" if not m.moe_experts else ("local" if mesh is None else "all_to_all")
   return Plan(mesh=mesh, rules=sharding.rules_for(cfg.run.sequence_parallel), attention=impl, attention_why=why,
-              moe=moe, remat=m.remat, logits_dtype=m.attention_logits_dtype)
+              moe=moe, remat=m.remat, logits_dtype=m.attention_logits_dtype, packed_segments=packed)
 
 
 def local(model_cfg=None) -> Plan:

@@ -3,7 +3,11 @@
 import os
 import sys
 
-import jax
+# The suite runs on the CPU backend even where a CUDA plugin is installed (the gpu-aot
+# extra in CI): no CUDA backend is started, here or in the subprocesses that inherit this.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
 import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)

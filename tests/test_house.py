@@ -122,7 +122,7 @@ def test_the_plan_never_names_cudnn_where_the_ring_runs():
   with pytest.raises(UserError, match="model.attention=cudnn cannot run with sequence=2"):
     plan_lib.build(cfg, mesh_of("sp=2"))
   # For an H100 target (compiled ahead of time on this machine) the plan picks cuDNN.
-  h100 = type("Device", (), {"platform": "cuda", "compute_capability": "9.0", "device_kind": "NVIDIA H100"})()
+  h100 = type("Device", (), {"platform": "gpu", "compute_capability": "9.0", "device_kind": "NVIDIA H100"})()
   assert plan_lib.build(config.load("tiny"), mesh_of("dp=2"), device=h100).attention == "cudnn"
 
 
