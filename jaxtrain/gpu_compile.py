@@ -22,7 +22,7 @@ import math
 import re
 import time
 
-from jaxtrain import devices
+from jaxtrain import devices as device_table
 from jaxtrain.errors import UserError
 
 
@@ -35,7 +35,7 @@ class Kind:
 
   @property
   def figures(self):
-    return devices.lookup(self.name)
+    return device_table.lookup(self.name)
 
   peak_bf16_flops = property(lambda self: self.figures.peak_bf16_flops)
   bandwidth = property(lambda self: self.figures.bandwidth)
@@ -136,10 +136,10 @@ def _capability_of(device):
 
 
 def compiler_options(cfg) -> dict[str, str]:
-  """The config's XLA flags (train.xla_flags preset + train.xla_flags_extra) as compile
+  """The config's XLA flags (run.xla_flags preset + run.xla_flags_extra) as compile
   options, so the compile sees the flags the trainer would put in XLA_FLAGS."""
   from jaxtrain import xla_flags
-  flags = xla_flags.PRESETS[cfg.train.xla_flags] + xla_flags.parse(cfg.train.xla_flags_extra)
+  flags = xla_flags.PRESETS[cfg.run.xla_flags] + xla_flags.parse(cfg.run.xla_flags_extra)
   return {f.split("=", 1)[0].removeprefix("--"): (f.split("=", 1) + ["true"])[1] for f in flags}
 
 

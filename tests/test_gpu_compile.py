@@ -138,7 +138,8 @@ def test_without_the_plugin_compile_falls_back_with_one_line(tmp_path):
   r = subprocess.run([sys.executable, "-c", HIDE_PLUGIN, "--device", "H100", "--compile", "--mesh", "fsdp=2", "--json"],
                      capture_output=True, text=True, cwd=tmp_path, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
-  lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+  # besides inspect's progress lines for the compile itself
+  lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith(("compiling the train", "compiled in"))]
   assert len(lines) == 1 and "no CUDA plugin installed" in lines[0] and "XLA:CPU" in lines[0], r.stderr
   rep = json.loads(r.stdout)
   assert rep["compiled"]["backend"] == "cpu" and rep["compiled"]["compiler"] == "XLA:CPU"
