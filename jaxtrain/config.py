@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import tomllib
 import typing
 from pathlib import Path
@@ -19,9 +20,11 @@ from jaxtrain.errors import UserError
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
-def key(default: Any, doc: str, *, min: float | None = None):  # noqa: A002
-  """A config field: its default, one-line meaning and an optional lower bound."""
-  return dataclasses.field(default=default, metadata={"doc": doc, "min": min})
+def key(default: Any, doc: str, *, min: float | None = None, max: float | None = None,  # noqa: A002
+        gt: float | None = None, lt: float | None = None):
+  """A config field: its default, one-line meaning and optional bounds (min/max inclusive,
+  gt/lt exclusive)."""
+  return dataclasses.field(default=default, metadata={"doc": doc, "min": min, "max": max, "gt": gt, "lt": lt})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +37,7 @@ class ModelConfig:
   head_dim: int = key(16, "Width of one attention head.", min=1)
   d_ff: int = key(256, "Hidden width of the SwiGLU MLP.", min=1)
   rope_theta: float = key(10000.0, "RoPE base frequency.", min=1.0)
-  norm_eps: float = key(1e-5, "RMSNorm epsilon.", min=0.0)
+  norm_eps: float = key(1e-5, "RMSNorm epsilon.", gt=0.0)
   tie_embeddings: bool = key(False, "Share the input embedding with the output projection.")
   init_std: float = key(0.02, "Std of the normal initializer of embeddings and projections.", min=0.0)
   dtype: Literal["bfloat16", "float16", "float32"] = key(
@@ -63,11 +66,11 @@ class TrainConfig:
   microbatches: int = key(1, "Gradient-accumulation steps per optimizer step; divides batch_size.", min=1)
   lr: float = key(3e-3, "Peak learning rate.", min=0.0)
   warmup_steps: int = key(5, "Linear warmup steps, from lr/warmup_steps up to lr.", min=0)
-  min_lr_ratio: float = key(0.1, "Cosine decay ends at lr * min_lr_ratio at the last step.", min=0.0)
+  min_lr_ratio: float = key(0.1, "Cosine decay ends at lr * min_lr_ratio at the last step.", min=0.0, max=1.0)
   weight_decay: float = key(0.1, "AdamW decoupled weight decay; applied to projection matrices only.", min=0.0)
-  b1: float = key(0.9, "Adam beta1.", min=0.0)
-  b2: float = key(0.95, "Adam beta2.", min=0.0)
-  eps: float = key(1e-8, "Adam epsilon.", min=0.0)
+  b1: float = key(0.9, "Adam beta1.", min=0.0, lt=1.0)
+  b2: float = key(0.95, "Adam beta2.", min=0.0, lt=1.0)
+  eps: float = key(1e-8, "Adam epsilon.", gt=0.0)
   grad_clip: float = key(1.0, "Clip the global gradient norm to this value (0 disables).", min=0.0)
   seed: int = key(0, "Seed of the parameter init and of the data order.", min=0)
   max_skipped_in_a_row: int = key(10, "Abort the run after this many non-finite (skipped) steps in a row.", min=1)
@@ -89,7 +92,7 @@ class LossScaleConfig:
   initial: float = key(2.0**15, "Initial loss scale.", min=1.0)
   growth_interval: int = key(2000, "Finite steps in a row after which the scale grows.", min=1)
   growth_factor: float = key(2.0, "Multiplier applied when the scale grows.", min=1.0)
-  backoff_factor: float = key(0.5, "Multiplier applied after a non-finite step (< 1).", min=0.0)
+  backoff_factor: float = key(0.5, "Multiplier applied after a non-finite step (< 1).", gt=0.0, lt=1.0)
   min: float = key(1.0, "Lower bound of the scale.", min=0.0)
   max: float = key(2.0**24, "Upper bound of the scale.", min=1.0)
 
@@ -100,6 +103,9 @@ class CheckpointConfig:
   keep: int = key(3, "Committed checkpoints to keep (the newest ones).", min=1)
   keep_every: int = key(0, "Also keep every checkpoint whose step is a multiple of this (0 = none).", min=0)
   async_save: bool = key(True, "Write checkpoints in the background while training continues.")
+  on_damaged: Literal["fallback", "stop"] = key(
+      "fallback", "Latest checkpoint fails verification at resume: fallback = move it aside (warning) and resume "
+      "from the newest one that verifies; stop = exit naming the good steps and the --resume-from to use.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +122,8 @@ class DataConfig:
   tokenizer: str = key("byte", "'byte' or a path to a tokenizer.json; must be the one the data was prepared with.")
   weights: str = key("", "Mixture weights, comma-separated, one per source; empty = proportional to tokens.")
   eval_source: str = key("", "Held-out data (same forms as source); empty = hold out data.eval_fraction.")
-  eval_fraction: float = key(0.0, "Fraction of each source's documents held out for evaluation (fixed split).", min=0.0)
+  eval_fraction: float = key(0.0, "Fraction of each source's documents held out for evaluation (fixed split).",
+                            min=0.0, lt=1.0)
   eval_batches: int = key(4, "Global batches per evaluation (the same ones every time).", min=1)
   workers: int = key(2, "Background threads building batches (0 = in the training thread).", min=0)
   prefetch: int = key(4, "Batches built ahead of the training loop.", min=1)
@@ -170,6 +177,8 @@ def _coerce(where: str, tp: Any, value: Any, *, from_text: bool) -> Any:
   if tp is int:
     if from_text and isinstance(value, str):
       try:
+        if not value.isascii():  # int() would take full-width or other Unicode digits
+          raise ValueError(value)
         value = int(value.replace("_", ""))
       except ValueError:
         raise UserError(f"{where}={value!r} is not an integer") from None
@@ -179,11 +188,15 @@ def _coerce(where: str, tp: Any, value: Any, *, from_text: bool) -> Any:
   if tp is float:
     if from_text and isinstance(value, str):
       try:
+        if not value.isascii():
+          raise ValueError(value)
         value = float(value)
       except ValueError:
         raise UserError(f"{where}={value!r} is not a number") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise UserError(f"{where}={value!r} is not a number")
+    if not math.isfinite(value):  # nan/inf would train on and poison the params and checkpoints
+      raise UserError(f"{where}={value!r} is not a finite number")
     return float(value)
   if tp is str:
     if not isinstance(value, str):
@@ -202,10 +215,20 @@ def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: 
   field = fields[name]
   tp = typing.get_type_hints(SECTIONS[section])[name]
   value = _coerce(dotted, tp, value, from_text=from_text)
-  lo = field.metadata["min"]
+  _check_bounds(dotted, value, field.metadata)
+  raw.setdefault(section, {})[name] = value
+
+
+def _check_bounds(dotted: str, value, meta: dict) -> None:
+  lo, hi, gt, lt = meta["min"], meta.get("max"), meta.get("gt"), meta.get("lt")
   if lo is not None and value < lo:
     raise UserError(f"{dotted}={value} is below its minimum {lo}")
-  raw.setdefault(section, {})[name] = value
+  if hi is not None and value > hi:
+    raise UserError(f"{dotted}={value} is above its maximum {hi}")
+  if gt is not None and not value > gt:
+    raise UserError(f"{dotted}={value} must be greater than {gt}")
+  if lt is not None and not value < lt:
+    raise UserError(f"{dotted}={value} must be less than {lt}")
 
 
 def preset_names() -> list[str]:

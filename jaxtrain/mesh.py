@@ -32,7 +32,7 @@ def _axis(name: str) -> str:
 
 def _size(given: str, text: str) -> int:
   try:
-    size = int(text)
+    size = int(text) if text.strip().isascii() else 0  # int() also takes full-width and other Unicode digits
   except ValueError:
     size = 0
   if size == -1 or size >= 1:

@@ -132,8 +132,8 @@ def init_state(cfg: Config, opt: optax.GradientTransformation, params) -> dict:
 
 
 def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, state, batch):
-  """One update. A step whose gradients are not all finite (or that has no valid token)
-  moves nothing: params, Adam state and the schedule position (`step`) stay as they were."""
+  """One update. A step whose gradients or update are not all finite (or that has no valid
+  token) moves nothing: params, Adam state and the schedule position (`step`) stay as they were."""
   t = cfg.train
   scale = state["loss_scale"]["scale"]
   loss, g, n_valid, moe_metrics = grads(graphdef, state["params"], batch, t.microbatches, scale, moe_metrics=True)
@@ -143,7 +143,8 @@ def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, state, 
     g = jax.tree.map(lambda x: x * jnp.minimum(1.0, t.grad_clip / (grad_norm + 1e-6)), g)
   updates, opt_state = opt.update(g, state["opt"], state["params"])
   params = optax.apply_updates(state["params"], updates)
-  apply = finite & (n_valid > 0)
+  # Finite gradients can still give a non-finite update (e.g. a poisoned lr or eps): skip it too.
+  apply = finite & jnp.isfinite(global_norm(updates)) & (n_valid > 0)
   keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
   new_state = {
       "params": jax.tree.map(keep, params, state["params"]),

@@ -63,14 +63,12 @@ class MetricsLog:
 
   def __init__(self, path: Path, setup, total_steps: int, log_every: int, progress=None, resumed: bool = False):
     import jax
-    from jaxtrain import checkpoint, flops
+    from jaxtrain import checkpoint, flops, runfiles
     cfg = setup.cfg
     self.progress = progress or checkpoint.Progress()
-    if path is None:  # not process 0: clocks kept, nothing written
-      self.file = open(os.devnull, "w")
-    else:
-      _prepare_metrics_file(path, self.progress.step if resumed else None)
-      self.file = path.open("a", buffering=1)
+    if path is not None:  # None: not process 0: clocks kept, nothing written
+      runfiles.prepare_metrics(path, self.progress.step if resumed else None)
+    self.out = runfiles.JsonlWriter(path)  # a failed write is remembered, not raised (see runfiles)
     self.total, self.log_every = total_steps, log_every
     self.flops_per_step = flops.flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
     peak = flops.peak_flops(setup.mesh.devices.flat[0].device_kind)
@@ -101,9 +99,9 @@ class MetricsLog:
     }
     rec.update({k: m[k] for k in ("eval_loss", "eval_ppl") if k in m})
     rec.update({k: m[k] for k in ("moe_aux_loss", "moe_dropped_frac") if k in m})  # MoE models only
-    self.file.write(json.dumps(rec) + "\n")
+    self.out.write(step, rec)
     if self.tb is not None:
-      self.tb.scalars(step, rec)
+      self.out.guard(step, f"{self.tb.path}", lambda: self.tb.scalars(step, rec))
     if step % self.log_every == 0 or step == self.total:
       mfu = f"{rec['mfu']:.1%}" if rec["mfu"] is not None else "n/a"
       print(f"step {step:>6}/{self.total}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  gnorm {rec['grad_norm']:.3f}  "
@@ -118,28 +116,9 @@ class MetricsLog:
     return rec
 
   def close(self):
-    self.file.close()
+    self.out.close()
     if self.tb is not None:
-      self.tb.close()
-
-
-def _prepare_metrics_file(path: Path, resumed_at: int | None) -> None:
-  """Fresh run: keep an old file aside. Resume: drop records past the checkpoint (they
-  will be recomputed), keeping the full old file aside so nothing is lost."""
-  if not path.exists():
-    return
-  backup = path.with_name(f"metrics.{int(time.time())}.jsonl")
-  if resumed_at is None:
-    path.rename(backup)
-    print(f"previous {path.name} kept as {backup.name}")
-    return
-  lines = path.read_text().splitlines()
-  kept = [l for l in lines if l.strip() and json.loads(l).get("step", 0) <= resumed_at]
-  if len(kept) != len(lines):
-    path.rename(backup)
-    path.write_text("".join(l + "\n" for l in kept))
-    print(f"metrics: {len(lines) - len(kept)} record(s) after step {resumed_at} will be recomputed "
-          f"(old file kept as {backup.name})")
+      self.out.guard(self.progress.step, f"{self.tb.path}", self.tb.close)
 
 
 def make_evaluator(cfg, setup):
@@ -202,11 +181,14 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   """Trains until `stop_at` (default train.steps) total steps; returns this run's metrics records."""
   import jax
   from jaxtrain import attention, checkpoint, data, mesh as mesh_lib, observe, step as step_lib
+  from jaxtrain import lock as lock_lib, runfiles
 
   allowed = _allowed(allow_mismatch)
   stop_at = stop_at or cfg.train.steps
   setup = step_lib.Setup(cfg, mesh)
-  workdir.mkdir(parents=True, exist_ok=True)
+  runfiles.prepare_workdir(workdir)
+  # One trainer per workdir, taken before anything in it is moved or removed.
+  lock = lock_lib.WorkdirLock(workdir).acquire() if jax.process_index() == 0 else None
   ckdir = workdir / "checkpoints"
   if fresh and ckdir.exists():
     aside = workdir / f"checkpoints.{int(time.time())}"
@@ -226,6 +208,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
           f"{setup.notes[0]}")
 
   ck = cfg.checkpoint
+  # Chosen (and later/damaged steps moved aside) before orbax lists the steps it has.
+  step_dir = checkpoint.resume_point(ckdir, resume_from, ck.on_damaged, workdir / "checkpoints.aside")
   ckpts = checkpoint.Checkpoints(ckdir, ck.keep, ck.keep_every, ck.async_save, is_writer=jax.process_index() == 0)
   current = checkpoint.fingerprint(cfg, data.tokenizer_digest(cfg), data.source_digest(cfg))
   batches = data.batches(cfg, *setup.local_rows())
@@ -233,17 +217,17 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   preempt = Preemption(jax.process_count() > 1)
   profiler = observe.Profiler(cfg.train.profile_steps, workdir / "profile", enabled=jax.process_index() == 0)
   log = None
+  runlog = runfiles.RunLog(workdir, jax.process_index())  # library noise -> <workdir>/jaxtrain.log
   try:
     t0 = time.perf_counter()
     progress, state = None, None
-    step_dir = ckpts.locate(resume_from)
     if step_dir is not None:
       manifest = checkpoint.read_manifest(step_dir)
       changed = {k: v for k, v in checkpoint.mismatches(manifest["fingerprint"], current).items() if k not in allowed}
       if changed:
         raise UserError(f"checkpoint {step_dir} was written by a different run: {'; '.join(changed.values())}; "
                         f"pass --allow-mismatch {','.join(changed)} to resume anyway, or --fresh")
-      state, manifest = ckpts.restore(step_dir, setup.abstract_state())
+      state, manifest = ckpts.restore(step_dir, setup.abstract_state(), verified=jax.process_index() == 0)
       progress = checkpoint.Progress(**manifest["progress"])
       batches.set_state(manifest["data_state"])
       moved = "" if manifest["mesh"] == mesh_text else f" (written on mesh {manifest['mesh']}, resharded)"
@@ -286,7 +270,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       if pending:  # step s-1's metrics: reading them waits for s-1, while s is already queued
         last_done = log_step(*pending, last_done)
       pending = (s, metrics, wait)
-      stop = s == stop_at or preempt.check(s)
+      stop = s == stop_at or preempt.check(s) or runfiles.must_stop(log.out)
       if stop or (ck.interval and s % ck.interval == 0):
         last_done = log_step(*pending, last_done)  # the manifest's clocks must include step s
         pending = None
@@ -301,9 +285,12 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       batch = setup.device_batch(next(batches))
       wait = time.perf_counter() - t
     ckpts.wait()
+    runfiles.report_write_failure(log.out, log.progress.step)
     if preempt.requested:
       print(f"preempted: checkpoint committed at step {log.progress.step}; run the same command to resume")
     return records
+  except Exception as e:  # noqa: BLE001 (details to the log; the terminal gets one line)
+    raise runlog.ending(e, log.out if log else None) from None
   finally:
     profiler.close()
     preempt.restore()
@@ -314,13 +301,19 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       ckpts.close()
     except checkpoint.CheckpointError as e:
       print(f"jaxtrain: warning: {e}", file=sys.stderr)
+    runlog.close()
+    if lock is not None:
+      lock.release()
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
   from jaxtrain import config, distributed, mesh as mesh_lib
   if args.help_config:
-    print(config.help_text())
+    try:
+      print(config.help_text(), flush=True)
+    except BrokenPipeError:  # `--help-config | head`: the reader has all it wanted
+      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
   prog = "jaxtrain"
   try:
