@@ -57,8 +57,12 @@ def fingerprint(cfg, tokenizer_digest: str, data_digest: str) -> dict[str, Any]:
   """What must match for a resume to be the same run, with the fields to name a change."""
   train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in RUN_CONTROL_KEYS}
   model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in MODEL_SPEED_KEYS}
+  d = cfg.data
+  # The specs beside the digests, so a mismatch can say what changed, not only two hashes.
+  specs = {"tokenizer": {"data.tokenizer": d.tokenizer},
+           "data": {"data.source": d.source, "data.weights": d.weights, "data.text_field": d.text_field}}
   return {"model": model, "train": train,
-          "tokenizer": tokenizer_digest, "data": data_digest}
+          "tokenizer": tokenizer_digest, "data": data_digest, "specs": specs}
 
 
 def mismatches(saved: dict, current: dict) -> dict[str, str]:
@@ -73,8 +77,19 @@ def mismatches(saved: dict, current: dict) -> dict[str, str]:
                 if old.get(k) != new.get(k)]
       out[cat] = ", ".join(fields)
     else:
-      out[cat] = f"{cat} digest {old} -> {new}"
+      out[cat] = f"{cat} digest {old} -> {new}{_spec_change(saved, current, cat)}"
   return out
+
+
+def _spec_change(saved: dict, current: dict, cat: str) -> str:
+  """' (data.source: 'a' -> 'b')', or a note that the same paths now hold other content."""
+  old, new = (saved.get("specs") or {}).get(cat), (current.get("specs") or {}).get(cat)
+  if not isinstance(old, dict) or not isinstance(new, dict):
+    return ""  # a checkpoint from before specs were recorded
+  changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+  if changed:
+    return f" ({', '.join(changed)})"
+  return f" (same {', '.join(f'{k}={v!r}' for k, v in new.items() if v)}, but the content there changed)"
 
 
 def _sha256(path: Path) -> str:
