@@ -96,10 +96,11 @@ def read_metrics(path: Path) -> tuple[list[tuple[str, dict]], str | None]:
   return out, note
 
 
-def prepare_metrics(path: Path, resumed_at: int | None) -> None:
+def prepare_metrics(path: Path, resumed_at: int | None, carried: list[dict] | None = None) -> None:
   """Fresh run: keep an old file aside. Resume: drop records past the checkpoint (they
-  will be recomputed) and a torn last record, keeping the full old file aside."""
-  if not path.exists():
+  will be recomputed) and a torn last record, keeping the full old file aside; add the
+  checkpoint's `carried` records (those this file could not take when they were made)."""
+  if not path.exists() and not (resumed_at is not None and carried):
     return
   backup = path.with_name(f"metrics.{int(time.time())}.jsonl")
   try:
@@ -107,19 +108,26 @@ def prepare_metrics(path: Path, resumed_at: int | None) -> None:
       path.rename(backup)
       print(f"previous {path.name} kept as {backup.name}")
       return
-    records, note = read_metrics(path)
-    kept = [line for line, rec in records if rec["step"] <= resumed_at]
+    records, note = read_metrics(path) if path.exists() else ([], None)
+    kept = [(rec["step"], line) for line, rec in records if rec["step"] <= resumed_at]
     dropped = len(records) - len(kept)
-    if note or dropped:
-      path.rename(backup)
+    have = {step for step, _ in kept}
+    extra = [(r["step"], strict_json(r)) for r in carried or () if r.get("step") not in have
+             and isinstance(r.get("step"), int) and r["step"] <= resumed_at]
+    if note or dropped or extra:
+      if path.exists():
+        path.rename(backup)
       tmp = path.with_name(path.name + ".tmp")
-      tmp.write_text("".join(line + "\n" for line in kept))
+      tmp.write_text("".join(line + "\n" for _, line in sorted(kept + extra, key=lambda x: x[0])))
       os.replace(tmp, path)
     if note:
       print(f"metrics: {note} (old file kept as {backup.name})")
     if dropped:
       print(f"metrics: {dropped} record(s) after step {resumed_at} will be recomputed "
             f"(old file kept as {backup.name})")
+    if extra:
+      print(f"metrics: {len(extra)} record(s) that could not be written before (steps "
+            f"{', '.join(str(s) for s, _ in extra)}) restored from the checkpoint")
   except OSError as e:
     raise RunFileError(f"cannot prepare {path}: {_why(e)}") from None
 
@@ -129,6 +137,7 @@ class JsonlWriter:
 
   def __init__(self, path: Path | None):
     self.path, self.failure, self.failed_at = path, None, None
+    self.unwritten: list[dict] = []  # records after a failure: the next checkpoint carries them
     self.file = None
     if path is not None:
       try:
@@ -142,6 +151,8 @@ class JsonlWriter:
     from jaxtrain import faults
     self.guard(step, str(self.path), lambda: (faults.metrics_write(step), self.file.write(strict_json(record) + "\n"),
                                              self.file.flush()))
+    if self.failure is not None:
+      self.unwritten.append(json.loads(strict_json(record)))
 
   def guard(self, step: int, what: str, fn) -> None:
     """Runs `fn` (a write of a run file); its OSError becomes the writer's failure."""
@@ -181,7 +192,7 @@ def report_write_failure(writer: JsonlWriter, saved_step: int | None) -> None:
 
 def combine(writer: JsonlWriter | None, err: Exception) -> Exception:
   """A save that failed after a write failure: one line that says both."""
-  if writer is None or writer.failure is None:
+  if writer is None or writer.failure is None or isinstance(err, RunFileError):
     return err
   return RunFileError(f"{writer.failure}; the checkpoint attempted after it failed too: {err}")
 

@@ -61,13 +61,14 @@ class MetricsLog:
   and `tokens_updated` (valid tokens of steps that moved the params), as Python ints so
   they never overflow, and the skip counters."""
 
-  def __init__(self, path: Path, setup, total_steps: int, log_every: int, progress=None, resumed: bool = False):
+  def __init__(self, path: Path, setup, total_steps: int, log_every: int, progress=None, resumed: bool = False,
+               carried: list | None = None):
     import jax
     from jaxtrain import checkpoint, flops, runfiles
     cfg = setup.cfg
     self.progress = progress or checkpoint.Progress()
     if path is not None:  # None: not process 0: clocks kept, nothing written
-      runfiles.prepare_metrics(path, self.progress.step if resumed else None)
+      runfiles.prepare_metrics(path, self.progress.step if resumed else None, carried)
     self.out = runfiles.JsonlWriter(path)  # a failed write is remembered, not raised (see runfiles)
     self.total, self.log_every = total_steps, log_every
     self.flops_per_step = flops.flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
@@ -236,7 +237,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       state = setup.init()
     start = progress.step if progress else 0
     metrics_path = workdir / "metrics.jsonl" if jax.process_index() == 0 else None
-    log = MetricsLog(metrics_path, setup, stop_at, cfg.train.log_every, progress, resumed=bool(progress))
+    log = MetricsLog(metrics_path, setup, stop_at, cfg.train.log_every, progress, resumed=bool(progress),
+                     carried=manifest.get("unwritten_metrics") if progress else None)
     if metrics_path is not None and cfg.train.tensorboard:
       log.tb = observe.EventWriter(workdir / "tb")
     if start >= stop_at:
@@ -246,7 +248,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     def manifest_body():
       return {"progress": vars(log.progress).copy(), "data_state": batches.get_state(), "mesh": mesh_text,
               "fingerprint": current, "config": cfg.to_dict(), "seed": cfg.train.seed,
-              "process_count": jax.process_count()}
+              "process_count": jax.process_count(), "unwritten_metrics": list(log.out.unwritten)}
 
     batch = setup.device_batch(next(batches))
     compiled = setup.step.lower(state, batch).compile()
