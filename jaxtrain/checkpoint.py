@@ -318,15 +318,15 @@ class Checkpoints:
     manifest = read_manifest(step_dir)
     if not verified:
       verify(step_dir, manifest)
-    own = step_dir.parent.absolute() == self.dir
-    mgr = self.mgr if own else ocp.CheckpointManager(step_dir.parent.absolute())
+    own = step_dir.parent.absolute() == self.dir and step_dir.name == str(manifest["step"])
     try:
-      state = mgr.restore(manifest["step"], args=ocp.args.StandardRestore(abstract_state))
+      if own:
+        state = self.mgr.restore(manifest["step"], args=ocp.args.StandardRestore(abstract_state))
+      else:  # any directory name, e.g. one moved to checkpoints.aside/<step>.<reason>.<time>
+        with ocp.StandardCheckpointer() as reader:
+          state = reader.restore(step_dir.absolute() / "default", abstract_state)
     except Exception as e:  # noqa: BLE001
       raise CheckpointError(f"checkpoint {step_dir} could not be restored: {_reason(e)}") from e
-    finally:
-      if not own:
-        mgr.close()
     self.last_committed = manifest["step"] if own else None
     return state, manifest
 

@@ -9,6 +9,7 @@ global view of jit makes "all ranks" automatic: the batch is one global array.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -144,7 +145,9 @@ def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, state, 
   updates, opt_state = opt.update(g, state["opt"], state["params"])
   params = optax.apply_updates(state["params"], updates)
   # Finite gradients can still give a non-finite update (e.g. a poisoned lr or eps): skip it too.
-  apply = finite & jnp.isfinite(global_norm(updates)) & (n_valid > 0)
+  # Element-wise, not via a norm: a huge but finite update would overflow the norm.
+  update_finite = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)])
+  apply = finite & update_finite & (n_valid > 0)
   keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
   new_state = {
       "params": jax.tree.map(keep, params, state["params"]),
