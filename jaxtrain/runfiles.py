@@ -60,6 +60,14 @@ def prepare_workdir(workdir: Path) -> None:
     raise UserError(f"--workdir {given}: cannot write there: {_why(e)}; give a writable directory") from None
 
 
+def write_text(path: Path, text: str) -> None:
+  """A small run file (config.json), written whole; a failure is one line."""
+  try:
+    path.write_text(text)
+  except OSError as e:
+    raise RunFileError(f"cannot write {path}: {_why(e)}") from None
+
+
 # -- metrics.jsonl -------------------------------------------------------------------------
 
 def strict_json(record: dict) -> str:
@@ -214,7 +222,7 @@ class RunLog:
     self.handler = _QuietFileHandler(self.path, delay=True)
     self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
-    self._saved = (list(root.handlers), threading.excepthook, sys.unraisablehook)
+    self._before = list(root.handlers)
     # Our handler replaces the terminal ones; with one installed, basicConfig() adds none.
     root.handlers = [self.handler]
     logging.captureWarnings(True)
@@ -252,8 +260,21 @@ class RunLog:
     return type(err)(f"{err}{self.pointer()}")
 
   def close(self) -> None:
+    """The run is over, but not its noise: orbax's failed tasks and event loops report when
+    they are garbage-collected, after the run. So the log stays the destination (the
+    handlers present before, minus those writing to the terminal, plus this file) and the
+    thread hooks stay ours, until another RunLog or the process ends."""
+    global _after_run
     root = logging.getLogger()
-    handlers, threading.excepthook, sys.unraisablehook = self._saved
-    root.handlers = handlers
-    logging.captureWarnings(False)
+    terminal = (sys.stderr, sys.__stderr__, sys.stdout, sys.__stdout__)
+    kept = [h for h in self._before if not (type(h) is logging.StreamHandler and h.stream in terminal)
+            and not isinstance(h, _QuietFileHandler)]
     self.handler.close()
+    if _after_run is not None:
+      _after_run.close()
+    _after_run = _QuietFileHandler(self.path, delay=True)
+    _after_run.setFormatter(self.handler.formatter)
+    root.handlers = kept + [_after_run]
+
+
+_after_run: _QuietFileHandler | None = None

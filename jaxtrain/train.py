@@ -196,7 +196,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     ckdir.rename(aside)
     print(f"--fresh: previous checkpoints moved to {aside}")
   if jax.process_index() == 0:
-    (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    runfiles.write_text(workdir / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
   dev = mesh.devices.flat[0]
   mesh_text = mesh_lib.describe(dict(mesh.shape))
   print(f"jaxtrain: {config_name} ({setup.n_params:,} params), mesh {mesh_text} "
