@@ -253,11 +253,12 @@ class RunLog:
     """What the run raises for `err`: a run failure becomes one line (naming an earlier
     write failure too, and the log when it holds details); anything else (a bug) is left
     as it is, traceback and all."""
+    pointer = self.pointer()  # only when libraries logged details, before our own traceback lands there
     self.failed(err)
     if isinstance(err, UserError) or not isinstance(err, RunAborted):
       return err
     err = combine(writer, err)
-    return type(err)(f"{err}{self.pointer()}")
+    return type(err)(f"{err}{pointer}")
 
   def close(self) -> None:
     """The run is over, but not its noise: orbax's failed tasks and event loops report when
