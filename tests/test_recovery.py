@@ -371,4 +371,5 @@ def test_mismatch_names_the_changed_tokenizer_and_data_paths():
   assert "data.tokenizer: 'byte' -> 'tok/tokenizer.json'" in diff["tokenizer"]
   assert "data.source: 'bundled' -> 'corpus/prepared'" in diff["data"]
   same = checkpoint.mismatches(checkpoint.fingerprint(a, "t1", "d1"), checkpoint.fingerprint(a, "t1", "d9"))
-  assert set(same) == {"data"} and "same data.source='bundled'" in same["data"] and "content there changed" in same["data"]
+  assert set(same) == {"data"}
+  assert "same data.source='bundled'" in same["data"] and "content there changed" in same["data"]
