@@ -36,7 +36,8 @@ def parse_args(argv=None):
                       "(default none)")
   p.add_argument("--rounds", type=int, default=3, help="alternating rounds with a baseline (default 3)")
   p.add_argument("--measure-peak", action="store_true", help="time a large bf16 matmul; MFU also against it")
-  p.add_argument("--out", default="bench.json", help="JSON result file (default bench.json)")
+  p.add_argument("--out", help="JSON result file (default <workdir>/bench.json)")
+  p.add_argument("--workdir", help="where the default --out goes (default runs/<config>)")
   p.add_argument("--breakdown", type=int, default=0, metavar="N",
                  help="after timing, trace a few steps with jax.profiler and print the N ops that take the most time")
   return p.parse_args(argv)
@@ -201,6 +202,10 @@ def summarize(side: _Side, flops_per_step: float, n_devices: int, peak: float | 
   }
 
 
+def _progress(text: str) -> None:
+  print(f"bench: {text}", flush=True)  # long work gets a line, not a silent minute
+
+
 def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list[str], rounds: int,
         measure: bool, breakdown: int = 0, trace_dir: Path | None = None) -> dict:
   import jax
@@ -216,11 +221,13 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
   peak = flops.peak_flops(dev0.device_kind)
   measured = measure_peak(dev0) if measure else None
 
+  _progress(f"compiling the jaxtrain step ({config_name}, mesh {mesh_lib.describe(dict(mesh.shape))})")
   sides = [jaxtrain_side(cfg, setup, batches)]
   if baselines:
     # The baselines start from jaxtrain's initial weights (fetched before any step donates them).
     params0 = jax.device_get(setup.init()["params"])
     for name in baselines:
+      _progress(f"compiling the {name} baseline")
       sides.append(minimal_side(cfg, params0, batches, dev0) if name == "minimal"
                    else torch_side(cfg, params0, batches, dev0.platform))
   for side in sides:
@@ -228,6 +235,7 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
       side.sync(side.run())
   per_round: dict[str, list[float]] = {name: [] for name in baselines}
   for r in range(rounds if baselines else 1):
+    _progress(f"timing round {r + 1}/{rounds if baselines else 1}: {steps} steps per side")
     medians = {}
     for side in sides:
       first = side.box["i"]
@@ -341,7 +349,10 @@ def main(argv=None) -> int:
         raise UserError(f"{flag} {value}: must be an integer >= {lo}")
     baselines = parse_baselines(args.baseline)
     cfg = config.load(args.config, args.set)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else Path(args.workdir or Path("runs") / Path(args.config).stem) / "bench.json"
+    if not args.out:
+      from jaxtrain import runfiles
+      runfiles.prepare_workdir(out.parent)
     if not out.parent.is_dir():  # checked before a long run, not after
       raise UserError(f"--out {args.out}: directory {str(out.parent)!r} does not exist")
     for name in baselines:
@@ -361,7 +372,7 @@ def main(argv=None) -> int:
       files.write_json_atomic(out, rep)
     except OSError as e:
       raise UserError(f"--out {args.out}: cannot write ({e.strerror})") from None
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     print(table(rep))
   return cli.main("jaxtrain.bench", body)
 

@@ -15,7 +15,11 @@ checkpoint is never deleted before its successor is committed and verified.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
+import re
 import shutil
 import threading
 import time
@@ -143,8 +147,30 @@ def _write_each_shard_once() -> None:
   first replica, instead."""
   import jax
   import orbax.checkpoint as ocp
-  ocp.type_handlers.register_type_handler(
-      jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+  global _HANDLER_SET
+  if _HANDLER_SET:
+    return
+  # Overriding is the point here; orbax's warning about it is noise our own call causes.
+  quiet = _DropMessages("Type handler registry type")
+  logging.getLogger("absl").addFilter(quiet)
+  try:
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+  finally:
+    logging.getLogger("absl").removeFilter(quiet)
+  _HANDLER_SET = True
+
+
+_HANDLER_SET = False
+
+
+class _DropMessages(logging.Filter):
+  def __init__(self, prefix: str):
+    super().__init__()
+    self.prefix = prefix
+
+  def filter(self, record):
+    return not str(record.msg).startswith(self.prefix)
 
 
 class Checkpoints:
@@ -201,7 +227,7 @@ class Checkpoints:
         step = self._pending[0]
         self._pending = None
         raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
-                              f"the last good checkpoint is {self.last_committed}") from e
+                              f"{_last_good(self.last_committed)}") from e
       self._start_finalizer()
     if self._finalizer is not None:
       self._finalizer.join()
@@ -215,7 +241,7 @@ class Checkpoints:
       self.mgr.check_for_errors()
     except Exception as e:  # noqa: BLE001
       raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
-                            f"the last good checkpoint is {self.last_committed}") from e
+                            f"{_last_good(self.last_committed)}") from e
     self._finalizer = threading.Thread(target=self._finalize, args=(step, body), daemon=True)
     self._finalizer.start()
 
@@ -232,7 +258,7 @@ class Checkpoints:
       self.last_committed = step
     except BaseException as e:  # noqa: BLE001 (surfaced to the main thread by _raise_if_failed)
       self._error = CheckpointError(f"checkpoint manifest at step {step} failed: {_reason(e)}; "
-                                    f"the last good checkpoint is {self.last_committed}")
+                                    f"{_last_good(self.last_committed)}")
 
   def _raise_if_failed(self) -> None:
     if self._error is not None:
@@ -256,39 +282,26 @@ class Checkpoints:
 
   # -- restoring -------------------------------------------------------------------------
 
-  def locate(self, resume_from: str | None) -> Path | None:
-    """The step directory to resume from: latest committed, a given step, or a path."""
-    if resume_from is None:
-      steps = committed_steps(self.dir)
-      return self.dir / str(steps[-1]) if steps else None
-    if resume_from.isdigit():
-      path = self.dir / resume_from
-      if not (path / MANIFEST).is_file():
-        raise UserError(f"--resume-from {resume_from}: no committed checkpoint at that step; "
-                        f"committed steps: {committed_steps(self.dir) or 'none'}")
-      return path
-    path = Path(resume_from)
-    if not (path / MANIFEST).is_file():
-      raise UserError(f"--resume-from {resume_from}: not a committed checkpoint directory (no {MANIFEST})")
-    return path
-
-  def restore(self, step_dir: Path, abstract_state):
-    """Verified restore onto the shardings carried by `abstract_state` (any mesh)."""
+  def restore(self, step_dir: Path, abstract_state, verified: bool = False):
+    """Verified restore onto the shardings carried by `abstract_state` (any mesh);
+    `verified`: `choose_resume_point` has just hashed every file."""
     import orbax.checkpoint as ocp
     manifest = read_manifest(step_dir)
     size = sum(f["size"] for f in manifest["files"].values())
     t0 = time.perf_counter()
-    print(f"checkpoint: verifying and restoring {step_dir} ({size / 2**30:.2f} GiB)...", flush=True)
-    verify(step_dir, manifest)
-    own = step_dir.parent.absolute() == self.dir
-    mgr = self.mgr if own else ocp.CheckpointManager(step_dir.parent.absolute())
+    print(f"checkpoint: {'restoring' if verified else 'verifying and restoring'} {step_dir} ({size / 2**30:.2f} GiB)...",
+          flush=True)
+    if not verified:
+      verify(step_dir, manifest)
+    own = step_dir.parent.absolute() == self.dir and step_dir.name == str(manifest["step"])
     try:
-      state = mgr.restore(manifest["step"], args=ocp.args.StandardRestore(abstract_state))
+      if own:
+        state = self.mgr.restore(manifest["step"], args=ocp.args.StandardRestore(abstract_state))
+      else:  # any directory name, e.g. one moved to checkpoints.aside/<step>.<reason>.<time>
+        with ocp.StandardCheckpointer() as reader:
+          state = reader.restore(step_dir.absolute() / "default", abstract_state)
     except Exception as e:  # noqa: BLE001
       raise CheckpointError(f"checkpoint {step_dir} could not be restored: {_reason(e)}") from e
-    finally:
-      if not own:
-        mgr.close()
     self.last_committed = manifest["step"] if own else None
     print(f"checkpoint: restored step {manifest['step']} in {time.perf_counter() - t0:.1f}s", flush=True)
     return state, manifest
@@ -299,4 +312,139 @@ def _reason(e: BaseException) -> str:
   while e.__cause__ is not None or e.__context__ is not None:
     e = e.__cause__ or e.__context__
   text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+  # Storage errors arrive wrapped in long tensorstore texts; the OS error is what to act on.
+  code = getattr(e, "errno", None) or next((int(m) for m in re.findall(r"os_error_code='?(\d+)", text)), None)
+  if code:
+    return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+  if len(text) > 300:
+    text = text[:300] + "..."
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _last_good(step: int | None) -> str:
+  if step is None:
+    return "no checkpoint has been committed yet"
+  return f"the last good checkpoint is {step}"
+
+
+# -- choosing where to resume (rollback, damaged checkpoints) -------------------------------
+
+def _problem(step_dir: Path) -> str | None:
+  """None if the checkpoint verifies, else the one-line reason it does not."""
+  try:
+    verify(step_dir, read_manifest(step_dir))
+  except CheckpointError as e:
+    return str(e)
+  except (OSError, KeyError, TypeError, ValueError) as e:  # a manifest of the wrong shape is damage too
+    return f"checkpoint {step_dir} is damaged: {_reason(e)}"
+  return None
+
+
+def move_aside(step_dir: Path, aside: Path, reason: str) -> Path:
+  """Renames a step directory to <aside>/<step>.<reason>.<time>: never deleted, out of
+  orbax's sight, so a later save of the same step cannot collide with it."""
+  aside.mkdir(parents=True, exist_ok=True)
+  dest = aside / f"{step_dir.name}.{reason}.{time.strftime('%Y%m%dT%H%M%S')}"
+  n = 1
+  while dest.exists():
+    dest, n = dest.with_name(f"{step_dir.name}.{reason}.{time.strftime('%Y%m%dT%H%M%S')}.{n}"), n + 1
+  step_dir.rename(dest)
+  return dest
+
+
+def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: str,
+                        aside: Path) -> tuple[Path | None, list[str], list[str]]:
+  """(step dir to resume from or None, notes, warnings), each note/warning one line.
+
+  Latest (no --resume-from): the newest checkpoint that verifies. Newer ones that do not
+  are moved aside with a warning (`on_damaged="fallback"`), or the run stops naming the
+  good steps and the --resume-from to use ("stop"). If none verifies, the run stops and
+  nothing is moved. An explicit step or path must verify. Either way, every committed
+  step after the chosen one is moved aside (a rollback), so the resumed run saves its
+  own steps without colliding and the old ones stay on disk."""
+  directory = Path(directory)
+  steps = committed_steps(directory)
+  notes: list[str] = []
+  warnings: list[str] = []
+  if resume_from is None:
+    damaged, chosen = [], None
+    for s in reversed(steps):
+      problem = _problem(directory / str(s))
+      if problem is None:
+        chosen = s
+        break
+      damaged.append((s, problem))
+    if damaged and chosen is None:
+      raise CheckpointError(f"{damaged[0][1]}; no committed checkpoint verifies (damaged: steps "
+                            f"{', '.join(str(s) for s, _ in damaged)}); pass --fresh to start over "
+                            "(they are moved aside, not deleted)")
+    if damaged and on_damaged == "stop":
+      good = [s for s in steps if s <= chosen and (s == chosen or _problem(directory / str(s)) is None)]
+      raise CheckpointError(f"{damaged[0][1]}; checkpoints that verify: steps {', '.join(map(str, good))}; "
+                            f"resume with --resume-from {chosen} (later steps are moved aside), or set "
+                            "checkpoint.on_damaged=fallback to do that automatically")
+    for s, problem in damaged:
+      dest = move_aside(directory / str(s), aside, "damaged")
+      warnings.append(f"{problem}; moved it to {dest} and resuming from step {chosen}, the newest checkpoint "
+                      "that verifies")
+    if chosen is None:
+      return None, notes, warnings
+    step_dir = directory / str(chosen)
+  else:
+    if resume_from.isdigit():
+      step_dir = directory / str(int(resume_from))
+      if not (step_dir / MANIFEST).is_file():
+        raise UserError(f"--resume-from {resume_from}: no committed checkpoint at that step; "
+                        f"committed steps: {steps or 'none'}")
+    else:
+      step_dir = Path(resume_from)
+      if not (step_dir / MANIFEST).is_file():
+        raise UserError(f"--resume-from {resume_from}: not a committed checkpoint directory (no {MANIFEST})")
+    problem = _problem(step_dir)
+    if problem is not None:
+      good = [s for s in steps if directory / str(s) != step_dir and _problem(directory / str(s)) is None]
+      raise CheckpointError(f"{problem}; checkpoints of this run that verify: "
+                            + (f"steps {', '.join(map(str, good))} (use --resume-from {good[-1]})" if good
+                               else "none (pass --fresh to start over)"))
+  chosen = read_manifest(step_dir)["step"]
+  later = [s for s in committed_steps(directory) if s > chosen]
+  if later:
+    for s in later:
+      move_aside(directory / str(s), aside, "rollback")
+    notes.append(f"rolling back to step {chosen}: later checkpoint(s) {', '.join(map(str, later))} moved to {aside} "
+                 "(not deleted); their metrics records are kept in the metrics.<time>.jsonl copy")
+  return step_dir, notes, warnings
+
+
+def resume_point(directory: Path, resume_from: str | None, on_damaged: str, aside: Path) -> Path | None:
+  """`choose_resume_point` on process 0 (the only one that moves files), its notes
+  printed, and its choice shared with every other process."""
+  import sys
+  import jax
+  if jax.process_index() == 0:
+    try:
+      step_dir, notes, warnings = choose_resume_point(directory, resume_from, on_damaged, aside)
+    except Exception:
+      _share_step(-2)  # the others stop instead of waiting for a choice
+      raise
+    for line in notes:
+      print(line, flush=True)
+    for line in warnings:
+      print(f"jaxtrain: warning: {line}", file=sys.stderr, flush=True)
+    _share_step(-1 if step_dir is None else int(read_manifest(step_dir)["step"]))
+    return step_dir
+  step = _share_step(0)
+  if step == -2:
+    raise RunAborted("process 0 could not choose a checkpoint to resume from (see its message)")
+  if step == -1:
+    return None
+  return Path(resume_from) if resume_from and not resume_from.isdigit() else Path(directory) / str(step)
+
+
+def _share_step(value: int) -> int:
+  import jax
+  if jax.process_count() == 1:
+    return value
+  import numpy as np
+  from jax.experimental import multihost_utils
+  return int(multihost_utils.broadcast_one_to_all(np.int64(value)))

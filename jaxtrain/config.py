@@ -49,7 +49,7 @@ class ModelConfig:
   head_dim: int = key(16, "Width of one attention head.", math=True, min=1)
   d_ff: int = key(256, "Hidden width of the SwiGLU MLP.", math=True, min=1)
   rope_theta: float = key(10000.0, "RoPE base frequency.", math=True, min=1.0)
-  norm_eps: float = key(1e-5, "RMSNorm epsilon.", math=True, min=0.0)
+  norm_eps: float = key(1e-5, "RMSNorm epsilon (> 0).", math=True, min=0.0, open_min=True)
   tie_embeddings: bool = key(False, "Share the input embedding with the output projection.", math=True)
   init_std: float = key(0.02, "Std of the normal initializer of embeddings and projections.", math=True, min=0.0)
   dtype: Literal["bfloat16", "float16", "float32"] = key(
@@ -157,6 +157,10 @@ class CheckpointConfig:
   keep_every: int = key(0, "Also keep every checkpoint whose step is a multiple of this (0 = none).", math=False,
                         min=0)
   async_save: bool = key(True, "Write checkpoints in the background while training continues.", math=False)
+  on_damaged: Literal["fallback", "stop"] = key(
+      "fallback", "Latest checkpoint fails verification at resume: fallback = move it aside (warning) and resume "
+      "from the newest one that verifies; stop = exit naming the good steps and the --resume-from to use.",
+      math=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,9 +294,11 @@ def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: 
   if lo is not None and value < lo:
     raise UserError(f"{dotted}={value} is below its minimum {lo}")
   if lo is not None and meta["open_min"] and value == lo:
-    raise UserError(f"{dotted}={value} must be above {lo}")
-  if hi is not None and (value >= hi if meta["open_max"] else value > hi):
-    raise UserError(f"{dotted}={value} must be {'below' if meta['open_max'] else 'at most'} {hi}")
+    raise UserError(f"{dotted}={value} must be greater than {lo}")
+  if hi is not None and value > hi:
+    raise UserError(f"{dotted}={value} is above its maximum {hi}")
+  if hi is not None and meta["open_max"] and value == hi:
+    raise UserError(f"{dotted}={value} must be less than {hi}")
   raw.setdefault(section, {})[name] = value
 
 

@@ -5,6 +5,9 @@ orbax's commit and before the manifest is written, so a test can kill the proces
 while that save is still in flight.
 JAXTRAIN_FAULTS="enospc_at=STEP" makes the save of STEP fail as a full disk would (for
 machines where a test cannot mount a small tmpfs).
+JAXTRAIN_FAULTS="metrics_enospc_at=STEP" makes the metrics.jsonl write of STEP (and every
+later one) fail as a full disk would.
+`hold_manifest=STEP:PATH` (a path instead of seconds) holds until PATH exists (at most 10 min).
 """
 
 import errno
@@ -26,10 +29,21 @@ def before_manifest(step: int) -> None:
     at, _, seconds = spec.partition(":")
     if int(at) == step:
       print(f"fault: holding the manifest of step {step} for {seconds}s", flush=True)
-      time.sleep(float(seconds))
+      if seconds.replace(".", "", 1).isdigit():
+        time.sleep(float(seconds))
+        return
+      deadline = time.time() + 600
+      while not os.path.exists(seconds) and time.time() < deadline:
+        time.sleep(0.05)
 
 
 def before_save(step: int) -> None:
   at = _spec("enospc_at")
   if at and int(at) == step:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "(injected fault)")
+
+
+def metrics_write(step: int) -> None:
+  at = _spec("metrics_enospc_at")
+  if at and step >= int(at):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "(injected fault)")

@@ -7,12 +7,11 @@ null (the `skipped` flag says why).
 
 from __future__ import annotations
 
-import json
 import math
-import time
+import sys
 from pathlib import Path
 
-from jaxtrain.errors import UserError
+from jaxtrain import runfiles
 
 MOE_FIELDS = ("moe_aux_loss", "moe_dropped_frac")
 EVAL_FIELDS = ("eval_loss", "eval_ppl")
@@ -34,58 +33,20 @@ def record(step: int, fetched: dict, step_time: float, data_wait: float, progres
   return rec
 
 
-def strict(rec: dict) -> dict:
-  """The record with non-finite floats as None, so strict JSON parsers read it."""
-  return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
-
-
-def read_records(path: Path) -> list[dict]:
-  """The records of a metrics.jsonl. A torn final line (the process died mid-write) is dropped
-  with a note; any other unreadable line is a one-line error naming the file and line."""
-  text = path.read_text()
-  lines = text.splitlines()
-  out = []
-  for i, line in enumerate(lines, 1):
-    if not line.strip():
-      continue
-    try:
-      out.append(json.loads(line))
-    except json.JSONDecodeError as e:
-      if i == len(lines) and not text.endswith("\n"):
-        print(f"metrics: dropping the torn last line {i} of {path} (the run stopped while writing it)")
-        continue
-      raise UserError(f"{path}:{i} is not a JSON record ({e.msg}); fix or move the file aside") from None
-  return out
-
-
 class JsonlSink:
-  """<workdir>/metrics.jsonl, one record per line. A fresh run keeps an old file aside; a
-  resumed run drops the records past its checkpoint (they will be recomputed), keeping the
-  full old file aside, so nothing is lost."""
+  """<workdir>/metrics.jsonl (`runfiles`: a fresh run keeps an old file aside; a resumed
+  one drops the records past its checkpoint and a torn last line; strict JSON; a failed
+  write is remembered, not raised, so the run can save before it stops)."""
 
-  def __init__(self, path: Path, resumed_at: int | None):
-    self.path = path
-    if path.exists():
-      backup = path.with_name(f"metrics.{int(time.time())}.jsonl")
-      if resumed_at is None:
-        path.rename(backup)
-        print(f"previous {path.name} kept as {backup.name}")
-      else:
-        text = path.read_text()
-        records = read_records(path)
-        kept = [r for r in records if r.get("step", 0) <= resumed_at]
-        if len(kept) != len(records) or (text and not text.endswith("\n")):
-          path.rename(backup)
-          path.write_text("".join(json.dumps(strict(r)) + "\n" for r in kept))
-          print(f"metrics: {len(records) - len(kept)} record(s) after step {resumed_at} will be recomputed "
-                f"(old file kept as {backup.name})")
-    self.file = path.open("a", buffering=1)
+  def __init__(self, path: Path, resumed_at: int | None, carried: list | None = None):
+    runfiles.prepare_metrics(path, resumed_at, carried)
+    self.writer = runfiles.JsonlWriter(path)
 
   def write(self, step: int, rec: dict) -> None:
-    self.file.write(json.dumps(strict(rec), allow_nan=False) + "\n")
+    self.writer.write(step, rec)
 
   def close(self) -> None:
-    self.file.close()
+    self.writer.close()
 
 
 class ConsoleSink:
@@ -118,17 +79,32 @@ class TensorBoardSink:
     self.writer = SummaryWriter(logdir=str(logdir), flush_secs=10)
 
   def write(self, step: int, rec: dict) -> None:
-    for k, v in rec.items():
-      if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-        self.writer.add_scalar(k, v, step)
+    if self.writer is None:
+      return
+    try:
+      for k, v in rec.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+          self.writer.add_scalar(k, v, step)
+    except OSError as e:  # TensorBoard is a view: losing it must not end the run (metrics.jsonl decides)
+      print(f"jaxtrain: warning: TensorBoard events stop at step {step}: {e}", file=sys.stderr)
+      self.close()
 
   def close(self) -> None:
-    self.writer.close()
+    if self.writer is not None:
+      try:
+        self.writer.close()
+      except OSError:
+        pass
+      self.writer = None
 
 
 class Sinks:
   def __init__(self, sinks: list):
     self.sinks = sinks
+
+  def writer(self):
+    """metrics.jsonl's writer (its failure state drives the run's stop), or None."""
+    return next((s.writer for s in self.sinks if isinstance(s, JsonlSink)), None)
 
   def write(self, step: int, rec: dict) -> None:
     for s in self.sinks:

@@ -109,13 +109,15 @@ def _allowed(text: str) -> set[str]:
   return allowed
 
 
-def _sinks(cfg, workdir: Path, stop_at: int, resumed_at: int | None):
-  """metrics.jsonl, console and TensorBoard on process 0; nothing elsewhere."""
+def _sinks(cfg, workdir: Path, stop_at: int, resumed_at: int | None, carried: list | None):
+  """metrics.jsonl, console and TensorBoard on process 0; nothing elsewhere. `carried`:
+  records the last run could not write (a full disk), restored from its checkpoint."""
   import jax
   from jaxtrain import metrics
   if jax.process_index() != 0:
     return metrics.Sinks([])
-  sinks = [metrics.JsonlSink(workdir / "metrics.jsonl", resumed_at), metrics.ConsoleSink(stop_at, cfg.run.log_every)]
+  sinks = [metrics.JsonlSink(workdir / "metrics.jsonl", resumed_at, carried),
+           metrics.ConsoleSink(stop_at, cfg.run.log_every)]
   if cfg.run.tensorboard:
     sinks.append(metrics.TensorBoardSink(workdir / "tb"))
   return metrics.Sinks(sinks)
@@ -133,23 +135,25 @@ def _announce(setup, config_name: str, mesh_text: str, workdir: Path) -> None:
           f"{setup.notes[0]}")
 
 
-def _resume(ckpts, resume_from, current: dict, allowed: set[str], setup, batches, mesh_text: str):
-  """(state, Progress) from the checkpoint to resume from, with the data iterator moved to
-  it; (None, Progress()) when there is none. A different run is refused, naming what changed."""
+def _resume(ckpts, step_dir, current: dict, allowed: set[str], setup, batches, mesh_text: str):
+  """(state, Progress, manifest) from the checkpoint `step_dir` (chosen and verified by
+  `checkpoint.resume_point`), with the data iterator moved to it; (None, Progress(), {})
+  when there is none. A different run is refused, naming what changed."""
+  import jax
   from jaxtrain import checkpoint, progress as progress_lib
-  step_dir = ckpts.locate(resume_from)
   if step_dir is None:
-    return None, progress_lib.Progress()
+    return None, progress_lib.Progress(), {}
   manifest = checkpoint.read_manifest(step_dir)
   changed = {k: v for k, v in checkpoint.mismatches(manifest["fingerprint"], current).items() if k not in allowed}
   if changed:
     raise UserError(f"checkpoint {step_dir} was written by a different run: {'; '.join(changed.values())}; "
                     f"pass --allow-mismatch {','.join(changed)} to resume anyway, or --fresh")
-  state, manifest = ckpts.restore(step_dir, setup.abstract_state())
+  # process 0 hashed every file while choosing it
+  state, manifest = ckpts.restore(step_dir, setup.abstract_state(), verified=jax.process_index() == 0)
   batches.set_state(manifest["data_state"])
   moved = "" if manifest["mesh"] == mesh_text else f" (written on mesh {manifest['mesh']}, resharded)"
   print(f"resumed from {step_dir} at step {manifest['progress']['step']}{moved}")
-  return state, progress_lib.Progress(**manifest["progress"])
+  return state, progress_lib.Progress(**manifest["progress"]), manifest
 
 
 def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = None, fresh: bool = False,
@@ -157,24 +161,31 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   """Trains until `stop_at` (default train.steps) total steps."""
   import jax
   from jaxtrain import checkpoint, data, files, flops, mesh as mesh_lib, metrics, observe, progress as progress_lib
-  from jaxtrain import step as step_lib
+  from jaxtrain import lock as lock_lib, runfiles, step as step_lib
 
   allowed = _allowed(allow_mismatch)
   stop_at = stop_at or cfg.train.steps
   setup = step_lib.Setup(cfg, mesh)
-  workdir.mkdir(parents=True, exist_ok=True)
+  runfiles.prepare_workdir(workdir)
+  # One trainer per workdir, taken before anything in it is moved or removed.
+  lock = lock_lib.WorkdirLock(workdir).acquire() if jax.process_index() == 0 else None
   ckdir = workdir / "checkpoints"
   if fresh and ckdir.exists():
     aside = workdir / f"checkpoints.{int(time.time())}"
     ckdir.rename(aside)
     print(f"--fresh: previous checkpoints moved to {aside}")
   if jax.process_index() == 0:
-    files.write_json_atomic(workdir / "config.json", cfg.to_dict(), indent=2)
+    try:
+      files.write_json_atomic(workdir / "config.json", cfg.to_dict(), indent=2)
+    except OSError as e:
+      raise runfiles.RunFileError(f"cannot write {workdir / 'config.json'}: {e.strerror or e}") from None
   dev = mesh.devices.flat[0]
   mesh_text = mesh_lib.describe(dict(mesh.shape))
   _announce(setup, config_name, mesh_text, workdir)
 
   ck = cfg.checkpoint
+  # Chosen (and later/damaged steps moved aside) before orbax lists the steps it has.
+  step_dir = checkpoint.resume_point(ckdir, resume_from, ck.on_damaged, workdir / "checkpoints.aside")
   ckpts = checkpoint.Checkpoints(ckdir, ck.keep, ck.keep_every, ck.async_save, is_writer=jax.process_index() == 0)
   saves = progress_lib.Every(ck.interval)
   current = checkpoint.fingerprint(cfg, data.tokenizer_digest(cfg), data.source_digest(cfg))
@@ -186,13 +197,15 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   peak = flops.peak_flops(dev.device_kind)
   peak_total = peak * mesh.size if peak else None
   sinks, summary = None, Summary()
+  runlog = runfiles.RunLog(workdir, jax.process_index())  # library noise -> <workdir>/jaxtrain.log
   try:
     t0 = time.perf_counter()
-    state, progress = _resume(ckpts, resume_from, current, allowed, setup, batches, mesh_text)
+    state, progress, manifest = _resume(ckpts, step_dir, current, allowed, setup, batches, mesh_text)
     resumed_at = progress.step if state is not None else None
     state = setup.init() if state is None else state
     start = progress.step
-    sinks = _sinks(cfg, workdir, stop_at, resumed_at)
+    sinks = _sinks(cfg, workdir, stop_at, resumed_at, manifest.get("unwritten_metrics"))
+    out = sinks.writer()  # metrics.jsonl's writer (its failures stop the run after a save); None elsewhere
     if start >= stop_at:
       print(f"nothing to do: the run is at step {start} and --steps asks for {stop_at}")
       return summary
@@ -200,7 +213,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     def manifest_body():
       return {"progress": dataclasses.asdict(progress), "data_state": batches.get_state(), "mesh": mesh_text,
               "fingerprint": current, "config": cfg.to_dict(), "seed": cfg.train.seed,
-              "process_count": jax.process_count()}
+              "process_count": jax.process_count(), "unwritten_metrics": list(out.unwritten) if out else []}
 
     def log_step(s, device_metrics, wait, since):
       """Fetches step s's metrics (waiting for s), records them; returns when s was done."""
@@ -228,7 +241,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       if pending:  # step s-1's metrics: reading them waits for s-1, while s is already queued
         last_done = log_step(*pending, last_done)
       pending = (s, step_metrics, wait)
-      stop = s == stop_at or preempt.check(s)
+      stop = s == stop_at or preempt.check(s) or (out is not None and runfiles.must_stop(out))
       if stop or saves.due(s):
         last_done = log_step(*pending, last_done)  # the manifest's clocks must include step s
         pending = None
@@ -243,9 +256,13 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       batch = setup.device_batch(next(batches))
       wait = time.perf_counter() - t
     ckpts.wait()
+    if out is not None:
+      runfiles.report_write_failure(out, progress.step)
     if preempt.requested:
       print(f"preempted: checkpoint committed at step {progress.step}; run the same command to resume")
     return summary
+  except Exception as e:  # noqa: BLE001 (details to the log; the terminal gets one line)
+    raise runlog.ending(e, sinks.writer() if sinks else None) from None
   finally:
     profiler.close()
     preempt.restore()
@@ -256,6 +273,9 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       ckpts.close()
     except checkpoint.CheckpointError as e:
       print(f"jaxtrain: warning: {e}", file=sys.stderr)
+    runlog.close()
+    if lock is not None:
+      lock.release()
 
 
 def main(argv=None) -> int:

@@ -83,8 +83,8 @@ def test_renamed_keys_load_from_old_preset_files(tmp_path, capsys):
 
 @pytest.mark.parametrize("setting, words", [
     ("optim.lr=nan", "optim.lr=nan is not a finite number"),
-    ("optim.b2=1.0", "optim.b2=1.0 must be below 1.0"),
-    ("optim.eps=0", "optim.eps=0.0 must be above 0.0"),
+    ("optim.b2=1.0", "optim.b2=1.0 must be less than 1.0"),
+    ("optim.eps=0", "optim.eps=0.0 must be greater than 0.0"),
 ])
 def test_float_keys_have_bounds(setting, words):
   with pytest.raises(UserError, match=words.replace(".", r"\.")):

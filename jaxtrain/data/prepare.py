@@ -137,7 +137,12 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
   tok = tokenizer_lib.load(tokenizer, bos_token, eos_token)
   job = plan(inputs, tok, fields, shard_mb, max_bad_records)
   out = Path(output)
-  out.mkdir(parents=True, exist_ok=True)
+  if out.exists() and not out.is_dir():
+    raise UserError(f"--output {output}: is a file, not a directory; give a directory (created if missing)")
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise UserError(f"--output {output}: cannot create that directory ({e.strerror})") from None
   if (out / JOB).is_file():
     if json.loads((out / JOB).read_text()) != job:
       raise UserError(f"{output!r} holds data prepared from other inputs or options; choose another --output or empty it")

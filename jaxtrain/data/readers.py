@@ -42,11 +42,22 @@ def pyarrow_parquet():
   return pq
 
 
+def parquet_file(path: Path):
+  """pyarrow's ParquetFile; a file that is not Parquet is a one-line user error."""
+  pq = pyarrow_parquet()
+  import pyarrow
+  try:
+    return pq.ParquetFile(path)
+  except (pyarrow.ArrowException, OSError) as e:
+    why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise UserError(f"input {str(path)!r} is not a readable Parquet file ({why})") from None
+
+
 def plan_units(path: Path, unit_bytes: int) -> list[tuple[int, int]]:
   """Ranges [start, end) of about unit_bytes each: bytes at record boundaries, or row groups."""
   fmt = file_format(path)
   if fmt == "parquet":
-    meta = pyarrow_parquet().ParquetFile(path).metadata
+    meta = parquet_file(path).metadata
     units, start, size = [], 0, 0
     for g in range(meta.num_row_groups):
       size += meta.row_group(g).total_byte_size
@@ -130,7 +141,7 @@ def read_unit(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
 
 
 def _read_parquet(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
-  pf = pyarrow_parquet().ParquetFile(path)
+  pf = parquet_file(path)
   names = list(fields.values())
   missing = [n for n in names if n not in pf.schema_arrow.names]
   if missing:
