@@ -295,10 +295,10 @@ def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: 
     raise UserError(f"{dotted}={value} is below its minimum {lo}")
   if lo is not None and meta["open_min"] and value == lo:
     raise UserError(f"{dotted}={value} must be greater than {lo}")
+  if hi is not None and meta["open_max"] and value >= hi:
+    raise UserError(f"{dotted}={value} must be less than {hi}")
   if hi is not None and value > hi:
     raise UserError(f"{dotted}={value} is above its maximum {hi}")
-  if hi is not None and meta["open_max"] and value == hi:
-    raise UserError(f"{dotted}={value} must be less than {hi}")
   raw.setdefault(section, {})[name] = value
 
 
@@ -382,7 +382,7 @@ def help_text() -> str:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
       role = "same-run" if f.metadata["math"] else "free"
-      lines.append(f"  {section}.{f.name} ({_type_name(hints[f.name])}, default {f.default!r}, {role})")
+      lines.append(f"  {section}.{f.name} ({_type_name(hints[f.name])}, default {f.default!r}) [{role}]")
       lines.append(f"      {f.metadata['doc']}")
   lines.append("")
   lines.append("same-run: part of the checkpoint's fingerprint (a resume with another value is refused unless "

@@ -49,7 +49,7 @@ def test_batches_are_deterministic_by_seed_and_packed():
 def test_process_slices_make_the_global_batch():
   cfg = config.load("tiny")
   whole = _take(cfg, 2)
-  parts = [_take(cfg, 2, process_index=i, process_count=2) for i in range(2)]
+  parts = [_take(cfg, 2, block=i, blocks=2) for i in range(2)]
   for s in range(2):
     for k in whole[s]:
       np.testing.assert_array_equal(np.concatenate([parts[0][s][k], parts[1][s][k]]), whole[s][k])

@@ -103,7 +103,7 @@ def mixture(tmp_path_factory):
 
 
 def _global(cfg, n, processes):
-  parts = [_take(cfg, n, process_index=i, process_count=processes) for i in range(processes)]
+  parts = [_take(cfg, n, block=i, blocks=processes) for i in range(processes)]
   return [{k: np.concatenate([p[s][k] for p in parts]) for k in parts[0][s]} for s in range(n)]
 
 

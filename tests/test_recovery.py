@@ -242,7 +242,7 @@ def test_non_finite_and_out_of_range_floats_are_rejected():
 
 def test_a_non_finite_update_counts_as_skipped():
   cfg = config.load("tiny", SETS[:3])
-  poisoned = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=float("nan")))  # past validation
+  poisoned = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=float("nan")))  # past validation
   setup = step.Setup(poisoned, mesh_of("dp=1"))
   it = data.batches(cfg)
   batch = setup.device_batch(next(it))
@@ -368,8 +368,7 @@ def test_mismatch_names_the_changed_tokenizer_and_data_paths():
   a = config.load("tiny")
   b = config.load("tiny", ["data.tokenizer=tok/tokenizer.json", "data.source=corpus/prepared"])
   diff = checkpoint.mismatches(checkpoint.fingerprint(a, "t1", "d1"), checkpoint.fingerprint(b, "t2", "d2"))
-  assert "data.tokenizer: 'byte' -> 'tok/tokenizer.json'" in diff["tokenizer"]
-  assert "data.source: 'bundled' -> 'corpus/prepared'" in diff["data"]
+  assert "data.tokenizer: 'byte' (content t1) -> 'tok/tokenizer.json' (content t2)" in diff["tokenizer"]
+  assert "data.source: 'bundled' (content d1) -> 'corpus/prepared' (content d2)" in diff["data"]
   same = checkpoint.mismatches(checkpoint.fingerprint(a, "t1", "d1"), checkpoint.fingerprint(a, "t1", "d9"))
-  assert set(same) == {"data"}
-  assert "same data.source='bundled'" in same["data"] and "content there changed" in same["data"]
+  assert same == {"data": "data.source: 'bundled' (content d1) -> 'bundled' (content d9)"}  # same path, new content

@@ -151,10 +151,16 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
   (out / shards.MANIFEST).unlink(missing_ok=True)  # no manifest until every shard is complete
 
   metas: dict[int, dict] = {}
-  # Progress in input megabytes (shards vary in size); finished shards of an earlier run count at once.
-  bar = tqdm.tqdm(total=sum(u[3] for u in job["units"]) / 2**20, unit="MB", desc="prepare", disable=not progress,
-                  file=sys.stderr, bar_format="{desc} {percentage:3.0f}%|{bar:30}| {n:.1f}/{total:.1f} MB "
-                  "[{elapsed}<{remaining}, {rate_fmt}]")
+  # Progress in shards, with the input megabytes beside; finished shards of an earlier run count at once.
+  total_mb = sum(u[3] for u in job["units"]) / 2**20
+  bar = tqdm.tqdm(total=len(job["units"]), desc="prepare", disable=not progress, file=sys.stderr,
+                  bar_format="{desc} [{bar:30}] {n}/{total} shards  {postfix}  [{elapsed}<{remaining}]")
+  done_mb = [0.0]
+
+  def advance(nbytes):
+    done_mb[0] += nbytes / 2**20
+    bar.set_postfix_str(f"{done_mb[0]:.1f}/{total_mb:.1f} MB", refresh=False)
+    bar.update(1)
   todo = []
   for n, unit in enumerate(job["units"]):
     meta = _finished(out, n, unit)
@@ -162,12 +168,12 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
       todo.append(n)
     else:
       metas[n] = meta
-      bar.update(unit[3] / 2**20)
+      advance(unit[3])
   t0 = time.perf_counter()
   if workers <= 1 or len(todo) <= 1:
     for n in todo:
       metas[n] = run_unit(job, n, output, tok)
-      bar.update(job["units"][n][3] / 2**20)
+      advance(job["units"][n][3])
   else:
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold JAX or tokenizer threads
     with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
@@ -177,7 +183,7 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
         for fut in cf.as_completed(futures):
           n = futures[fut]
           metas[n] = fut.result()
-          bar.update(job["units"][n][3] / 2**20)
+          advance(job["units"][n][3])
       except BaseException:
         pool.shutdown(cancel_futures=True)
         raise
