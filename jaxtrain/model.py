@@ -14,7 +14,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.config import ModelConfig
-from jaxtrain import attention as attention_lib, moe, ring
+from jaxtrain import attention as attention_lib, moe, ring, rope_scaling
 from jaxtrain.sharding import constrain
 
 # Tensors named for the save_named / offload_named remat policies.
@@ -53,10 +53,12 @@ class RMSNorm(nnx.Module):
     return (x * self.scale[...]).astype(x_BxLxD.dtype)
 
 
-def rope(x_BxLxNxE, pos_BxL, theta: float):
-  """Rotary embedding on pairs (first half, second half) of the head dimension."""
+def rope(x_BxLxNxE, pos_BxL, theta: float, freq_E2=None):
+  """Rotary embedding on pairs (first half, second half) of the head dimension;
+  `freq_E2` overrides the plain frequencies (model.rope_scaling)."""
   half = x_BxLxNxE.shape[-1] // 2
-  freq_E2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  if freq_E2 is None:
+    freq_E2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
   ang_BxLx1xE2 = (pos_BxL.astype(jnp.float32)[:, :, None] * freq_E2)[:, :, None, :]
   sin, cos = jnp.sin(ang_BxLx1xE2), jnp.cos(ang_BxLx1xE2)
   x = x_BxLxNxE.astype(jnp.float32)
@@ -67,18 +69,38 @@ def rope(x_BxLxNxE, pos_BxL, theta: float):
 
 def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
   """Causal grouped-query attention; a token sees only earlier tokens of its own segment."""
-  B, L, H, E = q_BxLxHxE.shape
-  K = k_BxLxKxE.shape[2]
-  q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, H // K, E)
-  s_BxKxGxLxL = jnp.einsum("blkge,bmke->bkglm", q_BxLxKxGxE, k_BxLxKxE,
-                           preferred_element_type=jnp.float32) * E**-0.5
+  L = q_BxLxHxE.shape[1]
   causal_LxL = jnp.tril(jnp.ones((L, L), bool))
   same_BxLxL = seg_BxL[:, :, None] == seg_BxL[:, None, :]
-  mask_Bx1x1xLxL = (causal_LxL & same_BxLxL)[:, None, None]
-  s_BxKxGxLxL = jnp.where(mask_Bx1x1xLxL, s_BxKxGxLxL, NEG_INF)
-  p_BxKxGxLxL = jax.nn.softmax(s_BxKxGxLxL, axis=-1).astype(v_BxLxKxE.dtype)
-  o_BxLxKxGxE = jnp.einsum("bkglm,bmke->blkge", p_BxKxGxLxL, v_BxLxKxE)
+  return masked_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, causal_LxL & same_BxLxL)
+
+
+def masked_attention(q_BxLxHxE, k_BxMxKxE, v_BxMxKxE, mask_BxLxM):
+  """GQA of L queries over M keys where `mask_BxLxM` allows (M = L in training, the
+  cache length when decoding)."""
+  B, L, H, E = q_BxLxHxE.shape
+  K = k_BxMxKxE.shape[2]
+  q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, H // K, E)
+  s_BxKxGxLxM = jnp.einsum("blkge,bmke->bkglm", q_BxLxKxGxE, k_BxMxKxE,
+                           preferred_element_type=jnp.float32) * E**-0.5
+  s_BxKxGxLxM = jnp.where(mask_BxLxM[:, None, None], s_BxKxGxLxM, NEG_INF)
+  p_BxKxGxLxM = jax.nn.softmax(s_BxKxGxLxM, axis=-1).astype(v_BxMxKxE.dtype)
+  o_BxLxKxGxE = jnp.einsum("bkglm,bmke->blkge", p_BxKxGxLxM, v_BxMxKxE)
   return o_BxLxKxGxE.reshape(B, L, H, E)
+
+
+def cached_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, seg_BxT, cache):
+  """Decoding: writes this chunk's k/v into the cache at slot `start`, then attends over
+  the cache. A query at slot start+t sees slots <= start+t of its own segment (cache
+  `seg` already holds this chunk's ids; unwritten and padding slots never match)."""
+  start = cache["start"]
+  k_BxSxKxE = jax.lax.dynamic_update_slice(cache["k"], k_BxTxKxE.astype(cache["k"].dtype), (0, start, 0, 0))
+  v_BxSxKxE = jax.lax.dynamic_update_slice(cache["v"], v_BxTxKxE.astype(cache["v"].dtype), (0, start, 0, 0))
+  T, S = q_BxTxHxE.shape[1], k_BxSxKxE.shape[1]
+  causal_TxS = jnp.arange(S)[None, :] <= start + jnp.arange(T)[:, None]
+  same_BxTxS = seg_BxT[:, :, None] == cache["seg"][:, None, :]
+  o_BxTxHxE = masked_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, causal_TxS & same_BxTxS)
+  return o_BxTxHxE, {"k": k_BxSxKxE, "v": v_BxSxKxE}
 
 
 class Attention(nnx.Module):
@@ -92,14 +114,20 @@ class Attention(nnx.Module):
     self.theta = cfg.rope_theta
     self.cfg = cfg
 
-  def __call__(self, x_BxLxD, pos_BxL, seg_BxL):
+  def __call__(self, x_BxLxD, pos_BxL, seg_BxL, cache=None):
+    """With a KV `cache` (decoding) returns (output, updated {"k", "v"})."""
     dt = x_BxLxD.dtype
     q = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
     k = jnp.einsum("bld,dke->blke", x_BxLxD, self.wk[...].astype(dt))
     v = jnp.einsum("bld,dke->blke", x_BxLxD, self.wv[...].astype(dt))
-    q = checkpoint_name(constrain(rope(q, pos_BxL, self.theta), ("batch", "length", "act_heads", None)), "q")
-    k = checkpoint_name(constrain(rope(k, pos_BxL, self.theta), ("batch", "length", "act_kv_heads", None)), "k")
+    freq = rope_scaling.inv_freq(self.cfg)
+    freq = None if freq is None else jnp.asarray(freq)
+    q = checkpoint_name(constrain(rope(q, pos_BxL, self.theta, freq), ("batch", "length", "act_heads", None)), "q")
+    k = checkpoint_name(constrain(rope(k, pos_BxL, self.theta, freq), ("batch", "length", "act_kv_heads", None)), "k")
     v = checkpoint_name(constrain(v, ("batch", "length", "act_kv_heads", None)), "v")
+    if cache is not None:
+      o_BxLxHxE, cache = cached_attention(q, k, v, seg_BxL, cache)
+      return jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt)), cache
     # ring over `length` when it is sharded; else cuDNN or the reference, per attention.select
     o_BxLxHxE = ring.attention(attention_lib.kernel(self.cfg, attention), q, k, v, seg_BxL)
     o_BxLxHxE = checkpoint_name(o_BxLxHxE, "attn_out")
@@ -158,15 +186,20 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.mlp = MoE(cfg, rngs) if moe_layer else MLP(cfg, rngs)
 
-  def __call__(self, x_BxLxD, pos_BxL, seg_BxL):
-    """Returns (x, MoE stats or None). The residual stream is `act_length`; each norm's
-    output enters a tensor-parallel region whole along `length`."""
+  def __call__(self, x_BxLxD, pos_BxL, seg_BxL, cache=None):
+    """Returns (x, MoE stats or None), and the updated KV cache when given one. The residual
+    stream is `act_length`; each norm's output enters a tensor-parallel region whole along `length`."""
     h_BxLxD = constrain(self.attn_norm(x_BxLxD), ("batch", "length", "act_embed"))
-    x_BxLxD = x_BxLxD + self.attn(h_BxLxD, pos_BxL, seg_BxL)
+    if cache is None:
+      x_BxLxD = x_BxLxD + self.attn(h_BxLxD, pos_BxL, seg_BxL)
+    else:
+      a_BxLxD, cache = self.attn(h_BxLxD, pos_BxL, seg_BxL, cache)
+      x_BxLxD = x_BxLxD + a_BxLxD
     x_BxLxD = constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
     h_BxLxD = constrain(self.mlp_norm(x_BxLxD), ("batch", "length", "act_embed"))
     y_BxLxD, stats = self.mlp(h_BxLxD) if isinstance(self.mlp, MoE) else (self.mlp(h_BxLxD), None)
-    return constrain(x_BxLxD + y_BxLxD, ("batch", "act_length", "act_embed")), stats
+    out = constrain(x_BxLxD + y_BxLxD, ("batch", "act_length", "act_embed")), stats
+    return out if cache is None else (*out, cache)
 
 
 class Transformer(nnx.Module):
@@ -204,6 +237,42 @@ class Transformer(nnx.Module):
     w_DxV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
     logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(dt), preferred_element_type=jnp.float32)
     return constrain(logits_BxLxV, ("batch", "length", "act_vocab")), moe_stats
+
+
+  def decode(self, tokens_BxT, pos_BxT, seg_BxT, cache):
+    """KV-cached forward of T new tokens per row (the prompt, then one at a time) through the
+    same blocks. `cache` from `init_cache`; its slots [start, start+T) receive these tokens.
+    Returns (float32 logits (B, T, V), updated cache)."""
+    dt = jnp.dtype(self.cfg.dtype)
+    x_BxTxD = constrain(jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt), ("batch", "act_length", "act_embed"))
+    start = cache["start"]
+    kv_seg_BxS = jax.lax.dynamic_update_slice(cache["seg"], seg_BxT.astype(cache["seg"].dtype), (0, start))
+    shared = {"seg": kv_seg_BxS, "start": start}
+    if self.cfg.scan_layers:
+      graphdef, state = nnx.split(self.layers)
+
+      def body(x, layer):
+        x, _, kv = nnx.merge(graphdef, layer[0])(x, pos_BxT, seg_BxT, {**layer[1], **shared})
+        return x, kv
+      x_BxTxD, layers = jax.lax.scan(body, x_BxTxD, (state, cache["layers"]))
+    else:
+      layers = []
+      for block, kv in zip(self.layers, cache["layers"]):
+        x_BxTxD, _, kv = block(x_BxTxD, pos_BxT, seg_BxT, {**kv, **shared})
+        layers.append(kv)
+    x_BxTxD = self.final_norm(x_BxTxD)
+    w_DxV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+    logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, w_DxV.astype(dt), preferred_element_type=jnp.float32)
+    return logits_BxTxV, {"layers": layers, "seg": kv_seg_BxS, "start": start + tokens_BxT.shape[1]}
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int):
+  """An empty KV cache of `length` slots per row for `Transformer.decode` (segment id 0 = empty)."""
+  kv = lambda: {"k": jnp.zeros((batch, length, cfg.n_kv_heads, cfg.head_dim), cfg.dtype),  # noqa: E731
+                "v": jnp.zeros((batch, length, cfg.n_kv_heads, cfg.head_dim), cfg.dtype)}
+  layers = ([kv() for _ in range(cfg.n_layers)] if not cfg.scan_layers
+            else jax.tree.map(lambda a: jnp.broadcast_to(a, (cfg.n_layers, *a.shape)), kv()))
+  return {"layers": layers, "seg": jnp.zeros((batch, length), jnp.int32), "start": jnp.zeros((), jnp.int32)}
 
 
 def _run_block(block, x_BxLxD, pos_BxL, seg_BxL):
