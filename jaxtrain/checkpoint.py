@@ -34,6 +34,8 @@ RUN_CONTROL_KEYS = ("log_every", "max_skipped_in_a_row", "microbatches",
                     "xla_flags", "xla_flags_extra", "tensorboard", "profile_steps")
 # Model keys that choose how the same math runs, not what it computes.
 MODEL_SPEED_KEYS = ("attention", "remat")
+# A saved fingerprint category that any run may resume with (a step-0 import has no train or data history).
+ANY = "any (step-0 import)"
 
 
 @dataclasses.dataclass
@@ -63,7 +65,7 @@ def mismatches(saved: dict, current: dict) -> dict[str, str]:
   out = {}
   for cat in ("model", "train", "tokenizer", "data"):
     old, new = saved.get(cat), current.get(cat)
-    if old == new:
+    if old == new or old == ANY:
       continue
     if isinstance(old, dict) and isinstance(new, dict):
       fields = [f"{cat}.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))

@@ -87,6 +87,9 @@ class HFTokenizer:
     head = [] if self.bos_id is None else [self.bos_id]
     return np.concatenate([head, body, [self.eos_id]]).astype(np.int32)
 
+  def decode(self, ids) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
 
 def file_sha256(path: Path) -> str:
   with open(path, "rb") as f:
