@@ -15,6 +15,7 @@ probability reaches top-p, with a key derived from --seed and the step.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -24,21 +25,19 @@ import numpy as np
 from jaxtrain.errors import RunAborted, UserError, exit_with
 
 
-def sample(logits_BxV, key, temperature: float, top_p: float):
-  """Next token ids (B,): argmax at temperature 0, else nucleus sampling."""
+def sample(logits_BxV, key, temperature, top_p):
+  """Next token ids (B,): argmax at temperature 0, else nucleus sampling. Both settings may
+  be traced, so one compiled step serves every setting."""
   import jax
   import jax.numpy as jnp
-  if temperature == 0:
-    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-  logits = logits_BxV / temperature
-  if top_p < 1.0:
-    sorted_BxV = jnp.sort(logits, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(sorted_BxV, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above each one
-    keep = before < top_p  # the top token is always kept
-    cutoff = jnp.min(jnp.where(keep, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+  greedy = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+  logits = logits_BxV / jnp.where(temperature > 0, temperature, 1.0)
+  sorted_BxV = jnp.sort(logits, axis=-1)[:, ::-1]
+  probs = jax.nn.softmax(sorted_BxV, axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above each one
+  cutoff = jnp.min(jnp.where(before < top_p, sorted_BxV, jnp.inf), axis=-1, keepdims=True)  # top token always kept
+  sampled = jax.random.categorical(key, jnp.where(logits >= cutoff, logits, -jnp.inf), axis=-1).astype(jnp.int32)
+  return jnp.where(temperature > 0, sampled, greedy)
 
 
 def _cache_shardings(cfg, mesh, B: int, S: int, cache):
@@ -63,8 +62,6 @@ def generate(cfg, mesh, graphdef, params, prompts: list[list[int]], max_new_toke
   given, receives the decode rate once both steps are compiled."""
   import jax
   import jax.numpy as jnp
-  from flax import nnx
-  from jaxtrain import model as model_lib, sharding
   B, P = len(prompts), max(len(p) for p in prompts)
   S = P + max_new_tokens
   tokens = np.zeros((B, P), np.int32)
@@ -75,33 +72,16 @@ def generate(cfg, mesh, graphdef, params, prompts: list[list[int]], max_new_toke
     seg[b, P - len(p):] = 1
     pos[b, P - len(p):] = np.arange(len(p))
   lengths = np.array([len(p) for p in prompts], np.int32)
-  cache = jax.eval_shape(lambda: model_lib.init_cache(cfg.model, B, S))
-  cache_sh = _cache_shardings(cfg, mesh, B, S, cache)
-  cache = jax.jit(lambda: model_lib.init_cache(cfg.model, B, S), out_shardings=cache_sh)()
-
-  def run(params, tokens, pos, seg, cache):
-    with sharding.active_mesh(mesh):
-      return nnx.merge(graphdef, params).decode(tokens, pos, seg, cache)
-
-  def first(params, tokens, pos, seg, cache, key):
-    logits, cache = run(params, tokens, pos, seg, cache)
-    return sample(logits[:, -1], key, temperature, top_p), cache
-
-  def next_(params, tok_B, pos_B, cache, key):
-    logits, cache = run(params, tok_B[:, None], pos_B[:, None], jnp.ones_like(tok_B)[:, None], cache)
-    return sample(logits[:, -1], key, temperature, top_p), cache
-
-  first = jax.jit(first, out_shardings=(None, cache_sh), donate_argnums=4)
-  next_ = jax.jit(next_, out_shardings=(None, cache_sh), donate_argnums=3)
-  key = jax.random.key(seed)
-  tok, cache = first(params, tokens, pos, seg, cache, jax.random.fold_in(key, 0))
+  new_cache, first, next_ = _functions(cfg, mesh, graphdef, B, S)
+  key, knobs = jax.random.key(seed), (np.float32(temperature), np.float32(top_p))
+  tok, cache = first(params, tokens, pos, seg, new_cache(), jax.random.fold_in(key, 0), *knobs)
   out = [np.asarray(tok)]
   done = np.zeros(B, bool) if eos_id is None else out[-1] == eos_id
   warm = None
   for t in range(1, max_new_tokens):
     if done.all():
       break
-    tok, cache = next_(params, tok, jnp.asarray(lengths + t - 1), cache, jax.random.fold_in(key, t))
+    tok, cache = next_(params, tok, jnp.asarray(lengths + t - 1), cache, jax.random.fold_in(key, t), *knobs)
     out.append(np.asarray(tok))
     if t == 1:
       warm = time.perf_counter()  # both functions compiled
@@ -116,6 +96,32 @@ def generate(cfg, mesh, graphdef, params, prompts: list[list[int]], max_new_toke
       row = row[:row.index(eos_id) + 1]
     result.append(row)
   return result
+
+
+@functools.lru_cache(maxsize=8)
+def _functions(cfg, mesh, graphdef, B: int, S: int):
+  """(empty cache, prompt pass, one-token step), jitted once per shape."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jaxtrain import model as model_lib, sharding
+  cache_sh = _cache_shardings(cfg, mesh, B, S, jax.eval_shape(lambda: model_lib.init_cache(cfg.model, B, S)))
+
+  def run(params, tokens, pos, seg, cache):
+    with sharding.active_mesh(mesh):
+      return nnx.merge(graphdef, params).decode(tokens, pos, seg, cache)
+
+  def first(params, tokens, pos, seg, cache, key, temperature, top_p):
+    logits, cache = run(params, tokens, pos, seg, cache)
+    return sample(logits[:, -1], key, temperature, top_p), cache
+
+  def next_(params, tok_B, pos_B, cache, key, temperature, top_p):
+    logits, cache = run(params, tok_B[:, None], pos_B[:, None], jnp.ones_like(tok_B)[:, None], cache)
+    return sample(logits[:, -1], key, temperature, top_p), cache
+
+  return (jax.jit(lambda: model_lib.init_cache(cfg.model, B, S), out_shardings=cache_sh),
+          jax.jit(first, out_shardings=(None, cache_sh), donate_argnums=4),
+          jax.jit(next_, out_shardings=(None, cache_sh), donate_argnums=3))
 
 
 class _Parser(argparse.ArgumentParser):
