@@ -48,13 +48,19 @@ def with_overrides(cfg: config.Config, overrides: list[str]) -> config.Config:
 
 
 def restore_params(cfg: config.Config, mesh, step_dir: Path):
-  """(step.Setup, params pure dict) restored from `step_dir` onto the mesh's shardings."""
+  """(step.Setup, params pure dict) restored from `step_dir` onto the mesh's shardings. Only
+  the parameters are read (orbax partial restore): the Adam moments, twice their size, stay on disk."""
+  import orbax.checkpoint as ocp
   from jaxtrain import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
-  ck = checkpoint.Checkpoints(step_dir.parent, cfg.checkpoint.keep, 0, async_save=False, is_writer=False)
+  manifest = checkpoint.read_manifest(step_dir)
+  checkpoint.verify(step_dir, manifest)
+  want = {"params": setup.abstract_state()["params"]}
   try:
-    state, _ = ck.restore(step_dir, setup.abstract_state())
-  finally:
-    ck.mgr.close()
+    with ocp.PyTreeCheckpointer() as ckptr:
+      state = ckptr.restore(step_dir / "default", args=ocp.args.PyTreeRestore(
+          item=want, restore_args=ocp.checkpoint_utils.construct_restore_args(want), partial_restore=True))
+  except Exception as e:  # noqa: BLE001 (orbax raises many types; one line for the user)
+    raise checkpoint.CheckpointError(f"checkpoint {step_dir}: parameters could not be restored: "
+                                     f"{checkpoint._reason(e)}") from e  # noqa: SLF001
   return setup, state["params"]
-
