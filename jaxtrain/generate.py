@@ -192,11 +192,11 @@ def run(cfg, mesh, args, step_dir: Path) -> list[list[int]]:
   out = generate(cfg, mesh, setup.graphdef, params, prompts, args.max_new_tokens, temperature=args.temperature,
                  top_p=args.top_p, seed=args.seed, eos_id=eos, timing=timing)
   dt = time.perf_counter() - t1
-  for p, ids in zip(prompts, out):
-    if args.prompt_ids is not None:
-      print(",".join(map(str, ids)))
-    else:
-      print(tok.decode(ids))
+  texts = ([args.prompt] if args.prompt is not None else
+           [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+           if args.prompts_file is not None else None)
+  for i, ids in enumerate(out):
+    print(",".join(map(str, ids)) if texts is None else texts[i] + tok.decode(ids))
   n = sum(len(o) for o in out)
   rate = (f"; decoding {timing['batch'] * timing['decode_steps'] / timing['decode_s']:.1f} tokens/s once compiled"
           if timing else "")
