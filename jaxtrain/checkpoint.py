@@ -68,12 +68,23 @@ def mismatches(saved: dict, current: dict) -> dict[str, str]:
     if old == new or old == ANY:
       continue
     if isinstance(old, dict) and isinstance(new, dict):
+      old = {**_defaults(cat, set(new) - set(old)), **old}  # keys added since the save had their default
       fields = [f"{cat}.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
                 if old.get(k) != new.get(k)]
-      out[cat] = ", ".join(fields)
+      if fields:
+        out[cat] = ", ".join(fields)
     else:
       out[cat] = f"{cat} digest {old} -> {new}"
   return out
+
+
+def _defaults(section: str, keys: set[str]) -> dict[str, Any]:
+  """Default values of config keys (a checkpoint written before a key existed ran with its default)."""
+  import dataclasses as dc
+  from jaxtrain import config
+  cls = config.SECTIONS.get(section)
+  fields = {f.name: f.default for f in dc.fields(cls)} if cls else {}
+  return {k: fields[k] for k in keys if k in fields}
 
 
 def _sha256(path: Path) -> str:

@@ -1,6 +1,7 @@
 """Hugging Face import/export: logits parity with `transformers`, bit-exact round trips,
 sharded import, resuming training from an import, bad input, preset parameter counts."""
 
+import dataclasses
 import json
 import shutil
 
@@ -196,14 +197,32 @@ PRESETS = {"llama3.2-1b": 1_235_814_400, "llama3.1-8b": 8_030_261_248, "llama3.1
            "llama3.1-405b": 405_853_388_800, "llama3-8b": 8_030_261_248}
 
 
+def _count(m):
+  return model_lib.param_count(model_lib.abstract(m)[1])
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_parameter_counts_are_exact(name):
+  """The model's own parameter shapes, counted exactly: dense layers are identical, so the
+  count of L layers is count(1 layer) + (L - 1) * (count(2 layers) - count(1 layer)) (tracing
+  126 layers of 405B abstractly takes minutes)."""
   cfg = config.load(name)
-  assert model_lib.param_count(model_lib.abstract(cfg.model)[1]) == PRESETS[name]
   m = cfg.model
+  one, two = _count(dataclasses.replace(m, n_layers=1)), _count(dataclasses.replace(m, n_layers=2))
+  assert one + (m.n_layers - 1) * (two - one) == PRESETS[name]
   if name.startswith("llama3."):
     assert (m.rope_scaling, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_position,
             m.rope_theta) == ("llama3", 1.0, 4.0, 8192, 500000.0)
     assert m.rope_factor == (32.0 if name == "llama3.2-1b" else 8.0)
   else:
     assert m.rope_scaling == "none"
+
+
+def test_checkpoints_from_before_the_rope_keys_still_resume():
+  """A fingerprint saved before model.rope_* existed matches when they keep their defaults."""
+  cfg = config.load("tiny")
+  now = checkpoint.fingerprint(cfg, "tok", "data")
+  before = {**now, "model": {k: v for k, v in now["model"].items() if not k.startswith("rope_") or k == "rope_theta"}}
+  assert checkpoint.mismatches(before, now) == {}
+  later = checkpoint.fingerprint(config.load("tiny", ["model.rope_scaling=llama3"]), "tok", "data")
+  assert checkpoint.mismatches(before, later) == {"model": "model.rope_scaling: 'none' -> 'llama3'"}
