@@ -32,6 +32,8 @@ from jaxtrain.files import sha256_file, write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+# A saved fingerprint category that any run may resume with (a step-0 import has no train or data history).
+ANY = "any (step-0 import)"
 
 
 class CheckpointError(RunAborted):
@@ -82,6 +84,8 @@ def mismatches(saved: dict, current: dict) -> dict[str, str]:
   defaults = _flat(config.Config().to_dict())
   out = {}
   for cat in config.MISMATCH_CATEGORIES:
+    if saved.get(cat) == ANY:
+      continue
     old, new = _migrate(cat, saved.get(cat)), current.get(cat, {})
     changed = []
     for k, now in sorted(new.items()):

@@ -49,10 +49,11 @@ class Started:
   prog: str  # the name errors are reported under (with the process index on multi-process runs)
 
 
-def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: list[str] = ()) -> Started:
-  """Config, XLA flags, distributed runtime, mesh: in that order (see the module doc)."""
+def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: list[str] = (), cfg=None) -> Started:
+  """Config, XLA flags, distributed runtime, mesh: in that order (see the module doc).
+  `cfg`: a config the command already has (e.g. from a checkpoint's manifest)."""
   from jaxtrain import config, distributed, mesh as mesh_lib, observe, xla_flags
-  started = Started(config.load(args.config, [*args.set, *overrides]), None, prog)
+  started = Started(cfg if cfg is not None else config.load(args.config, [*args.set, *overrides]), None, prog)
   cfg = started.cfg
   observe.parse_steps(cfg.run.profile_steps)  # a bad value fails before any device starts
   added = xla_flags.apply(cfg.run.xla_flags, cfg.run.xla_flags_extra)

@@ -49,6 +49,16 @@ class ModelConfig:
   head_dim: int = key(16, "Width of one attention head.", math=True, min=1)
   d_ff: int = key(256, "Hidden width of the SwiGLU MLP.", math=True, min=1)
   rope_theta: float = key(10000.0, "RoPE base frequency.", math=True, min=1.0)
+  rope_scaling: Literal["none", "llama3"] = key(
+      "none", "RoPE frequency scaling: none, or llama3 (Llama 3.1/3.2 long context; the rope_* keys below).",
+      math=True)
+  rope_factor: float = key(8.0, "llama3 scaling: low frequencies are divided by this.", math=True, min=1.0)
+  rope_low_freq_factor: float = key(1.0, "llama3 scaling: wavelengths above original/this are fully scaled.",
+                                    math=True, min=0.0)
+  rope_high_freq_factor: float = key(4.0, "llama3 scaling: wavelengths below original/this are unscaled.",
+                                     math=True, min=0.0)
+  rope_original_max_position: int = key(8192, "llama3 scaling: the context length the model was pretrained at.",
+                                        math=True, min=1)
   norm_eps: float = key(1e-5, "RMSNorm epsilon (> 0).", math=True, min=0.0, open_min=True)
   tie_embeddings: bool = key(False, "Share the input embedding with the output projection.", math=True)
   init_std: float = key(0.02, "Std of the normal initializer of embeddings and projections.", math=True, min=0.0)
@@ -364,6 +374,9 @@ def validate(cfg: Config) -> None:
   if m.scan_layers and m.moe_experts and m.moe_every > 1:
     raise UserError(f"model.scan_layers=true needs identical layers; model.moe_every={m.moe_every} mixes dense and "
                     "MoE layers (use moe_every=1 or scan_layers=false)")
+  if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+    raise UserError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+                    f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
   if m.head_dim % 2:
     raise UserError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
   ls = cfg.loss_scale

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain import plan as plan_lib
+from jaxtrain import plan as plan_lib, rope_scaling
 from jaxtrain.config import ModelConfig
 
 # Tensors named for the save_named / offload_named remat policies.
@@ -54,12 +54,14 @@ class RMSNorm(nnx.Module):
     return (x * self.scale[...]).astype(x_BxLxD.dtype)
 
 
-def rope_tables(pos_BxL, head_dim: int, theta: float):
+def rope_tables(pos_BxL, head_dim: int, theta: float, freq_E2=None):
   """(sin, cos) of the rotary angles, each (B, L, 1, E/2) float32 (the 1 broadcasts over
   heads): computed once per forward pass and shared by every layer, so neither each layer
-  nor remat recomputes them, and the backward pass keeps one copy."""
+  nor remat recomputes them, and the backward pass keeps one copy. `freq_E2` overrides
+  the plain frequencies (model.rope_scaling)."""
   half = head_dim // 2
-  freq_E2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  if freq_E2 is None:
+    freq_E2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
   ang_BxLx1xE2 = (pos_BxL.astype(jnp.float32)[:, :, None] * freq_E2)[:, :, None, :]
   return jnp.sin(ang_BxLx1xE2), jnp.cos(ang_BxLx1xE2)
 
@@ -77,18 +79,38 @@ def rope(x_BxLxNxE, tables):
 def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype=jnp.float32):
   """Causal grouped-query attention; a token sees only earlier tokens of its own segment.
   Scores and softmax in `logits_dtype` (model.attention_logits_dtype)."""
-  B, L, H, E = q_BxLxHxE.shape
-  K = k_BxLxKxE.shape[2]
-  q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, H // K, E)
-  s_BxKxGxLxL = jnp.einsum("blkge,bmke->bkglm", q_BxLxKxGxE, k_BxLxKxE,
-                           preferred_element_type=logits_dtype) * jnp.asarray(E**-0.5, logits_dtype)
+  L = q_BxLxHxE.shape[1]
   causal_LxL = jnp.tril(jnp.ones((L, L), bool))
   same_BxLxL = seg_BxL[:, :, None] == seg_BxL[:, None, :]
-  mask_Bx1x1xLxL = (causal_LxL & same_BxLxL)[:, None, None]
-  s_BxKxGxLxL = jnp.where(mask_Bx1x1xLxL, s_BxKxGxLxL, NEG_INF)
-  p_BxKxGxLxL = jax.nn.softmax(s_BxKxGxLxL, axis=-1).astype(v_BxLxKxE.dtype)
-  o_BxLxKxGxE = jnp.einsum("bkglm,bmke->blkge", p_BxKxGxLxL, v_BxLxKxE)
+  return masked_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, causal_LxL & same_BxLxL, logits_dtype)
+
+
+def masked_attention(q_BxLxHxE, k_BxMxKxE, v_BxMxKxE, mask_BxLxM, logits_dtype=jnp.float32):
+  """GQA of L queries over M keys where `mask_BxLxM` allows (M = L in training, the
+  cache length when decoding)."""
+  B, L, H, E = q_BxLxHxE.shape
+  K = k_BxMxKxE.shape[2]
+  q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, H // K, E)
+  s_BxKxGxLxM = jnp.einsum("blkge,bmke->bkglm", q_BxLxKxGxE, k_BxMxKxE,
+                           preferred_element_type=logits_dtype) * jnp.asarray(E**-0.5, logits_dtype)
+  s_BxKxGxLxM = jnp.where(mask_BxLxM[:, None, None], s_BxKxGxLxM, NEG_INF)
+  p_BxKxGxLxM = jax.nn.softmax(s_BxKxGxLxM, axis=-1).astype(v_BxMxKxE.dtype)
+  o_BxLxKxGxE = jnp.einsum("bkglm,bmke->blkge", p_BxKxGxLxM, v_BxMxKxE)
   return o_BxLxKxGxE.reshape(B, L, H, E)
+
+
+def cached_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, seg_BxT, cache):
+  """Decoding: writes this chunk's k/v into the cache at slot `start`, then attends over
+  the cache. A query at slot start+t sees slots <= start+t of its own segment (cache
+  `seg` already holds this chunk's ids; unwritten and padding slots never match)."""
+  start = cache["start"]
+  k_BxSxKxE = jax.lax.dynamic_update_slice(cache["k"], k_BxTxKxE.astype(cache["k"].dtype), (0, start, 0, 0))
+  v_BxSxKxE = jax.lax.dynamic_update_slice(cache["v"], v_BxTxKxE.astype(cache["v"].dtype), (0, start, 0, 0))
+  T, S = q_BxTxHxE.shape[1], k_BxSxKxE.shape[1]
+  causal_TxS = jnp.arange(S)[None, :] <= start + jnp.arange(T)[:, None]
+  same_BxTxS = seg_BxT[:, :, None] == cache["seg"][:, None, :]
+  o_BxTxHxE = masked_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, causal_TxS & same_BxTxS)
+  return o_BxTxHxE, {"k": k_BxSxKxE, "v": v_BxSxKxE}
 
 
 class Attention(nnx.Module):
@@ -100,7 +122,8 @@ class Attention(nnx.Module):
     self.wv = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
     self.wo = _param(rngs, (H, E, D), ("heads", "head_dim", "embed"), std)
 
-  def __call__(self, x_BxLxD, rope_tables, seg_BxL, plan):
+  def __call__(self, x_BxLxD, rope_tables, seg_BxL, plan, cache=None):
+    """With a KV `cache` (decoding) returns (output, updated {"k", "v"})."""
     dt = x_BxLxD.dtype
     q = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
     k = jnp.einsum("bld,dke->blke", x_BxLxD, self.wk[...].astype(dt))
@@ -108,6 +131,9 @@ class Attention(nnx.Module):
     q = checkpoint_name(plan.constrain(rope(q, rope_tables), ("batch", "length", "act_heads", None)), "q")
     k = checkpoint_name(plan.constrain(rope(k, rope_tables), ("batch", "length", "act_kv_heads", None)), "k")
     v = checkpoint_name(plan.constrain(v, ("batch", "length", "act_kv_heads", None)), "v")
+    if cache is not None:
+      o_BxLxHxE, cache = cached_attention(q, k, v, seg_BxL, cache)
+      return jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt)), cache
     o_BxLxHxE = checkpoint_name(plan.attend(q, k, v, seg_BxL), "attn_out")
     return jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt))
 
@@ -161,15 +187,20 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.mlp = MoE(cfg, rngs) if moe_layer else MLP(cfg, rngs)
 
-  def __call__(self, x_BxLxD, rope_tables, seg_BxL, plan):
-    """Returns (x, MoE stats or None). The residual stream is `act_length`; each norm's
-    output enters a tensor-parallel region whole along `length`."""
+  def __call__(self, x_BxLxD, rope_tables, seg_BxL, plan, cache=None):
+    """Returns (x, MoE stats or None), and the updated KV cache when given one. The residual
+    stream is `act_length`; each norm's output enters a tensor-parallel region whole along `length`."""
     h_BxLxD = plan.constrain(self.attn_norm(x_BxLxD), ("batch", "length", "act_embed"))
-    x_BxLxD = x_BxLxD + self.attn(h_BxLxD, rope_tables, seg_BxL, plan)
+    if cache is None:
+      x_BxLxD = x_BxLxD + self.attn(h_BxLxD, rope_tables, seg_BxL, plan)
+    else:
+      a_BxLxD, cache = self.attn(h_BxLxD, rope_tables, seg_BxL, plan, cache)
+      x_BxLxD = x_BxLxD + a_BxLxD
     x_BxLxD = plan.constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
     h_BxLxD = plan.constrain(self.mlp_norm(x_BxLxD), ("batch", "length", "act_embed"))
     y_BxLxD, stats = self.mlp(h_BxLxD, plan) if isinstance(self.mlp, MoE) else (self.mlp(h_BxLxD, plan), None)
-    return plan.constrain(x_BxLxD + y_BxLxD, ("batch", "act_length", "act_embed")), stats
+    out = plan.constrain(x_BxLxD + y_BxLxD, ("batch", "act_length", "act_embed")), stats
+    return out if cache is None else (*out, cache)
 
 
 class Transformer(nnx.Module):
@@ -194,7 +225,7 @@ class Transformer(nnx.Module):
     dt = jnp.dtype(self.cfg.dtype)
     x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(dt)
     x_BxLxD = plan.constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
-    tables = rope_tables(pos_BxL, self.cfg.head_dim, self.cfg.rope_theta)
+    tables = rope_tables(pos_BxL, self.cfg.head_dim, self.cfg.rope_theta, _freq(self.cfg))
     moe_stats = []
     use_remat, policy = remat_policy(self.cfg.remat)
 
@@ -214,6 +245,50 @@ class Transformer(nnx.Module):
     w_DxV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
     logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(dt), preferred_element_type=jnp.float32)
     return plan.constrain(logits_BxLxV, ("batch", "length", "act_vocab")), moe_stats
+
+  def decode(self, tokens_BxT, pos_BxT, seg_BxT, cache, plan=None):
+    """KV-cached forward of T new tokens per row (the prompt, then one at a time) through the
+    same blocks. `cache` from `init_cache`; its slots [start, start+T) receive these tokens.
+    Returns (float32 logits (B, T, V), updated cache)."""
+    plan = plan or plan_lib.local(self.cfg)
+    dt = jnp.dtype(self.cfg.dtype)
+    x_BxTxD = plan.constrain(jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt),
+                             ("batch", "act_length", "act_embed"))
+    tables = rope_tables(pos_BxT, self.cfg.head_dim, self.cfg.rope_theta, _freq(self.cfg))
+    start = cache["start"]
+    kv_seg_BxS = jax.lax.dynamic_update_slice(cache["seg"], seg_BxT.astype(cache["seg"].dtype), (0, start))
+    shared = {"seg": kv_seg_BxS, "start": start}
+    if self.cfg.scan_layers:
+      graphdef, state = nnx.split(self.layers)
+
+      def body(x, layer):
+        x, _, kv = nnx.merge(graphdef, layer[0])(x, tables, seg_BxT, plan, {**layer[1], **shared})
+        return x, kv
+      x_BxTxD, layers = jax.lax.scan(body, x_BxTxD, (state, cache["layers"]))
+    else:
+      layers = []
+      for block, kv in zip(self.layers, cache["layers"]):
+        x_BxTxD, _, kv = block(x_BxTxD, tables, seg_BxT, plan, {**kv, **shared})
+        layers.append(kv)
+    x_BxTxD = self.final_norm(x_BxTxD)
+    w_DxV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+    logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, w_DxV.astype(dt), preferred_element_type=jnp.float32)
+    return logits_BxTxV, {"layers": layers, "seg": kv_seg_BxS, "start": start + tokens_BxT.shape[1]}
+
+
+def _freq(cfg: ModelConfig):
+  """model.rope_scaling's frequencies (computed on the host), or None for the plain ones."""
+  freq = rope_scaling.inv_freq(cfg)
+  return None if freq is None else jnp.asarray(freq)
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int):
+  """An empty KV cache of `length` slots per row for `Transformer.decode` (segment id 0 = empty)."""
+  kv = lambda: {"k": jnp.zeros((batch, length, cfg.n_kv_heads, cfg.head_dim), cfg.dtype),  # noqa: E731
+                "v": jnp.zeros((batch, length, cfg.n_kv_heads, cfg.head_dim), cfg.dtype)}
+  layers = ([kv() for _ in range(cfg.n_layers)] if not cfg.scan_layers
+            else jax.tree.map(lambda a: jnp.broadcast_to(a, (cfg.n_layers, *a.shape)), kv()))
+  return {"layers": layers, "seg": jnp.zeros((batch, length), jnp.int32), "start": jnp.zeros((), jnp.int32)}
 
 
 def stack_blocks(blocks: list[Block]) -> Block:

@@ -86,6 +86,9 @@ class HFTokenizer:
   def encode(self, text: str) -> np.ndarray:
     return frame(self, self.encode_batch([text])[0])
 
+  def decode(self, ids) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
 
 def frame(tok, *bodies) -> np.ndarray:
   """One document as it is stored and trained on: [BOS] bodies... EOS (BOS where the tokenizer has one)."""

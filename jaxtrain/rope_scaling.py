@@ -1,0 +1,27 @@
+"""RoPE inverse frequencies, with the `llama3` long-context scaling of Llama 3.1/3.2.
+
+llama3 scaling keeps high frequencies (wavelength below original/high_freq_factor),
+divides low frequencies (wavelength above original/low_freq_factor) by `factor`, and
+blends linearly in between. Computed once on the host in float32, the precision the
+reference implementation uses, so positions past the original context rotate the same.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def inv_freq(cfg) -> np.ndarray | None:
+  """(head_dim/2,) float32 frequencies for model.rope_scaling, or None for the plain ones."""
+  if cfg.rope_scaling == "none":
+    return None
+  half = cfg.head_dim // 2
+  base = np.float32(1.0) / (np.float32(cfg.rope_theta) ** (np.arange(half, dtype=np.float32) * 2 / cfg.head_dim))
+  old = np.float32(cfg.rope_original_max_position)
+  low, high, factor = (np.float32(v) for v in (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor))
+  wavelen = np.float32(2 * np.pi) / base
+  scaled = np.where(wavelen > old / low, base / factor, base)
+  smooth = (old / wavelen - low) / (high - low)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+  return np.where(medium, blended, scaled).astype(np.float32)

@@ -1,0 +1,88 @@
+"""Tiny random Hugging Face checkpoints built locally (nothing downloaded), and jaxtrain's
+view of an imported or trained run, shared by test_hf.py and test_generate.py."""
+
+import json
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxtrain import checkpoint, hf, runs
+from tests.helpers import mesh_of
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8}
+
+
+def llama(path, *, tied=False, rope_scaling=None, dtype="float32", vocab=96, seed=0):
+  """A 2-layer GQA Llama (4 query heads, 2 kv heads) saved to `path`; returns the torch model."""
+  import torch
+  import transformers
+  torch.manual_seed(seed)
+  cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+                                 rope_theta=10000.0, rope_scaling=rope_scaling, initializer_range=0.2,
+                                 max_position_embeddings=64, rms_norm_eps=1e-5)
+  m = transformers.LlamaForCausalLM(cfg).to(getattr(torch, dtype)).eval()
+  _perturb_norms(m, seed)
+  m.save_pretrained(path)
+  return m.float()
+
+
+def mixtral(path, seed=0):
+  import torch
+  import transformers
+  torch.manual_seed(seed)
+  cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                   num_experts_per_tok=2, initializer_range=0.2, max_position_embeddings=64,
+                                   rope_theta=10000.0)
+  m = transformers.MixtralForCausalLM(cfg).eval()
+  _perturb_norms(m, seed)
+  m.save_pretrained(path)
+  return m
+
+
+def _perturb_norms(m, seed):
+  """Norm scales start at 1; random ones make a transposed or swapped norm visible."""
+  import torch
+  g = torch.Generator().manual_seed(seed + 1)
+  with torch.no_grad():
+    for name, p in m.named_parameters():
+      if "norm" in name:
+        p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g).to(p.dtype))
+
+
+def imported(hf_dir, workdir, spec="fsdp=1", extra=()):
+  """Imports `hf_dir` into `workdir` on mesh `spec` (float32 compute); returns the config path."""
+  plan = hf.plan_import(str(hf_dir), str(workdir), ["model.dtype=float32", *extra], name="m")
+  return hf.run_import(plan, mesh_of(spec))
+
+
+def load(workdir, spec="fsdp=1", step=None):
+  """(cfg, model with the restored params, params) of a run's committed checkpoint."""
+  step_dir = runs.locate(workdir, step)
+  cfg = runs.config_of(checkpoint.read_manifest(step_dir))
+  setup, params = runs.restore_params(cfg, mesh_of(spec), step_dir)
+  return cfg, nnx.merge(setup.graphdef, params), params
+
+
+def jax_logits(model, ids):
+  ids = np.asarray(ids)
+  B, L = ids.shape
+  pos = np.broadcast_to(np.arange(L), (B, L))
+  return np.asarray(jax.device_get(model(ids, pos, np.ones((B, L), np.int32))))
+
+
+def torch_logits(m, ids):
+  import torch
+  with torch.no_grad():
+    return m(torch.as_tensor(np.asarray(ids))).logits.float().numpy()
+
+
+def rel_err(a, b):
+  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def config_json(path):
+  return json.loads((path / "config.json").read_text())
