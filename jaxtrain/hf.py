@@ -207,16 +207,15 @@ def _names(suffix, layers: list[int]) -> np.ndarray:
 
 def table(cfg) -> list[Tensor]:
   """Every jaxtrain parameter of `cfg` (a ModelConfig) with its HF tensors."""
-  from jaxtrain.model import is_moe_layer
   scalar = lambda n: np.array(n, dtype=object)  # noqa: E731
   out = [Tensor(("embed",), scalar("model.embed_tokens.weight"), (cfg.vocab_size, cfg.d_model), _same, _same)]
   L = cfg.n_layers
   if cfg.scan_layers:  # every layer alike (validated): one stacked parameter per block parameter
-    for path, suffix, shape, to_ours, to_hf in _block(cfg, is_moe_layer(cfg, 0)):
+    for path, suffix, shape, to_ours, to_hf in _block(cfg, cfg.is_moe_layer(0)):
       out.append(Tensor(("layers", *path), _names(suffix, list(range(L))), shape, to_ours, to_hf))
   else:
     for i in range(L):
-      for path, suffix, shape, to_ours, to_hf in _block(cfg, is_moe_layer(cfg, i)):
+      for path, suffix, shape, to_ours, to_hf in _block(cfg, cfg.is_moe_layer(i)):
         out.append(Tensor(("layers", i, *path), np.asarray(_names(suffix, [i])[0], dtype=object), shape,
                           to_ours, to_hf))
   out.append(Tensor(("final_norm", "scale"), scalar("model.norm.weight"), (cfg.d_model,), _same, _same))
@@ -371,7 +370,8 @@ def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | Non
     path.write_text(toml_text(sections, ""))
     cfg = config.load(str(path), overrides)
   for item in overrides:  # the written config records the overrides too
-    section, _, key_ = item.partition("=")[0].strip().partition(".")
+    dotted = item.partition("=")[0].strip()
+    section, _, key_ = config.RENAMED.get(dotted, dotted).partition(".")
     sections.setdefault(section, {})[key_] = getattr(getattr(cfg, section), key_)
   sections["model"] = dataclasses.asdict(cfg.model)  # every model key explicit
   headers = read_headers(src)

@@ -23,28 +23,14 @@ def locate(workdir: str | Path, step: int | None) -> Path:
 
 
 def config_of(manifest: dict) -> config.Config:
-  """The Config a checkpoint was written with (its manifest holds every key), type-checked again."""
-  raw: dict[str, dict] = {}
-  for section, table in manifest["config"].items():
-    for name, value in table.items():
-      config._set(raw, f"{section}.{name}", value, from_text=False)  # noqa: SLF001 (the one typed setter)
-  cfg = config.Config(**{s: config.SECTIONS[s](**raw.get(s, {})) for s in config.SECTIONS})
-  config.validate(cfg)
-  return cfg
+  """The Config a checkpoint was written with (its manifest holds every key), type-checked
+  again; a checkpoint written before a key was renamed or added still loads."""
+  return config.from_dict(manifest["config"], where="the checkpoint's config")
 
 
 def with_overrides(cfg: config.Config, overrides: list[str]) -> config.Config:
   """`cfg` with `section.key=value` overrides applied (same parsing and checks as --set)."""
-  import dataclasses
-  raw = {s: dataclasses.asdict(getattr(cfg, s)) for s in config.SECTIONS}
-  for item in overrides:
-    dotted, eq, value = item.partition("=")
-    if not eq or "." not in dotted:
-      raise UserError(f"--set {item!r} must look like section.key=value")
-    config._set(raw, dotted.strip(), value.strip(), from_text=True)  # noqa: SLF001
-  out = config.Config(**{s: config.SECTIONS[s](**raw[s]) for s in config.SECTIONS})
-  config.validate(out)
-  return out
+  return config.from_dict(cfg.to_dict(), overrides)
 
 
 def restore_params(cfg: config.Config, mesh, step_dir: Path):

@@ -93,7 +93,8 @@ def _tokenizer_json(path):
 
 def _train(cfg_path, workdir, spec, capsys):
   cfg = config.load(str(cfg_path))
-  records = train.run(cfg, mesh_of(spec), workdir, "m", stop_at=2)
+  train.run(cfg, mesh_of(spec), workdir, "m", stop_at=2)
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   return records, capsys.readouterr().out
 
 
