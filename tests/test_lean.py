@@ -80,6 +80,7 @@ def test_bfloat16_attention_scores_track_float32_over_five_steps():
   sets = ["model.dtype=bfloat16", "train.batch_size=4", "train.seq_len=64", "model.n_layers=2"]
   f32 = trajectory(config.load("tiny", sets), "dp=1", 5)
   bf16 = trajectory(config.load("tiny", [*sets, "model.attention_logits_dtype=bfloat16"]), "dp=1", 5)
-  # Measured: loss within 2e-3 relative at every step (bf16 compute either way); asserted at 1e-2.
-  np.testing.assert_allclose(bf16[:, 0], f32[:, 0], rtol=1e-2)
+  # Measured: largest relative loss difference 3.8e-5 over the 5 steps (bf16 compute either way);
+  # asserted at 1e-3 to leave room for other CPUs and XLA versions.
+  np.testing.assert_allclose(bf16[:, 0], f32[:, 0], rtol=1e-3)
   assert not np.array_equal(bf16[:, 0], f32[:, 0])  # the switch does change the math
