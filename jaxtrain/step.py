@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import model as model_lib
-from jaxtrain import precision, sharding
+from jaxtrain import pipeline, precision, sharding
 from jaxtrain.config import Config, TrainConfig
 from jaxtrain.errors import UserError
 
@@ -131,12 +131,14 @@ def init_state(cfg: Config, opt: optax.GradientTransformation, params) -> dict:
           "loss_scale": precision.init(cfg)}
 
 
-def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, state, batch):
+def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, state, batch, grads_fn=None):
   """One update. A step whose gradients are not all finite (or that has no valid token)
-  moves nothing: params, Adam state and the schedule position (`step`) stay as they were."""
+  moves nothing: params, Adam state and the schedule position (`step`) stay as they were.
+  `grads_fn` (same contract as `grads`) replaces it, e.g. by the pipeline executor."""
   t = cfg.train
   scale = state["loss_scale"]["scale"]
-  loss, g, n_valid, moe_metrics = grads(graphdef, state["params"], batch, t.microbatches, scale, moe_metrics=True)
+  loss, g, n_valid, moe_metrics = (grads_fn or grads)(graphdef, state["params"], batch, t.microbatches, scale,
+                                                      moe_metrics=True)
   grad_norm = global_norm(g)  # before clipping, as logged
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)  # a non-finite element makes the norm non-finite
   if t.grad_clip > 0:
@@ -183,9 +185,12 @@ class Setup:
       params = nnx.to_pure_dict(nnx.state(model_lib.Transformer(cfg.model, nnx.Rngs(t.seed))))
       return init_state(cfg, self.opt, params)
 
+    # mesh pipeline > 1: the update's gradients come from the pipeline schedule
+    self.grads_fn = pipeline.grads_fn(cfg, mesh) if pipeline.active(mesh) else None
+
     def step(state, batch):
       with sharding.active_mesh(mesh, sequence_parallel=cfg.train.sequence_parallel):
-        return train_step(self.graphdef, self.opt, cfg, state, batch)
+        return train_step(self.graphdef, self.opt, cfg, state, batch, self.grads_fn)
 
     def eval_step(params, batch):
       with sharding.active_mesh(mesh):
@@ -233,5 +238,6 @@ def check_fits_mesh(cfg: Config, mesh) -> None:
   m = cfg.model
   if m.moe_experts and m.moe_experts % mesh.shape["expert"]:
     raise UserError(f"model.moe_experts={m.moe_experts} must divide over expert={mesh.shape['expert']} devices")
+  pipeline.check(cfg, mesh)
   if t.seq_len % mesh.shape["sequence"]:
     raise UserError(f"train.seq_len={t.seq_len} must divide over sequence={mesh.shape['sequence']} devices")
