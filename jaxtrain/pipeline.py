@@ -134,6 +134,9 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   n_moe = mc.n_layers if mc.moe_experts else 0
   t = table(cfg, mesh)
   prog, S, G = program_table(t)
+  # Only the branches this table uses are compiled (p = 2, v = 1 has no middle chunk).
+  used = sorted(set(prog[..., BRANCH].flat))
+  prog[..., BRANCH] = np.searchsorted(used, prog[..., BRANCH])
   n_valid = jnp.sum(batch["loss_mask"] > 0)
   denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
   mbs = step_lib.split_microbatches(batch, m)
@@ -149,7 +152,7 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
 
   def body(layers, rest, mbs, denom, scale):
     with sharding.active_mesh(inner_mesh(), sequence_parallel=sp):
-      return _run(graphdef, mc, prog_j, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale)
+      return _run(graphdef, mc, prog_j, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale)
 
   out = jax.shard_map(
       body, mesh=mesh, axis_names={AXIS},
@@ -166,7 +169,7 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
                 "moe_dropped_frac": moe["dropped"] / jnp.maximum(moe["assigned"], 1.0)}
 
 
-def _run(graphdef, mc, prog, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale):
+def _run(graphdef, mc, prog, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale):
   """The per-device program: scan over ticks, switch on this device's table entry."""
   s = jax.lax.axis_index(AXIS)
   layers = jax.tree.map(lambda a: a[:, 0], layers)  # (v, layers per chunk, ...)
@@ -246,7 +249,7 @@ def _run(graphdef, mc, prog, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom,
     g_chunk, g_rest, dx = jax.grad(objective, argnums=(0, 1, 2))(chunk, rest, x)
     return result(dx=act(dx.astype(dt)), g_chunk=f32_tree(g_chunk), g_rest=f32_tree(g_rest))
 
-  branches = (idle, f_first, f_mid, f_last, b_first, b_mid, b_last)
+  branches = [(idle, f_first, f_mid, f_last, b_first, b_mid, b_last)[k] for k in used]
   # Activations flow s -> s+1; with v > 1 the last device feeds chunk j+1 on the first.
   down = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
   up = [(j, i) for i, j in down]
