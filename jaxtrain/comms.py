@@ -80,4 +80,8 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
 
   if mesh.shape["expert"] > 1:
     add("expert", "MoE all-to-all (no MoE layers)", 0)
+  if mesh.shape.get("pipeline", 1) > 1:
+    from jaxtrain import pipeline
+    for what, nbytes in pipeline.traffic(cfg, mesh, rows).items():
+      add("pipeline", what, nbytes)
   return out

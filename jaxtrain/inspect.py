@@ -120,6 +120,9 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
       "notes": list(setup.notes),
       "warnings": replication_warnings(rows, mesh, warn_replicated),
   }
+  if mesh.shape.get("pipeline", 1) > 1:
+    from jaxtrain import pipeline
+    rep["pipeline"] = pipeline.report(cfg, mesh)
   if compile:
     c = compiled_memory(setup)
     if c["available"]:
@@ -192,6 +195,9 @@ def render(rep: dict) -> str:
         a = c["analytic"].get(k)
         L.append(f"  {k:<15} {memory.human(c[k]):>12} {'' if a is None else memory.human(a):>12}")
       L.append(f"  ratio compiled/analytic total: {c['ratio']:.2f}")
+  if "pipeline" in rep:
+    from jaxtrain import pipeline
+    L += ["", *pipeline.render(rep["pipeline"])]
   f = rep["flops"]
   L.append("")
   L.append(f"Model FLOPs (as for MFU): {f['per_token']:.4g} per token, {f['per_step']:.4g} per step, "

@@ -22,6 +22,7 @@ loss_scale / (microbatches * MoE layers), exactly the mean-of-means of `step.gra
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -184,7 +185,9 @@ def _run(graphdef, mc, prog, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, 
     return nnx.merge(graphdef, {**rest, "layers": chunk})
 
   def embed(rest, tokens):
-    x = jnp.take(rest["embed"], tokens, axis=0).astype(dt)
+    # The lookup reads a table gathered whole: XLA's SPMD partitioner aborts on a gather
+    # from a table split over fsdp and tensor inside a partial-manual region.
+    x = jnp.take(sharding.constrain(rest["embed"], (None, None)), tokens, axis=0).astype(dt)
     return act(x)
 
   def stage(chunk, x, mb):
@@ -200,7 +203,10 @@ def _run(graphdef, mc, prog, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, 
     w_DxV = model.embed[...].T if mc.tie_embeddings else model.lm_head[...]
     logits = jnp.einsum("bld,dv->blv", x, w_DxV.astype(dt), preferred_element_type=jnp.float32)
     logits = sharding.constrain(logits, ("batch", "length", "act_vocab"))
-    target = jnp.take_along_axis(logits, mb["targets"][..., None], axis=-1)[..., 0]
+    # The target logit by an (exact) one-hot product rather than take_along_axis: keeps
+    # gathers on vocab-split arrays out of the partial-manual region (see `embed`).
+    hot = jax.nn.one_hot(mb["targets"], logits.shape[-1], dtype=logits.dtype)
+    target = jnp.sum(logits * sharding.constrain(hot, ("batch", "length", "act_vocab")), axis=-1)
     nll = jax.nn.logsumexp(logits, axis=-1) - target
     return jnp.sum(nll * mb["loss_mask"].astype(jnp.float32))
 
@@ -280,3 +286,53 @@ def _run(graphdef, mc, prog, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, 
 def _aux_cot(aux_ct):
   """Cotangent of a stage's MoE totals: only the aux loss is differentiated."""
   return {"aux": jnp.asarray(aux_ct, jnp.float32), "dropped": jnp.float32(0), "assigned": jnp.float32(0)}
+
+
+# ----------------------------------------------------------------------------- inspect
+
+def traffic(cfg, mesh, rows) -> dict[str, int]:
+  """Bytes per device per step over `pipeline` (for the communication table).
+
+  The program ppermutes one activation downstream and one input gradient upstream at
+  EVERY tick (SPMD: the same collective on every device; ticks with nothing to send move
+  zeros), T tokens x d_model x compute bytes each. The embedding, final norm and head
+  gradients are all-reduced over pipeline once; with v > 1 the layer stack is
+  re-laid out into chunks (all-to-all) and its gradient back."""
+  from jaxtrain.memory import tokens_per_device
+  p, t = stages(mesh), table(cfg, mesh)
+  act = tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
+  useful = sum(op is not None and ((op.kind == schedule_lib.F and op.chunk * p + s < t.chunks - 1)
+                                   or (op.kind == schedule_lib.B and op.chunk * p + s > 0))
+               for row in t.grid for s, op in enumerate(row))
+  out = {f"activations + grads, ppermute x2 per tick ({t.ticks} ticks; {useful / p:.0f} of {2 * t.ticks} "
+         "carry data)": 2 * t.ticks * act}
+  ring = 2 * (p - 1) / p
+  other = sum(math.prod(r.device_shape) * r.count for r in rows if not r.path.startswith("layers"))
+  out["grad all-reduce (embedding, final norm, head)"] = int(ring * other * 4)
+  if cfg.pipeline.virtual_stages > 1:
+    stack = sum(math.prod(r.device_shape) * r.count for r in rows if r.path.startswith("layers"))
+    out["layer stack to chunks and grads back (all-to-all)"] = int(2 * (p - 1) * stack * 4)
+  return out
+
+
+def report(cfg, mesh) -> dict:
+  """The schedule for `inspect`: timeline, bubble (table and formula), stash per stage."""
+  t = table(cfg, mesh)
+  _, S, G = program_table(t)
+  from jaxtrain.memory import tokens_per_device
+  act = tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
+  return {"schedule": t.name, "stages": t.p, "virtual_stages": t.v, "microbatches": t.m, "ticks": t.ticks,
+          "bubble": t.bubble(), "bubble_formula": t.bubble_formula(), "in_flight": t.in_flight(),
+          "stash_slots": S, "grad_slots": G, "stash_bytes": (S + G) * act, "timeline": t.timeline()}
+
+
+def render(rep: dict) -> list[str]:
+  L = [f"Pipeline schedule: {rep['schedule']}, {rep['stages']} stages x {rep['virtual_stages']} virtual, "
+       f"{rep['microbatches']} microbatches, {rep['ticks']} ticks (F = forward, B = backward with recompute, "
+       f"digit = microbatch{', letter = chunk on the device' if rep['virtual_stages'] > 1 else ''}, . = idle)"]
+  L += ["  " + line for line in rep["timeline"].splitlines()]
+  L.append(f"  bubble: {rep['bubble']:.1%} of device-ticks idle in this table; formula (p-1)/(v*m+p-1) = "
+           f"{rep['bubble_formula']:.1%}")
+  L.append(f"  chunk inputs stashed at most, per stage: {rep['in_flight']} (buffers: {rep['stash_slots']} stash + "
+           f"{rep['grad_slots']} gradient slots per device, {rep['stash_bytes']:,} bytes)")
+  return L

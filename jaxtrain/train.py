@@ -201,7 +201,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
         resume_from: str | None = None, allow_mismatch: str = "") -> list[dict]:
   """Trains until `stop_at` (default train.steps) total steps; returns this run's metrics records."""
   import jax
-  from jaxtrain import attention, checkpoint, data, mesh as mesh_lib, observe, step as step_lib
+  from jaxtrain import attention, checkpoint, data, mesh as mesh_lib, observe, pipeline, step as step_lib
 
   allowed = _allowed(allow_mismatch)
   stop_at = stop_at or cfg.train.steps
@@ -221,6 +221,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   impl, why = attention.select(cfg.model, cfg.train.seq_len)
   ring_note = ", ring attention over sequence" if mesh.shape.get("sequence", 1) > 1 else ""
   print(f"attention: {impl} ({why}{ring_note}); remat {cfg.model.remat}")
+  if pipeline.active(mesh):
+    print(pipeline.describe(cfg, mesh))
   if setup.notes:
     print(f"sharding: {len(setup.notes)} dimension(s) replicated where the mesh axis does not divide them, e.g. "
           f"{setup.notes[0]}")
