@@ -36,7 +36,7 @@ from jaxtrain.errors import UserError
 AXIS = "pipeline"
 ACT = ("batch", "act_length", "act_embed")  # a chunk's input/output activation
 # Branches of the per-tick switch.
-IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST = range(7)
+IDLE, FWD, BWD = range(3)
 # Columns of the per-(tick, device) table given to the program.
 BRANCH, MB, CHUNK, SLOT, GSLOT, FWD_IN, BWD_IN = range(7)
 
@@ -100,13 +100,13 @@ def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int]:
       r = out[tick, s]
       r[MB], r[CHUNK] = op.mb, op.chunk
       if op.kind == schedule_lib.F:
-        r[BRANCH] = F_FIRST if first else F_LAST if final else F_MID
+        r[BRANCH] = FWD
         if not first:
           r[SLOT] = stash[s][0][(op.mb, c)]
         if not final:  # the activation goes to chunk c + 1 on the next device
           out[tick, (s + 1) % p, FWD_IN] = stash[(s + 1) % p][0][(op.mb, c + 1)]
       else:
-        r[BRANCH] = B_FIRST if first else B_LAST if final else B_MID
+        r[BRANCH] = BWD
         if not first:
           r[SLOT] = stash[s][0][(op.mb, c)]
           out[tick, (s - 1) % p, BWD_IN] = grads[(s - 1) % p][0][(op.mb, c - 1)]
@@ -135,7 +135,7 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   n_moe = mc.n_layers if mc.moe_experts else 0
   t = table(cfg, mesh)
   prog, S, G = program_table(t)
-  # Only the branches this table uses are compiled (p = 2, v = 1 has no middle chunk).
+  # Only the branches this table uses are compiled (a table may have no idle tick).
   used = sorted(set(prog[..., BRANCH].flat))
   prog[..., BRANCH] = np.searchsorted(used, prog[..., BRANCH])
   n_valid = jnp.sum(batch["loss_mask"] > 0)
@@ -222,40 +222,28 @@ def _run(graphdef, mc, prog, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, 
   def f32_tree(tree):
     return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
 
-  # Branches: (chunk params, stashed input, output gradient, microbatch) -> result.
-  def idle(chunk, x, dy, mb):
+  # Branches: (chunk params, stashed input, output gradient, microbatch, first, last).
+  # `first` / `last`: the chunk is the model's first (embeds the tokens) / last (runs the
+  # head and loss); `lax.cond`s, so each branch holds one copy of the chunk's layers.
+  def idle(chunk, x, dy, mb, first, last):
     return result()
 
-  def f_first(chunk, x, dy, mb):
-    y, tot = stage(chunk, embed(rest, mb["inputs"]), mb)
-    return result(y=y, tot=tot)
+  def forward(chunk, x, dy, mb, first, last):
+    y, tot = stage(chunk, jax.lax.cond(first, lambda: embed(rest, mb["inputs"]), lambda: x), mb)
+    loss = jax.lax.cond(last, lambda: head_loss(rest, y, mb), lambda: f32)
+    return result(y=y, loss=loss, tot=tot)
 
-  def f_mid(chunk, x, dy, mb):
-    y, tot = stage(chunk, x, mb)
-    return result(y=y, tot=tot)
-
-  def f_last(chunk, x, dy, mb):
-    y, tot = stage(chunk, x, mb)
-    return result(loss=head_loss(rest, y, mb), tot=tot)
-
-  def b_first(chunk, x, dy, mb):
-    _, vjp = jax.vjp(lambda c, r: stage(c, embed(r, mb["inputs"]), mb)[0:2], chunk, rest)
-    g_chunk, g_rest = vjp((dy, _aux_cot(aux_ct)))
-    return result(g_chunk=f32_tree(g_chunk), g_rest=f32_tree(g_rest))
-
-  def b_mid(chunk, x, dy, mb):
-    _, vjp = jax.vjp(lambda c, x: stage(c, x, mb), chunk, x)
-    g_chunk, dx = vjp((dy, _aux_cot(aux_ct)))
-    return result(dx=act(dx), g_chunk=f32_tree(g_chunk))
-
-  def b_last(chunk, x, dy, mb):
+  def backward(chunk, x, dy, mb, first, last):
     def objective(c, r, x):
-      y, tot = stage(c, x, mb)
-      return head_loss(r, y, mb) * (scale / denom) + tot["aux"] * aux_ct
+      y, tot = stage(c, jax.lax.cond(first, lambda: embed(r, mb["inputs"]), lambda: x), mb)
+      # last chunk: the scaled loss; else <y, dy>, whose gradient is the vjp with dy
+      out = jax.lax.cond(last, lambda: head_loss(r, y, mb) * (scale / denom),
+                         lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)))
+      return out + tot["aux"] * aux_ct
     g_chunk, g_rest, dx = jax.grad(objective, argnums=(0, 1, 2))(chunk, rest, x)
     return result(dx=act(dx.astype(dt)), g_chunk=f32_tree(g_chunk), g_rest=f32_tree(g_rest))
 
-  branches = [(idle, f_first, f_mid, f_last, b_first, b_mid, b_last)[k] for k in used]
+  branches = [(idle, forward, backward)[k] for k in used]
   # Activations flow s -> s+1; with v > 1 the last device feeds chunk j+1 on the first.
   down = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
   up = [(j, i) for i, j in down]
@@ -265,7 +253,8 @@ def _run(graphdef, mc, prog, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, 
     r = row_PxK[s]
     mb = jax.tree.map(lambda a: a[r[MB]], mbs)
     chunk = jax.tree.map(lambda a: a[r[CHUNK]], layers)
-    out = jax.lax.switch(r[BRANCH], branches, chunk, stash[r[SLOT]], gbuf[r[GSLOT]], mb)
+    c = r[CHUNK] * p + s  # the global chunk
+    out = jax.lax.switch(r[BRANCH], branches, chunk, stash[r[SLOT]], gbuf[r[GSLOT]], mb, c == 0, c == p * v - 1)
     acc_layers = jax.tree.map(lambda acc, g: acc.at[r[CHUNK]].add(g), acc_layers, out["g_chunk"])
     acc_rest = jax.tree.map(jnp.add, acc_rest, out["g_rest"])
     tot = jax.tree.map(jnp.add, tot, out["moe"])
@@ -281,11 +270,6 @@ def _run(graphdef, mc, prog, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, 
   # computed on the first / last device only: summing over the pipeline gathers them.
   acc_rest, loss, tot = jax.lax.psum((acc_rest, loss, tot), AXIS)
   return jax.tree.map(lambda a: a[:, None], acc_layers), acc_rest, loss, tot
-
-
-def _aux_cot(aux_ct):
-  """Cotangent of a stage's MoE totals: only the aux loss is differentiated."""
-  return {"aux": jnp.asarray(aux_ct, jnp.float32), "dropped": jnp.float32(0), "assigned": jnp.float32(0)}
 
 
 # ----------------------------------------------------------------------------- inspect
