@@ -136,11 +136,11 @@ class DataConfig:
 class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
-  pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
   loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
 
   def to_dict(self) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(self)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import config, data, pipeline, schedule, step
+from jaxtrain import config, data, mesh as mesh_lib, pipeline, schedule, step
 from jaxtrain.errors import UserError
 from tests.helpers import mesh_of
 
@@ -112,8 +112,8 @@ def test_compiled_program_is_a_pipeline(runs):
   neighbours; the layer stack is never all-gathered over `pipeline`."""
   _, c = runs("pp=4", *SCHEDULES["1f1b"], "train.microbatches=16")
   hlo = c.as_text()
-  permutes = re.findall(r"collective-permute(?:-start)?\(.*source_target_pairs=\{([^}]*)\}", hlo)
-  pairs = {tuple(map(int, pr.split(","))) for ps in permutes for pr in re.findall(r"\{?(\d+,\d+)\}?", ps)}
+  permutes = re.findall(r"source_target_pairs=\{((?:\{\d+,\d+\},?)+)\}", hlo)
+  pairs = {(int(a), int(b)) for ps in permutes for a, b in re.findall(r"(\d+),(\d+)", ps)}
   assert {(0, 1), (1, 2), (2, 3)} <= pairs and {(1, 0), (2, 1), (3, 2)} <= pairs, pairs
   # The only mesh axis is pipeline, so any all-gather would be one over pipeline.
   assert "all-gather" not in hlo
@@ -155,3 +155,11 @@ def test_exact_resume_and_resharding_through_a_pipeline_run(tmp_path, capsys):
   assert "written on mesh pipeline=2,data=2, resharded" in capsys.readouterr().out
   np.testing.assert_allclose([r["loss"] for r in fsdp], [r["loss"] for r in straight[3:]], rtol=1e-5)
   np.testing.assert_allclose([r["grad_norm"] for r in fsdp], [r["grad_norm"] for r in straight[3:]], rtol=1e-5)
+
+
+def test_pipeline_axis_is_outermost_with_alias_pp():
+  assert mesh_lib.parse("pp=4,fsdp=2")["pipeline"] == 4
+  mesh = mesh_of("pp=2,tp=4")
+  assert mesh.axis_names[0] == "pipeline"
+  # Each pipeline stage is a contiguous block of devices (the rest of the mesh inside it).
+  assert [d.id for d in mesh.devices.reshape(2, 4)[1]] == [4, 5, 6, 7]
