@@ -288,8 +288,8 @@ def traffic(cfg, mesh, rows) -> dict[str, int]:
   useful = sum(op is not None and ((op.kind == schedule_lib.F and op.chunk * p + s < t.chunks - 1)
                                    or (op.kind == schedule_lib.B and op.chunk * p + s > 0))
                for row in t.grid for s, op in enumerate(row))
-  out = {f"activations + grads, ppermute x2 per tick ({t.ticks} ticks; {useful / p:.0f} of {2 * t.ticks} "
-         "carry data)": 2 * t.ticks * act}
+  out = {f"activations + grads, ppermute x2 per tick ({t.ticks} ticks; on average {useful / p:.0f} of a device's "
+         f"{2 * t.ticks} sends carry data)": 2 * t.ticks * act}
   ring = 2 * (p - 1) / p
   other = sum(math.prod(r.device_shape) * r.count for r in rows if not r.path.startswith("layers"))
   out["grad all-reduce (embedding, final norm, head)"] = int(ring * other * 4)
