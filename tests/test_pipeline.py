@@ -140,19 +140,20 @@ def test_start_up_line_names_the_schedule():
 
 
 def test_exact_resume_and_resharding_through_a_pipeline_run(tmp_path, capsys):
-  """pp=2,dp=2: 3 steps then resume to 6 equals 6 straight, bit for bit; the step-3
-  checkpoint resumed on fsdp=4 continues the same run (to float32 rounding)."""
+  """pp=2,dp=2: 6 steps straight (checkpointing at 3); resumed from its step-3 checkpoint
+  in another workdir, steps 4-6 are the same bit for bit; the same checkpoint resumed on
+  fsdp=4 continues the same run (to float32 rounding)."""
   from jaxtrain import train
   cfg = cfg_of("train.steps=6", "checkpoint.interval=3", "checkpoint.async_save=false", "train.tensorboard=false")
   pp = mesh_of("pp=2,dp=2")
   straight = train.run(cfg, pp, tmp_path / "straight", "tiny", stop_at=6)
-  train.run(cfg, pp, tmp_path / "resumed", "tiny", stop_at=3)
-  resumed = train.run(cfg, pp, tmp_path / "resumed", "tiny", stop_at=6)
+  at3 = str(tmp_path / "straight" / "checkpoints" / "3")
+  resumed = train.run(cfg, pp, tmp_path / "resumed", "tiny", stop_at=6, resume_from=at3)
   assert "pipeline: 1f1b, 2 stages" in capsys.readouterr().out
   key = lambda r: (r["step"], r["loss"], r["grad_norm"], r["tokens_seen"])  # noqa: E731
+  assert [r["step"] for r in resumed] == [4, 5, 6]
   assert [key(r) for r in resumed] == [key(r) for r in straight[3:]]
-  fsdp = train.run(cfg, mesh_of("fsdp=4"), tmp_path / "moved", "tiny", stop_at=6,
-                   resume_from=str(tmp_path / "resumed" / "checkpoints" / "3"))
+  fsdp = train.run(cfg, mesh_of("fsdp=4"), tmp_path / "moved", "tiny", stop_at=6, resume_from=at3)
   assert "written on mesh pipeline=2,data=2, resharded" in capsys.readouterr().out
   np.testing.assert_allclose([r["loss"] for r in fsdp], [r["loss"] for r in straight[3:]], rtol=1e-5)
   np.testing.assert_allclose([r["grad_norm"] for r in fsdp], [r["grad_norm"] for r in straight[3:]], rtol=1e-5)
