@@ -3,10 +3,8 @@ exact resume and resharding, the 1F1B memory bound, and the shape of the compile
 
 Every compiled run is shared through the module-scoped `runs` cache."""
 
-import json
 import re
 
-import jax
 import numpy as np
 import pytest
 
