@@ -87,6 +87,10 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
 
   for what, nbytes in moe_traffic(cfg, mesh).items():
     add("expert", what, nbytes)
+  if mesh.shape.get("pipeline", 1) > 1:
+    from jaxtrain import pipeline
+    for what, nbytes in pipeline.traffic(cfg, mesh, rows).items():
+      add("pipeline", what, nbytes)
   return out
 
 

@@ -146,6 +146,16 @@ class RunConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  schedule: Literal["gpipe", "1f1b", "interleaved", "looped-bfs"] = key(
+      "1f1b", "Pipeline schedule when the mesh has pipeline > 1 (microbatches = train.microbatches): gpipe; "
+      "1f1b (stashes at most `stages` microbatches); interleaved (1f1b over virtual_stages chunks per device, "
+      "bubble / virtual_stages); looped-bfs (breadth-first over the chunks).", math=False)
+  virtual_stages: int = key(1, "Model chunks per pipeline device: >= 2 for interleaved and looped-bfs, else 1.",
+                            math=False, min=1)
+
+
+@dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
   mode: Literal["auto", "dynamic", "off"] = key(
       "auto", "Dynamic loss scaling: auto = on for float16 compute only; dynamic = always; off = scale 1.0.",
@@ -210,6 +220,7 @@ class Config:
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
 
   def to_dict(self) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(self)

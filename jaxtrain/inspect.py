@@ -117,6 +117,9 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
       "notes": list(setup.notes),
       "warnings": replication_warnings(rows, mesh, warn_replicated),
   }
+  if mesh.shape.get("pipeline", 1) > 1:
+    from jaxtrain import pipeline
+    rep["pipeline"] = pipeline.report(cfg, mesh)
   if compile:
     c = compiled_memory(setup)
     if c["available"]:
@@ -197,6 +200,9 @@ def render(rep: dict) -> str:
       L.append(f"  ratio compiled/analytic total: {c['ratio']:.2f}")
     from jaxtrain import gpu_report
     L.extend(gpu_report.render(c))
+  if "pipeline" in rep:
+    from jaxtrain import pipeline
+    L += ["", *pipeline.render(rep["pipeline"])]
   f = rep["flops"]
   L.append("")
   L.append(f"Model FLOPs (as for MFU): {f['per_token']:.4g} per token, {f['per_step']:.4g} per step, "

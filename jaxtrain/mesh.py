@@ -1,8 +1,8 @@
 """The logical device mesh: parsing `--mesh`, simulated CPU devices, building the Mesh.
 
-The mesh always has all five axes (size 1 where not asked for), so the rules table can
-name any of them. Device order puts `tensor` innermost (fastest links) and `data`
-outermost (may cross the slow network).
+The mesh always has all six axes (size 1 where not asked for), so the rules table can
+name any of them. Device order puts `tensor` innermost (fastest links) and `pipeline`
+then `data` outermost (may cross the slow network: pipeline sends only activations).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from jaxtrain import resources
 from jaxtrain.errors import UserError
 
 # Outermost to innermost.
-AXES = ("data", "fsdp", "expert", "sequence", "tensor")
-ALIASES = {"dp": "data", "fsdp": "fsdp", "ep": "expert", "sp": "sequence", "tp": "tensor"}
+AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
+ALIASES = {"pp": "pipeline", "dp": "data", "fsdp": "fsdp", "ep": "expert", "sp": "sequence", "tp": "tensor"}
 
 
 def _axis(name: str) -> str:
@@ -56,7 +56,7 @@ def _from_preset(path: Path) -> str:
 
 
 def parse_full(spec: str) -> tuple[dict[str, int], dict[str, int]]:
-  """`dp=8,tp=8[,dcn.dp=4]` or a preset -> (sizes of all five axes, cross-host factor of each).
+  """`dp=8,tp=8[,dcn.dp=4]` or a preset -> (sizes of all six axes, cross-host factor of each).
 
   `dcn.AXIS=K`: K of AXIS's size lies across hosts (slow links), the rest within a host.
   """
@@ -86,7 +86,7 @@ def parse_full(spec: str) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def parse(spec: str) -> dict[str, int]:
-  """`dp=8,tp=8` (or a preset name/path) -> sizes of all five axes; -1 kept for `fill`."""
+  """`dp=8,tp=8` (or a preset name/path) -> sizes of all six axes; -1 kept for `fill`."""
   return parse_full(spec)[0]
 
 
@@ -139,7 +139,7 @@ def provide_cpu_devices(count: int) -> None:
 
 
 def build(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None):
-  """A Mesh with all five axes, Auto axis types (sharding by annotation; XLA picks collectives).
+  """A Mesh with all six axes, Auto axis types (sharding by annotation; XLA picks collectives).
 
   With `dcn`, the mesh is hybrid: each axis is (cross-host part) x (within-host part),
   hosts being processes, so e.g. `tensor` stays inside a host while `data` crosses hosts.

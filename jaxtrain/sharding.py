@@ -34,7 +34,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "experts": ("expert",),
     "vocab": ("tensor",),
     "norm": (),
-    "layers": (),  # the stacked-blocks axis of model.scan_layers: every device holds every layer
+    "layers": ("pipeline",),  # the stacked-blocks axis of model.scan_layers: a pipeline stage holds its slice
 }
 
 

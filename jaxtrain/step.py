@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import model as model_lib
-from jaxtrain import placement as placement_lib, plan as plan_lib, precision, sharding
+from jaxtrain import pipeline, placement as placement_lib, plan as plan_lib, precision, sharding
 from jaxtrain.config import Config, OptimConfig
 from jaxtrain.errors import UserError
 # Weight decay applies to the projection matrices only: not to norm scales (they set a
@@ -139,13 +139,17 @@ def guarded_update(opt: optax.GradientTransformation, params, opt_state, g, ok):
   return jax.lax.cond(ok & finite, lambda: (new_params, new_opt, True), lambda: (params, opt_state, False))
 
 
-def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, plan, state, batch):
+def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, plan, state, batch, grads_fn=None):
   """One update. A step whose gradients or update are not all finite (or that has no valid
-  token) moves nothing: params, Adam state and the schedule position (`step`) stay as they were."""
+  token) moves nothing: params, Adam state and the schedule position (`step`) stay as they were.
+  `grads_fn` (same contract as `grads`) replaces it: the pipeline executor."""
   t = cfg.train
   scale = state["loss_scale"]["scale"]
-  loss, g, n_valid, moe_metrics = grads(graphdef, state["params"], batch, t.microbatches, scale, moe_metrics=True,
-                                        plan=plan)
+  if grads_fn is None:
+    loss, g, n_valid, moe_metrics = grads(graphdef, state["params"], batch, t.microbatches, scale, moe_metrics=True,
+                                          plan=plan)
+  else:
+    loss, g, n_valid, moe_metrics = grads_fn(graphdef, state["params"], batch, t.microbatches, scale, moe_metrics=True)
   grad_norm = optax.tree.norm(g)  # before clipping, as logged
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)  # a non-finite element makes the norm non-finite
   if cfg.optim.grad_clip > 0:
@@ -191,8 +195,11 @@ class Setup:
       params = nnx.to_pure_dict(nnx.state(model_lib.Transformer(cfg.model, nnx.Rngs(t.seed))))
       return init_state(cfg, self.opt, params)
 
+    # mesh pipeline > 1: the update's gradients come from the pipeline schedule
+    self.grads_fn = pipeline.grads_fn(cfg, mesh, self.plan) if pipeline.active(mesh) else None
+
     def step(state, batch):
-      return train_step(self.graphdef, self.opt, cfg, self.plan, state, batch)
+      return train_step(self.graphdef, self.opt, cfg, self.plan, state, batch, self.grads_fn)
 
     def eval_step(params, batch):
       return eval_loss(self.graphdef, params, batch, t.microbatches, self.plan)
@@ -223,5 +230,6 @@ def check_fits_mesh(cfg: Config, mesh) -> None:
   m = cfg.model
   if m.moe_experts and m.moe_experts % mesh.shape["expert"]:
     raise UserError(f"model.moe_experts={m.moe_experts} must divide over expert={mesh.shape['expert']} devices")
+  pipeline.check(cfg, mesh)
   if t.seq_len % mesh.shape["sequence"]:
     raise UserError(f"train.seq_len={t.seq_len} must divide over sequence={mesh.shape['sequence']} devices")

@@ -130,6 +130,9 @@ def _announce(setup, config_name: str, mesh_text: str, workdir: Path) -> None:
   print(f"jaxtrain: {config_name} ({setup.n_params:,} params), mesh {mesh_text} "
         f"on {mesh.size} {dev.platform} device(s) [{dev.device_kind}], workdir {workdir}")
   print(setup.plan.describe())
+  if setup.grads_fn is not None:
+    from jaxtrain import pipeline
+    print(pipeline.describe(setup.cfg, mesh))
   if setup.notes:
     print(f"sharding: {len(setup.notes)} dimension(s) replicated where the mesh axis does not divide them, e.g. "
           f"{setup.notes[0]}")

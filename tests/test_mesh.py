@@ -5,7 +5,7 @@ from jaxtrain.errors import UserError
 
 
 def test_parse_aliases_and_defaults():
-  assert mesh_lib.parse("dp=8,tp=8") == {"data": 8, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 8}
+  assert mesh_lib.parse("dp=8,tp=8") == {"pipeline": 1, "data": 8, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 8}
   assert mesh_lib.parse("fsdp=2, sequence=2,ep=2")["expert"] == 2
 
 
