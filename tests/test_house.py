@@ -102,7 +102,7 @@ def test_the_plan_decides_the_kernel_once_and_it_is_what_runs(monkeypatch):
   called = []
   real = plan_lib.KERNELS["xla"]  # the spies compute the reference (cuDNN cannot run on CPU)
   for name in ("xla", "cudnn"):
-    monkeypatch.setitem(plan_lib.KERNELS, name, lambda *a, name=name: called.append(name) or real(*a))
+    monkeypatch.setitem(plan_lib.KERNELS, name, lambda *a, name=name, **kw: called.append(name) or real(*a, **kw))
   for spec, forced, want in [("dp=2", None, "xla"), ("dp=2", "cudnn", "cudnn"), ("sp=2", None, "ring")]:
     mesh = mesh_of(spec)
     plan = plan_lib.build(cfg, mesh)
