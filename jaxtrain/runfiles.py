@@ -60,10 +60,11 @@ def prepare_workdir(workdir: Path) -> None:
     raise UserError(f"--workdir {given}: cannot write there: {_why(e)}; give a writable directory") from None
 
 
-def write_text(path: Path, text: str) -> None:
-  """A small run file (config.json), written whole; a failure is one line."""
+def write_json(path: Path, obj) -> None:
+  """A small run file (config.json), written atomically; a failure is one line."""
+  from jaxtrain.files import write_json_atomic
   try:
-    path.write_text(text)
+    write_json_atomic(path, obj, indent=2)
   except OSError as e:
     raise RunFileError(f"cannot write {path}: {_why(e)}") from None
 

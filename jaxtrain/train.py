@@ -163,7 +163,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
         resume_from: str | None = None, allow_mismatch: str = "") -> Summary:
   """Trains until `stop_at` (default train.steps) total steps."""
   import jax
-  from jaxtrain import checkpoint, data, files, flops, mesh as mesh_lib, metrics, observe, progress as progress_lib
+  from jaxtrain import checkpoint, data, flops, mesh as mesh_lib, metrics, observe, progress as progress_lib
   from jaxtrain import lock as lock_lib, runfiles, step as step_lib
 
   allowed = _allowed(allow_mismatch)
@@ -178,10 +178,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     ckdir.rename(aside)
     print(f"--fresh: previous checkpoints moved to {aside}")
   if jax.process_index() == 0:
-    try:
-      files.write_json_atomic(workdir / "config.json", cfg.to_dict(), indent=2)
-    except OSError as e:
-      raise runfiles.RunFileError(f"cannot write {workdir / 'config.json'}: {e.strerror or e}") from None
+    runfiles.write_json(workdir / "config.json", cfg.to_dict())
   dev = mesh.devices.flat[0]
   mesh_text = mesh_lib.describe(dict(mesh.shape))
   _announce(setup, config_name, mesh_text, workdir)
