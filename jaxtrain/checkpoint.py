@@ -7,6 +7,10 @@ manifest is written. The manifest is written after the commit, from the files on
 (size and sha256 of each), so restore can verify every byte. A step directory without a
 manifest is a save that never finished: it is ignored and removed.
 
+Hashing is shared out over the processes (filecheck.py): at save each hashes its share of
+the files and process 0 writes the manifest from all the digests; at resume each checks
+its share and all agree on the verdict. `checkpoint.verify` = full | sizes | off.
+
 The manifest also holds what is not an array: the step, both token clocks, the skip
 counters, the data iterator state, the mesh, config/tokenizer/data fingerprints and
 library versions. Rotation runs only after a new manifest is written, so the last good
@@ -26,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxtrain import config
+from jaxtrain import config, filecheck, files
 from jaxtrain.errors import RunAborted, UserError
-from jaxtrain.files import sha256_file, write_json_atomic
+from jaxtrain.files import write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -100,8 +104,8 @@ def mismatches(saved: dict, current: dict) -> dict[str, str]:
   return out
 
 
-def _files(step_dir: Path) -> dict[str, dict]:
-  return {str(p.relative_to(step_dir)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+def _listing(step_dir: Path) -> dict[str, int]:
+  return {str(p.relative_to(step_dir)): p.stat().st_size
           for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
 
 
@@ -130,18 +134,38 @@ def read_manifest(step_dir: Path) -> dict:
   return manifest
 
 
-def verify(step_dir: Path, manifest: dict) -> None:
-  """Every file the manifest lists exists with the recorded size and digest."""
-  for name, rec in manifest["files"].items():
+def verify(step_dir: Path, manifest: dict, mode: str = "full") -> None:
+  """Every file the manifest lists exists with the recorded size and (`full`) digest;
+  `sizes`: no digest; `off`: nothing beyond the manifest. With several processes each
+  checks its share and all raise the same error: every process must call it."""
+  problem = _files_problem(step_dir, manifest, mode)
+  if problem is not None:
+    raise CheckpointError(problem)
+
+
+def _files_problem(step_dir: Path, manifest: dict | None, mode: str, before: str | None = None) -> str | None:
+  """The first file (manifest order) that fails; `before`: this process could not read the
+  manifest (it still takes part, so that the processes agree)."""
+  entries = [] if before is not None or mode == "off" else list(manifest["files"].items())
+
+  def check(i: int) -> str | None:
+    name, rec = entries[i]
     p = step_dir / name
-    if not p.is_file():
-      raise CheckpointError(f"checkpoint {step_dir} is damaged: file {name} is missing")
-    size = p.stat().st_size
-    if size != rec["size"]:
-      raise CheckpointError(f"checkpoint {step_dir} is damaged: file {name} has {size} bytes, "
-                            f"the manifest recorded {rec['size']}")
-    if sha256_file(p) != rec["sha256"]:
-      raise CheckpointError(f"checkpoint {step_dir} is damaged: file {name} does not match its recorded sha256")
+    damaged = f"checkpoint {step_dir} is damaged: file {name}"
+    try:
+      if not p.is_file():
+        return f"{damaged} is missing"
+      size = p.stat().st_size
+      if size != rec["size"]:
+        return f"{damaged} has {size} bytes, the manifest recorded {rec['size']}"
+      # A manifest saved with checkpoint.verify=sizes|off has no digests: its sizes are all there is.
+      if mode == "full" and rec.get("sha256") is not None and files.sha256_file(p) != rec["sha256"]:
+        return f"{damaged} does not match its recorded sha256"
+    except OSError as e:
+      return f"{damaged} cannot be read ({e.strerror or e})"
+    return None
+
+  return filecheck.first_problem([rec["size"] for _, rec in entries], check, before)
 
 
 def _write_each_shard_once() -> None:
@@ -180,18 +204,20 @@ class _DropMessages(logging.Filter):
 class Checkpoints:
   """Saves and restores the train state of one run directory."""
 
-  def __init__(self, directory: Path, keep: int, keep_every: int, async_save: bool, is_writer: bool = True):
+  def __init__(self, directory: Path, keep: int, keep_every: int, async_save: bool, is_writer: bool = True,
+               verify: str = "full"):
     import orbax.checkpoint as ocp
     _write_each_shard_once()
     self.dir = Path(directory).absolute()
-    self.keep, self.keep_every, self.is_writer = keep, keep_every, is_writer
+    self.keep, self.keep_every, self.is_writer, self.verify = keep, keep_every, is_writer, verify
+    self._saves = 0  # names each save's digest exchange (every process saves the same steps)
     if is_writer:
       self.dir.mkdir(parents=True, exist_ok=True)
       self._remove_partial()
     # Orbax never deletes: rotation is ours, after the new manifest exists.
     options = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=async_save, create=True)
     self.mgr = ocp.CheckpointManager(self.dir, options=options)
-    self._pending: tuple[int, dict] | None = None  # orbax save in flight, manifest not yet written
+    self._pending: tuple[int, dict, str] | None = None  # orbax save in flight, manifest not yet written
     self._finalizer: threading.Thread | None = None
     self._error: BaseException | None = None
     self.last_committed: int | None = None
@@ -214,7 +240,8 @@ class Checkpoints:
       self.mgr.save(step, args=ocp.args.StandardSave(state), force=True)
     except Exception as e:  # noqa: BLE001 (any storage error: report it in one line)
       raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}") from e
-    self._pending = (step, manifest_body)
+    self._saves += 1
+    self._pending = (step, manifest_body, f"jaxtrain/manifest/{self.dir}/{step}/{self._saves}")
 
   def poll(self) -> None:
     """Cheap, called every step: once orbax has committed, write the manifest in the background."""
@@ -239,30 +266,54 @@ class Checkpoints:
     self._raise_if_failed()
 
   def _start_finalizer(self) -> None:
-    step, body = self._pending
+    step, body, key = self._pending
     self._pending = None
     try:
       self.mgr.check_for_errors()
     except Exception as e:  # noqa: BLE001
+      if self.verify == "full" and filecheck.processes()[1] == 0:
+        filecheck.cancel(key, _reason(e))
       raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
                             f"{_last_good(self.last_committed)}") from e
-    self._finalizer = threading.Thread(target=self._finalize, args=(step, body), daemon=True)
+    self._finalizer = threading.Thread(target=self._finalize, args=(step, body, key), daemon=True)
     self._finalizer.start()
 
-  def _finalize(self, step: int, body: dict) -> None:
+  def _finalize(self, step: int, body: dict, key: str) -> None:
     try:
-      from jaxtrain import faults
-      faults.before_manifest(step)
+      step_dir = self.dir / str(step)
+      recorded = self._record(step, step_dir, key)
       if self.is_writer:
-        step_dir = self.dir / str(step)
         manifest = {"format": FORMAT, "step": step, "written_at": time.time(), "versions": _versions(),
-                    **body, "files": _files(step_dir)}
+                    **body, "files": recorded}
         write_json_atomic(step_dir / MANIFEST, manifest)
         self._rotate()
       self.last_committed = step
     except BaseException as e:  # noqa: BLE001 (surfaced to the main thread by _raise_if_failed)
       self._error = CheckpointError(f"checkpoint manifest at step {step} failed: {_reason(e)}; "
                                     f"{_last_good(self.last_committed)}")
+
+  def _record(self, step: int, step_dir: Path, key: str) -> dict[str, dict] | None:
+    """The manifest's {file: {size, sha256}} on the writer (None elsewhere). With several
+    processes and `full`, process 0 lists the files and each process hashes its share."""
+    from jaxtrain import faults
+    n, me = filecheck.processes()
+    shared = n > 1 and self.verify == "full"
+    lister = me == 0 if shared else self.is_writer
+    try:
+      faults.before_manifest(step)
+      listing = _listing(step_dir) if lister else None
+    except BaseException as e:
+      if shared and me == 0:
+        filecheck.cancel(key, _reason(e))
+      raise
+    if listing is None and not shared:
+      return None
+    if self.verify != "full":
+      return {name: {"size": size} for name, size in listing.items()}
+    digests = filecheck.hash_to_first(step_dir, key, listing)
+    if digests is None or not self.is_writer:
+      return None
+    return {name: {"size": size, "sha256": digests[name]} for name, size in listing.items()}
 
   def _raise_if_failed(self) -> None:
     if self._error is not None:
@@ -288,7 +339,7 @@ class Checkpoints:
 
   def restore(self, step_dir: Path, abstract_state, verified: bool = False):
     """Verified restore onto the shardings carried by `abstract_state` (any mesh);
-    `verified`: `choose_resume_point` has just hashed every file."""
+    `verified`: `resume_point` has just verified it. Either way every process calls it."""
     import orbax.checkpoint as ocp
     manifest = read_manifest(step_dir)
     size = sum(f["size"] for f in manifest["files"].values())
@@ -296,7 +347,7 @@ class Checkpoints:
     print(f"checkpoint: {'restoring' if verified else 'verifying and restoring'} {step_dir} ({size / 2**30:.2f} GiB)...",
           flush=True)
     if not verified:
-      verify(step_dir, manifest)
+      verify(step_dir, manifest, self.verify)
     own = step_dir.parent.absolute() == self.dir and step_dir.name == str(manifest["step"])
     try:
       if own:
@@ -333,15 +384,19 @@ def _last_good(step: int | None) -> str:
 
 # -- choosing where to resume (rollback, damaged checkpoints) -------------------------------
 
-def _problem(step_dir: Path) -> str | None:
-  """None if the checkpoint verifies, else the one-line reason it does not."""
+def _problem(step_dir: Path, mode: str = "full") -> str | None:
+  """None if the checkpoint verifies, else the one-line reason it does not. With several
+  processes, a collective: each checks its share and all return the same verdict."""
+  manifest, before = None, None
   try:
-    verify(step_dir, read_manifest(step_dir))
+    manifest = read_manifest(step_dir)
+    for rec in manifest["files"].values():  # the shape every process's share relies on
+      int(rec["size"])
   except CheckpointError as e:
-    return str(e)
-  except (OSError, KeyError, TypeError, ValueError) as e:  # a manifest of the wrong shape is damage too
-    return f"checkpoint {step_dir} is damaged: {_reason(e)}"
-  return None
+    before = str(e)
+  except (OSError, KeyError, TypeError, ValueError, AttributeError) as e:  # a manifest of the wrong shape is damage too
+    before = f"checkpoint {step_dir} is damaged: {_reason(e)}"
+  return _files_problem(step_dir, manifest, mode, before)
 
 
 def move_aside(step_dir: Path, aside: Path, reason: str) -> Path:
@@ -356,8 +411,8 @@ def move_aside(step_dir: Path, aside: Path, reason: str) -> Path:
   return dest
 
 
-def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: str,
-                        aside: Path) -> tuple[Path | None, list[str], list[str]]:
+def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: str, aside: Path,
+                        problem=_problem) -> tuple[Path | None, list[str], list[str]]:
   """(step dir to resume from or None, notes, warnings), each note/warning one line.
 
   Latest (no --resume-from): the newest checkpoint that verifies. Newer ones that do not
@@ -365,7 +420,8 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
   good steps and the --resume-from to use ("stop"). If none verifies, the run stops and
   nothing is moved. An explicit step or path must verify. Either way, every committed
   step after the chosen one is moved aside (a rollback), so the resumed run saves its
-  own steps without colliding and the old ones stay on disk."""
+  own steps without colliding and the old ones stay on disk. `problem(step_dir)` is the
+  verification (one-line reason or None)."""
   directory = Path(directory)
   steps = committed_steps(directory)
   notes: list[str] = []
@@ -373,23 +429,23 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
   if resume_from is None:
     damaged, chosen = [], None
     for s in reversed(steps):
-      problem = _problem(directory / str(s))
-      if problem is None:
+      reason = problem(directory / str(s))
+      if reason is None:
         chosen = s
         break
-      damaged.append((s, problem))
+      damaged.append((s, reason))
     if damaged and chosen is None:
       raise CheckpointError(f"{damaged[0][1]}; no committed checkpoint verifies (damaged: steps "
                             f"{', '.join(str(s) for s, _ in damaged)}); pass --fresh to start over "
                             "(they are moved aside, not deleted)")
     if damaged and on_damaged == "stop":
-      good = [s for s in steps if s <= chosen and (s == chosen or _problem(directory / str(s)) is None)]
+      good = [s for s in steps if s <= chosen and (s == chosen or problem(directory / str(s)) is None)]
       raise CheckpointError(f"{damaged[0][1]}; checkpoints that verify: steps {', '.join(map(str, good))}; "
                             f"resume with --resume-from {chosen} (later steps are moved aside), or set "
                             "checkpoint.on_damaged=fallback to do that automatically")
-    for s, problem in damaged:
+    for s, reason in damaged:
       dest = move_aside(directory / str(s), aside, "damaged")
-      warnings.append(f"{problem}; moved it to {dest} and resuming from step {chosen}, the newest checkpoint "
+      warnings.append(f"{reason}; moved it to {dest} and resuming from step {chosen}, the newest checkpoint "
                       "that verifies")
     if chosen is None:
       return None, notes, warnings
@@ -404,10 +460,10 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
       step_dir = Path(resume_from)
       if not (step_dir / MANIFEST).is_file():
         raise UserError(f"--resume-from {resume_from}: not a committed checkpoint directory (no {MANIFEST})")
-    problem = _problem(step_dir)
-    if problem is not None:
-      good = [s for s in steps if directory / str(s) != step_dir and _problem(directory / str(s)) is None]
-      raise CheckpointError(f"{problem}; checkpoints of this run that verify: "
+    reason = problem(step_dir)
+    if reason is not None:
+      good = [s for s in steps if directory / str(s) != step_dir and problem(directory / str(s)) is None]
+      raise CheckpointError(f"{reason}; checkpoints of this run that verify: "
                             + (f"steps {', '.join(map(str, good))} (use --resume-from {good[-1]})" if good
                                else "none (pass --fresh to start over)"))
   chosen = read_manifest(step_dir)["step"]
@@ -420,35 +476,66 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
   return step_dir, notes, warnings
 
 
-def resume_point(directory: Path, resume_from: str | None, on_damaged: str, aside: Path) -> Path | None:
-  """`choose_resume_point` on process 0 (the only one that moves files), its notes
-  printed, and its choice shared with every other process."""
+def resume_point(directory: Path, resume_from: str | None, on_damaged: str, aside: Path,
+                 mode: str = "full") -> Path | None:
+  """`choose_resume_point` on process 0 (the only one that moves files and prints), its
+  choice shared with every other process. Each verification it makes is joint: process 0
+  names the step directory, every process checks its share of the files, all agree. A
+  failure stops every process with process 0's message (a damaged file named on each)."""
   import sys
-  import jax
-  if jax.process_index() == 0:
+  me = filecheck.processes()[1]
+
+  def problem(step_dir: Path) -> str | None:
+    _command(_VERIFY, str(step_dir))  # the others join this verification
+    return _problem(step_dir, mode)
+
+  if me == 0:
     try:
-      step_dir, notes, warnings = choose_resume_point(directory, resume_from, on_damaged, aside)
-    except Exception:
-      _share_step(-2)  # the others stop instead of waiting for a choice
+      step_dir, notes, warnings = choose_resume_point(directory, resume_from, on_damaged, aside, problem)
+    except UserError as e:
+      _command(_USER_ERROR, str(e))
+      raise
+    except CheckpointError as e:
+      _command(_FAILED, str(e))
+      raise
+    except BaseException:
+      _command(_FAILED, "process 0 could not choose a checkpoint to resume from (see its message)")
       raise
     for line in notes:
       print(line, flush=True)
     for line in warnings:
       print(f"jaxtrain: warning: {line}", file=sys.stderr, flush=True)
-    _share_step(-1 if step_dir is None else int(read_manifest(step_dir)["step"]))
+    if step_dir is None:
+      _command(_NONE)
+    else:
+      _command(_CHOSEN, str(read_manifest(step_dir)["step"]))
     return step_dir
-  step = _share_step(0)
-  if step == -2:
-    raise RunAborted("process 0 could not choose a checkpoint to resume from (see its message)")
-  if step == -1:
-    return None
-  return Path(resume_from) if resume_from and not resume_from.isdigit() else Path(directory) / str(step)
+  while True:
+    code, text = _command()
+    if code == _VERIFY:
+      _problem(Path(text), mode)
+    elif code == _CHOSEN:
+      return Path(resume_from) if resume_from and not resume_from.isdigit() else Path(directory) / text
+    elif code == _NONE:
+      return None
+    elif code == _USER_ERROR:
+      raise UserError(text)
+    else:
+      raise CheckpointError(text)
 
 
-def _share_step(value: int) -> int:
-  import jax
-  if jax.process_count() == 1:
-    return value
+_VERIFY, _CHOSEN, _NONE, _USER_ERROR, _FAILED = range(1, 6)
+_COMMAND_BYTES = 8192
+
+
+def _command(code: int = 0, text: str = "") -> tuple[int, str]:
+  """Process 0's (code, text) on every process (the others pass nothing); one process: as given."""
+  if filecheck.processes()[0] == 1:
+    return code, text
   import numpy as np
   from jax.experimental import multihost_utils
-  return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
+  raw = text.encode()[:_COMMAND_BYTES]
+  buf = np.zeros((_COMMAND_BYTES,), np.uint8)
+  buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+  got = multihost_utils.broadcast_one_to_all({"code": np.array([code], np.int32), "text": buf})
+  return int(np.asarray(got["code"])[0]), bytes(np.asarray(got["text"])).rstrip(b"\0").decode(errors="replace")

@@ -181,6 +181,10 @@ class CheckpointConfig:
       "fallback", "Latest checkpoint fails verification at resume: fallback = move it aside (warning) and resume "
       "from the newest one that verifies; stop = exit naming the good steps and the --resume-from to use.",
       math=False)
+  verify: Literal["full", "sizes", "off"] = key(
+      "full", "What a save records and a resume checks: full = every file's size and sha256; sizes = sizes only "
+      "(no file read); off = only that the manifest is there (committed). Several processes share the hashing.",
+      math=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ def restore_params(cfg: config.Config, mesh, step_dir: Path):
   from jaxtrain import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
   manifest = checkpoint.read_manifest(step_dir)
-  checkpoint.verify(step_dir, manifest)
+  checkpoint.verify(step_dir, manifest, cfg.checkpoint.verify)
   want = {"params": setup.abstract_state()["params"]}
   try:
     with ocp.PyTreeCheckpointer() as ckptr:

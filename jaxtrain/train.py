@@ -142,7 +142,6 @@ def _resume(ckpts, step_dir, current: dict, allowed: set[str], setup, batches, m
   """(state, Progress, manifest) from the checkpoint `step_dir` (chosen and verified by
   `checkpoint.resume_point`), with the data iterator moved to it; (None, Progress(), {})
   when there is none. A different run is refused, naming what changed."""
-  import jax
   from jaxtrain import checkpoint, progress as progress_lib
   if step_dir is None:
     return None, progress_lib.Progress(), {}
@@ -151,8 +150,8 @@ def _resume(ckpts, step_dir, current: dict, allowed: set[str], setup, batches, m
   if changed:
     raise UserError(f"checkpoint {step_dir} was written by a different run: {'; '.join(changed.values())}; "
                     f"pass --allow-mismatch {','.join(changed)} to resume anyway, or --fresh")
-  # process 0 hashed every file while choosing it
-  state, manifest = ckpts.restore(step_dir, setup.abstract_state(), verified=jax.process_index() == 0)
+  # resume_point verified it, every process its share
+  state, manifest = ckpts.restore(step_dir, setup.abstract_state(), verified=True)
   batches.set_state(manifest["data_state"])
   moved = "" if manifest["mesh"] == mesh_text else f" (written on mesh {manifest['mesh']}, resharded)"
   print(f"resumed from {step_dir} at step {manifest['progress']['step']}{moved}")
@@ -185,8 +184,9 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
 
   ck = cfg.checkpoint
   # Chosen (and later/damaged steps moved aside) before orbax lists the steps it has.
-  step_dir = checkpoint.resume_point(ckdir, resume_from, ck.on_damaged, workdir / "checkpoints.aside")
-  ckpts = checkpoint.Checkpoints(ckdir, ck.keep, ck.keep_every, ck.async_save, is_writer=jax.process_index() == 0)
+  step_dir = checkpoint.resume_point(ckdir, resume_from, ck.on_damaged, workdir / "checkpoints.aside", ck.verify)
+  ckpts = checkpoint.Checkpoints(ckdir, ck.keep, ck.keep_every, ck.async_save, is_writer=jax.process_index() == 0,
+                                 verify=ck.verify)
   saves = progress_lib.Every(ck.interval)
   current = checkpoint.fingerprint(cfg, data.tokenizer_digest(cfg), data.source_digest(cfg))
   batches = data.batches(cfg, *setup.placement.rows())

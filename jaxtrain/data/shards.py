@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxtrain import filecheck, files
 from jaxtrain.errors import UserError
-from jaxtrain.files import sha256_file
 
 FORMAT = "jaxtrain-tokens-v1"
 MANIFEST = "manifest.json"
@@ -82,14 +82,21 @@ def read_manifest(directory: Path) -> dict:
 
 def check_file(directory: Path, entry: dict, verify: bool) -> Path:
   """A shard file exists with the manifest's size (and sha256 when `verify`), else a UserError."""
+  problem = _problem(directory, entry, verify)
+  if problem is not None:
+    raise UserError(problem)
+  return directory / entry["name"]
+
+
+def _problem(directory: Path, entry: dict, verify: bool) -> str | None:
   path = directory / entry["name"]
   if not path.is_file():
-    raise UserError(f"shard {path} is missing (listed in {directory / MANIFEST})")
+    return f"shard {path} is missing (listed in {directory / MANIFEST})"
   if path.stat().st_size != entry["bytes"]:
-    raise UserError(f"shard {path} has {path.stat().st_size} bytes but the manifest says {entry['bytes']}")
-  if verify and sha256_file(path) != entry["sha256"]:
-    raise UserError(f"shard {path}: sha256 does not match the manifest (corrupt or replaced; re-run prepare)")
-  return path
+    return f"shard {path} has {path.stat().st_size} bytes but the manifest says {entry['bytes']}"
+  if verify and files.sha256_file(path) != entry["sha256"]:
+    return f"shard {path}: sha256 does not match the manifest (corrupt or replaced; re-run prepare)"
+  return None
 
 
 _opened: dict[tuple, TokenSet] = {}
@@ -109,6 +116,14 @@ def open_prepared(directory: Path, verify: bool = True) -> tuple[TokenSet, dict]
   with _lock:
     if key in _opened:
       return _opened[key], manifest
+  if verify and filecheck.processes()[0] > 1:
+    # Several processes: each hashes its share of the shards and all stop on the same one.
+    entries = [entry for shard in manifest["shards"] for entry in shard["files"].values()]
+    problem = filecheck.first_problem([e["bytes"] for e in entries],
+                                      lambda i: _problem(directory, entries[i], True))
+    if problem is not None:
+      raise UserError(problem)
+    verify = False  # what is left below is the cheap size check
   arrays, parts = [], []
   for n, shard in enumerate(manifest["shards"]):
     tokens = np.load(check_file(directory, shard["files"]["tokens"], verify), mmap_mode="r")
