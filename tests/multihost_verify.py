@@ -1,7 +1,10 @@
 """Run as each of N processes: saves, resumes and damages a small checkpoint (and opens a
 prepared dataset) with the checkpoint module's own multi-process paths, counting the bytes
 this process hashes; writes <out>.p<i>.json. `--old`: the call that main's trainer made
-(restore re-verifies on every process but 0), to measure main with the same harness."""
+(restore re-verifies on every process but 0), to measure main with the same harness.
+
+`python -m tests.multihost_verify --launch N --workdir DIR [--rows R] [--pythonpath P] [--old]`
+prepares the data, starts the N processes and prints the bytes each hashed."""
 
 import argparse
 import json
@@ -10,6 +13,8 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+
+import os
 
 from jaxtrain import checkpoint, distributed, files
 from jaxtrain.errors import RunAborted
@@ -54,14 +59,44 @@ def _damage_one(sizes: dict[str, int], n: int) -> str:
   return max(names, key=lambda k: (sizes[k], k))
 
 
+def launch(n: int, tmp: Path, rows: int = 256, pythonpath: str | None = None, old: bool = False):
+  """Starts the n processes on a fresh prepared dataset (7 shards); (exit codes, results)."""
+  from tests import corpora, multihost
+  data = corpora.prepared(tmp, "d", corpora.texts(3000, hi=400), shard_mb=0.1)
+  args = ["tests.multihost_verify", "--dir", str(tmp / "run"), "--out", str(tmp / "r"), "--data", data,
+          "--rows", str(rows), *(["--old"] if old else [])]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  codes = multihost.wait_all(multihost.launch(args, n, tmp, env={"PYTHONPATH": pythonpath or root}), 300)
+  done = [tmp / f"r.p{i}.json" for i in range(n)]
+  return codes, [json.loads(f.read_text()) if f.is_file() else None for f in done]
+
+
+def _report(a) -> None:
+  tmp = Path(a.workdir)
+  tmp.mkdir(parents=True)
+  codes, res = launch(a.launch, tmp, a.rows, a.pythonpath, a.old)
+  if codes != [0] * a.launch:
+    from tests import multihost
+    sys.exit(f"exit codes {codes}\n" + multihost.log_of(tmp, 0)[-3000:])
+  total = {"save (steps 1+2)": sum(res[0]["step_bytes"].values()), "restore (step 2)": res[0]["step_bytes"]["2"],
+           "data open": res[0]["data_bytes"]}
+  print(f"{'bytes hashed':<18}" + "".join(f"{'process ' + str(i):>14}" for i in range(a.launch)) + f"{'of':>14}")
+  for (what, whole), field in zip(total.items(), ("save", "restore", "data")):
+    print(f"{what:<18}" + "".join(f"{r[field]:>14,}" for r in res) + f"{whole:>14,}")
+
+
 def main():
   p = argparse.ArgumentParser()
-  for flag in ("--coordinator", "--dir", "--out", "--data"):
+  for flag in ("--coordinator", "--dir", "--out", "--data", "--workdir", "--pythonpath"):
     p.add_argument(flag)
   p.add_argument("--num-processes", type=int)
   p.add_argument("--process-id", type=int)
+  p.add_argument("--rows", type=int, default=256)
+  p.add_argument("--launch", type=int)
   p.add_argument("--old", action="store_true")
   a = p.parse_args()
+  if a.launch:
+    return _report(a)
   n, me = a.num_processes, a.process_id
   distributed.initialize(distributed.cluster_from(a.coordinator, n, me), {"fsdp": n}, 30, 60)
   import jax
@@ -72,7 +107,7 @@ def main():
   sync = multihost_utils.sync_global_devices
   mesh = jax.make_mesh((n,), ("fsdp",))
   shard = NamedSharding(mesh, P("fsdp"))
-  host = {"a": np.arange(256 * 1024, dtype=np.float32).reshape(256, 1024),
+  host = {"a": np.arange(a.rows * 1024, dtype=np.float32).reshape(a.rows, 1024),
           "b": np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024) * 0.5}
   state = {k: jax.make_array_from_callback(v.shape, shard, lambda idx, v=v: v[idx]) for k, v in host.items()}
   ckdir, aside = Path(a.dir) / "checkpoints", Path(a.dir) / "checkpoints.aside"

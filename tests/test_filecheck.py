@@ -2,15 +2,12 @@
 (bytes / processes) of a checkpoint at save and at resume, and of the prepared data at
 start-up; a damaged file is still named on every process and the run falls back or stops."""
 
-import json
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxtrain import checkpoint, filecheck, files
-from tests import corpora, multihost
-from tests.conftest import REPO
+from tests import multihost, multihost_verify
 
 
 def test_owners_are_deterministic_and_balanced():
@@ -26,14 +23,11 @@ def test_owners_are_deterministic_and_balanced():
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-  """The 2-process harness (tests/multihost_verify.py), once: (per-process results, dirs)."""
+  """The 2-process harness (tests/multihost_verify.py), once: (per-process results, its dir)."""
   tmp = tmp_path_factory.mktemp("verify2")
-  data = corpora.prepared(tmp, "d", corpora.texts(3000, hi=400), shard_mb=0.1)  # 7 shards
-  procs = multihost.launch(["tests.multihost_verify", "--dir", str(tmp / "run"), "--out", str(tmp / "r"),
-                            "--data", data], 2, tmp, env={"PYTHONPATH": REPO})
-  codes = multihost.wait_all(procs, 300)
+  codes, res = multihost_verify.launch(2, tmp)
   assert codes == [0, 0], multihost.log_of(tmp, 0)[-2000:] + multihost.log_of(tmp, 1)[-2000:]
-  return [json.loads((tmp / f"r.p{i}.json").read_text()) for i in range(2)], tmp
+  return res, tmp
 
 
 def _halves(counts, total):

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxtrain import config, data
+from jaxtrain import config, data, files
 from tests import multihost
 from tests.conftest import REPO
 
@@ -63,6 +63,15 @@ def test_only_process_0_reports(runs):
   log1 = multihost.log_of(runs[0].parent, 1)
   assert "step      1/4" in multihost.log_of(runs[0].parent, 0) and "step " not in log1
   assert json.loads((runs[0] / "checkpoints" / "4" / "manifest.json").read_text())["process_count"] == 2
+
+
+def test_manifest_digests_gathered_from_both_processes_during_training(runs):
+  """Each process hashed its share in the background while training went on; process 0 wrote them all."""
+  step = runs[0] / "checkpoints" / "4"
+  recorded = json.loads((step / "manifest.json").read_text())["files"]
+  assert any("process_1" in name for name in recorded)
+  for name, rec in recorded.items():
+    assert rec == {"size": (step / name).stat().st_size, "sha256": files.sha256_file(step / name)}, name
 
 
 def test_checkpoint_moves_between_process_counts(run_cli, tmp_path, runs):
