@@ -255,8 +255,9 @@ class Checkpoints:
       try:
         self.mgr.wait_until_finished()
       except Exception as e:  # noqa: BLE001
-        step = self._pending[0]
+        step, _, key = self._pending
         self._pending = None
+        self._abandon(key, e)
         raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
                               f"{_last_good(self.last_committed)}") from e
       self._start_finalizer()
@@ -271,12 +272,16 @@ class Checkpoints:
     try:
       self.mgr.check_for_errors()
     except Exception as e:  # noqa: BLE001
-      if self.verify == "full" and filecheck.processes()[1] == 0:
-        filecheck.cancel(key, _reason(e))
+      self._abandon(key, e)
       raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
                             f"{_last_good(self.last_committed)}") from e
     self._finalizer = threading.Thread(target=self._finalize, args=(step, body, key), daemon=True)
     self._finalizer.start()
+
+  def _abandon(self, key: str, e: BaseException) -> None:
+    """This save has failed here: on process 0, release the processes waiting for their share."""
+    if self.verify == "full" and filecheck.processes()[1] == 0:
+      filecheck.cancel(key, _reason(e))
 
   def _finalize(self, step: int, body: dict, key: str) -> None:
     try:
@@ -303,8 +308,7 @@ class Checkpoints:
       faults.before_manifest(step)
       listing = _listing(step_dir) if lister else None
     except BaseException as e:
-      if shared and me == 0:
-        filecheck.cancel(key, _reason(e))
+      self._abandon(key, e)
       raise
     if listing is None and not shared:
       return None

@@ -210,8 +210,8 @@ class DataConfig:
   eval_batches: int = key(4, "Global batches per evaluation (the same ones every time).", math=False, min=1)
   workers: int = key(2, "Background threads building batches (0 = in the training thread).", math=False, min=0)
   prefetch: int = key(4, "Batches built ahead of the training loop.", math=False, min=1)
-  verify: bool = key(True, "Check every shard's sha256 against the manifest when a prepared dir is opened.",
-                     math=False)
+  verify: bool = key(True, "Check every shard's sha256 against the manifest when a prepared dir is opened "
+                     "(several processes each hash a share).", math=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -416,7 +416,8 @@ def run_import(plan: ImportPlan, mesh) -> Path:
                   donate_argnums=0)(params)
   del params
   ck = cfg.checkpoint
-  ckpts = checkpoint.Checkpoints(w / "checkpoints", ck.keep, ck.keep_every, async_save=False, is_writer=is_writer)
+  ckpts = checkpoint.Checkpoints(w / "checkpoints", ck.keep, ck.keep_every, async_save=False, is_writer=is_writer,
+                                 verify=ck.verify)
   body = {"progress": vars(progress.Progress()), "data_state": {"version": 1, "step": 0},
           "mesh": mesh_lib.describe(dict(mesh.shape)), "fingerprint": import_fingerprint(cfg, data.tokenizer_digest(cfg)),
           "config": cfg.to_dict(), "seed": cfg.train.seed, "process_count": jax.process_count(),
