@@ -190,10 +190,12 @@ def check_matmul_peak(tiny: bool, device) -> dict:
 
 
 def check_baseline(name: str, tiny: bool, device) -> dict:
-  import importlib.util
   from jaxtrain import bench
-  if name == "torch" and importlib.util.find_spec("torch") is None:
-    raise Skip("torch not installed")
+  if name == "torch":
+    try:
+      import torch  # noqa: F401
+    except ImportError:
+      raise Skip("torch not installed") from None
   cfg = _config(tiny, ["model.remat=none"])  # the baselines keep every activation: so does jaxtrain here
   bench.check_baseline(cfg, name)
   s = _shape(tiny)
@@ -477,8 +479,8 @@ def _ms(st) -> str:
   return f"{st['median'] * 1e3:.2f} ms"
 
 
-def _gib(b) -> str:
-  return "n/a" if b is None else f"{b / 2**30:.2f} GiB"
+def _bytes(b) -> str:
+  return "n/a" if b is None else f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
 
 
 def summary(name: str, r: dict) -> str:
@@ -499,12 +501,13 @@ def summary(name: str, r: dict) -> str:
     return f"{r['tflops']:.4g} TFLOP/s (bf16 {r['size']}^3){frac}"
   if name.startswith("baseline_"):
     q = r["ratio"]
-    return (f"jaxtrain {_ms(r['jaxtrain']['step_time_s'])}, {name.removeprefix('baseline_')} "
+    eager = " (eager)" if r.get("torch_compile") is False else ""
+    return (f"jaxtrain {_ms(r['jaxtrain']['step_time_s'])}, {name.removeprefix('baseline_')}{eager} "
             f"{_ms(r['baseline']['step_time_s'])}; jaxtrain/baseline tokens/s {q['median']:.3f}x")
   if name.startswith("remat_"):
     cm = r["compiled_memory_bytes"]
-    return (f"{_ms(r['step_time_s'])}, peak {_gib(r['peak_memory_bytes'])}, compiled temp "
-            f"{_gib(cm['temp'] if cm else None)}, attention {r['attention']}")
+    return (f"{_ms(r['step_time_s'])}, peak {_bytes(r['peak_memory_bytes'])}, compiled temp "
+            f"{_bytes(cm['temp'] if cm else None)}, attention {r['attention']}")
   if name == "xla_flags":
     ratio = r.get("step_time_ratio_with_over_without")
     times = (f"; step {_ms(r['without']['step_time_s'])} without, {_ms(r['with']['step_time_s'])} with "
@@ -533,7 +536,7 @@ def main(argv=None) -> int:
     out, rep = run_suite(args)
     print(f"wrote {out}")
     print(table(rep, out))
-  return cli.main("jaxtrain.bench", body)
+  return cli.main("jaxtrain.bench --suite gpu", body)
 
 
 if __name__ == "__main__":

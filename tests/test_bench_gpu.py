@@ -89,3 +89,22 @@ def test_a_failing_and_a_hung_check_are_recorded_and_the_rest_still_run(tmp_path
   assert res["attention"]["status"] == "failed" and res["attention"]["reason"].startswith("timed out after")
   assert res["matmul_peak"]["status"] == "ok" and res["matmul_peak"]["result"]["flops"] > 0
   assert time.monotonic() - t < 120
+
+
+def test_baselines_take_scanned_parameters_layer_by_layer():
+  # The suite's presets scan their layers; the baselines index layers one by one. Split, the
+  # scanned parameters give the loss of the unscanned model at the same seed (float32).
+  import jax
+  import numpy as np
+  from flax import nnx
+  from jaxtrain import baselines, config, model
+  from jaxtrain.baselines import minimal
+  losses = []
+  for scan in ("false", "true"):
+    cfg = config.load("tiny", [f"model.scan_layers={scan}", "model.dtype=float32"])
+    params = nnx.to_pure_dict(nnx.state(model.Transformer(cfg.model, nnx.Rngs(0))))
+    params = baselines.layer_list(jax.device_get(params), cfg.model.n_layers)
+    assert sorted(params["layers"]) == list(range(cfg.model.n_layers))
+    batch = bench_gpu.synthetic_batches(config.load("tiny", ["train.batch_size=2", "train.seq_len=16"]), 1)[0]
+    losses.append(float(jax.jit(lambda p, b, m=cfg.model: minimal.loss_fn(p, m, b))(params, batch)))
+  np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
