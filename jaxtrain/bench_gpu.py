@@ -26,6 +26,7 @@ one JSON record per event to a records file the parent follows; their output goe
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -160,12 +161,14 @@ def check_attention(tiny: bool, device) -> dict:
         per[kname] = {"status": "skipped", "reason": skip}
         continue
       got = run(f, jnp.bfloat16, jnp.asarray(seg))
-      err = {n: float(np.max(np.abs(a - t)) / max(float(np.max(np.abs(t))), 1e-30)) for n, a, t in zip(names, got, truth)}
+      err = {n: float(np.max(np.abs(a - t)) / max(float(np.max(np.abs(t))), 1e-30))
+             for n, a, t in zip(names, got, truth)}
       entry = {"status": "ok", "rel_error": err}
       if kname == "reference_bf16":
         ref_out, ref_err = got, err
       else:
-        entry["max_abs_diff_vs_reference_bf16"] = {n: float(np.max(np.abs(a - r))) for n, a, r in zip(names, got, ref_out)}
+        entry["max_abs_diff_vs_reference_bf16"] = {n: float(np.max(np.abs(a - r)))
+                                                   for n, a, r in zip(names, got, ref_out)}
         bound = {n: max(2 * ref_err[n], 1e-2) for n in names}
         bad = [n for n in names if not err[n] <= bound[n]]  # NaN fails too
         if bad:
@@ -193,7 +196,7 @@ def check_baseline(name: str, tiny: bool, device) -> dict:
   from jaxtrain import bench
   if name == "torch":
     try:
-      import torch  # noqa: F401
+      importlib.import_module("torch")
     except ImportError:
       raise Skip("torch not installed") from None
   cfg = _config(tiny, ["model.remat=none"])  # the baselines keep every activation: so does jaxtrain here
@@ -228,7 +231,8 @@ def measure_step(tiny: bool, device, remat: str) -> dict:
   loss = float(jax.device_get(side.sync(side.run())))
   peak = bench.device_peak_memory(side.devices)
   ma = side.box["compiled"].memory_analysis()
-  compiled = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")} if ma else None
+  compiled = ({k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
+              if ma else None)
   t = cfg.train
   fl = flops.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
   table = flops.peak_flops(device.device_kind)
@@ -305,7 +309,7 @@ class Runner:
     self.records, self.log = out.with_name(out.stem + ".records.jsonl"), out.with_name(out.stem + ".log")
     self.records.write_text("")
     self.log.write_text("")
-    # One compilation cache for the suite's children, new each run: the first child compiles a
+    # One compilation cache for the suite's children, new each run and removed after it: the first child compiles a
     # program, a later one running the same program (jaxtrain's step with remat none is in the
     # baselines, remat_none and xla_flags' run without flags) loads it. XLA_FLAGS are part of
     # the cache key, so the run with the flag preset compiles afresh.
@@ -444,8 +448,9 @@ def run_suite(args) -> tuple[Path, dict]:
   known = all_checks()
   checks = known if not args.checks else [c.strip() for c in args.checks.split(",") if c.strip()]
   bad = [c for c in checks if c not in known]
-  if bad or not checks:
-    raise UserError(f"--checks {args.checks!r}: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(known)}")
+  if bad or not checks or len(set(checks)) != len(checks):
+    what = f"unknown {', '.join(bad)}" if bad else "empty" if not checks else "a check is named twice"
+    raise UserError(f"--checks {args.checks!r}: {what}; choose from {', '.join(known)}")
   if not args.budget > 0:
     raise UserError(f"--budget {args.budget}: must be a number of seconds > 0")
   out = Path(args.out) if args.out else Path(args.workdir) / "gpu-suite.json"
@@ -459,6 +464,7 @@ def run_suite(args) -> tuple[Path, dict]:
   runner.run([c for c in checks if c != "xla_flags"])
   if "xla_flags" in checks:
     runner.results["xla_flags"] = run_flags(runner)
+  shutil.rmtree(runner.cache, ignore_errors=True)  # of use to this run only
   env = runner.env_info or {}
   rep = {"suite": "gpu", "version": REPORT_VERSION, "started_unix": started, "wall_s": time.time() - started,
          "budget_s": args.budget, "tiny": env.get("tiny"), "platform": env.get("platform"),
@@ -497,7 +503,8 @@ def summary(name: str, r: dict) -> str:
     return (f"max rel error vs f32: {', '.join(parts)} (bf16 reference {ref:.2g})"
             + (f"; skipped {'; '.join(skipped)}" if skipped else ""))
   if name == "matmul_peak":
-    frac = f" = {r['fraction_of_table']:.1%} of the table's {r['table_peak_flops'] / 1e12:.0f}" if r["fraction_of_table"] else ""
+    frac = (f" = {r['fraction_of_table']:.1%} of the table's {r['table_peak_flops'] / 1e12:.0f}"
+            if r["fraction_of_table"] else "")
     return f"{r['tflops']:.4g} TFLOP/s (bf16 {r['size']}^3){frac}"
   if name.startswith("baseline_"):
     q = r["ratio"]
