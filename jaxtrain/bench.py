@@ -2,6 +2,7 @@
 
     python -m jaxtrain.bench --config llama3-1b --mesh fsdp=1 [--steps 20] [--warmup 3]
         [--baseline minimal,torch|minimal|torch|none] [--rounds 3] [--measure-peak] [--out bench.json] [--set k=v ...]
+    python -m jaxtrain.bench --suite gpu [--tiny] [--out FILE]   (the GPU checks: jaxtrain/bench_gpu.py)
 
 Times `Setup.step` (compiled ahead of time, state donated, batches from jaxtrain.data
 staged on the device before timing) over N steps after W warm-up steps. A step's time
@@ -26,7 +27,8 @@ PEAK_SIZE = {"gpu": 8192, "tpu": 8192, "cpu": 1024}  # bf16 n x n x n matmul for
 
 
 def parse_args(argv=None):
-  p = cli.Parser(prog="jaxtrain.bench", description="Time the real train step; compare with baselines.")
+  p = cli.Parser(prog="jaxtrain.bench", description="Time the real train step; compare with baselines. "
+                 "`--suite gpu` runs the GPU checks instead (its own flags: --suite gpu --help).")
   cli.add_config_args(p, help_config=False)
   cli.add_mesh_args(p)
   p.add_argument("--steps", type=int, default=10, help="timed steps per round and side (default 10)")
@@ -168,10 +170,10 @@ def minimal_side(cfg, params, batches, device):
   return _Side("minimal", run, jax.block_until_ready, compile_s, [device], box)
 
 
-def torch_side(cfg, params, batches, platform):
+def torch_side(cfg, params, batches, platform, compile=True):  # noqa: A002
   from jaxtrain.baselines import torch_model  # imports torch; only here
   try:
-    b = torch_model.TorchBaseline(cfg, params, "cuda" if platform == "gpu" else "cpu")
+    b = torch_model.TorchBaseline(cfg, params, "cuda" if platform == "gpu" else "cpu", compile=compile)
   except ValueError as e:
     raise UserError(f"--baseline torch: {e}") from None
   dev = [b.to_device(x) for x in batches]
@@ -207,15 +209,20 @@ def _progress(text: str) -> None:
 
 
 def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list[str], rounds: int,
-        measure: bool, breakdown: int = 0, trace_dir: Path | None = None) -> dict:
+        measure: bool, breakdown: int = 0, trace_dir: Path | None = None, batches: list[dict] | None = None,
+        torch_compile: bool = True) -> dict:
+  """`batches`: numpy batches to cycle instead of jaxtrain.data's (the GPU suite's synthetic tokens)."""
   import jax
   import numpy as np
-  from jaxtrain import costs, flops, memory, mesh as mesh_lib, step as step_lib
+  from jaxtrain import baselines as baselines_lib, costs, flops, memory, mesh as mesh_lib, step as step_lib
   setup = step_lib.Setup(cfg, mesh)
   dev0 = mesh.devices.flat[0]
   t = cfg.train
   unpacked = "torch" in baselines  # SDPA's flash path masks causally only: every side gets unpacked rows
-  batches = first_batches(cfg, setup, min(steps, 4), unpacked)
+  if batches is None:
+    batches = first_batches(cfg, setup, min(steps, 4), unpacked)
+  else:
+    unpacked = unpacked or all((b["segment_ids"] == b["segment_ids"][:, :1]).all() for b in batches)
   valid = [int((b["loss_mask"] > 0).sum()) for b in batches]
   flops_per_step = flops.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
   peak = flops.peak_flops(dev0.device_kind)
@@ -225,11 +232,11 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
   sides = [jaxtrain_side(cfg, setup, batches)]
   if baselines:
     # The baselines start from jaxtrain's initial weights (fetched before any step donates them).
-    params0 = jax.device_get(setup.init()["params"])
+    params0 = baselines_lib.layer_list(jax.device_get(setup.init()["params"]), cfg.model.n_layers)
     for name in baselines:
       _progress(f"compiling the {name} baseline")
       sides.append(minimal_side(cfg, params0, batches, dev0) if name == "minimal"
-                   else torch_side(cfg, params0, batches, dev0.platform))
+                   else torch_side(cfg, params0, batches, dev0.platform, torch_compile))
   for side in sides:
     for _ in range(warmup):
       side.sync(side.run())
@@ -340,6 +347,10 @@ def parse_baselines(text: str) -> list[str]:
 
 
 def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if any(a == "--suite" or a.startswith("--suite=") for a in argv):
+    from jaxtrain import bench_gpu  # the suite has its own flags
+    return bench_gpu.main(argv)
   args = parse_args(argv)
 
   def body(set_prog):
