@@ -210,8 +210,9 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
         measure: bool, breakdown: int = 0, trace_dir: Path | None = None) -> dict:
   import jax
   import numpy as np
-  from jaxtrain import costs, flops, memory, mesh as mesh_lib, step as step_lib
+  from jaxtrain import costs, fit, flops, memory, mesh as mesh_lib, step as step_lib
   setup = step_lib.Setup(cfg, mesh)
+  fit.check(setup, cfg.run.fit_check)
   dev0 = mesh.devices.flat[0]
   t = cfg.train
   unpacked = "torch" in baselines  # SDPA's flash path masks causally only: every side gets unpacked rows
