@@ -32,10 +32,21 @@ def target_mesh(device: str | None, spec: str, compile: bool, device_memory: str
     import jax
     jax.config.update("jax_platforms", "cpu")
     return gpu_compile.mesh(k, spec), device_memory
-  if compile:
+  if compile and k is not None:
     print(f"jaxtrain.inspect: no CUDA plugin installed (pip install 'jaxtrain[gpu-aot]'), so --compile uses XLA:CPU "
           f"on simulated CPU devices, not XLA:GPU for {k.name}", file=sys.stderr)
-  return mesh_lib.setup(spec), device_memory
+  return simulated(spec), device_memory
+
+
+def simulated(spec: str):
+  """The mesh on simulated CPU devices in this one process; dcn factors (hosts) only
+  order devices, which the bill does not depend on, so they are dropped here."""
+  import math
+  from jaxtrain import mesh as mesh_lib
+  sizes, _ = mesh_lib.parse_full(spec)
+  if -1 not in sizes.values():
+    mesh_lib.provide_cpu_devices(math.prod(sizes.values()))
+  return mesh_lib.build(sizes)
 
 
 def render(c: dict) -> list[str]:

@@ -201,8 +201,9 @@ def saved_per_token(cfg, mesh, remat: str) -> dict[str, float]:
   The block input (s D) is always kept.
     full, offload_named: nothing else on the device (offload_named moves q, k, v, the
         attention output and the MLP hidden to pinned host memory);
-    save_dots: the projections (dots without batch dimensions): q, k, v before RoPE,
-        the wo output, gate and up, the w_down output;
+    save_dots: the projections (dots without batch dimensions) that the backward needs:
+        q, k, v before RoPE, the wo output (the second norm's input is rebuilt from it),
+        gate and up (the w_down output only feeds the next block, whose input is kept);
     save_named: q, k, v, the attention output, the MLP hidden.
   """
   d = _dims(cfg, mesh)
@@ -210,7 +211,7 @@ def saved_per_token(cfg, mesh, remat: str) -> dict[str, float]:
   out = {"block_inputs": s * D}
   dense_ffn = 1 - (cfg.model.moe_layers() / cfg.model.n_layers if cfg.model.moe_experts else 0)
   if remat == "save_dots":
-    out["projections"] = s * (H + 2 * K) * E + 2 * s * D + dense_ffn * 2 * s * F
+    out["projections"] = s * (H + 2 * K) * E + s * D + dense_ffn * 2 * s * F
   elif remat == "save_named":
     out["named"] = s * (2 * H + 2 * K) * E + dense_ffn * s * F
   elif remat not in ("full", "offload_named"):
@@ -284,9 +285,10 @@ def weight_copies(cfg, rows: list[Row], mesh) -> int:
 
 
 def _gathered(r: Row, mesh) -> int:
-  """How many ways FSDP (the batch-like axes) splits this parameter: the gather factor."""
-  return math.prod(mesh.shape[a] for e in r.spec if e for a in (e if isinstance(e, tuple) else (e,))
-                   if a in sharding.RULES["batch"])
+  """How many ways FSDP (the batch-like axes) splits this parameter: the gather factor.
+  The experts dimension's split over `expert` is not gathered: each device runs its own."""
+  return math.prod(mesh.shape[a] for name, e in zip(r.axes, r.spec) if e and name != "experts"
+                   for a in (e if isinstance(e, tuple) else (e,)) if a in sharding.RULES["batch"])
 
 
 def _is_matmul(cfg, r: Row) -> bool:
