@@ -160,14 +160,12 @@ def _moe_slots_per_token(cfg, mesh) -> float:
   return m.moe_experts * moe.capacity(T, m.moe_experts, m.moe_top_k, m.moe_capacity_factor) / T
 
 
-def layer_residuals(cfg, mesh, kernel: str = "xla", packed_segments: int = 0, exact_reference: bool = False
-                    ) -> dict[str, float]:
+def layer_residuals(cfg, mesh, kernel: str = "xla", packed_segments: int = 0) -> dict[str, float]:
   """Bytes per token that one layer keeps for its backward pass with remat none.
 
-  kernel xla (the reference): with exact_reference, what jax.vjp keeps (bool mask, masked
-  scores, exp, probabilities, row statistics: H (L (1 + 2c + s) + 2c)); otherwise what
-  XLA:GPU's compiled program keeps of it, measured: about c + 1 bytes per score of every
-  head and one bool mask row, H L (c + 1) + L (it fuses the rest into the backward). kernel cudnn: no L x L tensor,
+  kernel xla (the reference): what jax.vjp keeps (bool mask, masked scores, exp,
+  probabilities, row statistics: H (L (1 + 2c + s) + 2c)); XLA:GPU keeps as much at
+  32 layers (measured; with 2 to 4 layers it fuses part of it into the backward). kernel cudnn: no L x L tensor,
   only cuDNN's float32 softmax statistics, 4 H per token, or 4 M H with M packed
   segments; with the L x L mask (M = 0) the mask row, L bytes. kernel ring: q, k, v and
   the output (in qkvo) and the float32 log-sum-exp, 4 H.
@@ -176,7 +174,7 @@ def layer_residuals(cfg, mesh, kernel: str = "xla", packed_segments: int = 0, ex
   s, c, D, H, K, F, E, L = (d[k] for k in "scDHKFEL")
   out = {"norms": 2 * (8 + s) * D + 16, "qkvo": s * (2 * H + 2 * K) * E}
   if kernel == "xla":
-    out["attention_matrix"] = H * (L * (1 + 2 * c + s) + 2 * c) if exact_reference else H * L * (c + 1) + L
+    out["attention_matrix"] = H * (L * (1 + 2 * c + s) + 2 * c)
   elif kernel == "cudnn":
     out["softmax_stats"] = 4 * H * max(packed_segments, 1) + (0 if packed_segments else L)
   elif kernel == "ring":
@@ -220,7 +218,7 @@ def saved_per_token(cfg, mesh, remat: str) -> dict[str, float]:
 
 
 def activations(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segments: int = 0,
-                exact_reference: bool = True) -> dict[str, int]:
+                logits_residual: bool = True) -> dict[str, int]:
   """Activation bytes per device kept for the backward pass of one microbatch (all layers).
 
   remat none: every layer's residuals (`layer_residuals`), per token per layer, with
@@ -231,7 +229,7 @@ def activations(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segm
     attention       per kernel (see layer_residuals)
     SwiGLU          6 s F              gate, up, three silu residuals, their product
   plus, once, the RoPE tables (sin and cos, f32, E/2 each: 4 E), the final norm and the
-  f32 exp of the logits: 4 E + (8 + s) D + 4 V (the 4 V only with exact_reference: in the
+  f32 exp of the logits: 4 E + (8 + s) D + 4 V (the 4 V only with logits_residual: in the
   compiled step the logits are transient, counted in `workspace`).
   Other policies: what they save (`saved_per_token`) for every layer; the one layer
   recomputed during the backward pass is transient (`workspace`).
@@ -239,12 +237,12 @@ def activations(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segm
   d = _dims(cfg, mesh)
   n, T, s, D, E, V = cfg.model.n_layers, d["T"], d["s"], d["D"], d["E"], d["V"]
   if remat == "none":
-    per = layer_residuals(cfg, mesh, kernel, packed_segments, exact_reference)
+    per = layer_residuals(cfg, mesh, kernel, packed_segments)
   else:
     per = saved_per_token(cfg, mesh, remat)
   out = {k: int(n * T * v) for k, v in per.items()}
   out["rope_and_final_norm"] = T * (4 * E + (8 + s) * D)
-  if exact_reference:  # jax.vjp's view: the f32 exp of the logits (the compiled step counts them in `workspace`)
+  if logits_residual:  # jax.vjp's view; the compiled step's logits are transient (`workspace`)
     out["logits_exp"] = T * 4 * V
   return out
 
@@ -268,7 +266,7 @@ def workspace(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segmen
   if remat == "none":  # residuals are kept already; the reference's backward adds L x L score gradients
     layer = gathered + (T * H * L * (2 * c + 1) if kernel == "xla" else 0)
   else:  # the layer's residuals recomputed (the reference's whole L x L set, as jax.vjp keeps it)
-    layer = gathered + T * sum(layer_residuals(cfg, mesh, kernel, packed_segments, exact_reference=True).values())
+    layer = gathered + T * sum(layer_residuals(cfg, mesh, kernel, packed_segments).values())
   return {"loss phase": int(loss), "layer phase": int(layer)}
 
 
@@ -343,7 +341,7 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   t = cfg.train
   remat = cfg.model.remat
   batch = 5 * 4 * (t.batch_size // _ways("batch", t.batch_size, mesh)) * (t.seq_len // _ways("length", t.seq_len, mesh))
-  act = activations(cfg, mesh, remat, kernel, packed, exact_reference=False)
+  act = activations(cfg, mesh, remat, kernel, packed, logits_residual=False)
   gathered = gathered_weights(cfg, rows, mesh)
   work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"])
   peak = max(work.values())
@@ -380,7 +378,7 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   }
   items["margin"] = int(margin * sum(items.values()))
   notes["margin"] = f"temporaries and communication buffers: {margin:.0%} of the items above"
-  full = sum(activations(cfg, mesh, "full", kernel, packed, exact_reference=False).values())
+  full = sum(activations(cfg, mesh, "full", kernel, packed, logits_residual=False).values())
   return Bill(items, notes, sum(items.values()), full, kernel)
 
 

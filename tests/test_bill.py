@@ -17,7 +17,7 @@ PODS = [("llama3.1-8b", "host8"), ("llama3.1-70b", "pod-8x8-fsdp"), ("mixtral-8x
 
 def _acts(sets, kernel, remat="none", packed=0):
   cfg = config.load("tiny", list(sets))
-  return sum(memory.activations(cfg, mesh_of("dp=1"), remat, kernel, packed, exact_reference=False).values())
+  return sum(memory.activations(cfg, mesh_of("dp=1"), remat, kernel, packed, logits_residual=False).values())
 
 
 def test_cudnn_figure_has_no_l_by_l_term_and_the_reference_does():
@@ -29,8 +29,9 @@ def test_cudnn_figure_has_no_l_by_l_term_and_the_reference_does():
   # packed segments: nothing grows with L; the L x L mask path keeps one bool mask row per token
   assert _acts(long, "cudnn", packed=4) == _acts(short, "cudnn", packed=4)
   assert _acts(long, "cudnn") - _acts(short, "cudnn") == n * 512 * 64
-  # reference: H (c + 1) bytes per score, H L per token, 512 tokens: the difference is that of L = 128 vs 64
-  assert _acts(long, "xla") - _acts(short, "xla") == n * 512 * (H * 64 * (4 + 1) + 64)
+  # reference: 1 + 2c + s bytes per score (mask, masked scores, exp, probabilities; c = 4, s = 2),
+  # H L scores per token, 512 tokens: the difference is that of L = 128 vs 64
+  assert _acts(long, "xla") - _acts(short, "xla") == n * 512 * H * 64 * (1 + 2 * 4 + 2)
   for remat in ("full", "save_dots", "save_named", "offload_named"):  # only the none set holds attention
     assert _acts(long, "xla", remat) == _acts(short, "xla", remat)
 
