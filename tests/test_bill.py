@@ -97,13 +97,15 @@ print(json.dumps(out))
 """
 
 
-def test_inspect_device_h100_says_fits_for_each_pod_preset(run_cli):
+def test_inspect_device_h100_says_fits_for_each_pod_preset():
   """Analytic: the pod meshes (8 and 64 devices) on simulated devices, bill for H100 kernels."""
-  r = run_cli("jaxtrain.inspect", "--config", "llama3.1-8b", "--mesh", "host8", "--device", "H100")
-  assert r.returncode == 0, r.stderr[-2000:]
-  assert "Memory per device (analytic, for H100: attention cudnn, remat save_dots)" in r.stdout
-  assert "verdict [H100]: fits:" in r.stdout
-  import subprocess
+  from jaxtrain import inspect
+  rep = inspect.report(config.load("llama3.1-8b"), mesh_of("fsdp=8"), "llama3.1-8b", device_memory="H100",
+                       device="H100")
+  text = inspect.render(rep)
+  assert "Memory per device (analytic, for H100: attention cudnn, remat save_dots)" in text
+  assert "verdict [H100]: fits:" in text and rep["memory"]["total"] < 0.9 * 80 * 2**30
+  import subprocess  # the 64-device meshes need a process of their own
   import os
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS")}
   p = subprocess.run([sys.executable, "-c", POD_SCRIPT % (PODS[1:],)], capture_output=True, text=True, timeout=300,
