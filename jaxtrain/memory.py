@@ -2,8 +2,10 @@
 
 State (params, Adam m and v, counters) comes from `step.Setup`'s shardings: per-device
 bytes = product of the per-device shape x itemsize. Gradients are float32 and sharded like
-their params. Activations follow the formula in `activations` (what autodiff keeps for the
-backward pass of this model). Temporaries and communication buffers are a stated margin.
+their params. Activations follow `activations` (what the backward pass keeps, for the
+attention kernel and remat policy that run), FSDP-gathered weights `gathered_weights` (one
+layer at a time, as comms.py assumes), the transient peak `workspace`; other temporaries
+and communication buffers are a stated margin. Checked against XLA:GPU's compile (README).
 """
 
 from __future__ import annotations
