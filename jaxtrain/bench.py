@@ -214,8 +214,9 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
   """`batches`: numpy batches to cycle instead of jaxtrain.data's (the GPU suite's synthetic tokens)."""
   import jax
   import numpy as np
-  from jaxtrain import baselines as baselines_lib, costs, flops, memory, mesh as mesh_lib, step as step_lib
+  from jaxtrain import baselines as baselines_lib, costs, fit, flops, memory, mesh as mesh_lib, step as step_lib
   setup = step_lib.Setup(cfg, mesh)
+  fit.check(setup, cfg.run.fit_check)
   dev0 = mesh.devices.flat[0]
   t = cfg.train
   unpacked = "torch" in baselines  # SDPA's flash path masks causally only: every side gets unpacked rows

@@ -143,6 +143,8 @@ class RunConfig:
                           math=False)
   profile_steps: str = key("", "Steps to trace with jax.profiler into <workdir>/profile/, e.g. '5-7' or '3'; "
                            "empty = none.", math=False)
+  fit_check: bool = key(True, "Before allocating, compare the memory bill with one device's memory (GPU: its "
+                        "limit; CPU: host memory / devices) and stop with one line if it cannot fit.", math=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,6 +62,12 @@ def kind(name: str) -> Kind:
   return KINDS[key]
 
 
+def find_kind(name: str) -> Kind | None:
+  """`kind` without the error: None for a name with no TargetConfig."""
+  key = {k.lower(): k for k in KINDS}.get(name.strip().lower()) or ALIASES.get(name.strip().lower())
+  return KINDS[key] if key else None
+
+
 def plugin_installed() -> bool:
   """The CUDA PJRT plugin (jax[cuda12] or jax[cuda13]) is importable; nothing is started."""
   return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))

@@ -6,29 +6,47 @@ from __future__ import annotations
 import sys
 
 from jaxtrain import memory
+from jaxtrain.errors import UserError
 
 
 def target_mesh(device: str | None, spec: str, compile: bool, device_memory: str | None):
   """(mesh, --device-memory value) for inspect.
 
-  --device KIND with the CUDA plugin: compile-only devices of that kind (the host backend
-  is pinned to CPU first, so no CUDA backend is started). Without the plugin: one line on
-  stderr, then the simulated CPU devices as without --device; the compiled section is
-  labelled XLA:CPU. Either way the memory verdict uses the kind's memory unless
-  --device-memory says otherwise."""
-  from jaxtrain import gpu_compile, mesh as mesh_lib
+  --device KIND (any name of the device table, jaxtrain.devices) sets the memory verdict
+  to the kind's memory unless --device-memory says otherwise; the bill is for the kind's
+  kernels either way (inspect builds the kind's plan). For a kind with an XLA:GPU target
+  (gpu_compile.KINDS) and the CUDA plugin: compile-only devices of that kind (the host
+  backend is pinned to CPU first, so no CUDA backend is started). Otherwise the simulated
+  CPU devices as without --device; with --compile then one line on stderr, and the
+  compiled section is labelled XLA:CPU (--compile for a kind without a target: an error)."""
+  from jaxtrain import devices, gpu_compile, mesh as mesh_lib
   if device is None:
     return mesh_lib.setup(spec), device_memory
-  k = gpu_compile.kind(device)
-  device_memory = device_memory or k.name
-  if gpu_compile.plugin_installed():
+  key, _ = devices.named(device)
+  k = gpu_compile.find_kind(device)
+  if compile and k is None:
+    raise UserError(f"--compile --device {device}: XLA:GPU compile targets exist for {', '.join(gpu_compile.KINDS)} "
+                    "only; drop --compile for the analytic bill of this device")
+  device_memory = device_memory or key
+  if k is not None and gpu_compile.plugin_installed():
     import jax
     jax.config.update("jax_platforms", "cpu")
     return gpu_compile.mesh(k, spec), device_memory
-  if compile:
+  if compile and k is not None:
     print(f"jaxtrain.inspect: no CUDA plugin installed (pip install 'jaxtrain[gpu-aot]'), so --compile uses XLA:CPU "
           f"on simulated CPU devices, not XLA:GPU for {k.name}", file=sys.stderr)
-  return mesh_lib.setup(spec), device_memory
+  return simulated(spec), device_memory
+
+
+def simulated(spec: str):
+  """The mesh on simulated CPU devices in this one process; dcn factors (hosts) only
+  order devices, which the bill does not depend on, so they are dropped here."""
+  import math
+  from jaxtrain import mesh as mesh_lib
+  sizes, _ = mesh_lib.parse_full(spec)
+  if -1 not in sizes.values():
+    mesh_lib.provide_cpu_devices(math.prod(sizes.values()))
+  return mesh_lib.build(sizes)
 
 
 def render(c: dict) -> list[str]:

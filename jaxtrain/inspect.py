@@ -28,8 +28,10 @@ def parse_args(argv=None):
   cli.add_config_args(p, help_config=False)
   p.add_argument("--compile", action="store_true", help="also compile the train step and print XLA's memory analysis")
   p.add_argument("--device", metavar="KIND",
-                 help="target GPU kind (H100, H200, A100-80GB): with --compile, XLA's GPU compiler compiles the step "
-                      "for a mesh of them without any GPU here (needs the gpu-aot extra); also sets the memory verdict")
+                 help="target device kind, a name of the device table (H100, H200, A100-80GB, B200, ...): the bill, "
+                      "its attention kernel and the verdict are for that device, whatever runs inspect; with "
+                      "--compile (H100, H200, A100-80GB) XLA's GPU compiler compiles the step for a mesh of them "
+                      "without any GPU here (needs the gpu-aot extra)")
   p.add_argument("--device-memory", metavar="SIZE|KIND",
                  help="memory per device for the verdict: a size (80GiB, 80GB, bytes) or a device kind (H100, ...); "
                       "default: the local device's kind, if known")
@@ -88,12 +90,15 @@ def replication_warnings(rows, mesh, threshold: int) -> list[str]:
 
 
 def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory: str | None = None,
-           margin: float = 0.10, warn_replicated: int = 16 * 2**20) -> dict:
-  from jaxtrain import comms, flops, memory, mesh as mesh_lib, step as step_lib
+           margin: float = 0.10, warn_replicated: int = 16 * 2**20, device: str | None = None) -> dict:
+  """`device`: a device-table name; the bill is then for that device's kernels (its plan),
+  whatever devices the mesh here holds."""
+  from jaxtrain import comms, devices, flops, memory, mesh as mesh_lib, plan as plan_lib, step as step_lib
   setup = step_lib.Setup(cfg, mesh)
   all_rows = memory.param_rows(setup)
   rows = memory.grouped(all_rows)
-  b = memory.bill(setup, rows, margin)
+  target = plan_lib.build(cfg, mesh, device=devices.stand_in(device)) if device else setup.plan
+  b = memory.bill(setup, rows, margin, plan=target)
   dev = mesh.devices.flat[0]
   capacity, source = memory.device_memory(device_memory, dev.device_kind)
   t = cfg.train
@@ -109,6 +114,7 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
       "param_count": setup.n_params,
       "param_bytes_per_device": sum(r.bytes * r.count for r in rows),
       "memory": {"items": b.items, "notes": b.notes, "total": b.total, "remat": cfg.model.remat,
+                 "attention": target.attention, "for_device": device or dev.device_kind,
                  "activations_full_remat": b.full_remat_activations,
                  "device_memory": capacity, "device_memory_source": source,
                  "fits": None if capacity is None else b.total <= capacity, "verdict": memory.verdict(b, capacity)},
@@ -127,11 +133,11 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
       c["analytic"] = {
           "arguments": i["params"] + i["adam_m"] + i["adam_v"] + i["counters"] + i["batch"],
           "outputs": i["params"] + i["adam_m"] + i["adam_v"] + i["counters"],
-          "temporaries": (i["gradients"] + i["grad_accumulator"] + i["weight_copies"] + i["activations"]
-                          + i["margin"]),
+          "temporaries": b.total - (i["params"] + i["adam_m"] + i["adam_v"] + i["counters"] + i["batch"]),
           "total": b.total,
       }
       c["ratio"] = c["total"] / b.total
+      c["ratio_without_margin"] = c["total"] / (b.total - i["margin"])
       if capacity is not None:  # the compiled total, when there is one, decides the fit
         from jaxtrain import gpu_compile
         rep["memory"]["fits"] = c["total"] <= capacity
@@ -177,7 +183,8 @@ def render(rep: dict) -> str:
            f"({memory.human(rep['param_bytes_per_device'])})")
   L.append("")
   mem = rep["memory"]
-  L.append("Memory per device (analytic)")
+  L.append(f"Memory per device (analytic, for {mem['for_device']}: attention {mem['attention']}, "
+           f"remat {mem['remat']})")
   for k, v in mem["items"].items():
     L.append(f"  {k:<17} {memory.human(v):>11} {v:>17,}  {mem['notes'][k]}")
   L.append(f"  {'total':<17} {memory.human(mem['total']):>11} {mem['total']:>17,}")
@@ -197,7 +204,7 @@ def render(rep: dict) -> str:
       for k in ("arguments", "outputs", "aliased", "temporaries", "generated_code", "total"):
         a = c["analytic"].get(k)
         L.append(f"  {k:<15} {memory.human(c[k]):>12} {'' if a is None else memory.human(a):>12}")
-      L.append(f"  ratio compiled/analytic total: {c['ratio']:.2f}")
+      L.append(f"  ratio compiled/analytic total: {c['ratio']:.2f} ({c['ratio_without_margin']:.2f} without the margin)")
     from jaxtrain import gpu_report
     L.extend(gpu_report.render(c))
   if "pipeline" in rep:
@@ -237,7 +244,7 @@ def main(argv=None) -> int:
       from jaxtrain import gpu_report
       mesh, device_memory = gpu_report.target_mesh(args.device, args.mesh, args.compile, args.device_memory)
     rep = report(started.cfg, mesh, Path(args.config).stem, compile=args.compile, device_memory=device_memory,
-                 margin=args.margin, warn_replicated=threshold)
+                 margin=args.margin, warn_replicated=threshold, device=args.device)
     print(json.dumps(rep, indent=1) if args.json else render(rep))
   return cli.main("jaxtrain.inspect", body)
 

@@ -163,11 +163,12 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   """Trains until `stop_at` (default train.steps) total steps."""
   import jax
   from jaxtrain import checkpoint, data, flops, mesh as mesh_lib, metrics, observe, progress as progress_lib
-  from jaxtrain import lock as lock_lib, runfiles, step as step_lib
+  from jaxtrain import fit, lock as lock_lib, runfiles, step as step_lib
 
   allowed = _allowed(allow_mismatch)
   stop_at = stop_at or cfg.train.steps
   setup = step_lib.Setup(cfg, mesh)
+  fit.check(setup, cfg.run.fit_check)  # before the workdir or any array is touched
   runfiles.prepare_workdir(workdir)
   # One trainer per workdir, taken before anything in it is moved or removed.
   lock = lock_lib.WorkdirLock(workdir).acquire() if jax.process_index() == 0 else None

@@ -199,8 +199,9 @@ def test_memory_bill_counts_activations_for_the_remat_setting():
   for remat in ("none", "full"):
     setup = step_lib.Setup(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat)), mesh)
     b = memory.bill(setup, memory.param_rows(setup), 0.0)
-    assert b.items["activations"] == sum(memory.activations(setup.cfg, mesh, remat).values())
-  assert b.items["activations"] < sum(memory.activations(cfg, mesh, "none").values())
+    assert b.items["activations"] == sum(memory.activations(setup.cfg, mesh, remat, setup.plan.attention,
+                                                            logits_residual=False).values())
+  assert b.items["activations"] < sum(memory.activations(cfg, mesh, "none", logits_residual=False).values())
 
 
 

@@ -1,0 +1,43 @@
+"""The README's table "bill vs XLA:GPU compile": llama3-8b (32 scanned layers), one
+sequence per GPU on 8 H100s (fsdp=8), every remat policy, cuDNN and reference attention,
+seq 2048 and 8192. Compile-only (needs the gpu-aot extra; about a minute per row on 2 cores):
+
+    JAX_PLATFORMS=cpu python tests/gpu_bill_table.py [2048 8192]
+"""
+
+import sys
+
+import jax
+
+jax.config.update("jax_platforms", "cpu")
+
+from jaxtrain import config, gpu_compile, memory, step  # noqa: E402
+
+BASE = ["model.scan_layers=true", "train.batch_size=8", "model.attention_max_segments=16"]
+
+
+def row(mesh, sets):
+  setup = step.Setup(config.load("llama3-8b", BASE + sets), mesh)
+  b = memory.bill(setup, memory.grouped(memory.param_rows(setup)), 0.0)
+  i = b.items
+  args = i["params"] + i["adam_m"] + i["adam_v"] + i["counters"] + i["batch"]
+  compiled, seconds = gpu_compile.compile_step(setup)
+  ma = compiled.memory_analysis()
+  total = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+  return setup.plan.attention, ma.argument_size_in_bytes == args, total, b.total, seconds
+
+
+def main(seqs):
+  mesh = gpu_compile.mesh(gpu_compile.kind("H100"), "fsdp=8")
+  print("| seq | attention | remat | compiled GiB | bill GiB (no margin) | compiled / bill | arguments equal |")
+  print("|---|---|---|---|---|---|---|")
+  for seq in seqs:
+    for kernel in ("cudnn", "xla"):
+      for remat in memory.REMATS:
+        k, same, c, b, _ = row(mesh, [f"train.seq_len={seq}", f"model.attention={kernel}", f"model.remat={remat}"])
+        print(f"| {seq} | {'cuDNN' if k == 'cudnn' else 'reference'} | {remat} | {c / 2**30:.2f} | {b / 2**30:.2f} "
+              f"| {c / b:.3f} | {same} |", flush=True)
+
+
+if __name__ == "__main__":
+  main([int(a) for a in sys.argv[1:]] or [2048, 8192])
