@@ -16,16 +16,22 @@ Chunking never splits a device's tokens across devices: the length axis L is cut
 every local row (B / batch ways) times c positions. c is the largest divisor of the
 local length with rows * c <= train.loss_chunk_tokens (at least 1 position).
 
-Peak memory of the loss per device (T = local tokens of the microbatch, Tc = rows * c
-the chunk's tokens, Vt = V / tensor ways, s = bytes of the compute dtype, D = d_model):
-  chunked:  about 3 * Tc * Vt * 4     (a chunk's f32 logits, their exp / softmax, the
-                                       logits gradient; one chunk at a time)
-          + D * Vt * 4                (f32 accumulator of the output weight's gradient)
-          + T * D * (s + 4)           (the hidden states re-laid out in chunks and their
-                                       gradient)
-  plain (loss_chunk_tokens = 0): the same with Tc = T, plus T * Vt * 4 kept from the
-  forward to the backward pass (the exp of the logits).
-The compiled figures are in README ("Chunked cross-entropy").
+Peak memory of the loss per device, for the memory bill (Tc = a chunk's local tokens =
+rows * c, T = the microbatch's local tokens, Vt = V / tensor ways, D = d_model (the
+output weight is gathered over fsdp for the head, as every FSDP weight), s = bytes of the
+compute dtype). Kept from the forward to the backward pass: nothing of the logits (the
+plain loss keeps T * Vt * 4, the exp of its logits). Temporaries, as XLA compiles them:
+  XLA:GPU (H100):  s * D * Vt          (the compute-dtype copy of the output weight)
+                 + 4 * Tc * Vt         (one chunk's f32 logits: the compiled temporaries grow
+                                        by about 1x this per chunk size, 512 to 4096 tokens)
+                 + under s * T * D     (20 MiB at the sizes below)
+  XLA:CPU adds 2 * 4 * D * Vt (absent from the XLA:GPU compile): an f32 upcast of that
+  copy for the hidden-state gradient (the plain loss has it too) and one chunk's f32
+  weight gradient before it is added to the accumulator; and about 2x the chunk's
+  logits at 4096 tokens.
+The weight gradient itself (4 * D * Vt, f32) is the output. Measured at V = 128256,
+D = 4096, T = 8192 (README, "Chunked cross-entropy"): XLA:GPU 7.83 GiB unchunked -> 1.48 GiB
+at Tc = 1024; XLA:CPU 9.91 -> 5.54 GiB.
 """
 
 from __future__ import annotations
@@ -111,3 +117,20 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens):
   body = jax.checkpoint(chunk_nll, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
   total, _ = jax.lax.scan(body, jnp.float32(0), (split(h_BxLxD), split(targets_BxL), split(weights_BxL)))
   return total
+
+
+def temp_bytes(vocab: int, d_model: int, batch: int, seq: int, chunk_tokens: int, dtype: str = "bfloat16",
+               device=None) -> int:
+  """XLA's temporary bytes of the compiled loss + gradient (w.r.t. the hidden states and the
+  float32 output weight) on one device, compiled only: the figure README quotes. `device`:
+  where to compile (default: the local backend; e.g. a compile-only H100 from
+  `gpu_compile.devices`)."""
+  from jax.sharding import SingleDeviceSharding
+  from jaxtrain import plan as plan_lib
+  sh = SingleDeviceSharding(device) if device is not None else None
+  arg = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
+  plan = plan_lib.local()
+  f = jax.value_and_grad(lambda h, w, t, m: nll_sum(h, w, t, m, plan, chunk_tokens), argnums=(0, 1))
+  lowered = jax.jit(f).lower(arg((batch, seq, d_model), jnp.dtype(dtype)), arg((d_model, vocab), jnp.float32),
+                             arg((batch, seq), jnp.int32), arg((batch, seq), jnp.int32))
+  return lowered.compile().memory_analysis().temp_size_in_bytes
