@@ -80,8 +80,10 @@ def ways(plan, shape) -> tuple[int, int]:
   """(batch ways, length ways): how many devices split B and L of a (B, L) activation."""
   if plan.mesh is None:
     return 1, 1
+  def n(entry):
+    axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(plan.mesh.shape[a] for a in axes)
   spec = plan.spec(("batch", "length"), shape)
-  n = lambda e: 1 if e is None else math.prod(plan.mesh.shape[a] for a in (e if isinstance(e, tuple) else (e,)))  # noqa: E731
   return n(spec[0]), n(spec[1])
 
 
