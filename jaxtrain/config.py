@@ -126,6 +126,10 @@ class TrainConfig:
                                   math=False, min=1)
   eval_interval: int = key(0, "Evaluate on the held-out split every N steps (0 = never); see data.eval_*.",
                            math=False, min=0)
+  loss_chunk_tokens: int = key(
+      1024, "Cross-entropy in chunks of this many tokens per device (jaxtrain.xent): one chunk's float32 logits "
+      "(chunk x vocab / tensor x 4 bytes, 0.5 GiB at a 128k vocabulary) instead of the whole batch's; "
+      "0 = the plain unchunked loss.", math=False, min=0)
 
 
 @dataclasses.dataclass(frozen=True)

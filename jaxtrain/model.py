@@ -222,6 +222,19 @@ class Transformer(nnx.Module):
     """Returns (float32 logits (B, L, V), list of the MoE layers' stats; empty if dense).
     `plan`: how to run on the mesh (`jaxtrain.plan`); None = one device, reference attention."""
     plan = plan or plan_lib.local(self.cfg)
+    x_BxLxD, moe_stats = self.hidden(tokens_BxL, pos_BxL, seg_BxL, plan)
+    logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, self.head_weight().astype(x_BxLxD.dtype),
+                              preferred_element_type=jnp.float32)
+    return plan.constrain(logits_BxLxV, ("batch", "length", "act_vocab")), moe_stats
+
+  def head_weight(self):
+    """The output projection (D, V), float32: the embedding's transpose when tied."""
+    return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
+  def hidden(self, tokens_BxL, pos_BxL, seg_BxL, plan=None):
+    """(final-normed hidden states (B, L, D) in the compute dtype, MoE stats): `forward`
+    without the output head, for a loss that applies the head itself (`jaxtrain.xent`)."""
+    plan = plan or plan_lib.local(self.cfg)
     dt = jnp.dtype(self.cfg.dtype)
     x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(dt)
     x_BxLxD = plan.constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
@@ -241,10 +254,7 @@ class Transformer(nnx.Module):
         x_BxLxD, stats = run_block(block, x_BxLxD, tables, seg_BxL)
         if stats is not None:
           moe_stats.append(stats)
-    x_BxLxD = self.final_norm(x_BxLxD)
-    w_DxV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-    logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(dt), preferred_element_type=jnp.float32)
-    return plan.constrain(logits_BxLxV, ("batch", "length", "act_vocab")), moe_stats
+    return self.final_norm(x_BxLxD), moe_stats
 
   def decode(self, tokens_BxT, pos_BxT, seg_BxT, cache, plan=None):
     """KV-cached forward of T new tokens per row (the prompt, then one at a time) through the

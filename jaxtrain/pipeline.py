@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import model as model_lib, schedule as schedule_lib
+from jaxtrain import model as model_lib, schedule as schedule_lib, xent
 from jaxtrain.errors import UserError
 
 AXIS = "pipeline"
@@ -204,16 +204,8 @@ def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest,
 
   def head_loss(rest_p, y, mb):
     model = module(rest_p, jax.tree.map(lambda a: a[0], layers))
-    x = model.final_norm(y)
-    w_DxV = model.embed[...].T if mc.tie_embeddings else model.lm_head[...]
-    logits = jnp.einsum("bld,dv->blv", x, w_DxV.astype(dt), preferred_element_type=jnp.float32)
-    logits = plan.constrain(logits, ("batch", "length", "act_vocab"))
-    # The target logit by an (exact) one-hot product rather than take_along_axis: keeps
-    # gathers on vocab-split arrays out of the partial-manual region (see `embed`).
-    hot = jax.nn.one_hot(mb["targets"], logits.shape[-1], dtype=logits.dtype)
-    target = jnp.sum(logits * plan.constrain(hot, ("batch", "length", "act_vocab")), axis=-1)
-    nll = jax.nn.logsumexp(logits, axis=-1) - target
-    return jnp.sum(nll * mb["loss_mask"].astype(jnp.float32))
+    return xent.nll_sum(model.final_norm(y), model.head_weight(), mb["targets"], mb["loss_mask"], plan,
+                        plan.loss_chunk_tokens, gather=False)
 
   zero_act = act(jnp.zeros((b, L, D), dt))
   zeros_chunk = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), layers)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jaxtrain import attention as attention_lib, sharding
+from jaxtrain.config import TrainConfig
 from jaxtrain.errors import UserError
 
 
@@ -34,6 +35,7 @@ class Plan:
   remat: str = "none"
   logits_dtype: str = "float32"  # scores/softmax of the reference kernel
   packed_segments: int = 0  # cudnn only: segments go as offsets, at most this many per row (0: an L x L mask)
+  loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens  # the loss's tokens per chunk per device (0: unchunked)
   sequence_axis: str = "sequence"
   expert_axis: str = "expert"
 
@@ -109,7 +111,8 @@ def build(cfg, mesh, device=None) -> Plan:
     packed = m.attention_max_segments if impl == "cudnn" and attention_lib.uses_packed(m, info) else 0
   moe = "dense" if not m.moe_experts else ("local" if mesh is None else "all_to_all")
   return Plan(mesh=mesh, rules=sharding.rules_for(cfg.run.sequence_parallel), attention=impl, attention_why=why,
-              moe=moe, remat=m.remat, logits_dtype=m.attention_logits_dtype, packed_segments=packed)
+              moe=moe, remat=m.remat, logits_dtype=m.attention_logits_dtype, packed_segments=packed,
+              loss_chunk_tokens=cfg.train.loss_chunk_tokens)
 
 
 def local(model_cfg=None) -> Plan:

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import model as model_lib
-from jaxtrain import pipeline, placement as placement_lib, plan as plan_lib, precision, sharding
+from jaxtrain import pipeline, placement as placement_lib, plan as plan_lib, precision, sharding, xent
 from jaxtrain.config import Config, OptimConfig
 from jaxtrain.errors import UserError
 # Weight decay applies to the projection matrices only: not to norm scales (they set a
@@ -59,13 +59,13 @@ def token_loss_sum(graphdef, params, mb, plan=None):
 def token_loss_and_moe(graphdef, params, mb, plan=None):
   """(token_loss_sum, MoE totals of the microbatch: aux loss averaged over MoE layers,
   dropped and assigned token-to-expert assignments; zeros for a dense model)."""
-  logits_BxLxV, moe_stats = nnx.merge(graphdef, params).forward(mb["inputs"], mb["positions"], mb["segment_ids"],
-                                                                plan)
-  target_logit_BxL = jnp.take_along_axis(logits_BxLxV, mb["targets"][..., None], axis=-1)[..., 0]
-  nll_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1) - target_logit_BxL
+  model = nnx.merge(graphdef, params)
+  plan = plan or plan_lib.local(model.cfg)
+  h_BxLxD, moe_stats = model.hidden(mb["inputs"], mb["positions"], mb["segment_ids"], plan)
+  loss_sum = xent.nll_sum(h_BxLxD, model.head_weight(), mb["targets"], mb["loss_mask"], plan, plan.loss_chunk_tokens)
   moe = {k: sum((s[k] for s in moe_stats), jnp.float32(0)) for k in ("aux", "dropped", "assigned")}
   moe["aux"] = moe["aux"] / max(len(moe_stats), 1)
-  return jnp.sum(nll_BxL * mb["loss_mask"].astype(jnp.float32)), moe
+  return loss_sum, moe
 
 
 def split_microbatches(batch, k: int, plan):

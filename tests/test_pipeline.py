@@ -56,7 +56,9 @@ SCHEDULES = {"gpipe": ["pipeline.schedule=gpipe"], "1f1b": ["pipeline.schedule=1
 PARITY = ([("pp=2", name, []) for name in SCHEDULES]
           + [("pp=4", "gpipe", ["train.microbatches=16"]), ("pp=4", "1f1b", ["train.microbatches=16"]),
              ("pp=4", "interleaved", ["train.microbatches=8"]),
-             ("pp=2,dp=2", "1f1b", []), ("pp=2,fsdp=2,tp=2", "1f1b", [])])
+             ("pp=2,dp=2", "1f1b", []),
+             # the loss in 8-token chunks (4 rows x 2 positions; 8 chunks per microbatch), vocab over tensor
+             ("pp=2,fsdp=2,tp=2", "1f1b", ["train.loss_chunk_tokens=8"])])
 
 
 def assert_parity(got, ref, what):

@@ -1,0 +1,130 @@
+"""Chunked, vocabulary-parallel cross-entropy (jaxtrain.xent): the same loss and gradients as
+the plain loss, and a compiled program without the (B, L, V) logits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtrain import config, model as model_lib, plan as plan_lib, step, xent
+from jaxtrain.errors import UserError
+from tests.helpers import mesh_of
+
+
+def rel(got, want):
+  """Largest deviation relative to the largest reference value."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+# ---- the loss alone, against float64 numpy --------------------------------------------
+
+B, L, D, V = 2, 24, 16, 64
+
+
+@pytest.fixture(scope="module")
+def head():
+  """Random hidden states, weight, targets and a 0/1 mask; the float64 loss and gradients
+  written out by hand (softmax - one_hot)."""
+  rng = np.random.default_rng(0)
+  h, w = rng.normal(size=(B, L, D)).astype(np.float32), rng.normal(size=(D, V)).astype(np.float32)
+  t = rng.integers(0, V, (B, L)).astype(np.int32)
+  m = (rng.random((B, L)) > 0.3).astype(np.int32)
+  logits = h.astype(np.float64) @ w.astype(np.float64)
+  top = logits.max(-1, keepdims=True)
+  lse = (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))[..., 0]
+  nll = lse - np.take_along_axis(logits, t[..., None], -1)[..., 0]
+  dlogits = (np.exp(logits - lse[..., None]) - np.eye(V)[t]) * m[..., None]
+  want = {"loss": float((nll * m).sum()), "h": dlogits @ w.T.astype(np.float64),
+          "w": np.einsum("bld,blv->dv", h.astype(np.float64), dlogits)}
+  return (h, w, t, m), want
+
+
+@pytest.mark.parametrize("spec,chunk", [("dp=1", 0), ("dp=1", 5), ("tp=2", 8), ("sp=2,tp=2", 4), ("dp=2,sp=2", 3)])
+def test_chunked_vocab_parallel_loss_and_grads_equal_float64(head, spec, chunk):
+  (h, w, t, m), want = head
+  mesh = mesh_of(spec)
+  plan = plan_lib.build(config.load("tiny"), mesh)
+  f = jax.jit(jax.value_and_grad(lambda h, w: xent.nll_sum(h, w, t, m, plan, chunk), argnums=(0, 1)))
+  loss, (dh, dw) = f(h, jax.device_put(w, plan.sharding(("embed", "vocab"), w.shape)))
+  if chunk:  # more than one chunk per device, and chunks within each device's share
+    sw, n, c = xent.chunk_layout(B, L, plan, chunk)
+    assert n > 1 and sw * n * c == L
+  assert abs(float(loss) - want["loss"]) <= 1e-6 * want["loss"]
+  assert rel(dh, want["h"]) <= 1e-6 and rel(dw, want["w"]) <= 1e-6
+
+
+def test_chunk_layout_keeps_within_the_budget_and_divides_the_length():
+  one = plan_lib.local()
+  assert xent.chunk_layout(4, 32, one, 16) == (1, 8, 4)  # 4 rows x 4 positions
+  assert xent.chunk_layout(1, 24, one, 10) == (1, 3, 8)  # largest divisor of 24 <= 10
+  assert xent.chunk_layout(8, 16, one, 4) == (1, 16, 1)  # rows alone exceed the budget: one position
+  sp = plan_lib.build(config.load("tiny"), mesh_of("dp=2,sp=4"))
+  assert xent.chunk_layout(4, 32, sp, 8) == (4, 2, 4)  # 2 local rows x 4 of a device's 8 positions
+
+
+# ---- the train step's gradients: packed segments, masks, microbatches, loss scale -------
+
+def _batch(bsz, length):
+  """Rows of 3, 2 and 1 packed documents, padding (segment 0, masked) and masked targets."""
+  rng = np.random.default_rng(1)
+  seg = np.ones((bsz, length), np.int32)
+  seg[0, 12:], seg[0, 24:] = 2, 3
+  seg[2, 20:] = 2
+  seg[3, 26:] = 0
+  pos = np.zeros_like(seg)
+  for r in range(bsz):
+    starts = np.r_[0, np.flatnonzero(np.diff(seg[r])) + 1]
+    for a, b in zip(starts, np.r_[starts[1:], length]):
+      pos[r, a:b] = np.arange(b - a)
+  mask = (seg > 0).astype(np.int32)
+  mask[1, :7] = 0
+  return {"inputs": rng.integers(0, 512, seg.shape), "targets": rng.integers(0, 512, seg.shape), "positions": pos,
+          "segment_ids": seg, "loss_mask": mask}
+
+
+@pytest.fixture(scope="module")
+def train_grads():
+  """(spec, tied, chunk) -> (loss, grads) of `step.grads` over 2 microbatches at loss scale 4."""
+  batch = _batch(4, 32)
+  cache = {}
+
+  def run(spec, tied, chunk):
+    if (spec, tied, chunk) not in cache:
+      cfg = config.load("tiny", ["model.dtype=float32", "train.batch_size=4", "train.seq_len=32",
+                                 f"model.tie_embeddings={str(tied).lower()}", f"train.loss_chunk_tokens={chunk}"])
+      setup = step.Setup(cfg, mesh_of(spec))
+      params = jax.device_put(nnx.to_pure_dict(nnx.state(model_lib.Transformer(cfg.model, nnx.Rngs(0)))),
+                              setup.state_shardings["params"])
+      g = jax.jit(lambda p, b: step.grads(setup.graphdef, p, b, 2, 4.0, plan=setup.plan)[:2])
+      cache[spec, tied, chunk] = jax.device_get(g(params, setup.device_batch(batch)))
+    return cache[spec, tied, chunk]
+  return run
+
+
+@pytest.mark.parametrize("spec,tied", [("dp=1", False), ("tp=2", False), ("tp=2", True)])
+def test_train_step_grads_with_chunks_equal_the_plain_loss(train_grads, spec, tied):
+  """8 tokens per chunk: 4 chunks per microbatch. Reference: the plain loss on the same mesh
+  (sharded against one device is test_parity's). Gradients leaf by leaf, by their norm."""
+  ref_loss, ref = train_grads(spec, tied, 0)
+  loss, got = train_grads(spec, tied, 8)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-6 * float(ref_loss)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref)):
+    err = np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+    assert err <= 1e-6, f"{jax.tree_util.keystr(path)}: {err:.2e}"
+
+
+# ---- memory and config ------------------------------------------------------------------
+
+def test_compiled_temporaries_fall_by_at_least_the_logits_at_a_32k_vocabulary():
+  Bm, Lm, Dm, Vm = 2, 512, 64, 32768
+  logits = Bm * Lm * Vm * 4
+  plain, chunked = (xent.temp_bytes(Vm, Dm, Bm, Lm, chunk) for chunk in (0, 128))
+  assert plain >= logits and plain - chunked >= logits, (plain, chunked, logits)
+
+
+def test_a_negative_chunk_size_is_a_one_line_error():
+  with pytest.raises(UserError, match="loss_chunk_tokens"):
+    config.load("tiny", ["train.loss_chunk_tokens=-1"])
+  assert config.load("tiny").train.loss_chunk_tokens == 1024
