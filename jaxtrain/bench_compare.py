@@ -31,11 +31,24 @@ def parse(items: list[str]) -> list[tuple[str, list[str]]]:
   return out
 
 
-def _variant(cfg, mesh, batches):
+def _same_shapes(a, b) -> bool:
+  import jax
+  sa, sb = jax.tree.structure(a), jax.tree.structure(b)
+  return sa == sb and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(jax.tree.leaves(a),
+                                                                                    jax.tree.leaves(b)))
+
+
+def _variant(cfg, mesh, batches, first: dict):
+  """`first` holds the first variant's initial state on the host: a variant whose state has
+  the same shapes starts from it (same weights, and one initializer compile fewer)."""
   import jax
   from jaxtrain import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
-  state = setup.init()
+  if "state" in first and _same_shapes(first["state"], jax.eval_shape(setup.init)):
+    state = jax.device_put(first["state"], setup.state_shardings)
+  else:
+    state = setup.init()
+    first.setdefault("state", jax.device_get(state))
   dev = [setup.device_batch(b) for b in batches]
   t = time.perf_counter()
   compiled = setup.step.lower(state, dev[0]).compile()
@@ -61,7 +74,8 @@ def run(base_name: str, base_sets: list[str], variants: list[tuple[str, list[str
   cfgs = {name: config.load(base_name, base_sets + sets) for name, sets in variants}
   first = next(iter(cfgs.values()))
   batches = bench.first_batches(first, step_lib.Setup(first, mesh), min(steps, 4), unpacked=False)
-  sides = {name: _variant(cfg, mesh, batches) for name, cfg in cfgs.items()}
+  first: dict = {}
+  sides = {name: _variant(cfg, mesh, batches, first) for name, cfg in cfgs.items()}
   for run_fn, sync, _, _ in sides.values():
     for _ in range(warmup):
       sync(run_fn())

@@ -3,8 +3,6 @@
 Face's Mixtral), DeepSeek-style options against plain references, the aux-free bias."""
 
 import dataclasses
-import json
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -13,29 +11,56 @@ import pytest
 from flax import nnx
 
 from jaxtrain import checkpoint, config, data, model as model_lib, moe, moe_balance, moe_layout, plan as plan_lib
-from jaxtrain import step, train
+from jaxtrain import step
 from jaxtrain.errors import UserError
 from tests.helpers import mesh_of
 
 STEPS = 3
-# moe-tiny (4 experts, top-2, both layers MoE) at the default capacity factor 1.25, float32.
-# Layers scanned: one traced block, half the compile time of two.
-TINY = ["model.dtype=float32", "train.batch_size=8", "train.seq_len=32", "model.scan_layers=true"]
+# moe-tiny (4 experts, top-2, both layers MoE) at the default capacity factor 1.25, float32,
+# at the smallest widths that keep its structure (compiles dominate the time). Layers
+# scanned: one traced block, half the compile time of two. 8 rows of 16 tokens: whole
+# sequences on every device of every mesh below, so one-sequence groups fit.
+SHAPES = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=8", "model.d_ff=64",
+          "model.dtype=float32"]
+TINY = SHAPES + ["train.batch_size=8", "train.seq_len=16", "model.scan_layers=true"]
 CAP = config.load("moe-tiny", TINY)
 DROPLESS = config.load("moe-tiny", TINY + ["model.moe_dropless=true"])
+_INITIAL: dict = {}
 
 
-def _trajectory(cfg, spec: str, steps: int = STEPS, state_fn=None):
-  """(loss, grad_norm, moe_dropped_frac, moe_load_imbalance) per step on mesh `spec`."""
+def _initial(cfg, setup):
+  """The initial train state of `cfg` on the host, computed once (every mesh then starts
+  from the same arrays, and only the step is compiled per mesh)."""
+  if id(cfg) not in _INITIAL:
+    _INITIAL[id(cfg)] = jax.device_get(setup.init.lower().compile(FAST)())
+  return jax.device_put(_INITIAL[id(cfg)], setup.state_shardings)
+
+
+# LLVM at -O0: half the compile time on CPU; every run of a comparison is compiled alike.
+FAST = {"xla_backend_optimization_level": 0}
+
+
+def _compiled_step(setup, batch):
+  return setup.step.lower(setup.abstract_state(), batch).compile(FAST)
+
+
+def _fast(fn, *args):
+  """fn(*args), jitted and compiled with FAST."""
+  return jax.jit(fn).lower(*args).compile(FAST)(*args)
+
+
+def _trajectory(cfg, spec: str, steps: int = STEPS, init=None):
+  """(loss, grad_norm, moe_dropped_frac, moe_load_imbalance) per step on mesh `spec`,
+  starting from `init`'s initial state (default cfg's)."""
   setup = step.Setup(cfg, mesh_of(spec))
   it = data.batches(cfg)
-  state, out = setup.init(), []
-  if state_fn is not None:
-    state = state_fn(setup, state)
-  for _ in range(steps):
-    state, m = setup.step(state, setup.device_batch(next(it)))
-    out.append([float(m[k]) for k in ("loss", "grad_norm", "moe_dropped_frac", "moe_load_imbalance")])
+  batches = [setup.device_batch(next(it)) for _ in range(steps)]
   it.close()
+  compiled = _compiled_step(setup, batches[0])
+  state, out = _initial(init or cfg, setup), []
+  for b in batches:
+    state, m = compiled(state, b)
+    out.append([float(m[k]) for k in ("loss", "grad_norm", "moe_dropped_frac", "moe_load_imbalance")])
   return np.array(out), state
 
 
@@ -126,42 +151,46 @@ def layer_inputs():
   return x, *_weights(rng, 16, 8, 12)
 
 
-@pytest.mark.parametrize("spec,kernel", [(None, "ragged_dot"), ("ep=2", "ragged_dot"), ("ep=4", "ragged_dot"),
-                                         ("ep=2,fsdp=2,tp=2", "ragged_dot"), ("sp=2,ep=2", "ragged_dot"),
-                                         (None, "blocks"), ("ep=2", "blocks"), ("ep=4", "blocks")])
-def test_dropless_layer_equals_dense_reference(spec, kernel, layer_inputs):
-  y = jax.jit(_dropless_layer(spec, kernel))(*layer_inputs)
-  np.testing.assert_allclose(y, _moe_reference(*layer_inputs, top_k=2), rtol=1e-4, atol=1e-5)
+@pytest.fixture(scope="module")
+def layer_reference(layer_inputs):
+  """The numpy loop's output, and the plain jnp reference's gradients of <y, ct>."""
+  ct = jnp.asarray(np.random.default_rng(1).standard_normal(layer_inputs[0].shape), jnp.float32)
+  grads = _fast(jax.grad(lambda *a: jnp.sum(_dense_jnp(*a) * ct), argnums=tuple(range(5))), *layer_inputs)
+  return _moe_reference(*layer_inputs, top_k=2), ct, grads
+
+
+@pytest.mark.parametrize("spec,kernel", [("ep=2,fsdp=2,tp=2", "ragged_dot"), ("sp=2,ep=2", "ragged_dot"),
+                                         ("ep=2", "blocks")])
+def test_dropless_layer_equals_dense_reference(spec, kernel, layer_inputs, layer_reference):
+  y = _fast(_dropless_layer(spec, kernel), *layer_inputs)
+  np.testing.assert_allclose(y, layer_reference[0], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("spec,kernel", [(None, "ragged_dot"), ("ep=4", "ragged_dot"), (None, "blocks"),
                                          ("ep=4", "blocks")])
-def test_dropless_gradients_equal_reference(spec, kernel, layer_inputs):
-  """Gradients through ragged_dot (or the blocks), the sort, the exchange and the inverse permutation."""
-  ct = jnp.asarray(np.random.default_rng(1).standard_normal(layer_inputs[0].shape), jnp.float32)
-  loss = lambda f: lambda *a: jnp.sum(f(*a) * ct)  # noqa: E731
-  got = jax.jit(jax.grad(loss(_dropless_layer(spec, kernel)), argnums=tuple(range(5))))(*layer_inputs)
-  want = jax.jit(jax.grad(loss(_dense_jnp), argnums=tuple(range(5))))(*layer_inputs)
+def test_dropless_layer_and_gradients_equal_reference(spec, kernel, layer_inputs, layer_reference):
+  """Output and gradients through ragged_dot (or the blocks), the sort, the exchange and the
+  inverse permutation, from one compiled vjp."""
+  want_y, ct, want = layer_reference
+
+  def fwd_bwd(*args):
+    y, vjp = jax.vjp(_dropless_layer(spec, kernel), *args)
+    return y, vjp(ct)
+  y, got = _fast(fwd_bwd, *layer_inputs)
+  np.testing.assert_allclose(y, want_y, rtol=1e-4, atol=1e-5)
   for name, g, r in zip(("x", "router", "w_gate", "w_up", "w_down"), got, want):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 @pytest.fixture(scope="module")
 def dropless_reference():
-  return _trajectory(DROPLESS, "dp=1")[0]
-
-
-def test_dropless_training_equals_capacity_that_never_drops(dropless_reference):
-  """Model level: the grouped-matmul run equals the buffer path with C = G (nothing drops)."""
-  never = config.load("moe-tiny", TINY + ["model.moe_capacity_factor=0"])
-  got = _trajectory(never, "dp=1")[0]
-  assert np.all(dropless_reference[:, 2] == 0) and np.all(got[:, 2] == 0)
-  np.testing.assert_allclose(dropless_reference[:, :2], got[:, :2], rtol=1e-5)
+  return _trajectory(DROPLESS, "dp=1", init=CAP)[0]  # same params as CAP
 
 
 @pytest.mark.parametrize("spec", ["ep=2", "ep=4"])
 def test_dropless_training_equal_across_expert_parallelism(spec, dropless_reference):
-  got = _trajectory(DROPLESS, spec)[0]
+  assert np.all(dropless_reference[:, 2] == 0)
+  got = _trajectory(DROPLESS, spec, init=CAP)[0]
   np.testing.assert_allclose(got[:, :2], dropless_reference[:, :2], rtol=1e-5, err_msg=spec)
 
 
@@ -192,8 +221,7 @@ def _to_hf(params, m):
 def test_dropless_equals_hf_mixtral_logits():
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  m = config.load("moe-tiny", ["model.dtype=float32", "model.moe_dropless=true", "model.n_layers=2",
-                               "model.init_std=0.1"]).model
+  m = config.load("moe-tiny", SHAPES + ["model.moe_dropless=true", "model.n_layers=2", "model.init_std=0.1"]).model
   net = model_lib.Transformer(m, nnx.Rngs(0))
   params = nnx.to_pure_dict(nnx.state(net))
   hf_cfg = transformers.MixtralConfig(
@@ -207,7 +235,7 @@ def test_dropless_equals_hf_mixtral_logits():
   assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
   tokens = np.random.default_rng(0).integers(0, m.vocab_size, (2, 24))
   pos = np.broadcast_to(np.arange(24), (2, 24))
-  ours = jax.jit(lambda t, p: net(t, p, jnp.ones_like(t)))(jnp.asarray(tokens), jnp.asarray(pos))
+  ours = _fast(lambda t, p: net(t, p, jnp.ones_like(t)), jnp.asarray(tokens), jnp.asarray(pos))
   with torch.no_grad():
     theirs = hf(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-4, atol=1e-4)
@@ -254,7 +282,8 @@ def test_shared_fine_grained_sigmoid_biased_layer_equals_reference(dropless):
   if not dropless:  # capacity path, with a capacity that cannot drop
     layer.cfg = config.load("moe-deepseek-tiny", SMALL_DS + ["model.moe_dropless=false",
                                                              "model.moe_capacity_factor=0"]).model
-  y, _ = nnx.jit(lambda l, x: l(x, plan_lib.local(l.cfg)))(layer, x)
+  graphdef, state = nnx.split(layer)
+  y, _ = _fast(lambda st, x: nnx.merge(graphdef, st)(x, plan_lib.local(layer.cfg)), state, x)
   assert layer.w_gate.shape == (16, m.d_model, 64) and layer.shared.w_gate.shape == (m.d_model, 64)
   s = layer.shared
   shared = (_silu(np.asarray(x) @ np.asarray(s.w_gate[...])) * (np.asarray(x) @ np.asarray(s.w_up[...]))) @ np.asarray(
@@ -293,13 +322,52 @@ def _skew(setup, state):
   return {**state, "params": jax.device_put(params, setup.state_shardings["params"])}
 
 
-def test_aux_free_bias_moves_toward_balance():
-  rate = 0.05
-  cfg = config.load("moe-deepseek-tiny", SMALL_DS + [f"model.moe_bias_rate={rate}", "optim.lr=1e-6"])
-  got, state = _trajectory(cfg, "dp=1", steps=4, state_fn=_skew)
-  for i in moe_balance.moe_layers(cfg.model):
-    bias = np.asarray(state["params"]["layers"][i]["mlp"]["router_bias"])
-    moves = (bias - np.eye(len(bias))[0] * 0.2) / rate  # each step moves a bias by +-rate (0 at exactly mean load)
+BIAS_RATE = 0.05
+BIAS_CFG = config.load("moe-deepseek-tiny", SMALL_DS + [f"model.moe_bias_rate={BIAS_RATE}", "optim.lr=1e-6"])
+
+
+@pytest.fixture(scope="module")
+def bias_run(tmp_path_factory):
+  """moe-deepseek-tiny with the aux-free bias on ep=2, from a skewed router, one compiled
+  step: 4 steps straight; steps 3-4 again from the state saved and restored at step 2;
+  and one step on a batch without valid tokens (skipped by guarded_update)."""
+  setup = step.Setup(BIAS_CFG, mesh_of("ep=2"))
+  it = data.batches(BIAS_CFG)
+  batches = [setup.device_batch(next(it)) for _ in range(4)]
+  it.close()
+  compiled = _compiled_step(setup, batches[0])
+  keys = ("loss", "grad_norm", "moe_dropped_frac", "moe_load_imbalance")
+
+  def steps(state, bs):
+    out = []
+    for b in bs:
+      state, m = compiled(state, b)
+      out.append([float(m[k]) for k in keys])
+    return state, np.array(out)
+  state2, first = steps(_skew(setup, _initial(BIAS_CFG, setup)), batches[:2])
+  ck = checkpoint.Checkpoints(tmp_path_factory.mktemp("bias") / "checkpoints", 3, 0, False)
+  ck.save(2, state2, {})
+  ck.wait()
+  restored, _ = ck.restore(ck.dir / "2", setup.abstract_state())
+  ck.close()
+  saved_bias = [np.asarray(state2["params"]["layers"][i]["mlp"]["router_bias"]) for i in (1, 2)]
+  straight_state, straight = steps(state2, batches[2:])  # donates state2
+  resumed_state, resumed = steps(restored, batches[2:])
+  empty = {**batches[0], "loss_mask": jnp.zeros_like(batches[0]["loss_mask"])}
+  skipped_state, skipped_m = compiled(jax.tree.map(jnp.copy, straight_state), empty)
+  return {"metrics": np.concatenate([first, straight]), "resumed": resumed, "saved_bias": saved_bias,
+          "state": straight_state, "resumed_state": resumed_state,
+          "skipped": (skipped_state, bool(skipped_m["skipped"]))}
+
+
+def _biases(state):
+  return [np.asarray(state["params"]["layers"][i]["mlp"]["router_bias"]) for i in moe_balance.moe_layers(BIAS_CFG.model)]
+
+
+def test_aux_free_bias_moves_toward_balance(bias_run):
+  got = bias_run["metrics"]
+  for bias in _biases(bias_run["state"]):
+    moves = (bias - np.eye(len(bias))[0] * 0.2) / BIAS_RATE  # each step moves a bias by +-rate (0 at mean load)
     np.testing.assert_allclose(moves, np.round(moves), atol=1e-4)
     assert np.abs(moves).max() <= 4 + 1e-4, moves
     assert moves[0] < -1.5 and moves[0] == moves.min(), moves  # expert 0, overloaded, was pushed down
@@ -308,32 +376,21 @@ def test_aux_free_bias_moves_toward_balance():
   assert got[0, 3] == 4 and np.all(got[2:, 3] < 4 - 0.1), got[:, 3]
 
 
-def test_aux_free_bias_restored_exactly_on_resume(tmp_path):
-  """An uninterrupted 4-step run (checkpoints at 2 and 4) against a copy of it resumed from
-  step 2: the same metrics for steps 3-4, and the same routing bias bit for bit."""
-  cfg = config.load("moe-deepseek-tiny", SMALL_DS + ["model.moe_bias_rate=0.01", "train.steps=4",
-                                                      "checkpoint.interval=2", "checkpoint.async_save=false"])
-  mesh = mesh_of("ep=2")
-  train.run(cfg, mesh, tmp_path / "a", "ds")
-  shutil.copytree(tmp_path / "a", tmp_path / "b")
-  shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")
-  train.run(cfg, mesh, tmp_path / "b", "ds")
-  recs = {run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-          for run in ("a", "b")}
-  assert [r["step"] for r in recs["b"]] == [1, 2, 3, 4]
-  for k in ("loss", "grad_norm", "moe_load_imbalance"):
-    assert [r[k] for r in recs["b"][2:]] == [r[k] for r in recs["a"][2:]], k
-  setup = step.Setup(cfg, mesh)
-  biases = []
-  for run in ("a", "b"):
-    ck = checkpoint.Checkpoints(tmp_path / run / "checkpoints", 3, 0, False)
-    state, _ = ck.restore(tmp_path / run / "checkpoints" / "4", setup.abstract_state())
-    ck.close()
-    biases.append([np.asarray(state["params"]["layers"][i]["mlp"]["router_bias"]) for i in (1, 2)])
-  assert np.any(biases[0][0] != 0)
-  for a, b in zip(*biases):
+def test_aux_free_bias_restored_exactly_on_resume(bias_run):
+  """Steps 3-4 from the checkpoint of step 2 equal the uninterrupted steps 3-4, and the bias
+  is restored and ends bit for bit the same."""
+  np.testing.assert_array_equal(bias_run["resumed"], bias_run["metrics"][2:])
+  assert np.any(bias_run["saved_bias"][0] != 0)
+  for a, b in zip(_biases(bias_run["state"]), _biases(bias_run["resumed_state"])):
     np.testing.assert_array_equal(a, b)
-  assert recs["b"][-1]["moe_load_imbalance"] >= 1 and recs["b"][-1]["moe_dropped_frac"] == 0
+
+
+def test_skipped_step_moves_no_bias(bias_run):
+  """A step that guarded_update skips (no valid token) leaves the bias and the step count as they were."""
+  state, skipped = bias_run["skipped"]
+  assert skipped and int(state["step"]) == int(bias_run["state"]["step"]) == 4
+  for a, b in zip(_biases(state), _biases(bias_run["state"])):
+    np.testing.assert_array_equal(a, b)
 
 
 # ---- traffic ------------------------------------------------------------------------------
@@ -373,8 +430,8 @@ def test_bench_compare_alternates_variants_with_compiled_memory():
     bench_compare.parse(["model.moe_dropless=true"])
   variants = bench_compare.parse(["drop:model.moe_dropless=true", "cap:model.moe_capacity_factor=1.25"])
   assert variants == [("drop", ["model.moe_dropless=true"]), ("cap", ["model.moe_capacity_factor=1.25"])]
-  rep = bench_compare.run("moe-tiny", ["model.n_layers=1", "train.batch_size=2", "train.seq_len=16"], variants,
-                          mesh_of("ep=2"), steps=2, warmup=0, rounds=2)
+  rep = bench_compare.run("moe-tiny", SHAPES + ["model.n_layers=1", "train.batch_size=2", "train.seq_len=16"],
+                          variants, mesh_of("dp=1"), steps=2, warmup=0, rounds=2)
   for name in ("drop", "cap"):
     v = rep["variants"][name]
     assert v["step_time_s"]["n"] == 4 and len(v["round_medians_s"]) == 2
