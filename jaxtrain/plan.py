@@ -34,6 +34,7 @@ class Plan:
   attention_why: str
   moe: str  # "dense" | "local" | "all_to_all"
   moe_kernel: str = "capacity"  # "capacity" | "ragged_dot" | "blocks" (the last two: dropless)
+  moe_group: int = 0  # capacity group in tokens (model.moe_group_size or train.seq_len); 0 = one sequence
   remat: str = "none"
   logits_dtype: str = "float32"  # scores/softmax of the reference kernel
   packed_segments: int = 0  # cudnn only: segments go as offsets, at most this many per row (0: an L x L mask)
@@ -79,7 +80,8 @@ class Plan:
                        plan=self, group_size=group_size, score=score, bias_X=bias_X)
 
   def describe(self) -> str:
-    kernel = ("capacity groups" if self.moe_kernel == "capacity"
+    group = f"{self.moe_group} tokens" if self.moe_group else "one sequence"
+    kernel = (f"capacity groups of {group}" if self.moe_kernel == "capacity"
               else f"dropless, {self.moe_kernel} grouped matmuls")
     moe = {"dense": "", "local": f"; moe: local, {kernel}",
            "all_to_all": f"; moe: all_to_all over {self.expert_axis}, {kernel}"}[self.moe]
@@ -117,7 +119,8 @@ def build(cfg, mesh, device=None) -> Plan:
   if device is None and mesh is not None:
     device = mesh.devices.flat[0]
   return Plan(mesh=mesh, rules=sharding.rules_for(cfg.run.sequence_parallel), attention=impl, attention_why=why,
-              moe=moe, moe_kernel=moe_kernel(m, attention_lib.info_of(device).platform), remat=m.remat,
+              moe=moe, moe_kernel=moe_kernel(m, attention_lib.info_of(device).platform),
+              moe_group=m.moe_group_size or cfg.train.seq_len, remat=m.remat,
               logits_dtype=m.attention_logits_dtype, packed_segments=packed)
 
 
