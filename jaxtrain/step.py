@@ -18,7 +18,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import model as model_lib
-from jaxtrain import moe_balance, moe_layout, pipeline, placement as placement_lib, plan as plan_lib, precision, sharding
+from jaxtrain import moe_balance, moe_layout, pipeline, placement as placement_lib, plan as plan_lib
+from jaxtrain import precision, sharding
 from jaxtrain.config import Config, OptimConfig
 from jaxtrain.errors import UserError
 # Weight decay applies to the projection matrices only: not to norm scales (they set a
