@@ -3,6 +3,7 @@
 Face's Mixtral), DeepSeek-style options against plain references, the aux-free bias."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -338,10 +339,11 @@ BIAS_CFG = config.load("moe-deepseek-tiny", SMALL_DS + [f"model.moe_bias_rate={B
 
 @pytest.fixture(scope="module")
 def bias_run(tmp_path_factory):
-  """moe-deepseek-tiny with the aux-free bias on ep=2, from a skewed router, one compiled
+  """moe-deepseek-tiny with the aux-free bias on one device (tests/test_pipeline.py runs the
+  bias on pp=2,ep=2 against one device), from a skewed router, one compiled
   step: 4 steps straight; steps 3-4 again from the state saved and restored at step 2;
   and one step on a batch without valid tokens (skipped by guarded_update)."""
-  setup = step.Setup(BIAS_CFG, mesh_of("ep=2"))
+  setup = step.Setup(BIAS_CFG, mesh_of("dp=1"))
   it = data.batches(BIAS_CFG)
   batches = [setup.device_batch(next(it)) for _ in range(4)]
   it.close()
@@ -434,16 +436,26 @@ def test_flops_count_routed_and_shared_experts_of_their_width():
   assert flops.matmul_params(m) == model_lib.param_count(state) - norms_bias_lookup - 2 * idle
 
 
-def test_bench_compare_alternates_variants_with_compiled_memory():
-  from jaxtrain import bench_compare
+def test_bench_compare_alternates_variants_with_compiled_memory(tmp_path, capsys):
+  """`python -m jaxtrain.bench --compare ...` as bench.main runs it (in-process): two variants,
+  2 rounds of 2 timed steps each, compiled memory per device, the JSON and the table."""
+  from jaxtrain import bench, bench_compare
   with pytest.raises(UserError, match="must look like NAME:"):
     bench_compare.parse(["model.moe_dropless=true"])
-  variants = bench_compare.parse(["drop:model.moe_dropless=true", "cap:model.moe_capacity_factor=1.25"])
-  assert variants == [("drop", ["model.moe_dropless=true"]), ("cap", ["model.moe_capacity_factor=1.25"])]
-  rep = bench_compare.run("moe-tiny", SHAPES + ["model.n_layers=1", "train.batch_size=2", "train.seq_len=16"],
-                          variants, mesh_of("dp=1"), steps=2, warmup=0, rounds=2)
+  variants = ["drop:model.moe_dropless=true", "cap:model.moe_capacity_factor=1.25"]
+  assert bench_compare.parse(variants) == [("drop", ["model.moe_dropless=true"]),
+                                           ("cap", ["model.moe_capacity_factor=1.25"])]
+  sets = [a for s in SHAPES + ["model.n_layers=1", "train.batch_size=2", "train.seq_len=16"] for a in ("--set", s)]
+  args = ["--config", "moe-tiny", *sets, "--mesh", "dp=1", "--steps", "2", "--warmup", "0", "--rounds", "2",
+          "--out", str(tmp_path / "bench.json")] + [a for v in variants for a in ("--compare", v)]
+  # bench.main's --compare branch after its start-up (whose mesh must use every device)
+  ns, mesh, out = bench.parse_args(args), mesh_of("dp=1"), tmp_path / "bench.json"
+  with pytest.raises(UserError, match="--compare and --baseline do not mix"):
+    bench._compare(ns, mesh, out, ["minimal"])
+  assert bench._compare(ns, mesh, out, []) == 0
+  rep = json.loads((tmp_path / "bench.json").read_text())
   for name in ("drop", "cap"):
     v = rep["variants"][name]
     assert v["step_time_s"]["n"] == 4 and len(v["round_medians_s"]) == 2
     assert v["compiled_memory_per_device"]["temp_bytes"] > 0
-  assert "drop" in bench_compare.table(rep)
+  assert "drop" in capsys.readouterr().out
