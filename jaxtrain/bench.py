@@ -40,6 +40,9 @@ def parse_args(argv=None):
   p.add_argument("--measure-peak", action="store_true", help="time a large bf16 matmul; MFU also against it")
   p.add_argument("--out", help="JSON result file (default <workdir>/bench.json)")
   p.add_argument("--workdir", help="where the default --out goes (default runs/<config>)")
+  p.add_argument("--compare", action="append", default=[], metavar="NAME:SECTION.KEY=VALUE[,...]",
+                 help="time variants of the config in one run, alternating rounds, with compiled memory per "
+                      "device (repeatable; see jaxtrain/bench_compare.py); no baselines")
   p.add_argument("--breakdown", type=int, default=0, metavar="N",
                  help="after timing, trace a few steps with jax.profiler and print the N ops that take the most time")
   return p.parse_args(argv)
@@ -376,6 +379,8 @@ def main(argv=None) -> int:
     if -1 not in sizes.values():  # before the mesh is built: it may need simulated devices
       _check_one_device(baselines, args.mesh, math.prod(sizes.values()))
     started = cli.start(args, "jaxtrain.bench")  # the trainer's start-up: its XLA flags, its mesh
+    if args.compare:
+      return _compare(args, started.mesh, out, baselines)
     _check_one_device(baselines, args.mesh, started.mesh.size)
     rep = run(started.cfg, started.mesh, Path(args.config).stem, steps=args.steps, warmup=args.warmup,
               baselines=baselines, rounds=args.rounds, measure=args.measure_peak, breakdown=args.breakdown,
@@ -387,6 +392,22 @@ def main(argv=None) -> int:
     print(f"wrote {out}")
     print(table(rep))
   return cli.main("jaxtrain.bench", body)
+
+
+def _compare(args, mesh, out: Path, baselines) -> int:
+  from jaxtrain import bench_compare
+  if baselines:
+    raise UserError("--compare and --baseline do not mix; give one")
+  variants = bench_compare.parse(args.compare)
+  rep = bench_compare.run(args.config, args.set, variants, mesh, steps=args.steps, warmup=args.warmup,
+                          rounds=args.rounds)
+  try:
+    files.write_json_atomic(out, rep)
+  except OSError as e:
+    raise UserError(f"--out {args.out}: cannot write ({e.strerror})") from None
+  print(f"wrote {out}")
+  print(bench_compare.table(rep))
+  return 0
 
 
 def _check_one_device(baselines: list[str], spec: str, devices: int) -> None:

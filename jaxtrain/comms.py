@@ -19,8 +19,12 @@ and e = a parameter's elements per device:
   expert: expert weights split over `expert` are neither gathered nor reduced there (each
       device computes and updates only its own experts); per MoE layer, the dispatch and
       the combine all-to-all in the forward and their transposes in the backward, each
-      moving (n-1)/n of a device's (X, C, D) buffer in the compute dtype, C being the
-      capacity of the T tokens a device routes: 4 k (n-1)/n X C D s per MoE layer.
+      moving (n-1)/n of the buffer of the dispatch that runs (`moe_traffic`), in the
+      compute dtype: capacity buffers X x groups x C x D (groups of G tokens, C their
+      capacity), or the dropless exchange's ep x bound x D (plus its int32 expert ids
+      once, forward only): 4 k (n-1)/n x rows x D s per MoE layer;
+  sequence, MoE layers whose dispatch holds whole sequences: the layer's input and output
+      resharded from length-split to row-split and back, forward and backward, 4 (n-1)/n T D s.
 The actual schedule is XLA's: it may fuse, reorder or keep gathered weights instead of
 gathering twice; these are the bytes the shardings imply.
 """
@@ -31,7 +35,7 @@ import math
 
 import numpy as np
 
-from jaxtrain import moe
+from jaxtrain import moe_layout
 from jaxtrain.memory import Row, _ways, tokens_per_device
 
 GRAD_BYTES = 4
@@ -85,8 +89,9 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
     K = m.n_kv_heads // _ways("act_kv_heads", m.n_kv_heads, mesh)
     add("sequence", "ring K/V transfers (fwd+bwd)", 3 * k * (n - 1) * m.n_layers * T * 2 * K * m.head_dim * s)
 
-  for what, nbytes in moe_traffic(cfg, mesh).items():
-    add("expert", what, nbytes)
+  for axis, items in moe_traffic(cfg, mesh).items():
+    for what, nbytes in items.items():
+      add(axis, what, nbytes)
   if mesh.shape.get("pipeline", 1) > 1:
     from jaxtrain import pipeline
     for what, nbytes in pipeline.traffic(cfg, mesh, rows).items():
@@ -94,13 +99,25 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
   return out
 
 
-def moe_traffic(cfg, mesh) -> dict[str, int]:
-  """Bytes per device per step of the MoE dispatch/combine all-to-alls over `expert`."""
+def moe_traffic(cfg, mesh) -> dict[str, dict[str, int]]:
+  """{mesh axis: {what: bytes per device per step}} that the MoE dispatch moves, following
+  the dispatch that runs (capacity buffers or the dropless exchange); {} for a dense model."""
   m, k = cfg.model, cfg.train.microbatches
-  n = mesh.shape["expert"]
-  if n == 1 or not m.moe_experts:
+  layers = m.moe_layers()
+  if not layers:
     return {}
-  T = tokens_per_device(cfg, mesh)
-  C = moe.capacity(T, m.moe_experts, m.moe_top_k, m.moe_capacity_factor)
-  buffer = m.moe_experts * C * m.d_model * np.dtype(m.dtype).itemsize
-  return {f"MoE all-to-all (4 per MoE layer, capacity {C})": int(4 * k * m.moe_layers() * (n - 1) / n * buffer)}
+  s = np.dtype(m.dtype).itemsize
+  out: dict[str, dict[str, int]] = {}
+  ep = mesh.shape["expert"]
+  buf = moe_layout.buffer_rows(cfg, mesh)
+  if ep > 1:
+    ring = (ep - 1) / ep
+    what = f"MoE all-to-all, {buf['kind']} (4 per MoE layer, {buf['rows']} rows)"
+    out["expert"] = {what: int(k * layers * 4 * ring * buf["rows"] * m.d_model * s)}
+    if m.moe_dropless:
+      out["expert"]["MoE dropless expert ids"] = int(k * layers * ring * buf["rows"] * 4)
+  n, t = mesh.shape["sequence"], cfg.train
+  if n > 1 and "sequence" in str(moe_layout.token_spec(mesh, t.batch_size // t.microbatches, t.seq_len)[0]):
+    out["sequence"] = {"MoE reshard to whole sequences (fwd+bwd)":
+                       int(k * layers * 4 * (n - 1) / n * buf["tokens"] * m.d_model * s)}
+  return out

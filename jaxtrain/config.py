@@ -68,11 +68,38 @@ class ModelConfig:
   moe_top_k: int = key(2, "Experts each token is routed to (weights renormalized over them).", math=True, min=1)
   moe_every: int = key(1, "Layer i is MoE when (i + 1) % moe_every == 0; 1 = every layer.", math=True, min=1)
   moe_capacity_factor: float = key(
-      1.25, "Expert capacity ceil(factor * tokens * top_k / experts) per device's tokens; 0 = never drop.",
-      math=True, min=0.0)
+      1.25, "Expert capacity ceil(factor * G * top_k / experts) per group of G = moe_group_size tokens; "
+      "0 = C = G (never drop).", math=True, min=0.0)
   moe_aux_weight: float = key(0.01, "Weight of the load-balancing loss added to the training loss.", math=True,
                               min=0.0)
   moe_z_weight: float = key(0.001, "Weight of the router z-loss added to the training loss.", math=True, min=0.0)
+  moe_group_size: int = key(
+      0, "Capacity group: this many tokens of consecutive positions (0 = one sequence, train.seq_len); the same "
+      "tokens drop on every mesh. Must fit the tokens each device holds (see README, Mixture of experts).",
+      math=True, min=0)
+  moe_dropless: bool = key(
+      False, "Dropless experts: tokens sorted by expert, grouped matmuls, no capacity (moe_capacity_factor and "
+      "moe_group_size are then unused).", math=True)
+  # Not the math: both kernels compute the same products (equal within float32 rounding, tested).
+  moe_grouped_matmul: Literal["auto", "ragged_dot", "blocks"] = key(
+      "auto", "Dropless kernel: ragged_dot (jax.lax.ragged_dot); blocks (batched matmuls over blocks of rows of one "
+      "expert); auto = ragged_dot on GPU/TPU, blocks on CPU (whose ragged_dot multiplies by every expert).",
+      math=False)
+  moe_expert_d_ff: int = key(0, "Hidden width of each routed expert (fine-grained experts); 0 = d_ff.", math=True,
+                             min=0)
+  moe_shared_experts: int = key(
+      0, "Always-on shared experts beside the routed ones (one SwiGLU of width n * expert width).", math=True, min=0)
+  moe_first_dense: int = key(0, "The first k layers are dense MLPs whatever moe_every says.", math=True, min=0)
+  moe_router: Literal["softmax", "sigmoid"] = key(
+      "softmax", "Router scores: softmax over experts, or per-expert sigmoid (DeepSeek-V3); the top-k "
+      "weights are normalized to sum to 1 either way.", math=True)
+  moe_bias_rate: float = key(
+      0.0, "Auxiliary-loss-free balancing: per-expert bias on the routing scores (selection only), moved by this "
+      "much toward balance after every update; 0 = off (no bias).", math=True, min=0.0)
+  moe_aux_convention: Literal["jaxtrain", "hf"] = key(
+      "jaxtrain", "Load-balance loss: jaxtrain = mean over MoE layers of X*sum f*P; hf = Hugging Face's "
+      "(top_k times that, f and P pooled over all MoE layers), so an HF router_aux_loss_coef carries over.",
+      math=True)
   attention_logits_dtype: Literal["float32", "bfloat16"] = key(
       "float32", "Dtype of the reference attention's L x L scores and softmax (bfloat16 halves their memory and "
       "traffic; see README for its accuracy). cuDNN and ring attention keep their own float32 statistics.",
@@ -94,7 +121,7 @@ class ModelConfig:
 
   def is_moe_layer(self, i: int) -> bool:
     """The one rule for which layers are mixture-of-experts layers."""
-    return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
+    return self.moe_experts > 0 and i >= self.moe_first_dense and (i + 1) % self.moe_every == 0
 
   def moe_layers(self) -> int:
     return sum(self.is_moe_layer(i) for i in range(self.n_layers))
@@ -392,6 +419,9 @@ def validate(cfg: Config) -> None:
     raise UserError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
   if m.moe_experts and m.moe_top_k > m.moe_experts:
     raise UserError(f"model.moe_top_k={m.moe_top_k} must be at most model.moe_experts={m.moe_experts}")
+  if m.scan_layers and m.moe_experts and m.moe_first_dense:
+    raise UserError(f"model.scan_layers=true needs identical layers; model.moe_first_dense={m.moe_first_dense} "
+                    "mixes dense and MoE layers (use moe_first_dense=0 or scan_layers=false)")
   if m.scan_layers and m.moe_experts and m.moe_every > 1:
     raise UserError(f"model.scan_layers=true needs identical layers; model.moe_every={m.moe_every} mixes dense and "
                     "MoE layers (use moe_every=1 or scan_layers=false)")

@@ -2,7 +2,8 @@
 
 Training FLOPs per token = 3 x forward (backward costs twice the forward):
   forward matmuls: 2 x (every projection weight: q, k, v, o, gate, up, down, lm_head;
-                   for a MoE layer the router and top_k experts' gate/up/down)
+                   for a MoE layer the router and the top_k routed and the shared
+                   experts' gate/up/down, of their own width)
   forward attention: 2 x 2 x seq_len x n_heads x head_dim per layer (QK^T and PV),
                      halved because causal masking skips the upper triangle.
 The embedding lookup is a gather, not a matmul, and is excluded. MFU counts every
@@ -18,10 +19,11 @@ def matmul_params(m: ModelConfig) -> int:
   """Weights that take part in a matmul per token (everything but norms and the lookup)."""
   attn = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
   mlp = 3 * m.d_model * m.d_ff
-  # A MoE layer runs top_k experts per token, plus the router.
+  # A MoE layer runs top_k routed experts and the shared ones per token, plus the router.
   n_moe = m.moe_layers()
-  moe_extra = (m.moe_top_k - 1) * mlp + m.d_model * m.moe_experts
-  return m.n_layers * (attn + mlp) + n_moe * moe_extra + m.d_model * m.vocab_size
+  expert = 3 * m.d_model * (m.moe_expert_d_ff or m.d_ff)
+  moe = m.d_model * m.moe_experts + (m.moe_top_k + m.moe_shared_experts) * expert
+  return m.n_layers * attn + (m.n_layers - n_moe) * mlp + n_moe * moe + m.d_model * m.vocab_size
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:

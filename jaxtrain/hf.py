@@ -100,9 +100,11 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
   elif rope["rope_type"] != "default":
     raise UserError(f"{where}: rope type {rope['rope_type']!r} is not supported; allowed: default, llama3")
   if mt == "mixtral":
-    # HF Mixtral never drops tokens: capacity factor 0 is the same function.
+    # HF Mixtral never drops tokens: dropless grouped matmuls (capacity factor 0 would be the
+    # same function); its router_aux_loss_coef means the same under the hf aux convention.
     keys.update(moe_experts=hf.get("num_local_experts", 8), moe_top_k=hf.get("num_experts_per_tok", 2), moe_every=1,
-                moe_capacity_factor=0.0, moe_aux_weight=float(hf.get("router_aux_loss_coef", 0.001)), moe_z_weight=0.0)
+                moe_capacity_factor=0.0, moe_dropless=True, moe_aux_convention="hf",
+                moe_aux_weight=float(hf.get("router_aux_loss_coef", 0.001)), moe_z_weight=0.0)
   return keys
 
 
@@ -113,6 +115,13 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
   moe = m.moe_experts > 0
   if moe and m.moe_every != 1:
     raise UserError(f"model.moe_every={m.moe_every}: a Mixtral checkpoint has MoE in every layer; only 1 exports")
+  extra = {"moe_shared_experts": 0, "moe_first_dense": 0, "moe_router": "softmax", "moe_bias_rate": 0.0}
+  for k, plain in extra.items():
+    if moe and getattr(m, k) != plain:
+      raise UserError(f"model.{k}={getattr(m, k)!r}: Mixtral has no such layers; only {plain!r} exports")
+  if moe and m.moe_expert_d_ff not in (0, m.d_ff):
+    raise UserError(f"model.moe_expert_d_ff={m.moe_expert_d_ff}: Mixtral experts are d_ff={m.d_ff} wide; only 0 or "
+                    f"{m.d_ff} exports")
   drop = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "architectures", "model_type",
           "transformers_version", "sliding_window")
   out = {k: v for k, v in base.items() if k not in drop}

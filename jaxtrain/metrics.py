@@ -13,7 +13,7 @@ from pathlib import Path
 
 from jaxtrain import runfiles
 
-MOE_FIELDS = ("moe_aux_loss", "moe_dropped_frac")
+MOE_FIELDS = ("moe_aux_loss", "moe_dropped_frac", "moe_load_imbalance")
 EVAL_FIELDS = ("eval_loss", "eval_ppl")
 
 

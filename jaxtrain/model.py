@@ -141,8 +141,8 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
   """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    D, F, std = cfg.d_model, cfg.d_ff, cfg.init_std
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
+    D, F, std = cfg.d_model, d_ff or cfg.d_ff, cfg.init_std
     self.w_gate = _param(rngs, (D, F), ("embed", "mlp"), std)
     self.w_up = _param(rngs, (D, F), ("embed", "mlp"), std)
     self.w_down = _param(rngs, (F, D), ("mlp", "embed"), std)
@@ -157,25 +157,36 @@ class MLP(nnx.Module):
 
 
 class MoE(nnx.Module):
-  """Mixture of X SwiGLU experts with a float32 top-k router (routing math in `jaxtrain.moe`).
+  """Mixture of X SwiGLU experts with a float32 top-k router (routing math in `jaxtrain.moe`),
+  plus optional always-on shared experts and a routing bias (aux-loss-free balancing: it
+  gets no gradient; `moe_balance.nudge` moves it after each update).
 
-  Returns (y, stats) where stats are this layer's auxiliary-loss terms and drop counts.
+  Returns (y, stats) where stats are this layer's auxiliary-loss terms, expert load and
+  drop counts (`moe_balance` combines them over layers).
   """
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    D, F, X, std = cfg.d_model, cfg.d_ff, cfg.moe_experts, cfg.init_std
+    D, X, std = cfg.d_model, cfg.moe_experts, cfg.init_std
+    F = cfg.moe_expert_d_ff or cfg.d_ff
     self.router = _param(rngs, (D, X), ("embed", None), std)
     self.w_gate = _param(rngs, (X, D, F), ("experts", "embed", "mlp"), std)
     self.w_up = _param(rngs, (X, D, F), ("experts", "embed", "mlp"), std)
     self.w_down = _param(rngs, (X, F, D), ("experts", "mlp", "embed"), std)
+    if cfg.moe_bias_rate > 0:
+      self.router_bias = nnx.Param(jnp.zeros((X,), jnp.float32), axes=(None,))
+    if cfg.moe_shared_experts:
+      self.shared = MLP(cfg, rngs, d_ff=cfg.moe_shared_experts * F)
     self.cfg = cfg
 
   def __call__(self, x_BxLxD, plan):
     dt, c = x_BxLxD.dtype, self.cfg
+    bias = jax.lax.stop_gradient(self.router_bias[...]) if c.moe_bias_rate > 0 else None
     y_BxLxD, stats = plan.moe_ffn(x_BxLxD, self.router[...], self.w_gate[...].astype(dt), self.w_up[...].astype(dt),
                                   self.w_down[...].astype(dt), top_k=c.moe_top_k,
-                                  capacity_factor=c.moe_capacity_factor)
-    stats["aux"] = c.moe_aux_weight * stats["balance"] + c.moe_z_weight * stats["z"]
+                                  capacity_factor=c.moe_capacity_factor, group_size=c.moe_group_size,
+                                  score=c.moe_router, bias_X=bias)
+    if c.moe_shared_experts:
+      y_BxLxD = y_BxLxD + self.shared(x_BxLxD, plan)
     return y_BxLxD, stats
 
 

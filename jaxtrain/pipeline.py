@@ -16,7 +16,9 @@ Same math as `step.grads`: the update's valid-token count is known before the sc
 starts; every microbatch's loss seeds its backward with loss_scale / n_valid; parameter
 gradients are summed over microbatches (each chunk's on its own device) and divided by
 loss_scale once. MoE: the aux loss of every layer enters the objective with weight
-loss_scale / (microbatches * MoE layers), exactly the mean-of-means of `step.grads`.
+loss_scale / (microbatches * MoE layers), exactly the mean-of-means of `step.grads`
+(jaxtrain's aux convention; HF's pools all layers and is refused). Each forward's expert
+load stays with its chunk on its device, for `moe_load_imbalance` and the aux-free bias.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import model as model_lib, schedule as schedule_lib, xent
+from jaxtrain import model as model_lib, moe_balance, schedule as schedule_lib, xent
 from jaxtrain.errors import UserError
 
 AXIS = "pipeline"
@@ -67,6 +69,10 @@ def check(cfg, mesh) -> None:
   if mesh.shape.get("sequence", 1) > 1:
     raise UserError(f"mesh pipeline={p} with sequence={mesh.shape['sequence']} is not supported; "
                     "pipeline composes with data, fsdp, tensor and expert")
+  if m.moe_experts and m.moe_aux_convention == "hf":
+    # HF pools f and P over all layers before the product: no stage has them all.
+    raise UserError(f"model.moe_aux_convention=hf is not supported with mesh pipeline={p} (its loss pools every "
+                    "layer's routing before the product); use moe_aux_convention=jaxtrain")
 
 
 def describe(cfg, mesh) -> str:
@@ -159,16 +165,17 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   out = jax.shard_map(
       body, mesh=mesh, axis_names={AXIS},
       in_specs=(P(None, AXIS), P(), P(), P(), P()),
-      out_specs=(P(None, AXIS), P(), P(), P()),
+      out_specs=(P(None, AXIS), P(), P(), P(), P(None, AXIS)),
       check_vma=False)(layers, rest, mbs, denom, jnp.asarray(loss_scale, jnp.float32))
-  g_layers, g_rest, loss_sum, moe = out
+  g_layers, g_rest, loss_sum, moe, load = out
   g = {**g_rest, "layers": jax.tree.map(lambda a: a.reshape(mc.n_layers, *a.shape[3:]), g_layers)}
   g = {k: g[k] for k in params}  # the params' key order
   res = loss_sum / denom, jax.tree.map(lambda x: x / loss_scale, g), n_valid
   if not moe_metrics:
     return res
-  return *res, {"moe_aux_loss": moe["aux"] / (max(n_moe, 1) * m),
-                "moe_dropped_frac": moe["dropped"] / jnp.maximum(moe["assigned"], 1.0)}
+  moe["aux"] = moe["aux"] / max(n_moe, 1)  # summed over layers; step's totals hold the mean over layers
+  moe["load"] = load.reshape(mc.n_layers, -1)[:n_moe]  # (v, p, layers per chunk, X): global layer order
+  return *res, step_lib.moe_metrics_of(moe, m)
 
 
 def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale):
@@ -195,12 +202,15 @@ def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest,
     return act(x)
 
   def stage(chunk, x, mb):
-    """One chunk's layers: (output, summed aux loss, dropped, assigned) of its MoE layers."""
+    """One chunk's layers: (output, summed aux loss, dropped, assigned) of its MoE layers,
+    and their expert load (layers per chunk, X)."""
     model = module(rest, chunk)
     tables = model_lib.rope_tables(mb["positions"], mc.head_dim, mc.rope_theta, model_lib._freq(mc))
     y, stats = model_lib._scan_blocks(run_block, model.layers, x, tables, mb["segment_ids"])
-    tot = {k: sum((st[k] for st in stats), jnp.float32(0)) for k in ("aux", "dropped", "assigned")}
-    return act(y), tot
+    tot = {k: sum((st[k] for st in stats), jnp.float32(0)) for k in ("dropped", "assigned")}
+    tot["aux"] = sum((moe_balance.aux_loss(mc, [st]) for st in stats), jnp.float32(0))  # jaxtrain convention
+    load = jnp.stack([st["load"] for st in stats]) if stats else zeros_load[0]
+    return act(y), tot, load
 
   def head_loss(rest_p, y, mb):
     model = module(rest_p, jax.tree.map(lambda a: a[0], layers))
@@ -208,13 +218,15 @@ def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest,
                         plan.loss_chunk_tokens, gather=False)
 
   zero_act = act(jnp.zeros((b, L, D), dt))
+  zeros_load = jnp.zeros((v, jax.tree.leaves(layers)[0].shape[1], max(mc.moe_experts, 1)), jnp.float32)
   zeros_chunk = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), layers)
   zeros_rest = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), rest)
   f32 = jnp.float32(0)
 
-  def result(y=zero_act, dx=zero_act, g_chunk=zeros_chunk, g_rest=zeros_rest, loss=f32, tot=None):
+  def result(y=zero_act, dx=zero_act, g_chunk=zeros_chunk, g_rest=zeros_rest, loss=f32, tot=None, load=None):
     tot = tot or {"aux": f32, "dropped": f32, "assigned": f32}
-    return {"y": y, "dx": dx, "g_chunk": g_chunk, "g_rest": g_rest, "loss": loss, "moe": tot}
+    load = zeros_load[0] if load is None else load
+    return {"y": y, "dx": dx, "g_chunk": g_chunk, "g_rest": g_rest, "loss": loss, "moe": tot, "load": load}
 
   def f32_tree(tree):
     return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
@@ -226,13 +238,13 @@ def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest,
     return result()
 
   def forward(chunk, x, dy, mb, first, last):
-    y, tot = stage(chunk, jax.lax.cond(first, lambda: embed(rest, mb["inputs"]), lambda: x), mb)
+    y, tot, load = stage(chunk, jax.lax.cond(first, lambda: embed(rest, mb["inputs"]), lambda: x), mb)
     loss = jax.lax.cond(last, lambda: head_loss(rest, y, mb), lambda: f32)
-    return result(y=y, loss=loss, tot=tot)
+    return result(y=y, loss=loss, tot=tot, load=load)
 
   def backward(chunk, x, dy, mb, first, last):
     def objective(c, r, x):
-      y, tot = stage(c, jax.lax.cond(first, lambda: embed(r, mb["inputs"]), lambda: x), mb)
+      y, tot, _ = stage(c, jax.lax.cond(first, lambda: embed(r, mb["inputs"]), lambda: x), mb)
       # last chunk: the scaled loss; else <y, dy>, whose gradient is the vjp with dy
       out = jax.lax.cond(last, lambda: head_loss(r, y, mb) * (scale / denom),
                          lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)))
@@ -246,7 +258,7 @@ def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest,
   up = [(j, i) for i, j in down]
 
   def tick(carry, row_PxK):
-    stash, gbuf, acc_layers, acc_rest, loss, tot = carry
+    stash, gbuf, acc_layers, acc_rest, loss, tot, acc_load = carry
     r = row_PxK[s]
     mb = jax.tree.map(lambda a: a[r[MB]], mbs)
     chunk = jax.tree.map(lambda a: a[r[CHUNK]], layers)
@@ -255,18 +267,19 @@ def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest,
     acc_layers = jax.tree.map(lambda acc, g: acc.at[r[CHUNK]].add(g), acc_layers, out["g_chunk"])
     acc_rest = jax.tree.map(jnp.add, acc_rest, out["g_rest"])
     tot = jax.tree.map(jnp.add, tot, out["moe"])
+    acc_load = acc_load.at[r[CHUNK]].add(out["load"])  # forwards only (the other branches give zeros)
     stash = stash.at[r[FWD_IN]].set(jax.lax.ppermute(out["y"], AXIS, down))
     gbuf = gbuf.at[r[BWD_IN]].set(jax.lax.ppermute(out["dx"], AXIS, up))
-    return (stash, gbuf, acc_layers, acc_rest, loss + out["loss"], tot), None
+    return (stash, gbuf, acc_layers, acc_rest, loss + out["loss"], tot, acc_load), None
 
   buf = lambda n: plan.constrain(jnp.zeros((n + 1, b, L, D), dt), (None, *ACT))  # noqa: E731
   carry = (buf(S), buf(G), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers), zeros_rest, f32,
-           {"aux": f32, "dropped": f32, "assigned": f32})
-  (_, _, acc_layers, acc_rest, loss, tot), _ = jax.lax.scan(tick, carry, prog)
+           {"aux": f32, "dropped": f32, "assigned": f32}, zeros_load)
+  (_, _, acc_layers, acc_rest, loss, tot, acc_load), _ = jax.lax.scan(tick, carry, prog)
   # Chunk gradients stay on their device; the rest (embedding, final norm, head) were
   # computed on the first / last device only: summing over the pipeline gathers them.
   acc_rest, loss, tot = jax.lax.psum((acc_rest, loss, tot), AXIS)
-  return jax.tree.map(lambda a: a[:, None], acc_layers), acc_rest, loss, tot
+  return jax.tree.map(lambda a: a[:, None], acc_layers), acc_rest, loss, tot, acc_load[:, None]
 
 
 # ----------------------------------------------------------------------------- inspect

@@ -5,7 +5,9 @@ It owns every choice about *how* the model's math runs on the mesh:
 - the attention kernel: `ring` when the mesh splits `sequence` (ring.py's own blocks),
   else `cudnn` or the XLA reference `xla`, as `attention.select` decides for the target
   device (the mesh's devices, which may be abstract GPUs when compiling ahead of time);
-- the MoE dispatch: `local` (one group, no mesh) or `all_to_all` over `expert`;
+- the MoE dispatch: `local` (no mesh) or `all_to_all` over `expert`, and its kernel:
+  capacity buffers over data-defined groups, or dropless grouped matmuls (`ragged_dot`,
+  or `blocks` where the target's ragged_dot is a dense fallback, as on XLA:CPU);
 - the mesh axis names that the explicit collectives of ring.py and moe.py use.
 The model calls `plan.constrain`, `plan.attend` and `plan.moe_ffn`; it never looks at a
 mesh itself, so what `describe()` prints is what runs.
@@ -32,6 +34,8 @@ class Plan:
   attention: str  # "xla" | "cudnn" | "ring"
   attention_why: str
   moe: str  # "dense" | "local" | "all_to_all"
+  moe_kernel: str = "capacity"  # "capacity" | "ragged_dot" | "blocks" (the last two: dropless)
+  moe_group: int = 0  # capacity group in tokens (model.moe_group_size or train.seq_len); 0 = one sequence
   remat: str = "none"
   logits_dtype: str = "float32"  # scores/softmax of the reference kernel
   packed_segments: int = 0  # cudnn only: segments go as offsets, at most this many per row (0: an L x L mask)
@@ -71,14 +75,18 @@ class Plan:
         raise UserError(f"a batch row holds {most} documents but model.attention_max_segments="
                         f"{self.packed_segments}; raise it to at least {most}, or set it to 0 (L x L mask)")
 
-  def moe_ffn(self, x_BxLxD, router_DxX, w_gate, w_up, w_down, *, top_k: int, capacity_factor: float):
+  def moe_ffn(self, x_BxLxD, router_DxX, w_gate, w_up, w_down, *, top_k: int, capacity_factor: float,
+              group_size: int = 0, score: str = "softmax", bias_X=None):
     from jaxtrain import moe
     return moe.moe_ffn(x_BxLxD, router_DxX, w_gate, w_up, w_down, top_k=top_k, capacity_factor=capacity_factor,
-                       plan=self)
+                       plan=self, group_size=group_size, score=score, bias_X=bias_X)
 
   def describe(self) -> str:
-    moe = {"dense": "", "local": "; moe: one local group",
-           "all_to_all": f"; moe: all_to_all over {self.expert_axis}"}[self.moe]
+    group = f"{self.moe_group} tokens" if self.moe_group else "one sequence"
+    kernel = (f"capacity groups of {group}" if self.moe_kernel == "capacity"
+              else f"dropless, {self.moe_kernel} grouped matmuls")
+    moe = {"dense": "", "local": f"; moe: local, {kernel}",
+           "all_to_all": f"; moe: all_to_all over {self.expert_axis}, {kernel}"}[self.moe]
     rules = "; sequence-parallel residual stream" if self.rules.get("act_length") != sharding.RULES["act_length"] else ""
     scores = f", {self.logits_dtype} scores" if self.attention == "xla" and self.logits_dtype != "float32" else ""
     return f"attention: {self.attention} ({self.attention_why}{scores}){moe}; remat {self.remat}{rules}"
@@ -110,14 +118,28 @@ def build(cfg, mesh, device=None) -> Plan:
     impl, why = attention_lib.select(m, cfg.train.seq_len, info)
     packed = m.attention_max_segments if impl == "cudnn" and attention_lib.uses_packed(m, info) else 0
   moe = "dense" if not m.moe_experts else ("local" if mesh is None else "all_to_all")
+  if device is None and mesh is not None:
+    device = mesh.devices.flat[0]
   return Plan(mesh=mesh, rules=sharding.rules_for(cfg.run.sequence_parallel), attention=impl, attention_why=why,
-              moe=moe, remat=m.remat, logits_dtype=m.attention_logits_dtype, packed_segments=packed,
+              moe=moe, moe_kernel=moe_kernel(m, attention_lib.info_of(device).platform),
+              moe_group=m.moe_group_size or cfg.train.seq_len, remat=m.remat,
+              logits_dtype=m.attention_logits_dtype, packed_segments=packed,
               loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+
+
+def moe_kernel(m, platform: str) -> str:
+  """capacity, or the dropless grouped-matmul kernel for the target platform."""
+  if not m.moe_experts or not m.moe_dropless:
+    return "capacity"
+  from jaxtrain import moe_dropless
+  return moe_dropless.kernel(m.moe_grouped_matmul, platform)
 
 
 def local(model_cfg=None) -> Plan:
   """One device, reference attention, no annotations: the single-device reference of the tests."""
   m = model_cfg
   return Plan(mesh=None, rules=dict(sharding.RULES), attention="xla", attention_why="one device, no mesh",
-              moe="local" if m is not None and m.moe_experts else "dense", remat=m.remat if m is not None else "none",
+              moe="local" if m is not None and m.moe_experts else "dense",
+              moe_kernel=moe_kernel(m, jax.default_backend()) if m is not None else "capacity",
+              remat=m.remat if m is not None else "none",
               logits_dtype=m.attention_logits_dtype if m is not None else "float32")

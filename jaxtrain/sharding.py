@@ -25,6 +25,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "act_mlp": ("tensor",),
     "act_vocab": ("tensor",),
     "act_experts": ("expert",),
+    # MoE dispatch (jaxtrain/moe_layout.py): whole sequences per device where the batch
+    # allows, so a capacity group of consecutive positions never straddles devices.
+    "moe_batch": ("data", "fsdp", "expert", "sequence"),
+    "moe_length": ("sequence",),  # only when the rows cannot take `sequence`
     # parameters: stored FSDP-sharded on `embed`, Megatron-sharded on heads/mlp/vocab
     "embed": ("fsdp",),
     "heads": ("tensor",),

@@ -18,7 +18,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import model as model_lib
-from jaxtrain import pipeline, placement as placement_lib, plan as plan_lib, precision, sharding, xent
+from jaxtrain import moe_balance, moe_layout, pipeline, placement as placement_lib, plan as plan_lib
+from jaxtrain import precision, sharding, xent
 from jaxtrain.config import Config, OptimConfig
 from jaxtrain.errors import UserError
 # Weight decay applies to the projection matrices only: not to norm scales (they set a
@@ -57,15 +58,14 @@ def token_loss_sum(graphdef, params, mb, plan=None):
 
 
 def token_loss_and_moe(graphdef, params, mb, plan=None):
-  """(token_loss_sum, MoE totals of the microbatch: aux loss averaged over MoE layers,
-  dropped and assigned token-to-expert assignments; zeros for a dense model)."""
+  """(token_loss_sum, MoE totals of the microbatch (`moe_balance.totals`): aux loss,
+  dropped and assigned token-to-expert assignments, per-layer expert load; zeros for a
+  dense model)."""
   model = nnx.merge(graphdef, params)
   plan = plan or plan_lib.local(model.cfg)
   h_BxLxD, moe_stats = model.hidden(mb["inputs"], mb["positions"], mb["segment_ids"], plan)
   loss_sum = xent.nll_sum(h_BxLxD, model.head_weight(), mb["targets"], mb["loss_mask"], plan, plan.loss_chunk_tokens)
-  moe = {k: sum((s[k] for s in moe_stats), jnp.float32(0)) for k in ("aux", "dropped", "assigned")}
-  moe["aux"] = moe["aux"] / max(len(moe_stats), 1)
-  return loss_sum, moe
+  return loss_sum, moe_balance.totals(model.cfg, moe_stats)
 
 
 def split_microbatches(batch, k: int, plan):
@@ -87,8 +87,10 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
 
   MoE: the objective differentiated is loss + (mean over microbatches of the
   microbatch's aux loss, itself the mean over MoE layers); the returned loss is the
-  cross-entropy alone. With moe_metrics=True a 4th value holds `moe_aux_loss` and
-  `moe_dropped_frac` (dropped / all token-to-expert assignments of the update).
+  cross-entropy alone. With moe_metrics=True a 4th value holds `moe_aux_loss`,
+  `moe_dropped_frac` (dropped / all token-to-expert assignments of the update),
+  `moe_load_imbalance` and `moe_load` (per MoE layer and expert: assignments chosen in the
+  update, for the aux-free bias; not a logged metric).
   """
   n_valid = jnp.sum(batch["loss_mask"] > 0)
   denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
@@ -103,14 +105,20 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
     (_, (l, moe)), g = jax.value_and_grad(scaled, has_aux=True)(params, mb)
     return (loss_sum + l, jax.tree.map(jnp.add, grad_sum, g), jax.tree.map(jnp.add, moe_sum, moe)), None
 
-  moe0 = {k: jnp.float32(0) for k in ("aux", "dropped", "assigned")}
+  moe0 = moe_balance.zero_totals(nnx.merge(graphdef, params).cfg)
   (loss_sum, grad_sum, moe), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros, moe0),
                                               split_microbatches(batch, microbatches, plan or plan_lib.local()))
   out = loss_sum / denom, jax.tree.map(lambda g: g / loss_scale, grad_sum), n_valid
   if not moe_metrics:
     return out
-  return *out, {"moe_aux_loss": moe["aux"] / microbatches,
-                "moe_dropped_frac": moe["dropped"] / jnp.maximum(moe["assigned"], 1.0)}
+  return *out, moe_metrics_of(moe, microbatches)
+
+
+def moe_metrics_of(moe: dict, microbatches: int) -> dict:
+  """The update's MoE metrics from its summed per-microbatch totals (shared with the pipeline)."""
+  return {"moe_aux_loss": moe["aux"] / microbatches,
+          "moe_dropped_frac": moe["dropped"] / jnp.maximum(moe["assigned"], 1.0),
+          "moe_load_imbalance": moe_balance.imbalance(moe["load"]), "moe_load": moe["load"]}
 
 
 def eval_loss(graphdef, params, batch, microbatches: int, plan):
@@ -155,6 +163,8 @@ def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, plan, s
   if cfg.optim.grad_clip > 0:
     g, _ = optax.clip_by_global_norm(cfg.optim.grad_clip).update(g, optax.EmptyState())
   params, opt_state, apply = guarded_update(opt, state["params"], state["opt"], g, finite & (n_valid > 0))
+  # aux-loss-free balancing: the routing bias moves after an applied update only (no-op when off)
+  params = moe_balance.nudge(cfg.model, params, moe_metrics.pop("moe_load"), apply)
   new_state = {
       "params": params,
       "opt": opt_state,
@@ -233,3 +243,4 @@ def check_fits_mesh(cfg: Config, mesh) -> None:
   pipeline.check(cfg, mesh)
   if t.seq_len % mesh.shape["sequence"]:
     raise UserError(f"train.seq_len={t.seq_len} must divide over sequence={mesh.shape['sequence']} devices")
+  moe_layout.check(cfg, mesh)

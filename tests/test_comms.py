@@ -40,14 +40,17 @@ def test_tensor_and_sequence_traffic():
 
 
 def test_expert_parallel_moe_traffic_follows_the_capacity():
-  """moe-tiny on ep=4: 4 tokens rows x 128 per device, 4 experts, top-2, capacity 1.25."""
+  """moe-tiny on ep=4: 4 rows x 128 tokens per device, 4 experts, top-2, capacity 1.25 per
+  group of one sequence (128 tokens): 4 groups of C = ceil(1.25 * 128 * 2 / 4) = 80 slots
+  per expert (see test_moe_parity for the dropless exchange)."""
   setup = step.Setup(config.load("moe-tiny"), mesh_of("ep=4"))
   rows = memory.grouped(memory.param_rows(setup))
   t = comms.traffic(setup.cfg, setup.mesh, rows)["expert"]
-  T = 16 // 4 * 128
-  C = -(-5 * T * 2 // (4 * 4))  # ceil(1.25 * T * k / X)
-  want = 4 * 2 * (3 / 4) * 4 * C * 128 * 2  # 4 all-to-alls x 2 MoE layers x (n-1)/n of (X, C, D) bf16
-  assert t[f"MoE all-to-all (4 per MoE layer, capacity {C})"] == int(want)
+  G = 128
+  C = -(-5 * G * 2 // (4 * 4))  # ceil(1.25 * G * k / X)
+  buffer_rows = 4 * (16 // 4 * 128 // G) * C  # X x groups x C
+  want = 4 * 2 * (3 / 4) * buffer_rows * 128 * 2  # 4 all-to-alls x 2 MoE layers x (n-1)/n of the buffer, bf16
+  assert t[f"MoE all-to-all, capacity buffers (4 per MoE layer, {buffer_rows} rows)"] == int(want)
   # Expert weights stay on their devices: nothing of them is gathered or reduced over `expert`.
   experts = sum(math.prod(r.device_shape) * r.count for r in rows if "experts" in r.axes)
   others = sum(math.prod(r.device_shape) * r.count for r in rows if "experts" not in r.axes)

@@ -63,7 +63,7 @@ def test_expert_parallel_layer_equals_dense_reference(spec):
 
 
 def test_dropped_tokens_match_a_hand_count():
-  """Top-1, 4 experts, capacity ceil(1.0 * 8 tokens * 1 / 4) = 2 per expert and device group.
+  """Top-1, 4 experts, capacity ceil(1.0 * 8 tokens * 1 / 4) = 2 per expert and group (one row).
 
   Row 0 (device 0) sends tokens to experts 0,0,1,0,0,2,0,3: expert 0 gets 5, keeps its first
   2 (tokens 0, 1) and drops tokens 3, 4, 6. Row 1 (device 1) sends all 8 to expert 3: 6 drop.
@@ -82,19 +82,24 @@ def test_dropped_tokens_match_a_hand_count():
   ref = _dense_reference(x, router, wg, wu, wd, 1)
   np.testing.assert_array_equal(np.asarray(y)[dropped], 0.0)  # dropped: nothing added to the residual
   np.testing.assert_allclose(np.asarray(y)[~dropped], ref[~dropped], rtol=1e-4, atol=1e-5)
-  # Without a mesh the whole batch is one group of 16 tokens: capacity 4 per expert.
-  # Expert 0 gets 5 (drops 1), expert 3 gets 9 (drops 5).
-  _, stats = jax.jit(lambda *a: moe.moe_ffn(*a, top_k=1, capacity_factor=1.0, plan=plan_lib.local()))(
+  # Groups are one sequence by default, whatever the mesh: one device drops the same.
+  y1, stats = jax.jit(lambda *a: moe.moe_ffn(*a, top_k=1, capacity_factor=1.0, plan=plan_lib.local()))(
       x, router, wg, wu, wd)
+  assert float(stats["dropped"]) == 3 + 6
+  np.testing.assert_allclose(y1, y, rtol=1e-6, atol=1e-6)
+  # One group of both rows (16 tokens): capacity 4 per expert. Expert 0 gets 5 (drops 1),
+  # expert 3 gets 9 (drops 5).
+  _, stats = jax.jit(lambda *a: moe.moe_ffn(*a, top_k=1, capacity_factor=1.0, plan=plan_lib.local(),
+                                            group_size=16))(x, router, wg, wu, wd)
   assert float(stats["dropped"]) == 1 + 5
 
 
 def test_router_losses_are_one_and_known_when_uniform():
   """A zero router: uniform probabilities, load balance X * sum(f_e / X) = 1, z = log(X)^2."""
   x = jnp.ones((2, 4, 8))
-  _, _, balance, z = moe.route(x, jnp.zeros((8, 4)), top_k=2)
-  np.testing.assert_allclose(balance, 1.0, rtol=1e-6)
-  np.testing.assert_allclose(z, np.log(4.0) ** 2, rtol=1e-6)
+  _, _, stats = moe.route(x, jnp.zeros((8, 4)), top_k=2)
+  np.testing.assert_allclose(stats["balance"], 1.0, rtol=1e-6)
+  np.testing.assert_allclose(stats["z"], np.log(4.0) ** 2, rtol=1e-6)
 
 
 def test_mixtral_parameter_count():
@@ -116,6 +121,7 @@ def test_metrics_log_moe_fields(tmp_path):
   for rec in lines:
     assert 0 < rec["moe_dropped_frac"] < 1  # capacity 0.5 must drop some assignments
     assert rec["moe_aux_loss"] > 0
+    assert 1 <= rec["moe_load_imbalance"] <= 4  # max/mean over 4 experts
 
 
 def test_moe_flops_count_the_active_experts_only():

@@ -18,7 +18,9 @@ STEPS = 3
 BASE = ["model.n_layers=8", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=8",
         "model.d_ff=64", "model.dtype=float32", "model.scan_layers=true", "train.batch_size=16", "train.seq_len=16",
         "train.microbatches=4"]
-MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=0", "model.n_layers=4"]
+# With the aux-free routing bias: its per-layer loads come from each chunk's forwards.
+MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=0", "model.n_layers=4",
+       "model.moe_bias_rate=0.01"]
 FP16 = ["model.dtype=float16", "loss_scale.initial=1024"]
 
 
@@ -44,7 +46,8 @@ def runs():
       out = []
       for b in batches:
         state, m = compiled(state, b)
-        out.append((float(m["loss"]), float(m["grad_norm"]), float(m["loss_scale"])))
+        out.append((float(m["loss"]), float(m["grad_norm"]), float(m["loss_scale"]),
+                    float(m.get("moe_load_imbalance", np.nan))))
       cache[key] = (np.array(out), compiled)
     return cache[key]
   return run
@@ -78,6 +81,13 @@ def test_moe_on_pp2_ep2_matches_one_device(runs):
   ref, _ = runs("dp=1", *MOE)
   got, _ = runs("pp=2,ep=2", *MOE, "pipeline.schedule=1f1b")
   assert_parity(got, ref, "MoE pp=2,ep=2")
+  np.testing.assert_allclose(got[:, 3], ref[:, 3], rtol=1e-6, err_msg="moe_load_imbalance")
+  assert np.all(ref[:, 3] > 1)
+
+
+def test_moe_hf_aux_convention_under_pipeline_is_a_one_line_error():
+  with pytest.raises(UserError, match="moe_aux_convention=hf is not supported with mesh pipeline=2"):
+    step.check_fits_mesh(cfg_of(*MOE, "model.moe_aux_convention=hf", "pipeline.schedule=1f1b"), mesh_of("pp=2,ep=2"))
 
 
 def test_float16_with_loss_scaling_on_pp2_matches_one_device(runs):
