@@ -2,7 +2,6 @@
 the plain loss, and a compiled program without the (B, L, V) logits."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
