@@ -250,11 +250,13 @@ def activations(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segm
 
 
 def workspace(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segments: int = 0,
-              gathered: int = 0) -> dict[str, int]:
+              gathered: int = 0, platform: str = "gpu") -> dict[str, int]:
   """Transient bytes at the step's peak, on top of what is kept all along; the peak is
   the larger of two phases (never both at once):
     loss: the float32 logits of the tokens the loss handles at once and their gradient,
-        2 x 4 V per token (all T tokens, or train.loss_chunk_tokens of them when chunked);
+        2 x 4 V per token (all T tokens, or train.loss_chunk_tokens of them when chunked),
+        plus the compute-dtype copy of the output weight, s D V, and on XLA:CPU its float32
+        upcast and a chunk's float32 weight gradient, 2 x 4 D V (see jaxtrain.xent);
     layer: the backward pass of one layer: the `gathered` weights (two layers'), its
         recomputed residuals (remat other than none; for the reference kernel its whole
         L x L set, H L (1 + 2c + s) per token), or with remat none for the reference
@@ -262,8 +264,9 @@ def workspace(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segmen
   """
   d = _dims(cfg, mesh)
   T, V, H, L = d["T"], d["V"], d["H"], d["L"]
-  chunk = getattr(cfg.train, "loss_chunk_tokens", 0)
-  loss = 2 * 4 * V * (min(T, chunk) if chunk else T)
+  chunk = cfg.train.loss_chunk_tokens
+  head = cfg.model.d_model * V * (d["s"] + (8 if platform == "cpu" else 0))
+  loss = 2 * 4 * V * (min(T, chunk) if chunk else T) + head
   c = d["c"]
   if remat == "none":  # residuals are kept already; the reference's backward adds L x L score gradients
     layer = gathered + (T * H * L * (2 * c + 1) if kernel == "xla" else 0)
@@ -345,7 +348,7 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   batch = 5 * 4 * (t.batch_size // _ways("batch", t.batch_size, mesh)) * (t.seq_len // _ways("length", t.seq_len, mesh))
   act = activations(cfg, mesh, remat, kernel, packed, logits_residual=False)
   gathered = gathered_weights(cfg, rows, mesh)
-  work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"])
+  work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
   peak = max(work.values())
   items = {
       "params": st["params"],

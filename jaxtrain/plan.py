@@ -40,6 +40,7 @@ class Plan:
   logits_dtype: str = "float32"  # scores/softmax of the reference kernel
   packed_segments: int = 0  # cudnn only: segments go as offsets, at most this many per row (0: an L x L mask)
   loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens  # the loss's tokens per chunk per device (0: unchunked)
+  platform: str = "cpu"  # the target device's platform (cpu, gpu, tpu): what its compiler keeps differs
   sequence_axis: str = "sequence"
   expert_axis: str = "expert"
 
@@ -120,8 +121,9 @@ def build(cfg, mesh, device=None) -> Plan:
   moe = "dense" if not m.moe_experts else ("local" if mesh is None else "all_to_all")
   if device is None and mesh is not None:
     device = mesh.devices.flat[0]
+  platform = attention_lib.info_of(device).platform
   return Plan(mesh=mesh, rules=sharding.rules_for(cfg.run.sequence_parallel), attention=impl, attention_why=why,
-              moe=moe, moe_kernel=moe_kernel(m, attention_lib.info_of(device).platform),
+              moe=moe, moe_kernel=moe_kernel(m, platform), platform=platform,
               moe_group=m.moe_group_size or cfg.train.seq_len, remat=m.remat,
               logits_dtype=m.attention_logits_dtype, packed_segments=packed,
               loss_chunk_tokens=cfg.train.loss_chunk_tokens)
@@ -142,4 +144,5 @@ def local(model_cfg=None) -> Plan:
               moe="local" if m is not None and m.moe_experts else "dense",
               moe_kernel=moe_kernel(m, jax.default_backend()) if m is not None else "capacity",
               remat=m.remat if m is not None else "none",
-              logits_dtype=m.attention_logits_dtype if m is not None else "float32")
+              logits_dtype=m.attention_logits_dtype if m is not None else "float32",
+              platform=jax.default_backend())
