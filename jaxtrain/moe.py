@@ -111,7 +111,13 @@ def moe_ffn(x_BxLxD, router_DxX, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, *, top_
   if plan.moe_kernel != "capacity":
     y, dropped = moe_dropless.ffn(x_BxLxD, idx, w, weights, plan), jnp.float32(0)
   else:
-    y, dropped = _capacity_ffn(x_BxLxD, idx, w, weights, mesh, plan, top_k, capacity_factor, group_size or L)
+    G = group_size or L
+    if (B * L) % G:
+      # Only generation gets here (moe_layout.check stops training and eval first): it feeds
+      # a few positions at a time, and each row's fed positions are one group, as they are
+      # with the default group size.
+      G = L
+    y, dropped = _capacity_ffn(x_BxLxD, idx, w, weights, mesh, plan, top_k, capacity_factor, G)
   stats.update(dropped=jax.lax.stop_gradient(dropped), assigned=jnp.float32(B * L * top_k))
   return y.astype(x_BxLxD.dtype), stats
 

@@ -93,6 +93,12 @@ def test_dropped_tokens_match_a_hand_count():
                                             group_size=16))(x, router, wg, wu, wd)
   assert float(stats["dropped"]) == 1 + 5
 
+  # Generation feeds fewer positions than a group of 64: each row's fed positions are one
+  # group there, exactly as with the default group size (same drops, same output).
+  y64, stats = jax.jit(lambda *a: moe.moe_ffn(*a, top_k=1, capacity_factor=1.0, plan=plan_lib.local(),
+                                              group_size=64))(x, router, wg, wu, wd)
+  assert float(stats["dropped"]) == 3 + 6
+  np.testing.assert_array_equal(y64, y1)
 
 def test_router_losses_are_one_and_known_when_uniform():
   """A zero router: uniform probabilities, load balance X * sum(f_e / X) = 1, z = log(X)^2."""
