@@ -19,8 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from jaxtrain import cli, files
-from jaxtrain.errors import UserError
+from jaxtrain import cli
+from jaxtrain.core import files
+from jaxtrain.core.errors import UserError
 
 BASELINES = ("minimal", "torch")
 PEAK_SIZE = {"gpu": 8192, "tpu": 8192, "cpu": 1024}  # bf16 n x n x n matmul for --measure-peak
@@ -157,7 +158,7 @@ def jaxtrain_side(cfg, setup, batches):
 def minimal_side(cfg, params, batches, device):
   import jax
   import jax.numpy as jnp
-  from jaxtrain.baselines import minimal
+  from jaxtrain.analysis.baselines import minimal
   b = minimal.Minimal(cfg)
   state = b.init(params, device)
   dev = [{k: jax.device_put(jnp.asarray(v), device) for k, v in x.items()} for x in batches]
@@ -174,7 +175,7 @@ def minimal_side(cfg, params, batches, device):
 
 
 def torch_side(cfg, params, batches, platform, compile=True):  # noqa: A002
-  from jaxtrain.baselines import torch_model  # imports torch; only here
+  from jaxtrain.analysis.baselines import torch_model  # imports torch; only here
   try:
     b = torch_model.TorchBaseline(cfg, params, "cuda" if platform == "gpu" else "cpu", compile=compile)
   except ValueError as e:
@@ -217,7 +218,13 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
   """`batches`: numpy batches to cycle instead of jaxtrain.data's (the GPU suite's synthetic tokens)."""
   import jax
   import numpy as np
-  from jaxtrain import baselines as baselines_lib, costs, fit, flops, memory, mesh as mesh_lib, step as step_lib
+  from jaxtrain.analysis import baselines as baselines_lib
+  from jaxtrain.analysis import costs
+  from jaxtrain.analysis import fit
+  from jaxtrain.model import flops
+  from jaxtrain.analysis import memory
+  from jaxtrain.parallel import mesh as mesh_lib
+  from jaxtrain.run import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
   fit.check(setup, cfg.run.fit_check)
   dev0 = mesh.devices.flat[0]
@@ -285,9 +292,9 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
       "steps": steps, "warmup": warmup, "rounds": rounds if baselines else 1, "baselines": baselines,
       "valid_tokens_per_step": stats(valid),
       "flops_per_token": flops_per_step / (t.batch_size * t.seq_len), "flops_per_step": flops_per_step,
-      "flops_formula": "jaxtrain.flops.flops_per_token (as in jaxtrain.inspect)",
+      "flops_formula": "jaxtrain.model.flops.flops_per_token (as in jaxtrain.inspect)",
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "peak_flops_per_device": peak, "peak_source": "jaxtrain.devices.TABLE" if peak else
+      "peak_flops_per_device": peak, "peak_source": "jaxtrain.parallel.devices.TABLE" if peak else
       f"unknown for device kind {dev0.device_kind!r}: MFU is null",
       "measured_peak": measured,
       "efficiency": eff,
@@ -353,12 +360,13 @@ def parse_baselines(text: str) -> list[str]:
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   if any(a == "--suite" or a.startswith("--suite=") for a in argv):
-    from jaxtrain import bench_gpu  # the suite has its own flags
+    from jaxtrain.analysis import bench_gpu  # the suite has its own flags
     return bench_gpu.main(argv)
   args = parse_args(argv)
 
   def body(set_prog):
-    from jaxtrain import config, mesh as mesh_lib
+    from jaxtrain.core import config
+    from jaxtrain.parallel import mesh as mesh_lib
     for flag, value, lo in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1)):
       if value < lo:
         raise UserError(f"{flag} {value}: must be an integer >= {lo}")
@@ -366,7 +374,7 @@ def main(argv=None) -> int:
     cfg = config.load(args.config, args.set)
     out = Path(args.out) if args.out else Path(args.workdir or Path("runs") / Path(args.config).stem) / "bench.json"
     if not args.out:
-      from jaxtrain import runfiles
+      from jaxtrain.run import runfiles
       runfiles.prepare_workdir(out.parent)
     if not out.parent.is_dir():  # checked before a long run, not after
       raise UserError(f"--out {args.out}: directory {str(out.parent)!r} does not exist")
@@ -395,7 +403,7 @@ def main(argv=None) -> int:
 
 
 def _compare(args, mesh, out: Path, baselines) -> int:
-  from jaxtrain import bench_compare
+  from jaxtrain.analysis import compare as bench_compare
   if baselines:
     raise UserError("--compare and --baseline do not mix; give one")
   variants = bench_compare.parse(args.compare)

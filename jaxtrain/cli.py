@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Callable
 
-from jaxtrain.errors import RunAborted, UserError, exit_with
+from jaxtrain.core.errors import RunAborted, UserError, exit_with
 
 
 class Parser(argparse.ArgumentParser):
@@ -52,7 +52,11 @@ class Started:
 def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: list[str] = (), cfg=None) -> Started:
   """Config, XLA flags, distributed runtime, mesh: in that order (see the module doc).
   `cfg`: a config the command already has (e.g. from a checkpoint's manifest)."""
-  from jaxtrain import config, distributed, mesh as mesh_lib, observe, xla_flags
+  from jaxtrain.core import config
+  from jaxtrain.parallel import distributed
+  from jaxtrain.parallel import mesh as mesh_lib
+  from jaxtrain.run import observe
+  from jaxtrain.parallel import xla_flags
   started = Started(cfg if cfg is not None else config.load(args.config, [*args.set, *overrides]), None, prog)
   cfg = started.cfg
   observe.parse_steps(cfg.run.profile_steps)  # a bad value fails before any device starts

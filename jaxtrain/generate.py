@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxtrain import cli
-from jaxtrain.errors import UserError
+from jaxtrain.core.errors import UserError
 
 
 def sample(logits_BxV, key, temperature, top_p):
@@ -44,7 +44,7 @@ def sample(logits_BxV, key, temperature, top_p):
 def _cache_shardings(cfg, mesh, B: int, S: int, cache):
   """KV caches split like the activations they hold: batch over the batch axes, kv heads over tensor."""
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from jaxtrain import sharding
+  from jaxtrain.parallel import sharding
   lead = ("layers",) if cfg.model.scan_layers else ()
 
   def one(x):
@@ -105,7 +105,8 @@ def _functions(cfg, mesh, graphdef, B: int, S: int):
   import jax
   import jax.numpy as jnp
   from flax import nnx
-  from jaxtrain import model as model_lib, plan as plan_lib
+  from jaxtrain.model import transformer as model_lib
+  from jaxtrain.parallel import plan as plan_lib
   cache_sh = _cache_shardings(cfg, mesh, B, S, jax.eval_shape(lambda: model_lib.init_cache(cfg.model, B, S)))
   plan = plan_lib.build(cfg, mesh)
 
@@ -174,7 +175,7 @@ def prompts_of(args, tok, vocab_size: int) -> list[list[int]]:
 
 
 def run(cfg, mesh, args, step_dir: Path) -> list[list[int]]:
-  from jaxtrain import runs
+  from jaxtrain.run import runs
   from jaxtrain.data import tokenizer as tokenizer_lib
   tok = tokenizer_lib.load(cfg.data.tokenizer)
   prompts = prompts_of(args, tok, cfg.model.vocab_size)
@@ -204,7 +205,8 @@ def main(argv=None) -> int:
 
   def body(set_prog):
     check_args(args)
-    from jaxtrain import checkpoint, runs
+    from jaxtrain.run import checkpoint
+    from jaxtrain.run import runs
     step_dir = runs.locate(args.workdir, args.step)
     started = cli.start(args, "jaxtrain.generate", cfg=runs.config_of(checkpoint.read_manifest(step_dir)))
     run(started.cfg, started.mesh, args, step_dir)

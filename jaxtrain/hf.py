@@ -34,7 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxtrain import cli
-from jaxtrain.errors import UserError
+from jaxtrain.core.errors import UserError
 
 SUPPORTED = ("llama", "mistral", "mixtral")
 INDEX = "model.safetensors.index.json"
@@ -366,7 +366,8 @@ class ImportPlan:
 
 
 def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | None = None) -> ImportPlan:
-  from jaxtrain import checkpoint, config
+  from jaxtrain.run import checkpoint
+  from jaxtrain.core import config
   src, w = Path(hf_dir), Path(workdir)
   hf = read_config(src)
   keys = model_keys(hf, str(src / "config.json"))
@@ -396,7 +397,11 @@ def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | Non
 def run_import(plan: ImportPlan, mesh) -> Path:
   """Places every tensor onto its sharding and commits a step-0 checkpoint; returns the config path."""
   import jax
-  from jaxtrain import checkpoint, data, mesh as mesh_lib, progress, step as step_lib
+  from jaxtrain import data
+  from jaxtrain.run import checkpoint
+  from jaxtrain.parallel import mesh as mesh_lib
+  from jaxtrain.run import progress
+  from jaxtrain.run import step as step_lib
   t0 = time.perf_counter()
   cfg, w = plan.cfg, plan.workdir
   is_writer = jax.process_index() == 0
@@ -443,7 +448,7 @@ def run_import(plan: ImportPlan, mesh) -> Path:
 def import_fingerprint(cfg, tokenizer_digest: str) -> dict:
   """A step-0 import has taken no step and read no data: the next run may pick any train
   settings and data (checkpoint.ANY); the model and the tokenizer must stay."""
-  from jaxtrain import checkpoint
+  from jaxtrain.run import checkpoint
   fp = checkpoint.fingerprint(cfg, tokenizer_digest, "")
   return {**fp, "train": checkpoint.ANY, "data": checkpoint.ANY}
 
@@ -475,7 +480,7 @@ def _header(entries: list[tuple[str, tuple, int]], dtype_tag: str) -> bytes:
 def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes: int, workdir: Path) -> None:
   import jax
   from jax.experimental import multihost_utils
-  from jaxtrain import runs
+  from jaxtrain.run import runs
   from jaxtrain.data import tokenizer as tokenizer_lib
   t0 = time.perf_counter()
   tag, np_dtype = DTYPES[dtype]
@@ -580,7 +585,8 @@ def main(argv=None) -> int:
       path = run_import(plan, started.mesh)
       print(f"config: {path}\nnext: python -m jaxtrain.train --workdir {plan.workdir} --config {path} --mesh ...")
     else:
-      from jaxtrain import checkpoint, runs
+      from jaxtrain.run import checkpoint
+      from jaxtrain.run import runs
       if args.max_shard_gb <= 0:
         raise UserError(f"--max-shard-gb {args.max_shard_gb}: must be positive")
       step_dir = runs.locate(args.workdir, args.step)

@@ -15,7 +15,7 @@ import json
 import sys
 
 from jaxtrain import cli
-from jaxtrain.errors import UserError
+from jaxtrain.core.errors import UserError
 
 # The fields of one batch (see data.fields_from_rows), all int32 (batch, seq_len).
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
@@ -58,7 +58,7 @@ def abstract_inputs(setup):
 def compiled_memory(setup) -> dict:
   """Lowers and compiles the real train step (for the mesh's devices: XLA:GPU for
   compile-only GPUs); XLA's per-device memory analysis and what the program shows."""
-  from jaxtrain import gpu_compile
+  from jaxtrain.analysis import gpu_compile
   print("compiling the train step (this can take a minute for large models)...", file=sys.stderr, flush=True)
   compiled, seconds = gpu_compile.compile_step(setup)
   print(f"compiled in {seconds:.1f}s", file=sys.stderr, flush=True)
@@ -75,7 +75,8 @@ def compiled_memory(setup) -> dict:
 
 def replication_warnings(rows, mesh, threshold: int) -> list[str]:
   """A parameter of >= threshold bytes per device left fully replicated on a multi-device mesh."""
-  from jaxtrain import mesh as mesh_lib, sharding
+  from jaxtrain.parallel import mesh as mesh_lib
+  from jaxtrain.parallel import sharding
   out = []
   for r in rows:
     if mesh.size == 1 or r.bytes < threshold or any(r.spec):
@@ -93,7 +94,13 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
            margin: float = 0.10, warn_replicated: int = 16 * 2**20, device: str | None = None) -> dict:
   """`device`: a device-table name; the bill is then for that device's kernels (its plan),
   whatever devices the mesh here holds."""
-  from jaxtrain import comms, devices, flops, memory, mesh as mesh_lib, plan as plan_lib, step as step_lib
+  from jaxtrain.analysis import comms
+  from jaxtrain.parallel import devices
+  from jaxtrain.model import flops
+  from jaxtrain.analysis import memory
+  from jaxtrain.parallel import mesh as mesh_lib
+  from jaxtrain.parallel import plan as plan_lib
+  from jaxtrain.run import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
   all_rows = memory.param_rows(setup)
   rows = memory.grouped(all_rows)
@@ -124,7 +131,7 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
       "warnings": replication_warnings(rows, mesh, warn_replicated),
   }
   if mesh.shape.get("pipeline", 1) > 1:
-    from jaxtrain import pipeline
+    from jaxtrain.parallel import pipeline
     rep["pipeline"] = pipeline.report(cfg, mesh)
   if compile:
     c = compiled_memory(setup)
@@ -139,7 +146,7 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
       c["ratio"] = c["total"] / b.total
       c["ratio_without_margin"] = c["total"] / (b.total - i["margin"])
       if capacity is not None:  # the compiled total, when there is one, decides the fit
-        from jaxtrain import gpu_compile
+        from jaxtrain.analysis import gpu_compile
         rep["memory"]["fits"] = c["total"] <= capacity
         rep["memory"]["verdict"] = gpu_compile.verdict(c["total"], capacity, c["compiler"])
     rep["compiled"] = c
@@ -148,7 +155,7 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
 
 def _collapse(lines: list[str]) -> dict[str, int]:
   """Identical notes about repeated layers, once with a count."""
-  from jaxtrain import memory
+  from jaxtrain.analysis import memory
   out: dict[str, int] = {}
   for line in lines:
     key = memory.generic_path(line)
@@ -165,7 +172,7 @@ def _fmt_spec(spec) -> str:
 
 
 def render(rep: dict) -> str:
-  from jaxtrain import memory
+  from jaxtrain.analysis import memory
   L = []
   L.append(f"jaxtrain.inspect: {rep['config']} ({rep['param_count']:,} params) on mesh {rep['mesh']} "
            f"({rep['devices']} x {rep['device_kind']}); batch {rep['batch_size']} x {rep['seq_len']} tokens, "
@@ -205,10 +212,10 @@ def render(rep: dict) -> str:
         a = c["analytic"].get(k)
         L.append(f"  {k:<15} {memory.human(c[k]):>12} {'' if a is None else memory.human(a):>12}")
       L.append(f"  ratio compiled/analytic total: {c['ratio']:.2f} ({c['ratio_without_margin']:.2f} without the margin)")
-    from jaxtrain import gpu_report
+    from jaxtrain.analysis import gpu_report
     L.extend(gpu_report.render(c))
   if "pipeline" in rep:
-    from jaxtrain import pipeline
+    from jaxtrain.parallel import pipeline
     L += ["", *pipeline.render(rep["pipeline"])]
   f = rep["flops"]
   L.append("")
@@ -234,14 +241,14 @@ def main(argv=None) -> int:
 
   def body(set_prog):
     from pathlib import Path
-    from jaxtrain import memory
+    from jaxtrain.analysis import memory
     if not 0 <= args.margin < 10:
       raise UserError(f"--margin {args.margin}: must be a fraction >= 0 (e.g. 0.1)")
     threshold = memory.parse_size(args.warn_replicated, "--warn-replicated")
     started = cli.start(args, "jaxtrain.inspect", mesh=args.device is None)
     mesh, device_memory = started.mesh, args.device_memory
     if args.device is not None:
-      from jaxtrain import gpu_report
+      from jaxtrain.analysis import gpu_report
       mesh, device_memory = gpu_report.target_mesh(args.device, args.mesh, args.compile, args.device_memory)
     rep = report(started.cfg, mesh, Path(args.config).stem, compile=args.compile, device_memory=device_memory,
                  margin=args.margin, warn_replicated=threshold, device=args.device)

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from jaxtrain import cli
-from jaxtrain.config import MISMATCH_CATEGORIES
-from jaxtrain.errors import UserError
+from jaxtrain.core.config import MISMATCH_CATEGORIES
+from jaxtrain.core.errors import UserError
 
 
 def parse_args(argv=None):
@@ -54,7 +54,8 @@ class Evaluator:
 
   def __init__(self, cfg, setup):
     import jax
-    from jaxtrain import data, progress
+    from jaxtrain import data
+    from jaxtrain.run import progress
     self.cadence = progress.Every(cfg.train.eval_interval)
     if not self.cadence.n:
       return
@@ -113,7 +114,7 @@ def _sinks(cfg, workdir: Path, stop_at: int, resumed_at: int | None, carried: li
   """metrics.jsonl, console and TensorBoard on process 0; nothing elsewhere. `carried`:
   records the last run could not write (a full disk), restored from its checkpoint."""
   import jax
-  from jaxtrain import metrics
+  from jaxtrain.run import metrics
   if jax.process_index() != 0:
     return metrics.Sinks([])
   sinks = [metrics.JsonlSink(workdir / "metrics.jsonl", resumed_at, carried),
@@ -131,7 +132,7 @@ def _announce(setup, config_name: str, mesh_text: str, workdir: Path) -> None:
         f"on {mesh.size} {dev.platform} device(s) [{dev.device_kind}], workdir {workdir}")
   print(setup.plan.describe())
   if setup.grads_fn is not None:
-    from jaxtrain import pipeline
+    from jaxtrain.parallel import pipeline
     print(pipeline.describe(setup.cfg, mesh))
   if setup.notes:
     print(f"sharding: {len(setup.notes)} dimension(s) replicated where the mesh axis does not divide them, e.g. "
@@ -142,7 +143,8 @@ def _resume(ckpts, step_dir, current: dict, allowed: set[str], setup, batches, m
   """(state, Progress, manifest) from the checkpoint `step_dir` (chosen and verified by
   `checkpoint.resume_point`), with the data iterator moved to it; (None, Progress(), {})
   when there is none. A different run is refused, naming what changed."""
-  from jaxtrain import checkpoint, progress as progress_lib
+  from jaxtrain.run import checkpoint
+  from jaxtrain.run import progress as progress_lib
   if step_dir is None:
     return None, progress_lib.Progress(), {}
   manifest = checkpoint.read_manifest(step_dir)
@@ -162,8 +164,17 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
         resume_from: str | None = None, allow_mismatch: str = "") -> Summary:
   """Trains until `stop_at` (default train.steps) total steps."""
   import jax
-  from jaxtrain import checkpoint, data, flops, mesh as mesh_lib, metrics, observe, progress as progress_lib
-  from jaxtrain import fit, lock as lock_lib, runfiles, step as step_lib
+  from jaxtrain import data
+  from jaxtrain.run import checkpoint
+  from jaxtrain.model import flops
+  from jaxtrain.parallel import mesh as mesh_lib
+  from jaxtrain.run import metrics
+  from jaxtrain.run import observe
+  from jaxtrain.run import progress as progress_lib
+  from jaxtrain.analysis import fit
+  from jaxtrain.run import lock as lock_lib
+  from jaxtrain.run import runfiles
+  from jaxtrain.run import step as step_lib
 
   allowed = _allowed(allow_mismatch)
   stop_at = stop_at or cfg.train.steps
@@ -283,7 +294,7 @@ def main(argv=None) -> int:
   args = parse_args(argv)
 
   def body(set_prog):
-    from jaxtrain import config
+    from jaxtrain.core import config
     if args.help_config:
       print(config.help_text())
       return 0

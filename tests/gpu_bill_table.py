@@ -11,7 +11,10 @@ import jax
 
 jax.config.update("jax_platforms", "cpu")
 
-from jaxtrain import config, gpu_compile, memory, step  # noqa: E402
+from jaxtrain.core import config
+from jaxtrain.analysis import gpu_compile
+from jaxtrain.analysis import memory
+from jaxtrain.run import step  # noqa: E402
 
 BASE = ["model.scan_layers=true", "train.batch_size=8", "model.attention_max_segments=16"]
 

@@ -5,7 +5,11 @@ import math
 import jax
 import numpy as np
 
-from jaxtrain import config, data, mesh as mesh_lib, plan as plan_lib, step
+from jaxtrain import data
+from jaxtrain.core import config
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.parallel import plan as plan_lib
+from jaxtrain.run import step
 
 
 def mesh_of(spec: str):

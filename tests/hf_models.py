@@ -7,7 +7,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxtrain import checkpoint, hf, runs
+from jaxtrain import hf
+from jaxtrain.run import checkpoint
+from jaxtrain.run import runs
 from tests.helpers import mesh_of
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -5,7 +5,11 @@ import sys
 
 import numpy as np
 
-from jaxtrain import config, data, distributed, mesh as mesh_lib, step
+from jaxtrain import data
+from jaxtrain.core import config
+from jaxtrain.parallel import distributed
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.run import step
 
 
 def main():

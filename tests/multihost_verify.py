@@ -16,8 +16,10 @@ import numpy as np
 
 import os
 
-from jaxtrain import checkpoint, distributed, files
-from jaxtrain.errors import RunAborted
+from jaxtrain.run import checkpoint
+from jaxtrain.parallel import distributed
+from jaxtrain.core import files
+from jaxtrain.core.errors import RunAborted
 
 COUNT = {"bytes": 0}
 
@@ -150,7 +152,7 @@ def main():
 
   if a.data:
     from jaxtrain.data import shards
-    from jaxtrain.errors import UserError
+    from jaxtrain.core.errors import UserError
     shards.open_prepared(Path(a.data), True)
     out["data"] = _taken()
     entries = [e for s in shards.read_manifest(Path(a.data))["shards"] for e in s["files"].values()]

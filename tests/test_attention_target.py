@@ -7,8 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import attention, config, plan as plan_lib
-from jaxtrain.errors import UserError
+from jaxtrain.model import attention
+from jaxtrain.core import config
+from jaxtrain.parallel import plan as plan_lib
+from jaxtrain.core.errors import UserError
 
 H100 = attention.DeviceInfo("gpu", True, (9, 0))
 A100 = attention.DeviceInfo("gpu", True, (8, 0))

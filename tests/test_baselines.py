@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import bench, config, step
-from jaxtrain.baselines import minimal
+from jaxtrain import bench
+from jaxtrain.core import config
+from jaxtrain.run import step
+from jaxtrain.analysis.baselines import minimal
 from tests.helpers import mesh_of
 
 # float32 everywhere; the baselines differ from jaxtrain only in summation order (and
@@ -62,7 +64,7 @@ def test_minimal_baseline_matches_jaxtrain_loss_and_update(tied, unpacked):
 @pytest.mark.parametrize("tied", [False, True])
 def test_torch_baseline_matches_jaxtrain_loss_and_update(tied):
   pytest.importorskip("torch")
-  from jaxtrain.baselines import torch_model
+  from jaxtrain.analysis.baselines import torch_model
   params0, batch, loss0, loss1, _ = _jaxtrain(tied, True)
   b = torch_model.TorchBaseline(_cfg(tied), params0, compile=False)
   dev = b.to_device(batch)
@@ -73,7 +75,7 @@ def test_torch_baseline_matches_jaxtrain_loss_and_update(tied):
 
 def test_torch_baseline_refuses_packed_rows():
   pytest.importorskip("torch")
-  from jaxtrain.baselines import torch_model
+  from jaxtrain.analysis.baselines import torch_model
   params0, batch, *_ = _jaxtrain(False, False)
   with pytest.raises(ValueError, match="one document per row"):
     torch_model.TorchBaseline(_cfg(False), params0, compile=False).to_device(batch)

@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import bench, flops
+from jaxtrain import bench
+from jaxtrain.model import flops
 
 TINY = ["--set", "train.batch_size=4", "--set", "train.seq_len=64"]
 STATS = {"median", "min", "max", "p25", "p75", "n"}
@@ -27,7 +28,7 @@ def test_bench_with_minimal_baseline_and_measured_peak_emits_every_field(run_cli
       assert set(side[k]) == STATS and side[k]["n"] == 6 and side[k]["median"] > 0, k
     assert side["mfu"] is None and side["peak_memory_bytes"] is None  # CPU: no peak in the table, no memory stats
     assert side["compile_s"] > 0
-  from jaxtrain import config
+  from jaxtrain.core import config
   m = config.load("tiny").model
   assert rep["flops_per_token"] == flops.flops_per_token(m, 64)  # inspect's formula
   j = rep["jaxtrain"]
@@ -53,7 +54,7 @@ def test_bench_on_a_sharded_mesh_reports_per_device_rates(run_cli, tmp_path):
   assert r.returncode == 0, r.stderr[-2000:]
   rep = json.loads((tmp_path / "b.json").read_text())
   # The bench times the trainer's program: the config's XLA flags were in force (they were ignored once).
-  from jaxtrain import xla_flags
+  from jaxtrain.parallel import xla_flags
   assert set(xla_flags.PRESETS["gpu-default"]) <= set(rep["xla_flags"].split())
   assert rep["devices"] == 2 and rep["baselines"] == [] and rep["ratios"] == {} and rep["measured_peak"] is None
   j = rep["jaxtrain"]

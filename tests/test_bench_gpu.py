@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from jaxtrain import bench_gpu, xla_flags
+from jaxtrain.analysis import bench_gpu
+from jaxtrain.parallel import xla_flags
 
 # Only to shorten XLA:CPU's compiles (the figures stay real measurements, of a less optimized build).
 FAST_CPU = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -96,8 +97,10 @@ def test_baselines_take_scanned_parameters_layer_by_layer():
   import jax
   import numpy as np
   from flax import nnx
-  from jaxtrain import baselines, config, model
-  from jaxtrain.baselines import minimal
+  from jaxtrain.analysis import baselines
+  from jaxtrain.core import config
+  from jaxtrain.model import transformer as model
+  from jaxtrain.analysis.baselines import minimal
   losses = []
   for scan in ("false", "true"):
     cfg = config.load("tiny", [f"model.scan_layers={scan}", "model.dtype=float32"])

@@ -9,7 +9,11 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxtrain import config, gpu_compile, memory, model as model_lib, step
+from jaxtrain.core import config
+from jaxtrain.analysis import gpu_compile
+from jaxtrain.analysis import memory
+from jaxtrain.model import transformer as model_lib
+from jaxtrain.run import step
 from tests.helpers import mesh_of
 
 PODS = [("llama3.1-8b", "host8"), ("llama3.1-70b", "pod-8x8-fsdp"), ("mixtral-8x7b", "pod-8x8-moe")]
@@ -86,7 +90,9 @@ POD_SCRIPT = """
 import json, math
 import jax
 jax.config.update("jax_num_cpu_devices", 64)
-from jaxtrain import config, inspect, mesh as mesh_lib
+from jaxtrain import inspect
+from jaxtrain.core import config
+from jaxtrain.parallel import mesh as mesh_lib
 out = {}
 for name, spec in %r:
   sizes, _ = mesh_lib.parse_full(spec)  # dcn factors only order devices; one process here

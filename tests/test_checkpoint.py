@@ -11,7 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import checkpoint, config, step
+from jaxtrain.run import checkpoint
+from jaxtrain.core import config
+from jaxtrain.run import step
 from tests.helpers import mesh_of
 
 # Sharded, accumulating, packed: the data iterator state and the mesh both matter.

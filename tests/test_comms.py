@@ -3,7 +3,10 @@
 
 import math
 
-from jaxtrain import comms, config, memory, step
+from jaxtrain.analysis import comms
+from jaxtrain.core import config
+from jaxtrain.analysis import memory
+from jaxtrain.run import step
 from tests.helpers import mesh_of
 
 

@@ -2,8 +2,9 @@ import dataclasses
 
 import pytest
 
-from jaxtrain import config, model
-from jaxtrain.errors import UserError
+from jaxtrain.core import config
+from jaxtrain.model import transformer as model
+from jaxtrain.core.errors import UserError
 
 
 @pytest.mark.parametrize("name, count", [("llama3-8b", 8_030_261_248), ("llama3-1b", 1_235_814_400)])

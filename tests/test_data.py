@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
-from jaxtrain import config, data
-from jaxtrain.errors import UserError
+from jaxtrain import data
+from jaxtrain.core import config
+from jaxtrain.core.errors import UserError
 
 
 def test_fields_from_packed_rows():

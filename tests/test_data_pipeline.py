@@ -5,9 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from jaxtrain import config, data
+from jaxtrain import data
+from jaxtrain.core import config
 from jaxtrain.data.prepare import prepare
-from jaxtrain.errors import UserError
+from jaxtrain.core.errors import UserError
 from tests.corpora import prepared, texts, write_jsonl
 
 L, B = 16, 4

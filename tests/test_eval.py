@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import config, data, step, train
-from jaxtrain.errors import UserError
+from jaxtrain import data, train
+from jaxtrain.core import config
+from jaxtrain.run import step
+from jaxtrain.core.errors import UserError
 from tests.helpers import mesh_of
 
 

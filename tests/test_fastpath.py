@@ -9,8 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import attention, config, model as model_lib, step as step_lib
-from jaxtrain.errors import UserError
+from jaxtrain.model import attention
+from jaxtrain.core import config
+from jaxtrain.model import transformer as model_lib
+from jaxtrain.run import step as step_lib
+from jaxtrain.core.errors import UserError
 
 CFG = config.load("tiny", ["model.dtype=float32", "model.n_layers=2", "model.d_model=32", "model.d_ff=64",
                            "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=8", "model.vocab_size=64"]).model
@@ -82,7 +85,7 @@ def test_remat_policy_gives_the_loss_and_gradients_of_none(policy):
 
 
 def test_unknown_xla_flag_is_dropped_with_a_warning(tmp_path, capsys):
-  from jaxtrain import xla_flags
+  from jaxtrain.parallel import xla_flags
   cache = tmp_path / "flags.json"
   env = {"XLA_FLAGS": "--xla_dump_to=/tmp/user_choice"}
   added = xla_flags.apply("none", "--xla_jaxtrain_no_such_flag=1 --xla_gpu_enable_latency_hiding_scheduler=true "
@@ -101,7 +104,7 @@ def test_unknown_xla_flag_is_dropped_with_a_warning(tmp_path, capsys):
 
 
 def test_gpu_default_preset_flags_are_known_to_this_jaxlib(tmp_path):
-  from jaxtrain import xla_flags
+  from jaxtrain.parallel import xla_flags
   kept, dropped = xla_flags.validate(xla_flags.PRESETS["gpu-default"], tmp_path / "flags.json")
   assert dropped == [] and len(kept) == len(xla_flags.PRESETS["gpu-default"])
 
@@ -192,7 +195,7 @@ def test_fast_path_user_errors_are_one_line(run_cli, setting, words):
 
 
 def test_memory_bill_counts_activations_for_the_remat_setting():
-  from jaxtrain import memory
+  from jaxtrain.analysis import memory
   from tests.helpers import mesh_of
   cfg = config.load("tiny")
   mesh = mesh_of("dp=2")

@@ -6,7 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import checkpoint, filecheck, files
+from jaxtrain.run import checkpoint
+from jaxtrain.run import filecheck
+from jaxtrain.core import files
 from tests import multihost, multihost_verify
 
 

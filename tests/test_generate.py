@@ -8,7 +8,8 @@ pytest.importorskip("transformers")
 
 from flax import nnx  # noqa: E402
 
-from jaxtrain import generate, model as model_lib  # noqa: E402
+from jaxtrain import generate
+from jaxtrain.model import transformer as model_lib  # noqa: E402
 from tests import hf_models as H  # noqa: E402
 from tests.helpers import mesh_of  # noqa: E402
 

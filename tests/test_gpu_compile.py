@@ -1,4 +1,4 @@
-"""XLA's GPU compiler on compile-only H100s (jaxtrain.gpu_compile): memory, remat, cuDNN
+"""XLA's GPU compiler on compile-only H100s (jaxtrain.analysis.gpu_compile): memory, remat, cuDNN
 attention, FSDP gathers, a multi-host hybrid mesh, and the fallback without the plugin.
 
 Needs the CUDA plugin (the gpu-aot extra); without it everything but the fallback skips."""
@@ -9,7 +9,12 @@ import sys
 
 import pytest
 
-from jaxtrain import config, gpu_compile, gpu_report, inspect, memory, step as step_lib
+from jaxtrain import inspect
+from jaxtrain.core import config
+from jaxtrain.analysis import gpu_compile
+from jaxtrain.analysis import gpu_report
+from jaxtrain.analysis import memory
+from jaxtrain.run import step as step_lib
 
 needs_plugin = pytest.mark.skipif(not gpu_compile.plugin_installed(), reason="no CUDA plugin (gpu-aot extra)")
 

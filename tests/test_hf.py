@@ -10,7 +10,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from jaxtrain import checkpoint, config, hf, model as model_lib, runs, train  # noqa: E402
+from jaxtrain import hf, train
+from jaxtrain.run import checkpoint
+from jaxtrain.core import config
+from jaxtrain.model import transformer as model_lib
+from jaxtrain.run import runs  # noqa: E402
 from tests import hf_models as H  # noqa: E402
 from tests.helpers import mesh_of  # noqa: E402
 

@@ -12,8 +12,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxtrain import checkpoint, config, plan as plan_lib, sharding, step
-from jaxtrain.errors import UserError
+from jaxtrain.run import checkpoint
+from jaxtrain.core import config
+from jaxtrain.parallel import plan as plan_lib
+from jaxtrain.parallel import sharding
+from jaxtrain.run import step
+from jaxtrain.core.errors import UserError
 from tests.conftest import REPO
 from tests.helpers import mesh_of
 

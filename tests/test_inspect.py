@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from jaxtrain import config, flops, inspect
+from jaxtrain import inspect
+from jaxtrain.core import config
+from jaxtrain.model import flops
 from tests.helpers import mesh_of
 
 # The ratio compiled/analytic total that the README documents as agreement (XLA fuses

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from jaxtrain import config, mesh as mesh_lib
+from jaxtrain.core import config
+from jaxtrain.parallel import mesh as mesh_lib
 from tests.conftest import REPO
 
 LAUNCH = Path(REPO) / "jaxtrain" / "launch"

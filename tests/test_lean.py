@@ -7,7 +7,13 @@ import numpy as np
 import optax
 import pytest
 
-from jaxtrain import config, costs, data, flops, inspect, memory, precision, step
+from jaxtrain import data, inspect
+from jaxtrain.core import config
+from jaxtrain.analysis import costs
+from jaxtrain.model import flops
+from jaxtrain.analysis import memory
+from jaxtrain.run import precision
+from jaxtrain.run import step
 from tests.helpers import mesh_of
 
 SMALL = ["model.dtype=float32", "train.batch_size=4", "train.seq_len=32", "model.n_layers=2"]

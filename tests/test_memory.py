@@ -8,7 +8,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxtrain import config, memory, model as model_lib, step
+from jaxtrain.core import config
+from jaxtrain.analysis import memory
+from jaxtrain.model import transformer as model_lib
+from jaxtrain.run import step
 from tests.helpers import mesh_of
 
 LLAMA3_8B = 8_030_261_248

@@ -1,7 +1,7 @@
 import pytest
 
-from jaxtrain import mesh as mesh_lib
-from jaxtrain.errors import UserError
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.core.errors import UserError
 
 
 def test_parse_aliases_and_defaults():
@@ -65,7 +65,7 @@ def test_hybrid_mesh_parsing_and_its_errors():
     (("127.0.0.1:1234", 2, 2), "--process-id 2 must lie in [0, --num-processes=2)"),
 ])
 def test_distributed_flags_are_checked(args, words):
-  from jaxtrain import distributed
+  from jaxtrain.parallel import distributed
   with pytest.raises(UserError) as e:
     distributed.cluster_from(*args)
   assert words in str(e.value)

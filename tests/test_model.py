@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain import config, model as model_lib
+from jaxtrain.core import config
+from jaxtrain.model import transformer as model_lib
 
 CFG = config.load("tiny", ["model.dtype=float32"]).model
 

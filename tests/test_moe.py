@@ -9,7 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import config, model as model_lib, moe, plan as plan_lib, train
+from jaxtrain import train
+from jaxtrain.core import config
+from jaxtrain.model import transformer as model_lib
+from jaxtrain.parallel import experts as moe
+from jaxtrain.parallel import plan as plan_lib
 from tests.helpers import mesh_of, plan_of
 
 
@@ -152,7 +156,7 @@ def test_metrics_log_moe_fields(tmp_path):
 def test_moe_flops_count_the_active_experts_only():
   """Matmul weights per token = every parameter but the lookup table and norms, less the
   experts a token does not visit (X - k per MoE layer)."""
-  from jaxtrain import flops
+  from jaxtrain.model import flops
   m = config.load("moe-tiny", ["model.moe_every=2"]).model
   _, state = model_lib.abstract(m)
   norms = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(state) if "norm" in jax.tree_util.keystr(path))

@@ -11,9 +11,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import checkpoint, config, data, model as model_lib, moe, moe_balance, moe_layout, plan as plan_lib
-from jaxtrain import step
-from jaxtrain.errors import UserError
+from jaxtrain import data
+from jaxtrain.run import checkpoint
+from jaxtrain.core import config
+from jaxtrain.model import transformer as model_lib
+from jaxtrain.parallel import experts as moe
+from jaxtrain.model import moe_balance
+from jaxtrain.parallel import expert_layout as moe_layout
+from jaxtrain.parallel import plan as plan_lib
+from jaxtrain.run import step
+from jaxtrain.core.errors import UserError
 from tests.helpers import mesh_of
 
 STEPS = 3
@@ -411,7 +418,7 @@ def test_inspect_moe_traffic_follows_the_dispatch():
   """moe-tiny on ep=4 (bf16, 2 MoE layers, batch 16 x 128): 4 rows x 128 = 512 tokens per
   device. Capacity: 4 groups of 128, C = ceil(1.25 * 128 * 2 / 4) = 80, buffer 4 x 4 x 80
   rows. Dropless: bound 512 x min(2, 4/4) = 512 rows to each of 4 devices."""
-  from jaxtrain import comms
+  from jaxtrain.analysis import comms
   ring, D, s, layers = 3 / 4, 128, 2, 2
   cap = comms.moe_traffic(config.load("moe-tiny"), mesh_of("ep=4"))["expert"]
   assert cap == {"MoE all-to-all, capacity buffers (4 per MoE layer, 1280 rows)": int(layers * 4 * ring * 1280 * D * s)}
@@ -426,7 +433,7 @@ def test_inspect_moe_traffic_follows_the_dispatch():
 
 
 def test_flops_count_routed_and_shared_experts_of_their_width():
-  from jaxtrain import flops
+  from jaxtrain.model import flops
   m = DEEPSEEK.model
   _, state = model_lib.abstract(m)
   D, Fe, X = m.d_model, m.moe_expert_d_ff, m.moe_experts
@@ -439,7 +446,8 @@ def test_flops_count_routed_and_shared_experts_of_their_width():
 def test_bench_compare_alternates_variants_with_compiled_memory(tmp_path, capsys):
   """`python -m jaxtrain.bench --compare ...` as bench.main runs it (in-process): two variants,
   2 rounds of 2 timed steps each, compiled memory per device, the JSON and the table."""
-  from jaxtrain import bench, bench_compare
+  from jaxtrain import bench
+  from jaxtrain.analysis import compare as bench_compare
   with pytest.raises(UserError, match="must look like NAME:"):
     bench_compare.parse(["model.moe_dropless=true"])
   variants = ["drop:model.moe_dropless=true", "cap:model.moe_capacity_factor=1.25"]

@@ -7,7 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from jaxtrain import config, data, files
+from jaxtrain import data
+from jaxtrain.core import config
+from jaxtrain.core import files
 from tests import multihost
 from tests.conftest import REPO
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxtrain import config
+from jaxtrain.core import config
 from tests.helpers import trajectory
 from tests.test_parity import STEPS, reference  # noqa: F401  (module fixture: the dense one-device run)
 

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from jaxtrain import config, step
+from jaxtrain.core import config
+from jaxtrain.run import step
 from tests.helpers import mesh_of, trajectory
 
 STEPS = 3

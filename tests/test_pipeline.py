@@ -9,8 +9,13 @@ import re
 import numpy as np
 import pytest
 
-from jaxtrain import config, data, mesh as mesh_lib, pipeline, schedule, step
-from jaxtrain.errors import UserError
+from jaxtrain import data
+from jaxtrain.core import config
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.parallel import pipeline
+from jaxtrain.parallel import schedule
+from jaxtrain.run import step
+from jaxtrain.core.errors import UserError
 from tests.helpers import mesh_of
 
 STEPS = 3

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import config, data, metrics, model as model_lib, precision, progress, step
+from jaxtrain import data
+from jaxtrain.core import config
+from jaxtrain.run import metrics
+from jaxtrain.model import transformer as model_lib
+from jaxtrain.run import precision
+from jaxtrain.run import progress
+from jaxtrain.run import step
 from tests.helpers import mesh_of
 
 

@@ -16,9 +16,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import checkpoint, config, data, mesh as mesh_lib, runfiles, step
-from jaxtrain.errors import UserError
-from jaxtrain.lock import WorkdirLock
+from jaxtrain import data
+from jaxtrain.run import checkpoint
+from jaxtrain.core import config
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.run import runfiles
+from jaxtrain.run import step
+from jaxtrain.core.errors import UserError
+from jaxtrain.run.lock import WorkdirLock
 from tests.helpers import mesh_of
 
 SETS = ["model.n_layers=1", "train.batch_size=2", "train.seq_len=16", "checkpoint.interval=2"]
@@ -210,16 +215,16 @@ def test_second_trainer_exits_2_and_the_first_finishes_untouched(env, base, tmp_
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()
-  (tmp_path / "jaxtrain.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "since": 0}))
+  (tmp_path / "jaxtrain.run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "since": 0}))
   lock = WorkdirLock(tmp_path).acquire()
   try:
     assert f"pid {dead.pid}" in lock.note and "that process is gone" in lock.note
-    assert json.loads((tmp_path / "jaxtrain.lock").read_text())["pid"] == os.getpid()
+    assert json.loads((tmp_path / "jaxtrain.run.lock").read_text())["pid"] == os.getpid()
     with pytest.raises(UserError, match=f"in use by another trainer .*pid {os.getpid()}"):
       WorkdirLock(tmp_path).acquire()  # a second open file description: flock says no
   finally:
     lock.release()
-  assert (tmp_path / "jaxtrain.lock").read_text() == ""  # a clean exit leaves no holder
+  assert (tmp_path / "jaxtrain.run.lock").read_text() == ""  # a clean exit leaves no holder
   WorkdirLock(tmp_path).acquire().release()
 
 

@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import config, model as model_lib, ring, step
+from jaxtrain.core import config
+from jaxtrain.model import transformer as model_lib
+from jaxtrain.parallel import ring
+from jaxtrain.run import step
 from tests.helpers import mesh_of, plan_of
 
 B, L, H, K, E = 2, 32, 4, 2, 8

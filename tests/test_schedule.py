@@ -3,7 +3,7 @@ dependencies respected, stash bounds, and the one-line errors."""
 
 import pytest
 
-from jaxtrain import schedule as S
+from jaxtrain.parallel import schedule as S
 
 
 def rows(table):

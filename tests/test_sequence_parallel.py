@@ -5,7 +5,9 @@ import re
 import jax
 import jax.numpy as jnp
 
-from jaxtrain import config, sharding, step
+from jaxtrain.core import config
+from jaxtrain.parallel import sharding
+from jaxtrain.run import step
 from tests.helpers import mesh_of, plan_of
 
 B = 4

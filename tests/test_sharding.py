@@ -2,8 +2,10 @@
 
 import pytest
 
-from jaxtrain import config, sharding, step
-from jaxtrain.errors import UserError
+from jaxtrain.core import config
+from jaxtrain.parallel import sharding
+from jaxtrain.run import step
+from jaxtrain.core.errors import UserError
 from tests.helpers import mesh_of
 
 

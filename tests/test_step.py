@@ -6,7 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import config, data, model as model_lib, plan as plan_lib, step
+from jaxtrain import data
+from jaxtrain.core import config
+from jaxtrain.model import transformer as model_lib
+from jaxtrain.parallel import plan as plan_lib
+from jaxtrain.run import step
 
 
 def _setup():

@@ -1,4 +1,4 @@
-"""Chunked, vocabulary-parallel cross-entropy (jaxtrain.xent): the same loss and gradients as
+"""Chunked, vocabulary-parallel cross-entropy (jaxtrain.model.loss): the same loss and gradients as
 the plain loss, and a compiled program without the (B, L, V) logits."""
 
 import jax
@@ -6,8 +6,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import config, model as model_lib, plan as plan_lib, step, xent
-from jaxtrain.errors import UserError
+from jaxtrain.core import config
+from jaxtrain.model import transformer as model_lib
+from jaxtrain.parallel import plan as plan_lib
+from jaxtrain.run import step
+from jaxtrain.model import loss as xent
+from jaxtrain.core.errors import UserError
 from tests.helpers import mesh_of
 
 

@@ -14,7 +14,7 @@ import sys
 import time
 
 from jaxtrain import cli
-from jaxtrain.errors import UserError
+from jaxtrain.core.errors import UserError
 
 
 def parse_args(argv=None):

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from jaxtrain.data.shards import TokenSet
-from jaxtrain.errors import UserError
+from jaxtrain.core.errors import UserError
 
 
 def fields_from_rows(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

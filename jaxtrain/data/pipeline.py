@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxtrain.config import Config
+from jaxtrain.core.config import Config
 from jaxtrain.data import readers, shards, tokenizer as tokenizer_lib
 from jaxtrain.data.packing import Packer, fields_from_rows
-from jaxtrain.errors import UserError
-from jaxtrain.files import sha256_file
+from jaxtrain.core.errors import UserError
+from jaxtrain.core.files import sha256_file
 
 BUNDLED = Path(__file__).resolve().parent.parent / "corpus" / "bundled.jsonl"
 SPLIT_SEED = 20240517  # which documents are held out; independent of train.seed on purpose

@@ -20,8 +20,8 @@ import numpy as np
 import tqdm
 
 from jaxtrain.data import readers, shards, tokenizer as tokenizer_lib
-from jaxtrain.errors import UserError
-from jaxtrain.files import sha256_file, write_json_atomic
+from jaxtrain.core.errors import UserError
+from jaxtrain.core.files import sha256_file, write_json_atomic
 
 JOB = "prepare.json"
 _worker_tok = None

@@ -13,7 +13,7 @@ import json
 import mmap
 from pathlib import Path
 
-from jaxtrain.errors import UserError
+from jaxtrain.core.errors import UserError
 
 FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
 # .txt documents are separated by a blank line; JSONL records by a newline.

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxtrain import filecheck, files
-from jaxtrain.errors import UserError
+from jaxtrain.run import filecheck
+from jaxtrain.core import files
+from jaxtrain.core.errors import UserError
 
 FORMAT = "jaxtrain-tokens-v1"
 MANIFEST = "manifest.json"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxtrain.errors import UserError
-from jaxtrain.files import sha256_file
+from jaxtrain.core.errors import UserError
+from jaxtrain.core.files import sha256_file
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]")

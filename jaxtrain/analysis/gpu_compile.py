@@ -1,0 +1,375 @@
+"""Compile the real train step with XLA's GPU compiler for GPUs that are not here.
+
+With the CUDA PJRT plugin installed (`pip install 'jaxtrain[gpu-aot]'`) and the host
+backend on CPU, `jax.experimental.topologies` gives compile-only devices described by an
+XLA GPU TargetConfig (jaxtrain/gpu_targets/*.txtpb, one per device kind). A mesh over
+them and ShapeDtypeStructs carrying the step's shardings let `step.Setup(cfg, mesh).step`
+be lowered and compiled by XLA:GPU exactly as on the pod; nothing ever runs. The
+compiled program is then read: XLA's memory analysis, the collectives of the optimized
+HLO (kind, bytes, async or not, how often per step), cuDNN fused-attention calls, XLA's
+cost analysis and a roofline lower bound of the step time.
+
+Without the plugin `plugin_installed()` is False and callers fall back to XLA:CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.resources
+import importlib.util
+import math
+import re
+import time
+
+from jaxtrain.parallel import devices as device_table
+from jaxtrain.core.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """A GPU model with a TargetConfig file; its peak, bandwidth and memory come from the
+  one device table (`jaxtrain.parallel.devices`, the datasheet figures)."""
+  name: str
+  file: str
+
+  @property
+  def figures(self):
+    return device_table.lookup(self.name)
+
+  peak_bf16_flops = property(lambda self: self.figures.peak_bf16_flops)
+  bandwidth = property(lambda self: self.figures.bandwidth)
+  memory = property(lambda self: self.figures.memory_bytes)
+
+
+# Keyed like the device table (jaxtrain.parallel.devices.TABLE).
+KINDS = {
+    "H100": Kind("H100", "h100.txtpb"),
+    "H200": Kind("H200", "h200.txtpb"),
+    "A100-80GB": Kind("A100-80GB", "a100-80gb.txtpb"),
+}
+ALIASES = {"h100-sxm": "H100", "h100-80gb": "H100", "h200-sxm": "H200", "a100": "A100-80GB",
+           "a100-sxm4-80gb": "A100-80GB"}
+GPUS_PER_HOST = 8  # an HGX/DGX node: a mesh without dcn factors spans size/8 hosts
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+
+def kind(name: str) -> Kind:
+  """'H100', 'h200', 'A100-80GB' (or an alias) -> Kind; a UserError naming the valid ones."""
+  key = {k.lower(): k for k in KINDS}.get(name.strip().lower()) or ALIASES.get(name.strip().lower())
+  if key is None:
+    raise UserError(f"--device {name!r} is not a known GPU kind; known: {', '.join(KINDS)}")
+  return KINDS[key]
+
+
+def find_kind(name: str) -> Kind | None:
+  """`kind` without the error: None for a name with no TargetConfig."""
+  key = {k.lower(): k for k in KINDS}.get(name.strip().lower()) or ALIASES.get(name.strip().lower())
+  return KINDS[key] if key else None
+
+
+def plugin_installed() -> bool:
+  """The CUDA PJRT plugin (jax[cuda12] or jax[cuda13]) is importable; nothing is started."""
+  return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
+def _installed_versions() -> tuple[tuple[int, int, int], tuple[int, int]] | None:
+  """(cuDNN, CUDA runtime) versions of the installed plugin's libraries, or None."""
+  try:
+    from jax._src.lib import cuda_versions
+    dnn, rt = cuda_versions.cudnn_get_version(), cuda_versions.cuda_runtime_get_version()
+  except Exception:  # noqa: BLE001 - any failure just keeps the file's versions
+    return None
+  return (dnn // 10000, dnn // 100 % 100, dnn % 100), (rt // 1000, rt // 10 % 100)
+
+
+def target_config(k: Kind) -> str:
+  """The kind's TargetConfig text, its cuDNN/CUDA versions set to the installed ones, so
+  XLA plans for the libraries this same install would run with on the GPU."""
+  text = importlib.resources.files("jaxtrain.gpu_targets").joinpath(k.file).read_text()
+  versions = _installed_versions()
+  if versions:
+    (a, b, c), (d, e) = versions
+    text = re.sub(r"dnn_version_info \{[^}]*\}", f"dnn_version_info {{ major: {a} minor: {b} patch: {c} }}", text)
+    text = re.sub(r"runtime_version \{[^}]*\}", f"runtime_version {{ major: {d} minor: {e} patch: 0 }}", text)
+  return text
+
+
+def devices(k: Kind, count: int, hosts: int = 1) -> list:
+  """`count` compile-only devices of kind `k` over `hosts` processes."""
+  from jax.experimental import topologies
+  if count % hosts:
+    raise UserError(f"{count} devices cannot be spread evenly over {hosts} hosts")
+  topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(k),
+                                      topology=f"1x{hosts}x{count // hosts}")
+  return list(topo.devices)
+
+
+def mesh(k: Kind, spec: str):
+  """The run's mesh (`--mesh` syntax, dcn factors included) over compile-only devices.
+  Hosts: the product of the dcn factors when given, else one per 8 GPUs; -1 fills one host."""
+  from jaxtrain.parallel import mesh as mesh_lib
+  sizes, dcn = mesh_lib.parse_full(spec)
+  known = math.prod(s for s in sizes.values() if s != -1)
+  count = known * (max(1, GPUS_PER_HOST // known) if -1 in sizes.values() else 1)
+  hosts = math.prod(dcn.values()) if any(v > 1 for v in dcn.values()) else (
+      count // GPUS_PER_HOST if count % GPUS_PER_HOST == 0 else 1)
+  return mesh_lib.build(sizes, devices(k, count, max(hosts, 1)), dcn)
+
+
+@contextlib.contextmanager
+def _capability_of(device):
+  """jax's cuDNN attention wrapper checks the compute capability of the HOST backend
+  while tracing (e.g. packed segments need Hopper); for a compile-only target it must
+  answer for the target device instead."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+  except ImportError:
+    yield
+    return
+  cc = str(getattr(device, "compute_capability", ""))
+  if getattr(device, "platform", "") != "gpu" or not re.fullmatch(r"\d+\.\d+", cc):
+    yield
+    return
+  have = tuple(map(int, cc.split(".")))
+  saved = fa.check_compute_capability, fa.is_cuda_compute_capability_equal
+  fa.check_compute_capability = lambda c: have >= tuple(map(int, c.split(".")))
+  fa.is_cuda_compute_capability_equal = lambda c: have == tuple(map(int, c.split(".")))
+  try:
+    yield
+  finally:
+    fa.check_compute_capability, fa.is_cuda_compute_capability_equal = saved
+
+
+def compiler_options(cfg) -> dict[str, str]:
+  """The config's XLA flags (run.xla_flags preset + run.xla_flags_extra) as compile
+  options, so the compile sees the flags the trainer would put in XLA_FLAGS."""
+  from jaxtrain.parallel import xla_flags
+  flags = xla_flags.PRESETS[cfg.run.xla_flags] + xla_flags.parse(cfg.run.xla_flags_extra)
+  return {f.split("=", 1)[0].removeprefix("--"): (f.split("=", 1) + ["true"])[1] for f in flags}
+
+
+def is_gpu_mesh(mesh) -> bool:
+  return mesh.devices.flat[0].platform == "gpu"
+
+
+def compile_step(setup):
+  """(compiled train step, seconds) from abstract inputs: nothing is allocated."""
+  from jaxtrain import inspect
+  dev = setup.mesh.devices.flat[0]
+  t0 = time.perf_counter()
+  with _capability_of(dev):
+    lowered = setup.step.lower(*inspect.abstract_inputs(setup))
+  options = compiler_options(setup.cfg) if is_gpu_mesh(setup.mesh) else None
+  compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+  return compiled, time.perf_counter() - t0
+
+
+# ---- reading the optimized HLO -------------------------------------------------------
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
+                "s4": 1, "u4": 1}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
+_INSTR = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def shape_bytes(text: str) -> int:
+  return sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+             for dt, dims in _ARRAY.findall(text))
+
+
+@dataclasses.dataclass
+class Instr:
+  name: str
+  shape: str      # the result type text
+  opcode: str
+  rest: str       # operands and attributes
+  computation: str
+
+
+@dataclasses.dataclass
+class Hlo:
+  """The optimized HLO module, split into computations, with each computation's number
+  of executions per step (product of the known trip counts of the loops around it)."""
+  text: str
+  instrs: list[Instr]
+  entry: str
+  times: dict[str, int]                 # computation -> executions per step
+  loops: list[tuple[str, str, int]]     # (while body, enclosing computation, trip count)
+
+  @classmethod
+  def parse(cls, text: str) -> "Hlo":
+    instrs, comp, entry = [], None, ""
+    for line in text.splitlines():
+      m = _COMP.match(line)
+      if m:
+        comp = m.group(1)
+        entry = comp if line.startswith("ENTRY") else entry
+        continue
+      m = _INSTR.match(line)
+      if m and comp:
+        instrs.append(Instr(m.group(1), m.group(2), m.group(3), m.group(4), comp))
+    edges: dict[str, list[tuple[str, int]]] = {}
+    loops = []
+    for i in instrs:
+      trip = int(_TRIP.search(i.rest).group(1)) if i.opcode == "while" and _TRIP.search(i.rest) else 1
+      for callee in _CALLS.findall(i.rest):
+        body = i.opcode == "while" and re.search(rf"body=%?{re.escape(callee)}(?![\w.\-])", i.rest) is not None
+        edges.setdefault(i.computation, []).append((callee, trip if body else 1))
+        if body:
+          loops.append((callee, i.computation, trip))
+      for branch in re.findall(r"branch_computations=\{([^}]*)\}", i.rest):
+        edges.setdefault(i.computation, []).extend((b.strip().lstrip("%"), 1) for b in branch.split(","))
+    times = {entry: 1}
+    todo = [entry]
+    while todo:
+      c = todo.pop()
+      for callee, trip in edges.get(c, ()):
+        n = times[c] * trip
+        if n > times.get(callee, 0):
+          times[callee] = n
+          todo.append(callee)
+    return cls(text, instrs, entry, times, loops)
+
+  def loop_depth(self, computation: str) -> list[int]:
+    """Trip counts of the while loops enclosing `computation`, outermost first."""
+    parent = {body: (outer, trip) for body, outer, trip in self.loops}
+    callers: dict[str, str] = {}
+    for i in self.instrs:
+      for callee in _CALLS.findall(i.rest):
+        callers.setdefault(callee, i.computation)
+    out, c = [], computation
+    for _ in range(100):
+      if c in parent:
+        c, trip = parent[c]
+        out.append(trip)
+      elif c in callers:
+        c = callers[c]
+      else:
+        break
+    return out[::-1]
+
+
+def collectives(hlo: Hlo) -> dict:
+  """Per collective kind: ops in the program, executions and bytes per step, how many
+  are asynchronous (a -start/-done pair XLA did not mark is_sync). `bytes` of one op is
+  its larger side (the gathered result of an all-gather, the input of a reduce-scatter)."""
+  shapes = {i.name: i.shape for i in hlo.instrs}
+  called_root = {}
+  for i in hlo.instrs:
+    called_root[i.computation] = i.opcode  # the last instruction of a computation is its ROOT
+  out = {k: {"ops": 0, "per_step": 0, "bytes_per_step": 0, "async": 0, "sync": 0, "largest_bytes": 0}
+         for k in COLLECTIVES}
+  for i in hlo.instrs:
+    op = i.opcode.removesuffix("-start")
+    is_start = i.opcode.endswith("-start")
+    if i.opcode == "async-start":
+      callee = _CALLS.search(i.rest)
+      op = called_root.get(callee.group(1), "") if callee else ""
+    if op not in out:
+      continue
+    operands = re.findall(r"%([\w.\-]+)", i.rest.split("),", 1)[0])
+    ins = sum(shape_bytes(shapes.get(o, "")) for o in operands)
+    res = shape_bytes(i.shape)
+    size = max(ins, res - ins) if is_start and res > ins else max(ins, res)
+    n = hlo.times.get(i.computation, 1)
+    r = out[op]
+    r["ops"] += 1
+    r["per_step"] += n
+    r["bytes_per_step"] += n * size
+    r["largest_bytes"] = max(r["largest_bytes"], size)
+    r["async" if is_start and '"is_sync":true' not in i.rest else "sync"] += 1
+  return out
+
+
+def cudnn_attention_calls(hlo: Hlo) -> dict:
+  """cuDNN fused-attention custom calls: in the program and executed per step."""
+  calls = [i for i in hlo.instrs if i.opcode == "custom-call" and 'custom_call_target="__cudnn$fmha' in i.rest]
+  return {"ops": len(calls), "per_step": sum(hlo.times.get(i.computation, 1) for i in calls)}
+
+
+def square_buffers(hlo: Hlo, length: int) -> list[str]:
+  """Array types in the program with two dimensions equal to `length`: an L x L buffer."""
+  found = {f"{dt}[{dims}]" for dt, dims in _ARRAY.findall(hlo.text)
+           if [int(d) for d in dims.split(",") if d].count(length) >= 2}
+  return sorted(found)
+
+
+def cost(hlo: Hlo) -> dict | None:
+  """XLA's HloCostAnalysis of the optimized module, loop bodies weighted by trip count.
+
+  The analysis counts each while body once; each body is therefore also analysed as
+  its own module and added (trip - 1) x (executions of the enclosing computation)
+  times. Work inside custom calls (cuDNN attention, cuBLAS is a dot) is invisible to it."""
+  try:
+    import jax
+    import jaxlib._hlo as hlo_lib
+    from jax._src.lib import xla_client
+    client = jax.devices("cpu")[0].client
+    analyse = xla_client._xla.hlo_module_cost_analysis
+    whole = analyse(client, hlo_lib.hlo_module_from_text(hlo.text))
+    if whole is None:
+      return None
+    flops, nbytes = whole.get("flops", 0.0), whole.get("bytes accessed", 0.0)
+    lines = hlo.text.split("\n")
+    for body, outer, trip in hlo.loops:
+      if trip <= 1:
+        continue
+      text = "\n".join(["HloModule body"] + [
+          ("ENTRY " + ln) if _COMP.match(ln) and _COMP.match(ln).group(1) == body else ln.removeprefix("ENTRY ")
+          for ln in lines[1:]])
+      part = analyse(client, hlo_lib.hlo_module_from_text(text))
+      extra = hlo.times.get(outer, 1) * (trip - 1)
+      flops += extra * part.get("flops", 0.0)
+      nbytes += extra * part.get("bytes accessed", 0.0)
+    return {"flops": flops, "bytes_accessed": nbytes, "flops_once": whole.get("flops", 0.0),
+            "bytes_accessed_once": whole.get("bytes accessed", 0.0)}
+  except Exception as e:  # noqa: BLE001 - private API; the report says it is missing
+    return {"error": f"{type(e).__name__}: {e}"[:200]}
+
+
+def device_kind_of(mesh) -> Kind | None:
+  dk = mesh.devices.flat[0].device_kind.lower()
+  hits = [k for k in KINDS.values() if k.name.split("-")[0].lower() in dk]
+  return hits[0] if hits else None
+
+
+def analyse(compiled, mesh, seq_len: int | None = None, plan=None) -> dict:
+  """What the compiled program shows, as inspect's `compiled` object adds it; with the
+  execution `plan`, also the attention kernel it chose for the mesh's device (to set
+  beside the cuDNN calls actually found)."""
+  dev = mesh.devices.flat[0]
+  gpu = dev.platform == "gpu"
+  hlo = Hlo.parse(compiled.as_text())
+  out = {"backend": "cuda" if gpu else dev.platform, "device_kind": dev.device_kind,
+         "compiler": "XLA:GPU, compile-only" if gpu else f"XLA:{dev.platform.upper()}",
+         "collectives": collectives(hlo), "cudnn_attention": cudnn_attention_calls(hlo)}
+  if plan is not None:
+    out["attention"] = {"kernel": plan.attention, "reason": plan.attention_why}
+  if seq_len:
+    out["square_buffers"] = square_buffers(hlo, seq_len)
+  c = cost(hlo)
+  if c is not None:
+    out["cost"] = c
+    k = device_kind_of(mesh) if gpu else None
+    if k is not None and "flops" in c:
+      t_flops, t_bytes = c["flops"] / k.peak_bf16_flops, c["bytes_accessed"] / k.bandwidth
+      out["roofline"] = {
+          "seconds": max(t_flops, t_bytes), "compute_seconds": t_flops, "memory_seconds": t_bytes,
+          "bound": "compute" if t_flops >= t_bytes else "memory",
+          "peak_flops": k.peak_bf16_flops, "bandwidth": k.bandwidth,
+          "label": "lower bound, not a measurement: max(FLOPs / peak bf16, bytes / HBM bandwidth) of XLA's "
+                   "cost analysis; excludes communication and the work inside cuDNN calls"}
+  return out
+
+
+def verdict(total: int, capacity: int | None, compiler: str) -> str:
+  from jaxtrain.analysis.memory import human
+  if capacity is None:
+    return "no device memory known: give --device-memory (e.g. 80GiB or H100) for a verdict"
+  word = "fits" if total <= capacity else "does not fit"
+  return f"{word}: compiled total {human(total)} of {human(capacity)} ({compiler})"

@@ -1,0 +1,405 @@
+"""The analytic memory bill per device, computed from the real shardings without allocating.
+
+State (params, Adam m and v, counters) comes from `step.Setup`'s shardings: per-device
+bytes = product of the per-device shape x itemsize. Gradients are float32 and sharded like
+their params. Activations follow `activations` (what the backward pass keeps, for the
+attention kernel and remat policy that run), FSDP-gathered weights `gathered_weights` (one
+layer at a time, as comms.py assumes), the transient peak `workspace`; other temporaries
+and communication buffers are a stated margin. Checked against XLA:GPU's compile (README).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import numpy as np
+
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxtrain.parallel import devices
+from jaxtrain.parallel import sharding
+from jaxtrain.core.errors import UserError
+
+GiB = 2**30
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, flag: str = "--device-memory") -> int:
+  """'80GiB', '80GB', '85899345920' -> bytes."""
+  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+  if not m or m.group(2).lower() not in _UNITS:
+    raise UserError(f"{flag} {text!r} is not a size; use e.g. 80GiB, 80GB or a number of bytes")
+  return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def device_memory(text: str | None, device_kind: str) -> tuple[int | None, str]:
+  """(bytes, where it came from) for --device-memory SIZE|KIND, else the local device's kind."""
+  def by_kind(kind):
+    entry = devices.lookup(kind)
+    return entry.memory_bytes if entry else None
+  if text:
+    if text.strip()[:1].isdigit():
+      return parse_size(text), text
+    if by_kind(text) is None:
+      raise UserError(f"--device-memory {text!r} is neither a size (e.g. 80GiB) nor a known device kind: "
+                      f"{', '.join(devices.TABLE)}")
+    return by_kind(text), text
+  found = by_kind(device_kind)
+  return found, device_kind if found else "unknown"
+
+
+def per_device_shape(shape, spec, mesh) -> tuple[int, ...]:
+  """Global shape divided, dimension by dimension, by the mesh axes that split it."""
+  return tuple(NamedSharding(mesh, P(*spec)).shard_shape(tuple(shape)))
+
+
+def _path(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One parameter (or one group of identical repeated ones, `count` > 1)."""
+  path: str
+  axes: tuple
+  spec: tuple
+  shape: tuple[int, ...]
+  device_shape: tuple[int, ...]
+  dtype: str
+  bytes: int  # per device, one instance
+  count: int = 1
+
+
+def param_rows(setup) -> list[Row]:
+  """Every parameter with its logical axes, PartitionSpec and per-device shape and bytes."""
+  from flax import nnx
+  rows = []
+  shardings = setup.state_shardings["params"]
+  for path, var in jax.tree_util.tree_leaves_with_path(setup.abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    keys = [getattr(k, "key", k) for k in path]
+    sh = shardings
+    for k in keys:
+      sh = sh[k]
+    spec = tuple(sh.spec) + (None,) * (len(var.shape) - len(sh.spec))
+    dshape = per_device_shape(var.shape, spec, setup.mesh)
+    dtype = np.dtype(var.dtype)
+    rows.append(Row("/".join(map(str, keys)), tuple(var.get_metadata()["axes"]), spec, tuple(var.shape), dshape,
+                    dtype.name, math.prod(dshape) * dtype.itemsize))
+  return rows
+
+
+_LAYER = re.compile(r"(^|/)layers/\d+(/|$)")
+
+
+def generic_path(text: str) -> str:
+  """'layers/3/attn/wq' -> 'layers/*/attn/wq': the one pattern for a repeated layer's path."""
+  return _LAYER.sub(r"\1layers/*\2", text)
+
+
+def grouped(rows: list[Row]) -> list[Row]:
+  """Repeated layers (layers/0/..., layers/1/...) shown once with a count where identical."""
+  groups: dict[tuple, list[Row]] = {}
+  for r in rows:
+    key = generic_path(r.path)
+    groups.setdefault((key, r.axes, r.spec, r.shape, r.dtype), []).append(r)
+  return [dataclasses.replace(g[0], path=k[0] if len(g) > 1 else g[0].path, count=len(g)) for k, g in groups.items()]
+
+
+def state_bytes(setup) -> dict[str, int]:
+  """Per-device bytes of the real train state by part: params, adam_m, adam_v, counters."""
+  abstract = jax.eval_shape(setup.init)
+  out = {"params": 0, "adam_m": 0, "adam_v": 0, "counters": 0}
+  leaves = jax.tree_util.tree_leaves_with_path(abstract)
+  shards = jax.tree.leaves(setup.state_shardings)
+  assert len(leaves) == len(shards)
+  for (path, sds), sh in zip(leaves, shards, strict=True):
+    p = _path(path)
+    spec = tuple(sh.spec) + (None,) * (len(sds.shape) - len(sh.spec))
+    n = math.prod(per_device_shape(sds.shape, spec, setup.mesh)) * np.dtype(sds.dtype).itemsize
+    part = ("params" if p.startswith("params/") else "adam_m" if "/mu/" in f"/{p}/" else
+            "adam_v" if "/nu/" in f"/{p}/" else "counters")
+    out[part] += n
+  return out
+
+
+def _ways(name: str, dim: int, mesh) -> int:
+  """How many ways the rules table splits a dimension of this logical axis on `mesh`."""
+  entry = sharding.spec_for((name,), (dim,), mesh)[0]
+  names = entry if isinstance(entry, tuple) else ((entry,) if entry else ())
+  return math.prod(mesh.shape[a] for a in names)
+
+
+def tokens_per_device(cfg, mesh) -> int:
+  """Tokens of one microbatch on one device: rows over the batch axes, length over sequence."""
+  t = cfg.train
+  rows = t.batch_size // t.microbatches // _ways("batch", t.batch_size // t.microbatches, mesh)
+  return rows * (t.seq_len // _ways("length", t.seq_len, mesh))
+
+
+REMATS = ("none", "full", "save_dots", "save_named", "offload_named")
+
+
+def _dims(cfg, mesh) -> dict:
+  """Per-device sizes the formulas use (see `activations`)."""
+  m = cfg.model
+  return dict(
+      s=np.dtype(m.dtype).itemsize, c=np.dtype(m.attention_logits_dtype).itemsize,
+      D=m.d_model // _ways("act_embed", m.d_model, mesh), H=m.n_heads // _ways("act_heads", m.n_heads, mesh),
+      K=m.n_kv_heads // _ways("act_kv_heads", m.n_kv_heads, mesh), F=m.d_ff // _ways("act_mlp", m.d_ff, mesh),
+      V=m.vocab_size // _ways("act_vocab", m.vocab_size, mesh), E=m.head_dim, L=cfg.train.seq_len,
+      T=tokens_per_device(cfg, mesh))
+
+
+def _moe_slots_per_token(cfg, mesh) -> float:
+  """Expert-buffer rows per routed token of one device: X * C / T (capacity over tokens)."""
+  from jaxtrain.parallel import experts as moe
+  m = cfg.model
+  T = tokens_per_device(cfg, mesh)
+  return m.moe_experts * moe.capacity(T, m.moe_experts, m.moe_top_k, m.moe_capacity_factor) / T
+
+
+def layer_residuals(cfg, mesh, kernel: str = "xla", packed_segments: int = 0) -> dict[str, float]:
+  """Bytes per token that one layer keeps for its backward pass with remat none.
+
+  kernel xla (the reference): what jax.vjp keeps (bool mask, masked scores, exp,
+  probabilities, row statistics: H (L (1 + 2c + s) + 2c)); XLA:GPU keeps as much at
+  32 layers (measured; with 2 to 4 layers it fuses part of it into the backward). kernel cudnn: no L x L tensor,
+  only cuDNN's float32 softmax statistics, 4 H per token, or 4 M H with M packed
+  segments; with the L x L mask (M = 0) the mask row, L bytes. kernel ring: q, k, v and
+  the output (in qkvo) and the float32 log-sum-exp, 4 H.
+  """
+  d = _dims(cfg, mesh)
+  s, c, D, H, K, F, E, L = (d[k] for k in "scDHKFEL")
+  out = {"norms": 2 * (8 + s) * D + 16, "qkvo": s * (2 * H + 2 * K) * E}
+  if kernel == "xla":
+    out["attention_matrix"] = H * (L * (1 + 2 * c + s) + 2 * c)
+  elif kernel == "cudnn":
+    out["softmax_stats"] = 4 * H * max(packed_segments, 1) + (0 if packed_segments else L)
+  elif kernel == "ring":
+    out["softmax_stats"] = 4 * H
+  else:
+    raise ValueError(kernel)
+  if cfg.model.moe_experts:
+    # MoE layers: router logits/probabilities (f32), the dispatched and returned rows,
+    # and the experts' SwiGLU residuals for every buffer row (dense layers: 6 s F per token).
+    m = cfg.model
+    share = m.moe_layers() / m.n_layers
+    moe = 3 * 4 * m.moe_experts + _moe_slots_per_token(cfg, mesh) * (2 * s * D + 6 * s * F)
+    out["mlp"] = share * moe + (1 - share) * 6 * s * F
+  else:
+    out["swiglu"] = 6 * s * F
+  return out
+
+
+def saved_per_token(cfg, mesh, remat: str) -> dict[str, float]:
+  """Bytes per token and layer that a checkpointing policy keeps besides the block input.
+
+  The block input (s D) is always kept.
+    full, offload_named: nothing else on the device (offload_named moves q, k, v, the
+        attention output and the MLP hidden to pinned host memory);
+    save_dots: the projections (dots without batch dimensions) that the backward needs:
+        q, k, v before RoPE, the wo output (the second norm's input is rebuilt from it),
+        gate and up (the w_down output only feeds the next block, whose input is kept);
+    save_named: q, k, v, the attention output, the MLP hidden.
+  """
+  d = _dims(cfg, mesh)
+  s, D, H, K, F, E = (d[k] for k in "sDHKFE")
+  out = {"block_inputs": s * D}
+  dense_ffn = 1 - (cfg.model.moe_layers() / cfg.model.n_layers if cfg.model.moe_experts else 0)
+  if remat == "save_dots":
+    out["projections"] = s * (H + 2 * K) * E + s * D + dense_ffn * 2 * s * F
+  elif remat == "save_named":
+    out["named"] = s * (2 * H + 2 * K) * E + dense_ffn * s * F
+  elif remat not in ("full", "offload_named"):
+    raise ValueError(remat)
+  return out
+
+
+def activations(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segments: int = 0,
+                logits_residual: bool = True) -> dict[str, int]:
+  """Activation bytes per device kept for the backward pass of one microbatch (all layers).
+
+  remat none: every layer's residuals (`layer_residuals`), per token per layer, with
+  s = bytes of the compute dtype and sizes per device (heads H, KV heads K and MLP
+  width F divided by their tensor split, D by its act_embed split, L the full length):
+    2 RMSNorms      2 (8 + s) D + 16   f32 input, f32 normalized, s output, f32 statistics
+    q, k, v, o      s (2H + 2K) E
+    attention       per kernel (see layer_residuals)
+    SwiGLU          6 s F              gate, up, three silu residuals, their product
+  plus, once, the RoPE tables (sin and cos, f32, E/2 each: 4 E), the final norm and the
+  f32 exp of the logits: 4 E + (8 + s) D + 4 V (the 4 V only with logits_residual: in the
+  compiled step the logits are transient, counted in `workspace`).
+  Other policies: what they save (`saved_per_token`) for every layer; the one layer
+  recomputed during the backward pass is transient (`workspace`).
+  """
+  d = _dims(cfg, mesh)
+  n, T, s, D, E, V = cfg.model.n_layers, d["T"], d["s"], d["D"], d["E"], d["V"]
+  if remat == "none":
+    per = layer_residuals(cfg, mesh, kernel, packed_segments)
+  else:
+    per = saved_per_token(cfg, mesh, remat)
+  out = {k: int(n * T * v) for k, v in per.items()}
+  out["rope_and_final_norm"] = T * (4 * E + (8 + s) * D)
+  if logits_residual:  # jax.vjp's view; the compiled step's logits are transient (`workspace`)
+    out["logits_exp"] = T * 4 * V
+  return out
+
+
+def workspace(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segments: int = 0,
+              gathered: int = 0, platform: str = "gpu") -> dict[str, int]:
+  """Transient bytes at the step's peak, on top of what is kept all along; the peak is
+  the larger of two phases (never both at once):
+    loss: the float32 logits of the tokens the loss handles at once and their gradient,
+        2 x 4 V per token (all T tokens, or train.loss_chunk_tokens of them when chunked),
+        plus the compute-dtype copy of the output weight, s D V, and on XLA:CPU its float32
+        upcast and a chunk's float32 weight gradient, 2 x 4 D V (see jaxtrain.model.loss);
+    layer: the backward pass of one layer: the `gathered` weights (two layers'), its
+        recomputed residuals (remat other than none; for the reference kernel its whole
+        L x L set, H L (1 + 2c + s) per token), or with remat none for the reference
+        kernel the score and probability gradients, H L (2c + 1) per token.
+  """
+  d = _dims(cfg, mesh)
+  T, V, H, L = d["T"], d["V"], d["H"], d["L"]
+  chunk = cfg.train.loss_chunk_tokens
+  head = cfg.model.d_model * V * (d["s"] + (8 if platform == "cpu" else 0))
+  loss = 2 * 4 * V * (min(T, chunk) if chunk else T) + head
+  c = d["c"]
+  if remat == "none":  # residuals are kept already; the reference's backward adds L x L score gradients
+    layer = gathered + (T * H * L * (2 * c + 1) if kernel == "xla" else 0)
+  else:  # the layer's residuals recomputed (the reference's whole L x L set, as jax.vjp keeps it)
+    layer = gathered + T * sum(layer_residuals(cfg, mesh, kernel, packed_segments).values())
+  return {"loss phase": int(loss), "layer phase": int(layer)}
+
+
+def weight_copies(cfg, rows: list[Row], mesh) -> int:
+  """Compute-dtype copies of all matmul weights gathered over fsdp, as jax.vjp keeps them
+  without remat and without a layer scan (the single-device residual test's reference)."""
+  s = np.dtype(cfg.model.dtype).itemsize
+  total = 0
+  for r in rows:
+    if len(r.shape) < 2 or (r.path == "embed" and not cfg.model.tie_embeddings):
+      continue  # norm scales are not cast; the untied embedding is a lookup
+    total += math.prod(r.device_shape) * _gathered(r, mesh) * s * r.count
+  return total
+
+
+def _gathered(r: Row, mesh) -> int:
+  """How many ways FSDP (the batch-like axes) splits this parameter: the gather factor.
+  The experts dimension's split over `expert` is not gathered: each device runs its own."""
+  return math.prod(mesh.shape[a] for name, e in zip(r.axes, r.spec) if e and name != "experts"
+                   for a in (e if isinstance(e, tuple) else (e,)) if a in sharding.RULES["batch"])
+
+
+def _is_matmul(cfg, r: Row) -> bool:
+  return len(r.shape) - ("layers" in r.axes) >= 2 and not (r.path == "embed" and not cfg.model.tie_embeddings)
+
+
+def gathered_weights(cfg, rows: list[Row], mesh) -> dict[str, int]:
+  """Compute-dtype weights gathered over FSDP at once, as comms.py gathers them: one
+  layer's matmul weights for the layer running and one more (the next layer's prefetch
+  in the forward, the re-gather in the backward): 2 layers; and the LM head (or tied
+  embedding) gathered for the logits."""
+  s = np.dtype(cfg.model.dtype).itemsize
+  n = cfg.model.n_layers
+  layer = head = 0
+  for r in rows:
+    if not _is_matmul(cfg, r):
+      continue
+    full = math.prod(r.device_shape) * _gathered(r, mesh) * s * r.count
+    if r.path.startswith("layers"):
+      layer += full // n
+    else:
+      head += full
+  return {"layers": 2 * layer, "lm_head": head}
+
+
+def weight_residuals(cfg, rows: list[Row], remat: str = "none") -> int:
+  """The compute-dtype cast of every layer's matmul weights, as stored (sharded), kept for
+  the backward pass: all of it with remat none; with a checkpointing policy XLA:GPU still
+  keeps about half (measured on llama3-8b layers: 25 of 54 MB per layer on 8-way FSDP)."""
+  s = np.dtype(cfg.model.dtype).itemsize
+  total = sum(math.prod(r.device_shape) * s * r.count for r in rows
+              if _is_matmul(cfg, r) and r.path.startswith("layers"))
+  return total if remat == "none" else total // 2
+
+
+@dataclasses.dataclass
+class Bill:
+  items: dict[str, int]          # name -> bytes per device, margin included
+  notes: dict[str, str]          # name -> how it is counted
+  total: int
+  full_remat_activations: int
+  kernel: str = "xla"
+
+
+def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
+  """The bill for `plan`'s attention kernel (default: the step's own plan; inspect passes
+  the plan of a target device such as an H100 when the mesh here is simulated)."""
+  cfg, mesh = setup.cfg, setup.mesh
+  plan = plan or setup.plan
+  kernel, packed = plan.attention, plan.packed_segments
+  st = state_bytes(setup)
+  t = cfg.train
+  remat = cfg.model.remat
+  batch = 5 * 4 * (t.batch_size // _ways("batch", t.batch_size, mesh)) * (t.seq_len // _ways("length", t.seq_len, mesh))
+  act = activations(cfg, mesh, remat, kernel, packed, logits_residual=False)
+  gathered = gathered_weights(cfg, rows, mesh)
+  work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
+  peak = max(work.values())
+  items = {
+      "params": st["params"],
+      "gradients": st["params"],
+      "grad_accumulator": st["params"] if t.microbatches > 1 else 0,
+      "adam_m": st["adam_m"],
+      "adam_v": st["adam_v"],
+      "counters": st["counters"],
+      "batch": batch,
+      "weight_residuals": weight_residuals(cfg, rows, remat),
+      "activations": sum(act.values()),
+      "gathered_weights": gathered["layers"],
+      "workspace": peak - gathered["layers"],
+  }
+  notes = {
+      "params": "float32; they are the master copy (no separate one)",
+      "gradients": "float32, sharded like the params",
+      "grad_accumulator": f"float32 sum over {t.microbatches} microbatches" if t.microbatches > 1 else "none (1 microbatch)",
+      "adam_m": "float32, sharded like the params",
+      "adam_v": "float32, sharded like the params",
+      "counters": "step, Adam count, loss scale",
+      "batch": "inputs, targets, positions, segment ids, loss mask (int32)",
+      "weight_residuals": (f"{cfg.model.dtype} casts of the layers' weights, as stored (sharded), kept for backward"
+                           + ("" if remat == "none" else " (about half of them with remat; measured)")),
+      "activations": f"kept for backward: remat {remat}, attention {kernel}, one microbatch: "
+                     + ", ".join(f"{k} {human(v)}" for k, v in act.items()),
+      "gathered_weights": f"{cfg.model.dtype}, gathered over fsdp one layer at a time: 2 layers' matmul weights "
+                          f"(the running one and the next/re-gathered one); lm_head {human(gathered['lm_head'])} "
+                          "is gathered during the loss phase",
+      "workspace": "transient peak beyond the gathered weights, the larger phase of: "
+                   + ", ".join(f"{k} {human(v)}" for k, v in work.items()),
+  }
+  items["margin"] = int(margin * sum(items.values()))
+  notes["margin"] = f"temporaries and communication buffers: {margin:.0%} of the items above"
+  full = sum(activations(cfg, mesh, "full", kernel, packed, logits_residual=False).values())
+  return Bill(items, notes, sum(items.values()), full, kernel)
+
+
+def verdict(b: Bill, capacity: int | None) -> str:
+  if capacity is None:
+    return "no device memory known: give --device-memory (e.g. 80GiB or H100) for a verdict"
+  big = sorted(((v, k) for k, v in b.items.items() if v), reverse=True)[:3]
+  largest = ", ".join(f"{k} {human(v)}" for v, k in big)
+  if b.total <= capacity:
+    return f"fits: {human(b.total)} of {human(capacity)} ({human(capacity - b.total)} free)"
+  return f"does not fit: misses by {human(b.total - capacity)} ({human(b.total)} of {human(capacity)}); largest: {largest}"
+
+
+def human(n) -> str:
+  for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{n} B"

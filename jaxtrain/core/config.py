@@ -1,0 +1,455 @@
+"""Typed configuration: dataclasses, TOML presets, `--set section.key=value` overrides.
+
+Every key is declared once below with its type, default, meaning, bounds, and whether it
+changes the math of the run (`math=True`: the model function, the optimizer and schedule,
+the data order or content) or only how it runs (`math=False`: logging, cadences, the
+microbatch split, kernels, remat, flags). Checkpoints fingerprint exactly the math keys,
+so a resume with another value of a math key is a different run, and any other key may
+change freely. Unknown keys, ill-typed and non-finite values are user errors that name
+the key and what is allowed. Keys renamed when `[train]` was split keep working
+(`RENAMED`), with a one-line note.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math as _math
+import sys
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from jaxtrain.core import resources
+from jaxtrain.core.errors import UserError
+
+# Fingerprint categories (what --allow-mismatch names), and the category of each section's math keys.
+MISMATCH_CATEGORIES = ("model", "train", "tokenizer", "data")
+SECTION_CATEGORY = {"model": "model", "optim": "train", "train": "train", "loss_scale": "train", "data": "data"}
+
+
+def key(default: Any, doc: str, *, math: bool, min: float | None = None, max: float | None = None,  # noqa: A002
+        open_min: bool = False, open_max: bool = False, content: bool = False, category: str | None = None):
+  """A config field. `math`: does a different value make a different run (see the module
+  doc)? `min`/`max`: bounds, excluded themselves with `open_min`/`open_max`. `content`: the
+  value names files whose content, not the text, is fingerprinted. `category`: fingerprint
+  category when not the section's."""
+  return dataclasses.field(default=default, metadata={
+      "doc": doc, "math": math, "min": min, "max": max, "open_min": open_min, "open_max": open_max,
+      "content": content, "category": category})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = key(512, "Embedding rows; >= the tokenizer's vocabulary (pad up for sharding).", math=True, min=1)
+  d_model: int = key(128, "Residual stream width.", math=True, min=1)
+  n_layers: int = key(2, "Number of transformer blocks.", math=True, min=1)
+  n_heads: int = key(8, "Query heads.", math=True, min=1)
+  n_kv_heads: int = key(4, "Key/value heads (grouped-query attention); divides n_heads.", math=True, min=1)
+  head_dim: int = key(16, "Width of one attention head.", math=True, min=1)
+  d_ff: int = key(256, "Hidden width of the SwiGLU MLP.", math=True, min=1)
+  rope_theta: float = key(10000.0, "RoPE base frequency.", math=True, min=1.0)
+  rope_scaling: Literal["none", "llama3"] = key(
+      "none", "RoPE frequency scaling: none, or llama3 (Llama 3.1/3.2 long context; the rope_* keys below).",
+      math=True)
+  rope_factor: float = key(8.0, "llama3 scaling: low frequencies are divided by this.", math=True, min=1.0)
+  rope_low_freq_factor: float = key(1.0, "llama3 scaling: wavelengths above original/this are fully scaled.",
+                                    math=True, min=0.0)
+  rope_high_freq_factor: float = key(4.0, "llama3 scaling: wavelengths below original/this are unscaled.",
+                                     math=True, min=0.0)
+  rope_original_max_position: int = key(8192, "llama3 scaling: the context length the model was pretrained at.",
+                                        math=True, min=1)
+  norm_eps: float = key(1e-5, "RMSNorm epsilon (> 0).", math=True, min=0.0, open_min=True)
+  tie_embeddings: bool = key(False, "Share the input embedding with the output projection.", math=True)
+  init_std: float = key(0.02, "Std of the normal initializer of embeddings and projections.", math=True, min=0.0)
+  dtype: Literal["bfloat16", "float16", "float32"] = key(
+      "bfloat16", "Compute dtype. Parameters, Adam moments, logits and the loss are always float32.", math=True)
+  moe_experts: int = key(0, "Experts per mixture-of-experts layer; 0 = dense MLP in every layer.", math=True, min=0)
+  moe_top_k: int = key(2, "Experts each token is routed to (weights renormalized over them).", math=True, min=1)
+  moe_every: int = key(1, "Layer i is MoE when (i + 1) % moe_every == 0; 1 = every layer.", math=True, min=1)
+  moe_capacity_factor: float = key(
+      1.25, "Expert capacity ceil(factor * G * top_k / experts) per group of G = moe_group_size tokens; "
+      "0 = C = G (never drop).", math=True, min=0.0)
+  moe_aux_weight: float = key(0.01, "Weight of the load-balancing loss added to the training loss.", math=True,
+                              min=0.0)
+  moe_z_weight: float = key(0.001, "Weight of the router z-loss added to the training loss.", math=True, min=0.0)
+  moe_group_size: int = key(
+      0, "Capacity group: this many tokens of consecutive positions (0 = one sequence, train.seq_len); the same "
+      "tokens drop on every mesh. Must fit the tokens each device holds (see README, Mixture of experts).",
+      math=True, min=0)
+  moe_dropless: bool = key(
+      False, "Dropless experts: tokens sorted by expert, grouped matmuls, no capacity (moe_capacity_factor and "
+      "moe_group_size are then unused).", math=True)
+  # Not the math: both kernels compute the same products (equal within float32 rounding, tested).
+  moe_grouped_matmul: Literal["auto", "ragged_dot", "blocks"] = key(
+      "auto", "Dropless kernel: ragged_dot (jax.lax.ragged_dot); blocks (batched matmuls over blocks of rows of one "
+      "expert); auto = ragged_dot on GPU/TPU, blocks on CPU (whose ragged_dot multiplies by every expert).",
+      math=False)
+  moe_expert_d_ff: int = key(0, "Hidden width of each routed expert (fine-grained experts); 0 = d_ff.", math=True,
+                             min=0)
+  moe_shared_experts: int = key(
+      0, "Always-on shared experts beside the routed ones (one SwiGLU of width n * expert width).", math=True, min=0)
+  moe_first_dense: int = key(0, "The first k layers are dense MLPs whatever moe_every says.", math=True, min=0)
+  moe_router: Literal["softmax", "sigmoid"] = key(
+      "softmax", "Router scores: softmax over experts, or per-expert sigmoid (DeepSeek-V3); the top-k "
+      "weights are normalized to sum to 1 either way.", math=True)
+  moe_bias_rate: float = key(
+      0.0, "Auxiliary-loss-free balancing: per-expert bias on the routing scores (selection only), moved by this "
+      "much toward balance after every update; 0 = off (no bias).", math=True, min=0.0)
+  moe_aux_convention: Literal["jaxtrain", "hf"] = key(
+      "jaxtrain", "Load-balance loss: jaxtrain = mean over MoE layers of X*sum f*P; hf = Hugging Face's "
+      "(top_k times that, f and P pooled over all MoE layers), so an HF router_aux_loss_coef carries over.",
+      math=True)
+  attention_logits_dtype: Literal["float32", "bfloat16"] = key(
+      "float32", "Dtype of the reference attention's L x L scores and softmax (bfloat16 halves their memory and "
+      "traffic; see README for its accuracy). cuDNN and ring attention keep their own float32 statistics.",
+      math=True)
+  attention: Literal["auto", "xla", "cudnn"] = key(
+      "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if "
+      "unsupported). With sequence > 1 ring attention runs (cudnn is then an error).", math=False)
+  attention_max_segments: int = key(
+      0, "cuDNN on Hopper+: most documents (segments) one row may hold, passed as O(L) offsets (no L x L mask); "
+      "costs 4*M*heads*seq_len bytes of softmax statistics per row and layer; a row with more is an error. "
+      "0 = pass segments as an L x L mask.", math=False, min=0)
+  # Not the math, but the checkpoint's layout (stacked vs per-layer params): resuming across it cannot work.
+  scan_layers: bool = key(
+      False, "Stack the blocks' params on a leading `layers` axis and run them with one jax.lax.scan (faster "
+      "compiles).", math=True)
+  remat: Literal["none", "full", "save_dots", "save_named", "offload_named"] = key(
+      "none", "Per-block rematerialization: none; full; save_dots (keep projection matmuls); save_named "
+      "(keep q/k/v, attention output, MLP hidden); offload_named (those to pinned host memory).", math=False)
+
+  def is_moe_layer(self, i: int) -> bool:
+    """The one rule for which layers are mixture-of-experts layers."""
+    return self.moe_experts > 0 and i >= self.moe_first_dense and (i + 1) % self.moe_every == 0
+
+  def moe_layers(self) -> int:
+    return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  lr: float = key(3e-3, "Peak learning rate.", math=True, min=0.0)
+  warmup_steps: int = key(5, "Linear warmup steps, from lr/warmup_steps up to lr.", math=True, min=0)
+  min_lr_ratio: float = key(0.1, "Cosine decay ends at lr * min_lr_ratio at the last step.", math=True, min=0.0,
+                            max=1.0)
+  weight_decay: float = key(0.1, "AdamW decoupled weight decay; applied to projection matrices only.", math=True,
+                            min=0.0)
+  b1: float = key(0.9, "Adam beta1, in [0, 1).", math=True, min=0.0, max=1.0, open_max=True)
+  b2: float = key(0.95, "Adam beta2, in [0, 1).", math=True, min=0.0, max=1.0, open_max=True)
+  eps: float = key(1e-8, "Adam epsilon (> 0).", math=True, min=0.0, open_min=True)
+  grad_clip: float = key(1.0, "Clip the global gradient norm to this value (0 disables).", math=True, min=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = key(20, "Length of the LR schedule, and the run's length unless --steps stops it sooner or later.",
+                   math=True, min=1)
+  batch_size: int = key(16, "Global sequences per optimizer step (all microbatches, all ranks).", math=True, min=1)
+  seq_len: int = key(128, "Tokens per sequence.", math=True, min=2)
+  microbatches: int = key(1, "Gradient-accumulation steps per optimizer step; divides batch_size.", math=False, min=1)
+  seed: int = key(0, "Seed of the parameter init and of the data order.", math=True, min=0)
+  max_skipped_in_a_row: int = key(10, "Abort the run after this many non-finite (skipped) steps in a row.",
+                                  math=False, min=1)
+  eval_interval: int = key(0, "Evaluate on the held-out split every N steps (0 = never); see data.eval_*.",
+                           math=False, min=0)
+  loss_chunk_tokens: int = key(
+      1024, "Cross-entropy in chunks of this many tokens per device (jaxtrain.model.loss): one chunk's float32 logits "
+      "(chunk x vocab / tensor x 4 bytes, 0.5 GiB at a 128k vocabulary) instead of the whole batch's; "
+      "0 = the plain unchunked loss.", math=False, min=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  log_every: int = key(1, "Print a progress line every N steps (metrics.jsonl gets every step).", math=False, min=1)
+  sequence_parallel: bool = key(
+      False, "Megatron sequence parallelism: with tensor > 1, norms and residual adds run split along the sequence.",
+      math=False)
+  xla_flags: Literal["none", "gpu-default"] = key(
+      "none", "XLA/NCCL flag preset applied before the backend starts (jaxtrain.parallel.xla_flags); unknown flags are "
+      "dropped.", math=False)
+  xla_flags_extra: str = key("", "Extra XLA flags, space-separated (--xla_...=v), validated like the preset.",
+                             math=False)
+  tensorboard: bool = key(True, "Also write the metrics as TensorBoard scalars to <workdir>/tb/ (process 0).",
+                          math=False)
+  profile_steps: str = key("", "Steps to trace with jax.profiler into <workdir>/profile/, e.g. '5-7' or '3'; "
+                           "empty = none.", math=False)
+  fit_check: bool = key(True, "Before allocating, compare the memory bill with one device's memory (GPU: its "
+                        "limit; CPU: host memory / devices) and stop with one line if it cannot fit.", math=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  schedule: Literal["gpipe", "1f1b", "interleaved", "looped-bfs"] = key(
+      "1f1b", "Pipeline schedule when the mesh has pipeline > 1 (microbatches = train.microbatches): gpipe; "
+      "1f1b (stashes at most `stages` microbatches); interleaved (1f1b over virtual_stages chunks per device, "
+      "bubble / virtual_stages); looped-bfs (breadth-first over the chunks).", math=False)
+  virtual_stages: int = key(1, "Model chunks per pipeline device: >= 2 for interleaved and looped-bfs, else 1.",
+                            math=False, min=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleConfig:
+  mode: Literal["auto", "dynamic", "off"] = key(
+      "auto", "Dynamic loss scaling: auto = on for float16 compute only; dynamic = always; off = scale 1.0.",
+      math=True)
+  initial: float = key(2.0**15, "Initial loss scale.", math=True, min=1.0)
+  growth_interval: int = key(2000, "Finite steps in a row after which the scale grows.", math=True, min=1)
+  growth_factor: float = key(2.0, "Multiplier applied when the scale grows.", math=True, min=1.0)
+  backoff_factor: float = key(0.5, "Multiplier applied after a non-finite step, in (0, 1).", math=True, min=0.0,
+                              max=1.0, open_min=True, open_max=True)
+  min: float = key(1.0, "Lower bound of the scale.", math=True, min=0.0)
+  max: float = key(2.0**24, "Upper bound of the scale.", math=True, min=1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  interval: int = key(10, "Save every N steps (and always at the last step and on SIGTERM); 0 = only those.",
+                      math=False, min=0)
+  keep: int = key(3, "Committed checkpoints to keep (the newest ones).", math=False, min=1)
+  keep_every: int = key(0, "Also keep every checkpoint whose step is a multiple of this (0 = none).", math=False,
+                        min=0)
+  async_save: bool = key(True, "Write checkpoints in the background while training continues.", math=False)
+  on_damaged: Literal["fallback", "stop"] = key(
+      "fallback", "Latest checkpoint fails verification at resume: fallback = move it aside (warning) and resume "
+      "from the newest one that verifies; stop = exit naming the good steps and the --resume-from to use.",
+      math=False)
+  verify: Literal["full", "sizes", "off"] = key(
+      "full", "What a save records and a resume checks: full = every file's size and sha256; sizes = sizes only "
+      "(no file read); off = only that the manifest is there (committed). Several processes share the hashing.",
+      math=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  heartbeat_timeout_s: int = key(100, "A process silent this long counts as dead; the others then exit non-zero.",
+                                 math=False, min=1)
+  init_timeout_s: int = key(300, "How long processes wait for each other at start-up.", math=False, min=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  source: str = key("bundled", "'bundled' (shipped corpus), a prepared dir, or a .txt/.jsonl/.parquet file; "
+                    "comma-separated prepared dirs make a mixture.", math=True, content=True)
+  text_field: str = key("text", "Field holding the text in a raw .jsonl/.parquet source.", math=True)
+  tokenizer: str = key("byte", "'byte' or a path to a tokenizer.json; must be the one the data was prepared with.",
+                       math=True, content=True, category="tokenizer")
+  weights: str = key("", "Mixture weights, comma-separated, one per source; empty = proportional to tokens.",
+                     math=True)
+  eval_source: str = key("", "Held-out data (same forms as source); empty = hold out data.eval_fraction.",
+                         math=False)
+  eval_fraction: float = key(0.0, "Fraction of each source's documents held out for evaluation (fixed split); "
+                             "it removes them from training.", math=True, min=0.0, max=1.0, open_max=True)
+  eval_batches: int = key(4, "Global batches per evaluation (the same ones every time).", math=False, min=1)
+  workers: int = key(2, "Background threads building batches (0 = in the training thread).", math=False, min=0)
+  prefetch: int = key(4, "Batches built ahead of the training loop.", math=False, min=1)
+  verify: bool = key(True, "Check every shard's sha256 against the manifest when a prepared dir is opened "
+                     "(several processes each hash a share).", math=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  run: RunConfig = dataclasses.field(default_factory=RunConfig)
+  loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+
+  def to_dict(self) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+# Keys that moved when [train] was split by concern: old name -> new name.
+RENAMED = {f"train.{k}": f"optim.{k}" for k in dataclasses.asdict(OptimConfig())} | {
+    f"train.{k}": f"run.{k}" for k in dataclasses.asdict(RunConfig())}
+
+
+def fields(section: str) -> dict[str, dataclasses.Field]:
+  return {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+
+
+def all_keys() -> dict[str, dataclasses.Field]:
+  """Every key as 'section.name' -> its field (with the declaration in `metadata`)."""
+  return {f"{s}.{n}": f for s in SECTIONS for n, f in fields(s).items()}
+
+
+def category(dotted: str) -> str | None:
+  """The fingerprint category of a math key; None for a key that only steers the run."""
+  field = all_keys()[dotted]
+  if not field.metadata["math"]:
+    return None
+  return field.metadata["category"] or SECTION_CATEGORY[dotted.partition(".")[0]]
+
+
+def _type_name(tp: Any) -> str:
+  if get_origin(tp) is Literal:
+    return "one of " + ", ".join(map(str, get_args(tp)))
+  return tp.__name__
+
+
+def _coerce(where: str, tp: Any, value: Any, *, from_text: bool) -> Any:
+  """Checks (and for CLI text, parses) `value` against the field type `tp`."""
+  if get_origin(tp) is Literal:
+    choices = get_args(tp)
+    if value not in choices:
+      raise UserError(f"{where}={value!r} is not allowed; choose one of: {', '.join(choices)}")
+    return value
+  if tp is bool:
+    if from_text and isinstance(value, str) and value.lower() in ("true", "false"):
+      return value.lower() == "true"
+    if isinstance(value, bool):
+      return value
+    raise UserError(f"{where}={value!r} is not a bool; use true or false")
+  if tp is int:
+    if from_text and isinstance(value, str):
+      text = value.replace("_", "")
+      if not (text.isascii() and text.lstrip("+-").isdigit()):  # int() would take full-width digits
+        raise UserError(f"{where}={value!r} is not an integer")
+      value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise UserError(f"{where}={value!r} is not an integer")
+    return value
+  if tp is float:
+    if from_text and isinstance(value, str):
+      try:
+        value = float(value) if value.isascii() else value
+      except ValueError:
+        pass
+      if isinstance(value, str):
+        raise UserError(f"{where}={value!r} is not a number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise UserError(f"{where}={value!r} is not a number")
+    if not _math.isfinite(value):
+      raise UserError(f"{where}={value} is not a finite number")
+    return float(value)
+  if tp is str:
+    if not isinstance(value, str):
+      raise UserError(f"{where}={value!r} is not a string")
+    return value
+  raise TypeError(f"unsupported config type {tp}")
+
+
+def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: bool, renamed: set[str]) -> None:
+  if dotted in RENAMED:
+    renamed.add(dotted)
+    dotted = RENAMED[dotted]
+  section, _, name = dotted.partition(".")
+  if section not in SECTIONS:
+    raise UserError(f"unknown config section {section!r} in {dotted!r}; sections: {', '.join(SECTIONS)}")
+  fs = fields(section)
+  if name not in fs:
+    raise UserError(f"unknown config key {dotted!r}; keys of [{section}]: {', '.join(fs)}")
+  meta = fs[name].metadata
+  tp = typing.get_type_hints(SECTIONS[section])[name]
+  value = _coerce(dotted, tp, value, from_text=from_text)
+  lo, hi = meta["min"], meta["max"]
+  if lo is not None and value < lo:
+    raise UserError(f"{dotted}={value} is below its minimum {lo}")
+  if lo is not None and meta["open_min"] and value == lo:
+    raise UserError(f"{dotted}={value} must be greater than {lo}")
+  if hi is not None and meta["open_max"] and value >= hi:
+    raise UserError(f"{dotted}={value} must be less than {hi}")
+  if hi is not None and value > hi:
+    raise UserError(f"{dotted}={value} is above its maximum {hi}")
+  raw.setdefault(section, {})[name] = value
+
+
+def preset_names() -> list[str]:
+  return resources.names("configs")
+
+
+def resolve_preset(name_or_path: str) -> Path:
+  path = Path(name_or_path)
+  if path.suffix == ".toml" or path.exists():
+    if not path.is_file():
+      raise UserError(f"config file {name_or_path!r} does not exist")
+    return path
+  found = resources.find("configs", name_or_path)
+  if found is None:
+    raise UserError(f"unknown config {name_or_path!r}; presets: {', '.join(preset_names())} (or a path to a .toml "
+                    "file)")
+  return found
+
+
+def from_dict(doc: dict[str, Any], overrides: list[str] = (), where: str = "config") -> Config:
+  """A Config from nested {section: {key: value}} (a TOML file, or a stored config.json)
+  plus `section.key=value` overrides."""
+  raw: dict[str, dict[str, Any]] = {}
+  renamed: set[str] = set()
+  for section, table in doc.items():
+    if not isinstance(table, dict):
+      raise UserError(f"{where}: top-level key {section!r} must be a [section]; sections: {', '.join(SECTIONS)}")
+    for name, value in table.items():
+      _set(raw, f"{section}.{name}", value, from_text=False, renamed=renamed)
+  for item in overrides:
+    dotted, eq, value = item.partition("=")
+    if not eq or "." not in dotted:
+      raise UserError(f"--set {item!r} must look like section.key=value")
+    _set(raw, dotted.strip(), value.strip(), from_text=True, renamed=renamed)
+  if renamed:
+    print(f"note: renamed config keys accepted: {', '.join(f'{k} -> {RENAMED[k]}' for k in sorted(renamed))}",
+          file=sys.stderr)
+  cfg = Config(**{s: SECTIONS[s](**raw.get(s, {})) for s in SECTIONS})
+  validate(cfg)
+  return cfg
+
+
+def load(name_or_path: str = "tiny", overrides: list[str] = ()) -> Config:
+  """Builds a Config from a preset (name in configs/ or a path) plus `section.key=value` overrides."""
+  path = resolve_preset(name_or_path)
+  try:
+    doc = tomllib.loads(path.read_text())
+  except tomllib.TOMLDecodeError as e:
+    raise UserError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+  except (OSError, UnicodeDecodeError) as e:
+    raise UserError(f"config file {str(path)!r} cannot be read: {e}") from None
+  return from_dict(doc, overrides, path.name)
+
+
+def validate(cfg: Config) -> None:
+  """Cross-key checks that do not depend on the mesh."""
+  m, t = cfg.model, cfg.train
+  if m.n_heads % m.n_kv_heads:
+    raise UserError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+  if m.moe_experts and m.moe_top_k > m.moe_experts:
+    raise UserError(f"model.moe_top_k={m.moe_top_k} must be at most model.moe_experts={m.moe_experts}")
+  if m.scan_layers and m.moe_experts and m.moe_first_dense:
+    raise UserError(f"model.scan_layers=true needs identical layers; model.moe_first_dense={m.moe_first_dense} "
+                    "mixes dense and MoE layers (use moe_first_dense=0 or scan_layers=false)")
+  if m.scan_layers and m.moe_experts and m.moe_every > 1:
+    raise UserError(f"model.scan_layers=true needs identical layers; model.moe_every={m.moe_every} mixes dense and "
+                    "MoE layers (use moe_every=1 or scan_layers=false)")
+  if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+    raise UserError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+                    f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
+  if m.head_dim % 2:
+    raise UserError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
+  ls = cfg.loss_scale
+  if not ls.min <= ls.initial <= ls.max:
+    raise UserError(f"loss_scale.initial={ls.initial} must lie within [loss_scale.min={ls.min}, "
+                    f"loss_scale.max={ls.max}]")
+  if t.batch_size % t.microbatches:
+    raise UserError(f"train.microbatches={t.microbatches} must divide train.batch_size={t.batch_size}")
+
+
+def help_text() -> str:
+  """Every key with its type, default, meaning, and whether it is part of the run's identity."""
+  lines = []
+  for section, cls in SECTIONS.items():
+    lines.append(f"[{section}]")
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+      role = "same-run" if f.metadata["math"] else "free"
+      lines.append(f"  {section}.{f.name} ({_type_name(hints[f.name])}, default {f.default!r}) [{role}]")
+      lines.append(f"      {f.metadata['doc']}")
+  lines.append("")
+  lines.append("same-run: part of the checkpoint's fingerprint (a resume with another value is refused unless "
+               "--allow-mismatch); free: may change on resume.")
+  lines.append("Renamed keys still accepted: " + ", ".join(f"{k} -> {v}" for k, v in RENAMED.items()))
+  return "\n".join(lines)

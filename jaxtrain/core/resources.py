@@ -1,0 +1,44 @@
+"""Where the shipped presets live: the top-level `configs/` and `meshes/` folders.
+
+In a source checkout (editable install, or the repo on PYTHONPATH) they are read where
+they are, so an edit shows at once. In a wheel they are package data (`jaxtrain.configs`,
+`jaxtrain.meshes`, mapped onto those folders by pyproject.toml) and are found with
+importlib.resources.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+_SOURCE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def folder(kind: str):
+  """The folder (a Path or an importlib Traversable) holding the `kind` presets."""
+  here = _SOURCE_ROOT / kind
+  if (_SOURCE_ROOT / "pyproject.toml").is_file() and here.is_dir():
+    return here
+  try:
+    return importlib.resources.files(f"jaxtrain.{kind}")
+  except ModuleNotFoundError:
+    return here  # neither: names() is then empty and lookups fail with the list of presets
+
+
+def names(kind: str) -> list[str]:
+  base = folder(kind)
+  if not base.is_dir():
+    return []
+  return sorted(p.name[:-5] for p in base.iterdir() if p.name.endswith(".toml"))
+
+
+def find(kind: str, name: str) -> Path | None:
+  """The preset file `name`.toml of `kind`, as a real path (copied out of a zip if need be)."""
+  base = folder(kind)
+  entry = base / f"{name}.toml"
+  if not entry.is_file():
+    return None
+  if isinstance(entry, Path):
+    return entry
+  with importlib.resources.as_file(entry) as p:  # wheels unpack to real files; zips are copied once
+    return Path(p)

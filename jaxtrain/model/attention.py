@@ -1,0 +1,146 @@
+"""Which attention kernel runs: cuDNN fused attention or the plain XLA reference.
+
+The choice is explicit and made once (`select`, called by the execution plan); the
+trainer prints it. `model.attention`:
+  auto   cuDNN when every condition below holds, else the reference, with the reason;
+  xla    always the reference (`jaxtrain.model.transformer.attention`);
+  cudnn  cuDNN, and a one-line user error when a condition fails (never a silent fallback).
+Conditions for cuDNN: a CUDA GPU backend; compute dtype bfloat16 or float16; head_dim a
+multiple of 8 and at most 128 (256 on Hopper or later); even sequence length (cuDNN's
+training kernels with a bias need it).
+
+Packed segments: `jax.nn.dot_product_attention` has no public packed-segment (offsets)
+argument, so the segment mask is passed as its boolean `mask` (B, 1, L, L), which cuDNN
+applies as an additive bias together with its causal mask. That is exact for any
+packing, at the cost of reading an L x L bias; the causal blocks are still skipped.
+On Hopper or later (compute capability >= 9.0) with `model.attention_max_segments` = M > 0
+the segments go to cuDNN's packed layout instead (segment lengths and offsets, no L x L
+tensor; `packed`). cuDNN then keeps softmax statistics for M x L positions per row, so M
+is a bound the data must respect: `plan.Plan.check_rows` refuses a batch row with more segments.
+
+The decision is made once, by the execution plan (`jaxtrain.parallel.plan`), for the device the
+step is compiled FOR (`info_of` the mesh's first device), not the host: an H100
+compile-only target on a CPU machine selects cuDNN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.core.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+  """What the kernel choice needs to know of the target device."""
+  platform: str                           # jax's device.platform: cpu, gpu, tpu
+  cuda: bool = False                      # an NVIDIA GPU (real, or a compile-only target)
+  capability: tuple[int, int] = (0, 0)    # CUDA compute capability
+
+  @property
+  def max_head_dim(self) -> int:
+    return 256 if self.capability >= (9, 0) else 128
+
+  @property
+  def packed(self) -> bool:
+    """cuDNN's packed layout (segment offsets) needs Hopper or later."""
+    return self.capability >= (9, 0)
+
+
+def info_of(device=None) -> DeviceInfo:
+  """DeviceInfo of `device` (default: the first local device), never raising.
+
+  CUDA devices, including compile-only ones from jax.experimental.topologies, report
+  platform "gpu" and a numeric compute capability ("9.0"); ROCm reports a gfx name."""
+  if device is None:
+    try:
+      device = jax.devices()[0]
+    except RuntimeError:
+      return DeviceInfo(jax.default_backend())
+  cc = str(getattr(device, "compute_capability", "")).split(".")
+  if device.platform != "gpu" or len(cc) != 2 or not all(c.isdigit() for c in cc):
+    return DeviceInfo(device.platform)
+  return DeviceInfo("gpu", True, (int(cc[0]), int(cc[1])))
+
+
+def select(model_cfg, seq_len: int | None = None, device_info: DeviceInfo | None = None,
+           gpu_info=None) -> tuple[str, str]:
+  """("cudnn" | "xla", reason) for the target `device_info` (default: the first local
+  device). `gpu_info` = (is CUDA GPU, max head_dim) is the older override (tests)."""
+  want = model_cfg.attention
+  if want == "xla":
+    return "xla", "model.attention=xla"
+  if device_info is None and gpu_info is not None:
+    device_info = DeviceInfo("gpu" if gpu_info[0] else "cpu", gpu_info[0], (9, 0) if gpu_info[1] >= 256 else (8, 0))
+  info = device_info if device_info is not None else info_of()
+  is_gpu, max_e = info.cuda, info.max_head_dim
+  E, dt = model_cfg.head_dim, model_cfg.dtype
+  problem = None
+  if not is_gpu:
+    problem = f"backend is {info.platform}, not a CUDA GPU"
+  elif dt not in ("bfloat16", "float16"):
+    problem = f"model.dtype={dt} (cuDNN needs bfloat16 or float16)"
+  elif E % 8 or E > max_e:
+    problem = f"model.head_dim={E} (cuDNN needs a multiple of 8, at most {max_e} on this GPU)"
+  elif seq_len is not None and seq_len % 2:
+    problem = f"train.seq_len={seq_len} is odd (cuDNN needs it even)"
+  if problem is None:
+    how = (f"segments as packed offsets, at most {model_cfg.attention_max_segments} per row"
+           if uses_packed(model_cfg, info) else "segments as an L x L mask")
+    return "cudnn", f"cuDNN fused attention (causal; {how})"
+  if want == "cudnn":
+    raise UserError(f"model.attention=cudnn is not supported here: {problem}; use auto or xla")
+  return "xla", f"reference XLA attention: {problem}"
+
+
+def fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, implementation: str = "cudnn"):
+  """Causal GQA with segment masking through `jax.nn.dot_product_attention`.
+
+  implementation="xla" runs the same call on any backend (the tests check the masking
+  plumbing against the reference on CPU that way)."""
+  mask_Bx1xLxL = (seg_BxL[:, :, None] == seg_BxL[:, None, :])[:, None]
+  return jax.nn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask=mask_Bx1xLxL, is_causal=True,
+                                      implementation=implementation).astype(q_BxLxHxE.dtype)
+
+
+def uses_packed(model_cfg, info: DeviceInfo) -> bool:
+  return info.packed and model_cfg.attention_max_segments > 0
+
+
+def segments_per_row(seg_BxL):
+  """Number of segments (runs of equal ids) in each row; numpy or jax arrays."""
+  return 1 + (seg_BxL[:, 1:] != seg_BxL[:, :-1]).sum(axis=1)
+
+
+def segment_offsets(seg_BxL, max_segments: int):
+  """Contiguous segments of each row in cuDNN's packed-layout terms: (lengths, starts),
+  int32 (B, M) and (B, M + 1), the k-th segment of row b being tokens starts[b, k] ..
+  starts[b, k] + lengths[b, k] - 1; unused slots are -1. Segments are runs of equal ids,
+  as the packer writes them; a row must hold at most M of them (`plan.Plan.check_rows`)."""
+  B, L = seg_BxL.shape
+  M = max_segments
+  new_BxL = jnp.concatenate([jnp.ones((B, 1), bool), seg_BxL[:, 1:] != seg_BxL[:, :-1]], axis=1)
+  ordinal_BxL = jnp.cumsum(new_BxL, axis=1, dtype=jnp.int32) - 1
+  rows_Bx1 = jnp.arange(B)[:, None]
+  lengths_BxM = jnp.zeros((B, M), jnp.int32).at[rows_Bx1, ordinal_BxL].add(1, mode="drop")
+  pos_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+  starts_BxM1 = jnp.full((B, M + 1), L, jnp.int32).at[rows_Bx1, ordinal_BxL].min(pos_BxL, mode="drop")
+  used_BxM1 = jnp.concatenate([lengths_BxM, jnp.zeros((B, 1), jnp.int32)], axis=1) > 0
+  return jnp.where(lengths_BxM > 0, lengths_BxM, -1), jnp.where(used_BxM1, starts_BxM1, -1)
+
+
+def packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, max_segments: int):
+  """Causal GQA within segments through cuDNN's packed layout (Hopper or later): each
+  segment is its own causal sequence, described by O(L) lengths and offsets, so no
+  L x L mask or bias exists. jax.nn.dot_product_attention does not expose the offsets,
+  hence jax's cuDNN module (private: re-check on a jax upgrade)."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  lengths_BxM, starts_BxM1 = segment_offsets(seg_BxL, max_segments)
+  out = cudnn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, q_seqlen=lengths_BxM, kv_seqlen=lengths_BxM,
+                                    q_offsets=starts_BxM1, kv_offsets=starts_BxM1,
+                                    scale=q_BxLxHxE.shape[-1] ** -0.5, mask_type=cudnn.MaskType.PADDING_CAUSAL,
+                                    qkv_layout="BTNH")
+  return out.astype(q_BxLxHxE.dtype)

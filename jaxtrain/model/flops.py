@@ -1,0 +1,37 @@
+"""Model FLOPs per token and MFU. One formula, shared by the trainer, inspect and bench.
+
+Training FLOPs per token = 3 x forward (backward costs twice the forward):
+  forward matmuls: 2 x (every projection weight: q, k, v, o, gate, up, down, lm_head;
+                   for a MoE layer the router and the top_k routed and the shared
+                   experts' gate/up/down, of their own width)
+  forward attention: 2 x 2 x seq_len x n_heads x head_dim per layer (QK^T and PV),
+                     halved because causal masking skips the upper triangle.
+The embedding lookup is a gather, not a matmul, and is excluded. MFU counts every
+position of the batch (padding too: the device computes it) against the peak.
+"""
+
+from __future__ import annotations
+
+from jaxtrain.parallel import devices
+from jaxtrain.core.config import ModelConfig
+
+def matmul_params(m: ModelConfig) -> int:
+  """Weights that take part in a matmul per token (everything but norms and the lookup)."""
+  attn = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+  mlp = 3 * m.d_model * m.d_ff
+  # A MoE layer runs top_k routed experts and the shared ones per token, plus the router.
+  n_moe = m.moe_layers()
+  expert = 3 * m.d_model * (m.moe_expert_d_ff or m.d_ff)
+  moe = m.d_model * m.moe_experts + (m.moe_top_k + m.moe_shared_experts) * expert
+  return m.n_layers * attn + (m.n_layers - n_moe) * mlp + n_moe * moe + m.d_model * m.vocab_size
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+  forward = 2 * matmul_params(m) + m.n_layers * 2 * 2 * seq_len * m.n_heads * m.head_dim / 2
+  return 3 * forward
+
+
+def peak_flops(device_kind: str) -> float | None:
+  """Peak dense bf16 FLOP/s of one device from `devices.TABLE`; None where unknown (e.g. CPU)."""
+  entry = devices.lookup(device_kind)
+  return entry.peak_bf16_flops if entry else None

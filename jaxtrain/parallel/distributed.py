@@ -1,0 +1,76 @@
+"""Multi-process start-up on JAX's own multi-controller runtime (NCCL on GPUs, gloo on CPUs).
+
+One process per host. The cluster is taken from explicit flags, or from JAX's own
+detection (SLURM, Open MPI, Kubernetes, ...); with neither, the run is one process. On
+machines without an accelerator each of N processes provides (mesh size)/N simulated
+CPU devices, so a multi-process run on a laptop is the same program as on a pod.
+When a process dies, the others learn it from the coordination service's heartbeats
+and exit non-zero (the runtime names the lost task) after `distributed.heartbeat_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxtrain.core.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  coordinator: str | None  # None: JAX detects it
+  num_processes: int
+  process_id: int | None
+
+
+def _detected() -> Cluster | None:
+  """The cluster JAX's own detection sees, if any (its detectors live in a private module)."""
+  try:
+    from jax._src import clusters
+  except ImportError:
+    return None
+  for env in clusters.ClusterEnv._cluster_types:  # noqa: SLF001 (no public API lists them)
+    try:
+      present = not getattr(env, "opt_in_only_method", False) and env.is_env_present()
+    except Exception:  # noqa: BLE001 (a detector that fails to probe means "not this cluster")
+      present = False
+    if present:
+      return Cluster(None, env.get_process_count(), env.get_process_id())
+  return None
+
+
+def cluster_from(coordinator: str | None, num_processes: int | None, process_id: int | None) -> Cluster | None:
+  given = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
+  if any(v is not None for v in given.values()):
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+      raise UserError(f"multi-process runs need --coordinator, --num-processes and --process-id; missing {', '.join(missing)}")
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+      raise UserError(f"--coordinator {coordinator!r} must look like HOST:PORT")
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+      raise UserError(f"--process-id {process_id} must lie in [0, --num-processes={num_processes})")
+    return Cluster(coordinator, num_processes, process_id)
+  detected = _detected()
+  return detected if detected and detected.num_processes > 1 else None
+
+
+def initialize(cluster: Cluster | None, mesh_sizes: dict[str, int], heartbeat_timeout_s: int, init_timeout_s: int) -> None:
+  """Starts the distributed runtime (before any JAX backend) and provides CPU devices."""
+  import jax
+  from jaxtrain.parallel import mesh as mesh_lib
+  total = math.prod(mesh_sizes.values())
+  if cluster is None:
+    if -1 not in mesh_sizes.values():
+      mesh_lib.provide_cpu_devices(total)
+    return
+  n = cluster.num_processes
+  if -1 in mesh_sizes.values():
+    raise UserError("a multi-process run needs every mesh axis size given (no -1)")
+  if total % n:
+    raise UserError(f"mesh of {total} devices does not split evenly over {n} processes")
+  mesh_lib.provide_cpu_devices(total // n)
+  if not mesh_lib.has_accelerator_plugin():
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(cluster.coordinator, num_processes=n, process_id=cluster.process_id,
+                             initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)

@@ -1,0 +1,94 @@
+"""Where MoE tokens sit during dispatch, how they are grouped for capacity, and how big
+the dispatch buffers are: one answer shared by the layer (`jaxtrain.parallel.experts`, through the
+execution plan's rules), the config check (`step.check_fits_mesh`) and the traffic
+estimate (`comms.moe_traffic`).
+
+Layout: the logical axes `moe_batch`/`moe_length` of the rules table. Rows go over
+data, fsdp, expert and also sequence when the microbatch's rows divide over all four, so
+each device holds whole sequences; otherwise `sequence` keeps splitting the length.
+
+Capacity groups are data-defined: G tokens of consecutive positions of the microbatch
+(rows one after another), G = model.moe_group_size or one sequence. A group must lie on
+one device, so every mesh drops exactly the tokens one device drops: with (b rows x n
+positions) per device, G divides n, or n is the whole sequence L and G is a multiple of
+L dividing b*L.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain.parallel import sharding
+from jaxtrain.core.errors import UserError
+
+AXES = ("moe_batch", "moe_length", None)
+
+
+def token_spec(mesh, B: int, L: int, rules=sharding.RULES) -> P:
+  """PartitionSpec of (B, L, any) token arrays inside the dispatch (the plan passes its rules)."""
+  return sharding.spec_for(AXES, (B, L, 1), mesh, rules=rules)
+
+
+def _ways(entry, mesh) -> int:
+  names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+  return math.prod(mesh.shape[a] for a in names)
+
+
+def local_shape(mesh, B: int, L: int) -> tuple[int, int]:
+  """(rows, positions) of one microbatch that one device holds during dispatch."""
+  if mesh is None:
+    return B, L
+  spec = token_spec(mesh, B, L)
+  return B // _ways(spec[0], mesh), L // _ways(spec[1], mesh)
+
+
+def group_size(m, L: int) -> int:
+  return m.moe_group_size or L
+
+
+def group_fits(G: int, L: int, b: int, n: int) -> bool:
+  return n % G == 0 or (n == L and G % L == 0 and (b * L) % G == 0)
+
+
+def capacity(tokens: int, experts: int, top_k: int, factor: float) -> int:
+  """Slots per expert and group: ceil(factor * G * k / X); factor 0 = G (no expert overflows:
+  a token picks an expert at most once)."""
+  if factor == 0:
+    return tokens
+  return max(1, math.ceil(factor * tokens * top_k / experts))
+
+
+def dropless_bound(tokens: int, experts: int, top_k: int, ep: int) -> int:
+  """Rows one device sends to one expert-parallel peer, exact: a token sends at most
+  min(k, X/ep) of its k assignments to the X/ep experts of one peer."""
+  return tokens * min(top_k, experts // ep)
+
+
+def check(cfg, mesh) -> None:
+  """The capacity groups must fit the layout on this mesh (UserError otherwise)."""
+  m, t = cfg.model, cfg.train
+  if not m.moe_experts or m.moe_dropless:
+    return
+  B, L = t.batch_size // t.microbatches, t.seq_len
+  b, n = local_shape(mesh, B, L)
+  G = group_size(m, L)
+  if not group_fits(G, L, b, n):
+    where = f"each device holds {b} row(s) x {n} position(s) of a microbatch on this mesh"
+    raise UserError(f"model.moe_group_size={m.moe_group_size} (G={G} tokens): {where}; G must divide {n}"
+                    + (f", or be a multiple of train.seq_len={L} dividing {b * L}" if n == L else ""))
+
+
+def buffer_rows(cfg, mesh) -> dict:
+  """Per device, microbatch and MoE layer: tokens T, and the rows of the buffer each of
+  the dispatch's two all-to-alls moves (capacity: X * groups * C; dropless: ep * bound)."""
+  m, t = cfg.model, cfg.train
+  B, L = t.batch_size // t.microbatches, t.seq_len
+  b, n = local_shape(mesh, B, L)
+  T, X, k = b * n, m.moe_experts, m.moe_top_k
+  ep = mesh.shape["expert"]
+  if m.moe_dropless:
+    return {"tokens": T, "rows": ep * dropless_bound(T, X, k, ep), "kind": "dropless exchange"}
+  G = group_size(m, L)
+  return {"tokens": T, "rows": X * (T // G) * capacity(G, X, k, m.moe_capacity_factor), "kind": "capacity buffers"}

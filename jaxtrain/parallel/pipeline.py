@@ -1,0 +1,335 @@
+"""Pipeline parallelism: one SPMD program that runs a static schedule (jaxtrain.parallel.schedule).
+
+`jax.shard_map` is manual over `pipeline` only (data/fsdp/expert/tensor stay automatic
+inside, so every other parallelism composes unchanged). Each device holds its chunks of
+the stacked layers (model.scan_layers; the rules table splits `layers` over `pipeline`)
+and, per tick, reads its row of the table and `lax.switch`es to one of: idle, forward,
+or backward of one microbatch on one chunk. Forwards of the first chunk embed the
+tokens; forwards of the last chunk add the final norm, LM head and loss. A backward
+recomputes its chunk's forward from the stashed chunk input (jax.vjp), so a device
+keeps one activation per microbatch in flight (at most p for 1f1b), never the
+residuals of a whole chunk. After every tick two `ppermute`s move the activation sent
+downstream and the input gradient sent upstream; arrivals land in the stash / gradient
+slots the table assigned.
+
+Same math as `step.grads`: the update's valid-token count is known before the schedule
+starts; every microbatch's loss seeds its backward with loss_scale / n_valid; parameter
+gradients are summed over microbatches (each chunk's on its own device) and divided by
+loss_scale once. MoE: the aux loss of every layer enters the objective with weight
+loss_scale / (microbatches * MoE layers), exactly the mean-of-means of `step.grads`
+(jaxtrain's aux convention; HF's pools all layers and is refused). Each forward's expert
+load stays with its chunk on its device, for `moe_load_imbalance` and the aux-free bias.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain.model import transformer as model_lib
+from jaxtrain.model import moe_balance
+from jaxtrain.parallel import schedule as schedule_lib
+from jaxtrain.model import loss as xent
+from jaxtrain.core.errors import UserError
+
+AXIS = "pipeline"
+ACT = ("batch", "act_length", "act_embed")  # a chunk's input/output activation
+# Branches of the per-tick switch.
+IDLE, FWD, BWD = range(3)
+# Columns of the per-(tick, device) table given to the program.
+BRANCH, MB, CHUNK, SLOT, GSLOT, FWD_IN, BWD_IN = range(7)
+
+
+def stages(mesh) -> int:
+  return mesh.shape.get(AXIS, 1)
+
+
+def active(mesh) -> bool:
+  return stages(mesh) > 1
+
+
+def check(cfg, mesh) -> None:
+  """Pipeline-specific config/mesh checks, as one-line user errors."""
+  p = stages(mesh)
+  if p == 1:
+    return
+  m, pc = cfg.model, cfg.pipeline
+  if not m.scan_layers:
+    raise UserError(f"mesh pipeline={p} needs model.scan_layers=true (stages hold slices of the stacked layers)")
+  if m.n_layers % (p * pc.virtual_stages):
+    raise UserError(f"model.n_layers={m.n_layers} must divide into pipeline={p} x pipeline.virtual_stages="
+                    f"{pc.virtual_stages} = {p * pc.virtual_stages} stages of equal depth")
+  why = schedule_lib.check(pc.schedule, p, cfg.train.microbatches, pc.virtual_stages)
+  if why:
+    raise UserError(why)
+  if mesh.shape.get("sequence", 1) > 1:
+    raise UserError(f"mesh pipeline={p} with sequence={mesh.shape['sequence']} is not supported; "
+                    "pipeline composes with data, fsdp, tensor and expert")
+  if m.moe_experts and m.moe_aux_convention == "hf":
+    # HF pools f and P over all layers before the product: no stage has them all.
+    raise UserError(f"model.moe_aux_convention=hf is not supported with mesh pipeline={p} (its loss pools every "
+                    "layer's routing before the product); use moe_aux_convention=jaxtrain")
+
+
+def describe(cfg, mesh) -> str:
+  """The start-up line of a pipelined run."""
+  pc, p = cfg.pipeline, stages(mesh)
+  t = table(cfg, mesh)
+  return (f"pipeline: {pc.schedule}, {p} stages x {pc.virtual_stages} virtual = {p * pc.virtual_stages} chunks of "
+          f"{cfg.model.n_layers // (p * pc.virtual_stages)} layer(s), {cfg.train.microbatches} microbatches, "
+          f"{t.ticks} ticks, bubble {t.bubble():.1%} (formula {t.bubble_formula():.1%})")
+
+
+def table(cfg, mesh) -> schedule_lib.Table:
+  return schedule_lib.build(cfg.pipeline.schedule, stages(mesh), cfg.train.microbatches, cfg.pipeline.virtual_stages)
+
+
+def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int]:
+  """The table as int32 (ticks, p, 7) columns BRANCH..BWD_IN, and the stash and
+  gradient slot counts (the slot after the last is a discarded 'trash' slot)."""
+  p, last = t.p, t.chunks - 1
+  stash = [schedule_lib.assign_slots(iv) for iv in t.stash_intervals()]
+  grads = [schedule_lib.assign_slots(iv) for iv in t.grad_intervals()]
+  S, G = max(max(n for _, n in stash), 1), max(max(n for _, n in grads), 1)
+  # Nothing to send on a link? Arrivals go to the trash slot.
+  out = np.zeros((t.ticks, p, 7), np.int32)
+  out[:, :, SLOT], out[:, :, GSLOT], out[:, :, FWD_IN], out[:, :, BWD_IN] = S, G, S, G
+  for tick, row in enumerate(t.grid):
+    for s, op in enumerate(row):
+      if op is None:
+        continue
+      c = op.chunk * p + s
+      first, final = c == 0, c == last
+      r = out[tick, s]
+      r[MB], r[CHUNK] = op.mb, op.chunk
+      if op.kind == schedule_lib.F:
+        r[BRANCH] = FWD
+        if not first:
+          r[SLOT] = stash[s][0][(op.mb, c)]
+        if not final:  # the activation goes to chunk c + 1 on the next device
+          out[tick, (s + 1) % p, FWD_IN] = stash[(s + 1) % p][0][(op.mb, c + 1)]
+      else:
+        r[BRANCH] = BWD
+        if not first:
+          r[SLOT] = stash[s][0][(op.mb, c)]
+          out[tick, (s - 1) % p, BWD_IN] = grads[(s - 1) % p][0][(op.mb, c - 1)]
+        if not final:
+          r[GSLOT] = grads[s][0][(op.mb, c)]
+  return out, S, G
+
+
+def inner_mesh():
+  """The mesh seen inside the pipeline shard_map (pipeline manual, the other axes
+  automatic): the one place the model's sharding annotations get their mesh here."""
+  return jax.sharding.get_abstract_mesh()
+
+
+def grads_fn(cfg, mesh, plan):
+  """A function with `step.grads`'s contract (moe_metrics=True form) for this mesh."""
+  return functools.partial(grads, cfg=cfg, mesh=mesh, plan=plan)
+
+
+def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metrics: bool = False, *, cfg, mesh,
+          plan):
+  """Token-normalized loss and unscaled gradient of one update, run as a pipeline.
+  Returns (loss, grads, n_valid[, moe metrics]) like `step.grads`."""
+  from jaxtrain.run import step as step_lib
+  p, v, m = stages(mesh), cfg.pipeline.virtual_stages, microbatches
+  mc = cfg.model
+  n_moe = mc.n_layers if mc.moe_experts else 0
+  t = table(cfg, mesh)
+  prog, S, G = program_table(t)
+  # Only the branches this table uses are compiled (a table may have no idle tick).
+  used = sorted(set(prog[..., BRANCH].flat))
+  prog[..., BRANCH] = np.searchsorted(used, prog[..., BRANCH])
+  n_valid = jnp.sum(batch["loss_mask"] > 0)
+  denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
+  mbs = step_lib.split_microbatches(batch, m, plan)
+  # (layers, ...) -> (v, p, layers per chunk, ...): [j, s] is global chunk j*p + s, so
+  # device s gets its v chunks. For v = 1 this matches the stored split (no traffic);
+  # for v > 1 XLA moves the layers between devices (an all-to-all each way).
+  lc = mc.n_layers // (p * v)
+  layers = jax.tree.map(lambda a: a.reshape(v, p, lc, *a.shape[1:]), params["layers"])
+  rest = {k: x for k, x in params.items() if k != "layers"}
+  dt = jnp.dtype(mc.dtype)
+  prog_j = jnp.asarray(prog)
+
+  def body(layers, rest, mbs, denom, scale):
+    inner = dataclasses.replace(plan, mesh=inner_mesh())  # the same decisions, on the mesh seen inside
+    return _run(graphdef, mc, inner, prog_j, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale)
+
+  out = jax.shard_map(
+      body, mesh=mesh, axis_names={AXIS},
+      in_specs=(P(None, AXIS), P(), P(), P(), P()),
+      out_specs=(P(None, AXIS), P(), P(), P(), P(None, AXIS)),
+      check_vma=False)(layers, rest, mbs, denom, jnp.asarray(loss_scale, jnp.float32))
+  g_layers, g_rest, loss_sum, moe, load = out
+  g = {**g_rest, "layers": jax.tree.map(lambda a: a.reshape(mc.n_layers, *a.shape[3:]), g_layers)}
+  g = {k: g[k] for k in params}  # the params' key order
+  res = loss_sum / denom, jax.tree.map(lambda x: x / loss_scale, g), n_valid
+  if not moe_metrics:
+    return res
+  moe["aux"] = moe["aux"] / max(n_moe, 1)  # summed over layers; step's totals hold the mean over layers
+  moe["load"] = load.reshape(mc.n_layers, -1)[:n_moe]  # (v, p, layers per chunk, X): global layer order
+  return *res, step_lib.moe_metrics_of(moe, m)
+
+
+def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale):
+  """The per-device program: scan over ticks, switch on this device's table entry."""
+  s = jax.lax.axis_index(AXIS)
+  layers = jax.tree.map(lambda a: a[:, 0], layers)  # (v, layers per chunk, ...)
+  b, L = mbs["inputs"].shape[1:]
+  D = mc.d_model
+  act = lambda x: plan.constrain(x, ACT)  # noqa: E731
+  aux_ct = scale / (m * max(n_moe, 1))  # d objective / d (one layer's aux loss of one microbatch)
+  use_remat, policy = model_lib.remat_policy(mc.remat)
+
+  def block_of(block, x, tables, seg):
+    return block(x, tables, seg, plan)
+  run_block = nnx.remat(block_of, policy=policy, prevent_cse=False) if use_remat else block_of
+
+  def module(rest, chunk):
+    return nnx.merge(graphdef, {**rest, "layers": chunk})
+
+  def embed(rest, tokens):
+    # The lookup reads a table gathered whole: XLA's SPMD partitioner aborts on a gather
+    # from a table split over fsdp and tensor inside a partial-manual region.
+    x = jnp.take(plan.constrain(rest["embed"], (None, None)), tokens, axis=0).astype(dt)
+    return act(x)
+
+  def stage(chunk, x, mb):
+    """One chunk's layers: (output, summed aux loss, dropped, assigned) of its MoE layers,
+    and their expert load (layers per chunk, X)."""
+    model = module(rest, chunk)
+    tables = model_lib.rope_tables(mb["positions"], mc.head_dim, mc.rope_theta, model_lib._freq(mc))
+    y, stats = model_lib._scan_blocks(run_block, model.layers, x, tables, mb["segment_ids"])
+    tot = {k: sum((st[k] for st in stats), jnp.float32(0)) for k in ("dropped", "assigned")}
+    tot["aux"] = sum((moe_balance.aux_loss(mc, [st]) for st in stats), jnp.float32(0))  # jaxtrain convention
+    load = jnp.stack([st["load"] for st in stats]) if stats else zeros_load[0]
+    return act(y), tot, load
+
+  def head_loss(rest_p, y, mb):
+    model = module(rest_p, jax.tree.map(lambda a: a[0], layers))
+    return xent.nll_sum(model.final_norm(y), model.head_weight(), mb["targets"], mb["loss_mask"], plan,
+                        plan.loss_chunk_tokens, gather=False)
+
+  zero_act = act(jnp.zeros((b, L, D), dt))
+  zeros_load = jnp.zeros((v, jax.tree.leaves(layers)[0].shape[1], max(mc.moe_experts, 1)), jnp.float32)
+  zeros_chunk = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), layers)
+  zeros_rest = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), rest)
+  f32 = jnp.float32(0)
+
+  def result(y=zero_act, dx=zero_act, g_chunk=zeros_chunk, g_rest=zeros_rest, loss=f32, tot=None, load=None):
+    tot = tot or {"aux": f32, "dropped": f32, "assigned": f32}
+    load = zeros_load[0] if load is None else load
+    return {"y": y, "dx": dx, "g_chunk": g_chunk, "g_rest": g_rest, "loss": loss, "moe": tot, "load": load}
+
+  def f32_tree(tree):
+    return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+  # Branches: (chunk params, stashed input, output gradient, microbatch, first, last).
+  # `first` / `last`: the chunk is the model's first (embeds the tokens) / last (runs the
+  # head and loss); `lax.cond`s, so each branch holds one copy of the chunk's layers.
+  def idle(chunk, x, dy, mb, first, last):
+    return result()
+
+  def forward(chunk, x, dy, mb, first, last):
+    y, tot, load = stage(chunk, jax.lax.cond(first, lambda: embed(rest, mb["inputs"]), lambda: x), mb)
+    loss = jax.lax.cond(last, lambda: head_loss(rest, y, mb), lambda: f32)
+    return result(y=y, loss=loss, tot=tot, load=load)
+
+  def backward(chunk, x, dy, mb, first, last):
+    def objective(c, r, x):
+      y, tot, _ = stage(c, jax.lax.cond(first, lambda: embed(r, mb["inputs"]), lambda: x), mb)
+      # last chunk: the scaled loss; else <y, dy>, whose gradient is the vjp with dy
+      out = jax.lax.cond(last, lambda: head_loss(r, y, mb) * (scale / denom),
+                         lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)))
+      return out + tot["aux"] * aux_ct
+    g_chunk, g_rest, dx = jax.grad(objective, argnums=(0, 1, 2))(chunk, rest, x)
+    return result(dx=act(dx.astype(dt)), g_chunk=f32_tree(g_chunk), g_rest=f32_tree(g_rest))
+
+  branches = [(idle, forward, backward)[k] for k in used]
+  # Activations flow s -> s+1; with v > 1 the last device feeds chunk j+1 on the first.
+  down = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
+  up = [(j, i) for i, j in down]
+
+  def tick(carry, row_PxK):
+    stash, gbuf, acc_layers, acc_rest, loss, tot, acc_load = carry
+    r = row_PxK[s]
+    mb = jax.tree.map(lambda a: a[r[MB]], mbs)
+    chunk = jax.tree.map(lambda a: a[r[CHUNK]], layers)
+    c = r[CHUNK] * p + s  # the global chunk
+    out = jax.lax.switch(r[BRANCH], branches, chunk, stash[r[SLOT]], gbuf[r[GSLOT]], mb, c == 0, c == p * v - 1)
+    acc_layers = jax.tree.map(lambda acc, g: acc.at[r[CHUNK]].add(g), acc_layers, out["g_chunk"])
+    acc_rest = jax.tree.map(jnp.add, acc_rest, out["g_rest"])
+    tot = jax.tree.map(jnp.add, tot, out["moe"])
+    acc_load = acc_load.at[r[CHUNK]].add(out["load"])  # forwards only (the other branches give zeros)
+    stash = stash.at[r[FWD_IN]].set(jax.lax.ppermute(out["y"], AXIS, down))
+    gbuf = gbuf.at[r[BWD_IN]].set(jax.lax.ppermute(out["dx"], AXIS, up))
+    return (stash, gbuf, acc_layers, acc_rest, loss + out["loss"], tot, acc_load), None
+
+  buf = lambda n: plan.constrain(jnp.zeros((n + 1, b, L, D), dt), (None, *ACT))  # noqa: E731
+  carry = (buf(S), buf(G), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers), zeros_rest, f32,
+           {"aux": f32, "dropped": f32, "assigned": f32}, zeros_load)
+  (_, _, acc_layers, acc_rest, loss, tot, acc_load), _ = jax.lax.scan(tick, carry, prog)
+  # Chunk gradients stay on their device; the rest (embedding, final norm, head) were
+  # computed on the first / last device only: summing over the pipeline gathers them.
+  acc_rest, loss, tot = jax.lax.psum((acc_rest, loss, tot), AXIS)
+  return jax.tree.map(lambda a: a[:, None], acc_layers), acc_rest, loss, tot, acc_load[:, None]
+
+
+# ----------------------------------------------------------------------------- inspect
+
+def traffic(cfg, mesh, rows) -> dict[str, int]:
+  """Bytes per device per step over `pipeline` (for the communication table).
+
+  The program ppermutes one activation downstream and one input gradient upstream at
+  EVERY tick (SPMD: the same collective on every device; ticks with nothing to send move
+  zeros), T tokens x d_model x compute bytes each. The embedding, final norm and head
+  gradients are all-reduced over pipeline once; with v > 1 the layer stack is
+  re-laid out into chunks (all-to-all) and its gradient back."""
+  from jaxtrain.analysis.memory import tokens_per_device
+  p, t = stages(mesh), table(cfg, mesh)
+  act = tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
+  useful = sum(op is not None and ((op.kind == schedule_lib.F and op.chunk * p + s < t.chunks - 1)
+                                   or (op.kind == schedule_lib.B and op.chunk * p + s > 0))
+               for row in t.grid for s, op in enumerate(row))
+  out = {f"activations + grads, ppermute x2 per tick ({t.ticks} ticks; on average {useful / p:.0f} of a device's "
+         f"{2 * t.ticks} sends carry data)": 2 * t.ticks * act}
+  ring = 2 * (p - 1) / p
+  other = sum(math.prod(r.device_shape) * r.count for r in rows if not r.path.startswith("layers"))
+  out["grad all-reduce (embedding, final norm, head)"] = int(ring * other * 4)
+  if cfg.pipeline.virtual_stages > 1:
+    stack = sum(math.prod(r.device_shape) * r.count for r in rows if r.path.startswith("layers"))
+    out["layer stack to chunks and grads back (all-to-all)"] = int(2 * (p - 1) * stack * 4)
+  return out
+
+
+def report(cfg, mesh) -> dict:
+  """The schedule for `inspect`: timeline, bubble (table and formula), stash per stage."""
+  t = table(cfg, mesh)
+  _, S, G = program_table(t)
+  from jaxtrain.analysis.memory import tokens_per_device
+  act = tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
+  return {"schedule": t.name, "stages": t.p, "virtual_stages": t.v, "microbatches": t.m, "ticks": t.ticks,
+          "bubble": t.bubble(), "bubble_formula": t.bubble_formula(), "in_flight": t.in_flight(),
+          "stash_slots": S, "grad_slots": G, "stash_bytes": (S + G) * act, "timeline": t.timeline()}
+
+
+def render(rep: dict) -> list[str]:
+  L = [f"Pipeline schedule: {rep['schedule']}, {rep['stages']} stages x {rep['virtual_stages']} virtual, "
+       f"{rep['microbatches']} microbatches, {rep['ticks']} ticks (F = forward, B = backward with recompute, "
+       f"digit = microbatch{', letter = chunk on the device' if rep['virtual_stages'] > 1 else ''}, . = idle)"]
+  L += ["  " + line for line in rep["timeline"].splitlines()]
+  L.append(f"  bubble: {rep['bubble']:.1%} of device-ticks idle in this table; formula (p-1)/(v*m+p-1) = "
+           f"{rep['bubble_formula']:.1%}")
+  L.append(f"  chunk inputs stashed at most, per stage: {rep['in_flight']} (buffers: {rep['stash_slots']} stash + "
+           f"{rep['grad_slots']} gradient slots per device, {rep['stash_bytes']:,} bytes)")
+  return L

@@ -1,0 +1,149 @@
+"""The execution plan of one (config, mesh): decided once at set-up, printed once, passed to the model.
+
+It owns every choice about *how* the model's math runs on the mesh:
+- the logical-to-mesh rules (`sharding.RULES`, or its Megatron sequence-parallel variant);
+- the attention kernel: `ring` when the mesh splits `sequence` (ring.py's own blocks),
+  else `cudnn` or the XLA reference `xla`, as `attention.select` decides for the target
+  device (the mesh's devices, which may be abstract GPUs when compiling ahead of time);
+- the MoE dispatch: `local` (no mesh) or `all_to_all` over `expert`, and its kernel:
+  capacity buffers over data-defined groups, or dropless grouped matmuls (`ragged_dot`,
+  or `blocks` where the target's ragged_dot is a dense fallback, as on XLA:CPU);
+- the mesh axis names that the explicit collectives of ring.py and moe.py use.
+The model calls `plan.constrain`, `plan.attend` and `plan.moe_ffn`; it never looks at a
+mesh itself, so what `describe()` prints is what runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from jaxtrain.model import attention as attention_lib
+from jaxtrain.parallel import sharding
+from jaxtrain.core.config import TrainConfig
+from jaxtrain.core.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+  mesh: Any  # a jax.sharding.Mesh, or None: one device, no annotations
+  rules: dict[str, tuple[str, ...]]
+  attention: str  # "xla" | "cudnn" | "ring"
+  attention_why: str
+  moe: str  # "dense" | "local" | "all_to_all"
+  moe_kernel: str = "capacity"  # "capacity" | "ragged_dot" | "blocks" (the last two: dropless)
+  moe_group: int = 0  # capacity group in tokens (model.moe_group_size or train.seq_len); 0 = one sequence
+  remat: str = "none"
+  logits_dtype: str = "float32"  # scores/softmax of the reference kernel
+  packed_segments: int = 0  # cudnn only: segments go as offsets, at most this many per row (0: an L x L mask)
+  loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens  # the loss's tokens per chunk per device (0: unchunked)
+  platform: str = "cpu"  # the target device's platform (cpu, gpu, tpu): what its compiler keeps differs
+  sequence_axis: str = "sequence"
+  expert_axis: str = "expert"
+
+  def spec(self, axes, shape):
+    return sharding.spec_for(axes, shape, self.mesh, rules=self.rules)
+
+  def sharding(self, axes, shape) -> NamedSharding:
+    return NamedSharding(self.mesh, self.spec(axes, shape))
+
+  def constrain(self, x: jax.Array, axes) -> jax.Array:
+    """Annotates an activation with logical axes (nothing without a mesh)."""
+    if self.mesh is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
+
+  def attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
+    """Causal grouped-query attention with segment masking, by the kernel this plan chose."""
+    if self.attention == "ring":
+      from jaxtrain.parallel import ring
+      return ring.ring_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, self)
+    if self.attention == "xla":
+      return KERNELS["xla"](q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype=jnp.dtype(self.logits_dtype))
+    if self.packed_segments:
+      return attention_lib.packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, self.packed_segments)
+    return KERNELS[self.attention](q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+
+  def check_rows(self, seg_BxL) -> None:
+    """Host side, before a batch goes to the devices: a row with more segments than the
+    packed cuDNN layout was compiled for is a one-line error (it would attend nowhere)."""
+    if self.packed_segments:
+      most = int(attention_lib.segments_per_row(seg_BxL).max())
+      if most > self.packed_segments:
+        raise UserError(f"a batch row holds {most} documents but model.attention_max_segments="
+                        f"{self.packed_segments}; raise it to at least {most}, or set it to 0 (L x L mask)")
+
+  def moe_ffn(self, x_BxLxD, router_DxX, w_gate, w_up, w_down, *, top_k: int, capacity_factor: float,
+              group_size: int = 0, score: str = "softmax", bias_X=None):
+    from jaxtrain.parallel import experts as moe
+    return moe.moe_ffn(x_BxLxD, router_DxX, w_gate, w_up, w_down, top_k=top_k, capacity_factor=capacity_factor,
+                       plan=self, group_size=group_size, score=score, bias_X=bias_X)
+
+  def describe(self) -> str:
+    group = f"{self.moe_group} tokens" if self.moe_group else "one sequence"
+    kernel = (f"capacity groups of {group}" if self.moe_kernel == "capacity"
+              else f"dropless, {self.moe_kernel} grouped matmuls")
+    moe = {"dense": "", "local": f"; moe: local, {kernel}",
+           "all_to_all": f"; moe: all_to_all over {self.expert_axis}, {kernel}"}[self.moe]
+    rules = "; sequence-parallel residual stream" if self.rules.get("act_length") != sharding.RULES["act_length"] else ""
+    scores = f", {self.logits_dtype} scores" if self.attention == "xla" and self.logits_dtype != "float32" else ""
+    return f"attention: {self.attention} ({self.attention_why}{scores}){moe}; remat {self.remat}{rules}"
+
+
+def _reference(q, k, v, seg, logits_dtype=jnp.float32):
+  from jaxtrain.model import transformer as model
+  return model.attention(q, k, v, seg, logits_dtype)
+
+
+# Kernels that run on one shard of heads/batch (the ring calls neither: it scores its own blocks).
+KERNELS = {"xla": _reference, "cudnn": attention_lib.fused}
+
+
+def build(cfg, mesh, device=None) -> Plan:
+  """The plan for `cfg` on `mesh` (None: one device, nothing sharded). `device`: the target
+  device whose kernels to use (default: the mesh's first device, or the local one)."""
+  m = cfg.model
+  sp = mesh.shape.get("sequence", 1) if mesh is not None else 1
+  if sp > 1:
+    if m.attention == "cudnn":
+      raise UserError(f"model.attention=cudnn cannot run with sequence={sp}: ring attention computes its own "
+                      "blocks; use model.attention=auto or xla")
+    impl, why, packed = "ring", f"ring attention over sequence={sp}, zig-zag blocks, online softmax", 0
+  else:
+    if device is None and mesh is not None:
+      device = mesh.devices.flat[0]
+    info = attention_lib.info_of(device)
+    impl, why = attention_lib.select(m, cfg.train.seq_len, info)
+    packed = m.attention_max_segments if impl == "cudnn" and attention_lib.uses_packed(m, info) else 0
+  moe = "dense" if not m.moe_experts else ("local" if mesh is None else "all_to_all")
+  if device is None and mesh is not None:
+    device = mesh.devices.flat[0]
+  platform = attention_lib.info_of(device).platform
+  return Plan(mesh=mesh, rules=sharding.rules_for(cfg.run.sequence_parallel), attention=impl, attention_why=why,
+              moe=moe, moe_kernel=moe_kernel(m, platform), platform=platform,
+              moe_group=m.moe_group_size or cfg.train.seq_len, remat=m.remat,
+              logits_dtype=m.attention_logits_dtype, packed_segments=packed,
+              loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+
+
+def moe_kernel(m, platform: str) -> str:
+  """capacity, or the dropless grouped-matmul kernel for the target platform."""
+  if not m.moe_experts or not m.moe_dropless:
+    return "capacity"
+  from jaxtrain.parallel import experts_dropless as moe_dropless
+  return moe_dropless.kernel(m.moe_grouped_matmul, platform)
+
+
+def local(model_cfg=None) -> Plan:
+  """One device, reference attention, no annotations: the single-device reference of the tests."""
+  m = model_cfg
+  return Plan(mesh=None, rules=dict(sharding.RULES), attention="xla", attention_why="one device, no mesh",
+              moe="local" if m is not None and m.moe_experts else "dense",
+              moe_kernel=moe_kernel(m, jax.default_backend()) if m is not None else "capacity",
+              remat=m.remat if m is not None else "none",
+              logits_dtype=m.attention_logits_dtype if m is not None else "float32",
+              platform=jax.default_backend())

@@ -1,0 +1,146 @@
+"""The rules table from logical axis names to mesh axes, and the code that applies it.
+
+The model names logical axes only. Parallelizing differently means editing RULES (or the
+one entry that Megatron sequence parallelism overrides, below).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxtrain.core.errors import UserError
+
+# logical axis -> mesh axes it is split over (in order). Absent or () = replicated.
+RULES: dict[str, tuple[str, ...]] = {
+    # activations
+    "batch": ("data", "fsdp", "expert"),  # expert shards the batch outside MoE layers
+    "length": ("sequence",),
+    "act_length": ("sequence",),  # length of the residual stream (norms, residual adds)
+    "act_embed": (),
+    "act_heads": ("tensor",),
+    "act_kv_heads": ("tensor",),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
+    "act_experts": ("expert",),
+    # MoE dispatch (jaxtrain/moe_layout.py): whole sequences per device where the batch
+    # allows, so a capacity group of consecutive positions never straddles devices.
+    "moe_batch": ("data", "fsdp", "expert", "sequence"),
+    "moe_length": ("sequence",),  # only when the rows cannot take `sequence`
+    # parameters: stored FSDP-sharded on `embed`, Megatron-sharded on heads/mlp/vocab
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "experts": ("expert",),
+    "vocab": ("tensor",),
+    "norm": (),
+    "layers": ("pipeline",),  # the stacked-blocks axis of model.scan_layers: a pipeline stage holds its slice
+}
+
+
+# Megatron sequence parallelism (run.sequence_parallel) changes one entry: the residual
+# stream between tensor-parallel regions is split along its length over `tensor` as well,
+# so XLA turns each TP region's closing all-reduce into a reduce-scatter and opens the next
+# with an all-gather. The execution plan (`jaxtrain.parallel.plan`) picks the rules once.
+SEQUENCE_PARALLEL = {"act_length": ("sequence", "tensor")}
+
+
+def rules_for(sequence_parallel: bool) -> dict[str, tuple[str, ...]]:
+  return {**RULES, **SEQUENCE_PARALLEL} if sequence_parallel else dict(RULES)
+
+
+def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh, notes: list[str] | None = None,
+             where: str = "", rules: dict[str, tuple[str, ...]] = RULES) -> P:
+  """PartitionSpec for logical `axes` of an array of `shape` on `mesh`.
+
+  Divisibility rule (the trainer and inspect share it): a mesh axis splits a dimension
+  it divides. A dimension that itself divides the mesh axis (smaller, e.g. 4 KV heads
+  on tensor=8) is replicated over that axis, every shard keeping the whole dimension
+  (as Megatron duplicates KV heads), and noted. Any other size is a UserError naming what
+  would work. A mesh axis already used by an earlier dimension is skipped. A logical name
+  the rules do not know is a programming error (a typo must not silently replicate).
+  """
+  used: set[str] = set()
+  out = []
+  for name, dim in zip(axes, shape, strict=True):
+    if name is not None and name not in rules:
+      raise KeyError(f"logical axis {name!r} (at {where or axes}) is not in sharding.RULES: {', '.join(rules)}")
+    chosen = []
+    for mesh_axis in rules[name] if name else ():
+      size = mesh.shape[mesh_axis]
+      if size == 1 or mesh_axis in used:
+        continue
+      left = dim // math.prod(mesh.shape[a] for a in chosen)
+      if left % size:
+        if size % left:
+          raise Indivisible(where or name, name, left, mesh_axis, size)
+        if notes is not None:
+          notes.append(f"{where or name}: {name}={left} is smaller than {mesh_axis}={size}; "
+                       f"replicated over {mesh_axis} (every {mesh_axis} shard keeps all {left})")
+        continue
+      chosen.append(mesh_axis)
+    used.update(chosen)
+    out.append(tuple(chosen) if len(chosen) > 1 else (chosen[0] if chosen else None))
+  return P(*out)
+
+
+def sizes_that_fit(dims, limit: int) -> list[int]:
+  """Mesh axis sizes up to `limit` that split or evenly replicate every one of `dims`."""
+  return [n for n in range(1, limit + 1) if all(d % n == 0 or n % d == 0 for d in dims)]
+
+
+class Indivisible(UserError):
+  """A dimension that a mesh axis can neither split nor evenly replicate."""
+
+  def __init__(self, where: str, name: str, dim: int, mesh_axis: str, size: int):
+    self.where, self.name, self.dim, self.mesh_axis, self.size = where, name, dim, mesh_axis, size
+    fits = sizes_that_fit([dim], max(64, 2 * size))
+    super().__init__(f"{where}: {name}={dim} cannot be split over {mesh_axis}={size}; "
+                     f"{mesh_axis} sizes that work: {', '.join(map(str, fits))}")
+
+
+def param_shardings(abstract_state, mesh, notes: list[str] | None = None):
+  """NamedShardings for every parameter of an abstract nnx.State, from its `axes` metadata.
+
+  Returns a pure dict mirroring `nnx.to_pure_dict(state)`. Dimensions the mesh cannot
+  split are reported together, in one UserError naming the sizes that fit them all.
+  """
+  from flax import nnx
+  failed: list[Indivisible] = []
+  dims: dict[str, list[int]] = {}  # mesh axis -> every dimension the rules split over it
+
+  def one(path, var):
+    axes = var.get_metadata().get("axes")
+    if axes is None:
+      raise ValueError(f"parameter {jax.tree_util.keystr(path)} has no logical axes")
+    for name, dim in zip(axes, var.shape):
+      for mesh_axis in RULES.get(name, ()) if name else ():
+        dims.setdefault(mesh_axis, []).append(dim)
+    where = "/".join(str(getattr(k, "key", k)) for k in path)
+    try:
+      return NamedSharding(mesh, spec_for(axes, var.shape, mesh, notes, where))
+    except Indivisible as e:
+      failed.append(e)
+      return None
+
+  shardings = jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  if failed:
+    axis, size = failed[0].mesh_axis, failed[0].size
+    bad = [e for e in failed if e.mesh_axis == axis]
+    by_dim: dict[tuple[str, int], list[str]] = {}
+    for e in bad:
+      by_dim.setdefault((e.name, e.dim), []).append(e.where)
+    named = ", ".join(f"{n}={d} ({w[0]}" + (f" and {len(w) - 1} more)" if len(w) > 1 else ")")
+                      for (n, d), w in by_dim.items())
+    fits = sizes_that_fit(dims[axis], max(64, 2 * size))
+    raise UserError(f"{axis}={size} can neither split nor evenly replicate {named}; {axis} sizes that work for "
+                    f"every parameter: {', '.join(map(str, fits))}")
+  return nnx.to_pure_dict(shardings)
+
+
+def logical_sharding(mesh, axes: tuple[str | None, ...], shape: tuple[int, ...], rules=RULES) -> NamedSharding:
+  return NamedSharding(mesh, spec_for(axes, shape, mesh, rules=rules))

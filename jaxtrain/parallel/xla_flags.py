@@ -1,0 +1,120 @@
+"""XLA flag presets, validated against this jaxlib before they reach XLA_FLAGS.
+
+XLA aborts the whole process on a flag it does not know, and flags come and go between
+releases, so every candidate flag is checked first: a subprocess starts the CPU backend
+with the candidates in XLA_FLAGS; XLA names the unknown ones ("Unknown flag(s) in
+XLA_FLAGS: ...") and they are dropped, with one warning line, until the probe starts
+cleanly. The verdict per flag is cached per jaxlib version under
+$XDG_CACHE_HOME/jaxtrain/ (default ~/.cache), so later runs start without probing.
+
+Flags must be set before the backend starts: `apply` is called by the trainer right
+after the config is read, before jax.distributed or any device is touched. Flags the
+user already has in XLA_FLAGS win over the preset's value for the same flag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from jaxtrain.core import files
+from jaxtrain.core.errors import UserError
+
+# GPU collectives and scheduling (the usual large-model set): overlap communication with
+# compute (latency-hiding scheduler, pipelined collectives in scanned loops), combine
+# small collectives into large ones, and keep the matmuls on cuBLAS.
+PRESETS: dict[str, list[str]] = {
+    "none": [],
+    "gpu-default": [
+        "--xla_gpu_enable_latency_hiding_scheduler=true",
+        "--xla_gpu_enable_highest_priority_async_stream=true",
+        "--xla_gpu_enable_pipelined_all_gather=true",
+        "--xla_gpu_enable_pipelined_reduce_scatter=true",
+        "--xla_gpu_enable_pipelined_all_reduce=true",
+        "--xla_gpu_enable_while_loop_double_buffering=true",
+        "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+        "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+        "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+        "--xla_gpu_enable_all_gather_combine_by_dim=false",
+        "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
+        "--xla_gpu_enable_triton_gemm=false",
+    ],
+}
+_UNKNOWN = re.compile(r"Unknown flags? in XLA_FLAGS: (.*)")
+
+
+def name_of(flag: str) -> str:
+  return flag.split("=", 1)[0]
+
+
+def parse(text: str) -> list[str]:
+  flags = text.split()
+  bad = [f for f in flags if not re.fullmatch(r"--[A-Za-z0-9_]+(=.*)?", f)]
+  if bad:
+    raise UserError(f"run.xla_flags_extra: {' '.join(bad)} is not a flag; write --xla_name=value, space-separated")
+  return flags
+
+
+def _cache_path() -> Path:
+  import jaxlib
+  base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+  return base / "jaxtrain" / f"xla_flags-jaxlib-{jaxlib.__version__}.json"
+
+
+def _probe(flags: list[str]) -> set[str]:
+  """Names XLA rejects among `flags`, found by starting the CPU backend in subprocesses."""
+  unknown: set[str] = set()
+  while True:
+    trial = [f for f in flags if name_of(f) not in unknown]
+    if not trial:
+      return unknown
+    env = {**os.environ, "XLA_FLAGS": " ".join(trial), "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode == 0:
+      return unknown
+    found = _UNKNOWN.search(r.stderr)
+    named = {name_of(f) for f in found.group(1).split()} - unknown if found else set()
+    if not named:  # failed for another reason: trust none of them
+      return unknown | {name_of(f) for f in trial}
+    unknown |= named
+
+
+def validate(flags: list[str], cache: Path | None = None) -> tuple[list[str], list[str]]:
+  """(kept, dropped): drops flags this jaxlib does not know. Verdicts are cached per flag name."""
+  cache = cache or _cache_path()
+  try:
+    known = json.loads(cache.read_text())
+  except (OSError, ValueError):
+    known = {}
+  todo = [f for f in flags if name_of(f) not in known]
+  if todo:
+    unknown = _probe(todo)
+    known.update({name_of(f): name_of(f) not in unknown for f in todo})
+    try:
+      cache.parent.mkdir(parents=True, exist_ok=True)
+      files.write_json_atomic(cache, dict(sorted(known.items())))
+    except OSError:
+      pass  # a read-only home only costs a probe next time
+  return [f for f in flags if known[name_of(f)]], [f for f in flags if not known[name_of(f)]]
+
+
+def apply(preset: str, extra: str = "", environ=os.environ, cache: Path | None = None) -> list[str]:
+  """Adds the preset's and `extra`'s known flags to environ["XLA_FLAGS"] (the user's own
+  flags win); warns on one line about the dropped ones. Returns the flags added."""
+  candidates = PRESETS[preset] + parse(extra)
+  if not candidates:
+    return []
+  have = environ.get("XLA_FLAGS", "").split()
+  taken = {name_of(f) for f in have}
+  candidates = [f for f in candidates if name_of(f) not in taken]
+  kept, dropped = validate(candidates, cache)
+  if dropped:
+    print(f"warning: dropping XLA flag(s) this jaxlib does not know: {' '.join(dropped)}", file=sys.stderr)
+  if kept:
+    environ["XLA_FLAGS"] = " ".join(have + kept)
+  return kept

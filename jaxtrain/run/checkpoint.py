@@ -1,0 +1,547 @@
+"""Atomic, async, sharded checkpoints with a manifest; exact resume.
+
+Layout: <workdir>/checkpoints/<step>/ is an orbax step directory (the train state, each
+process writing its own shards) plus our manifest.json. A checkpoint is a recovery
+point only when orbax has committed it (its temporary directory renamed) AND the
+manifest is written. The manifest is written after the commit, from the files on disk
+(size and sha256 of each), so restore can verify every byte. A step directory without a
+manifest is a save that never finished: it is ignored and removed.
+
+Hashing is shared out over the processes (filecheck.py): at save each hashes its share of
+the files and process 0 writes the manifest from all the digests; at resume each checks
+its share and all agree on the verdict. `checkpoint.verify` = full | sizes | off.
+
+The manifest also holds what is not an array: the step, both token clocks, the skip
+counters, the data iterator state, the mesh, config/tokenizer/data fingerprints and
+library versions. Rotation runs only after a new manifest is written, so the last good
+checkpoint is never deleted before its successor is committed and verified.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from jaxtrain.core import config
+from jaxtrain.run import filecheck
+from jaxtrain.core import files
+from jaxtrain.core.errors import RunAborted, UserError
+from jaxtrain.core.files import write_json_atomic
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+# A saved fingerprint category that any run may resume with (a step-0 import has no train or data history).
+ANY = "any (step-0 import)"
+
+
+class CheckpointError(RunAborted):
+  """A save failed (e.g. disk full) or a checkpoint failed verification."""
+
+
+def fingerprint(cfg, tokenizer_digest: str, data_digest: str) -> dict[str, Any]:
+  """What must match for a resume to be the same run: {category: {"section.key": value}}
+  over exactly the keys declared `math=True` (config.py). A key naming files (`content`)
+  is recorded as its text and the digest of what it names; the digest is what counts."""
+  digests = {"data.tokenizer": tokenizer_digest, "data.source": data_digest}
+  values = _flat(cfg.to_dict())
+  out: dict[str, dict] = {c: {} for c in config.MISMATCH_CATEGORIES}
+  for dotted, field in config.all_keys().items():
+    cat = config.category(dotted)
+    if cat is not None:
+      out[cat][dotted] = ({"spec": values[dotted], "digest": digests[dotted]} if field.metadata["content"]
+                          else values[dotted])
+  return out
+
+
+def _flat(sections: dict) -> dict[str, Any]:
+  return {f"{s}.{k}": v for s, table in sections.items() for k, v in table.items()}
+
+
+def _migrate(cat: str, saved) -> dict[str, Any]:
+  """A fingerprint category as written before keys declared their role (bare names, and
+  a bare digest for tokenizer/data) -> the current form."""
+  if isinstance(saved, str):
+    return {{"tokenizer": "data.tokenizer", "data": "data.source"}[cat]: {"spec": None, "digest": saved}}
+  out = {}
+  for k, v in (saved or {}).items():
+    if "." not in k:
+      k = config.RENAMED.get(f"train.{k}", f"train.{k}") if cat == "train" else f"{cat}.{k}"
+    out[k] = v
+  return out
+
+
+def _content(v) -> str:
+  if not isinstance(v, dict):
+    return repr(v)
+  return f"content {v['digest']}" if v.get("spec") is None else f"{v['spec']!r} (content {v['digest']})"
+
+
+def mismatches(saved: dict, current: dict) -> dict[str, str]:
+  """{category: 'what changed'} for every fingerprint category that differs. A key the
+  checkpoint predates is compared with its default (what that run used)."""
+  defaults = _flat(config.Config().to_dict())
+  out = {}
+  for cat in config.MISMATCH_CATEGORIES:
+    if saved.get(cat) == ANY:
+      continue
+    old, new = _migrate(cat, saved.get(cat)), current.get(cat, {})
+    changed = []
+    for k, now in sorted(new.items()):
+      was = old.get(k, defaults.get(k))
+      if isinstance(now, dict):  # a content key: the digests decide
+        if not isinstance(was, dict) or was.get("digest") != now["digest"]:
+          changed.append(f"{k}: {_content(was)} -> {_content(now)}")
+      elif was != now:
+        changed.append(f"{k}: {was!r} -> {now!r}")
+    if changed:
+      out[cat] = ", ".join(changed)
+  return out
+
+
+def _listing(step_dir: Path) -> dict[str, int]:
+  return {str(p.relative_to(step_dir)): p.stat().st_size
+          for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def _versions() -> dict[str, str]:
+  import flax
+  import jax
+  import orbax.checkpoint as ocp
+  return {"jax": jax.__version__, "flax": flax.__version__, "orbax": getattr(ocp, "__version__", "?")}
+
+
+def committed_steps(directory: Path) -> list[int]:
+  """Steps with a manifest, ascending."""
+  if not directory.is_dir():
+    return []
+  return sorted(int(p.name) for p in directory.iterdir()
+                if p.name.isdigit() and (p / MANIFEST).is_file())
+
+
+def read_manifest(step_dir: Path) -> dict:
+  try:
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+  except (OSError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"checkpoint {step_dir}: unreadable {MANIFEST} ({e})") from None
+  if manifest.get("format") != FORMAT:
+    raise CheckpointError(f"checkpoint {step_dir}: manifest format {manifest.get('format')} is not {FORMAT}")
+  return manifest
+
+
+def verify(step_dir: Path, manifest: dict, mode: str = "full") -> None:
+  """Every file the manifest lists exists with the recorded size and (`full`) digest;
+  `sizes`: no digest; `off`: nothing beyond the manifest. With several processes each
+  checks its share and all raise the same error: every process must call it."""
+  problem = _files_problem(step_dir, manifest, mode)
+  if problem is not None:
+    raise CheckpointError(problem)
+
+
+def _files_problem(step_dir: Path, manifest: dict | None, mode: str, before: str | None = None) -> str | None:
+  """The first file (manifest order) that fails; `before`: this process could not read the
+  manifest (it still takes part, so that the processes agree)."""
+  entries = [] if before is not None or mode == "off" else list(manifest["files"].items())
+
+  def check(i: int) -> str | None:
+    name, rec = entries[i]
+    p = step_dir / name
+    damaged = f"checkpoint {step_dir} is damaged: file {name}"
+    try:
+      if not p.is_file():
+        return f"{damaged} is missing"
+      size = p.stat().st_size
+      if size != rec["size"]:
+        return f"{damaged} has {size} bytes, the manifest recorded {rec['size']}"
+      # A manifest saved with checkpoint.verify=sizes|off has no digests: its sizes are all there is.
+      if mode == "full" and rec.get("sha256") is not None and files.sha256_file(p) != rec["sha256"]:
+        return f"{damaged} does not match its recorded sha256"
+    except OSError as e:
+      return f"{damaged} cannot be read ({e.strerror or e})"
+    return None
+
+  return filecheck.first_problem([rec["size"] for _, rec in entries], check, before)
+
+
+def _write_each_shard_once() -> None:
+  """Orbax's default "replica-parallel" save splits every replicated shard among its
+  replicas with eager per-shard slices, each compiled on first use: on tiny at dp=8,tp=8
+  the first save blocked 22.2 s (0.21 s without it). Each shard is written once, by its
+  first replica, instead."""
+  import jax
+  import orbax.checkpoint as ocp
+  global _HANDLER_SET
+  if _HANDLER_SET:
+    return
+  # Overriding is the point here; orbax's warning about it is noise our own call causes.
+  quiet = _DropMessages("Type handler registry type")
+  logging.getLogger("absl").addFilter(quiet)
+  try:
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+  finally:
+    logging.getLogger("absl").removeFilter(quiet)
+  _HANDLER_SET = True
+
+
+_HANDLER_SET = False
+
+
+class _DropMessages(logging.Filter):
+  def __init__(self, prefix: str):
+    super().__init__()
+    self.prefix = prefix
+
+  def filter(self, record):
+    return not str(record.msg).startswith(self.prefix)
+
+
+class Checkpoints:
+  """Saves and restores the train state of one run directory."""
+
+  def __init__(self, directory: Path, keep: int, keep_every: int, async_save: bool, is_writer: bool = True,
+               verify: str = "full"):
+    import orbax.checkpoint as ocp
+    _write_each_shard_once()
+    self.dir = Path(directory).absolute()
+    self.keep, self.keep_every, self.is_writer, self.verify = keep, keep_every, is_writer, verify
+    self._saves = 0  # names each save's digest exchange (every process saves the same steps)
+    if is_writer:
+      self.dir.mkdir(parents=True, exist_ok=True)
+      self._remove_partial()
+    # Orbax never deletes: rotation is ours, after the new manifest exists.
+    options = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=async_save, create=True)
+    self.mgr = ocp.CheckpointManager(self.dir, options=options)
+    self._pending: tuple[int, dict, str] | None = None  # orbax save in flight, manifest not yet written
+    self._finalizer: threading.Thread | None = None
+    self._error: BaseException | None = None
+    self.last_committed: int | None = None
+
+  def _remove_partial(self) -> None:
+    for p in self.dir.iterdir():
+      if p.is_dir() and not (p / MANIFEST).is_file() and (p.name.isdigit() or "tmp" in p.name):
+        print(f"checkpoint: removing unfinished save {p.name} (no manifest: it never committed)")
+        shutil.rmtree(p, ignore_errors=True)
+
+  # -- saving ----------------------------------------------------------------------------
+
+  def save(self, step: int, state, manifest_body: dict) -> None:
+    """Starts an async save of `state` at `step`; at most one save is in flight."""
+    import orbax.checkpoint as ocp
+    from jaxtrain.run import faults
+    self.wait()
+    try:
+      faults.before_save(step)
+      self.mgr.save(step, args=ocp.args.StandardSave(state), force=True)
+    except Exception as e:  # noqa: BLE001 (any storage error: report it in one line)
+      raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}") from e
+    self._saves += 1
+    self._pending = (step, manifest_body, f"jaxtrain/manifest/{self.dir}/{step}/{self._saves}")
+
+  def poll(self) -> None:
+    """Cheap, called every step: once orbax has committed, write the manifest in the background."""
+    self._raise_if_failed()
+    if self._pending and self._finalizer is None and not self.mgr.is_saving_in_progress():
+      self._start_finalizer()
+
+  def wait(self) -> None:
+    """Blocks until the save in flight (if any) is committed and its manifest written."""
+    if self._pending and self._finalizer is None:
+      try:
+        self.mgr.wait_until_finished()
+      except Exception as e:  # noqa: BLE001
+        step, _, key = self._pending
+        self._pending = None
+        self._abandon(key, e)
+        raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
+                              f"{_last_good(self.last_committed)}") from e
+      self._start_finalizer()
+    if self._finalizer is not None:
+      self._finalizer.join()
+      self._finalizer = None
+    self._raise_if_failed()
+
+  def _start_finalizer(self) -> None:
+    step, body, key = self._pending
+    self._pending = None
+    try:
+      self.mgr.check_for_errors()
+    except Exception as e:  # noqa: BLE001
+      self._abandon(key, e)
+      raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
+                            f"{_last_good(self.last_committed)}") from e
+    self._finalizer = threading.Thread(target=self._finalize, args=(step, body, key), daemon=True)
+    self._finalizer.start()
+
+  def _abandon(self, key: str, e: BaseException) -> None:
+    """This save has failed here: on process 0, release the processes waiting for their share."""
+    if self.verify == "full" and filecheck.processes()[1] == 0:
+      filecheck.cancel(key, _reason(e))
+
+  def _finalize(self, step: int, body: dict, key: str) -> None:
+    try:
+      step_dir = self.dir / str(step)
+      recorded = self._record(step, step_dir, key)
+      if self.is_writer:
+        manifest = {"format": FORMAT, "step": step, "written_at": time.time(), "versions": _versions(),
+                    **body, "files": recorded}
+        write_json_atomic(step_dir / MANIFEST, manifest)
+        self._rotate()
+      self.last_committed = step
+    except BaseException as e:  # noqa: BLE001 (surfaced to the main thread by _raise_if_failed)
+      self._error = CheckpointError(f"checkpoint manifest at step {step} failed: {_reason(e)}; "
+                                    f"{_last_good(self.last_committed)}")
+
+  def _record(self, step: int, step_dir: Path, key: str) -> dict[str, dict] | None:
+    """The manifest's {file: {size, sha256}} on the writer (None elsewhere). With several
+    processes and `full`, process 0 lists the files and each process hashes its share."""
+    from jaxtrain.run import faults
+    n, me = filecheck.processes()
+    shared = n > 1 and self.verify == "full"
+    lister = me == 0 if shared else self.is_writer
+    try:
+      faults.before_manifest(step)
+      listing = _listing(step_dir) if lister else None
+    except BaseException as e:
+      self._abandon(key, e)
+      raise
+    if listing is None and not shared:
+      return None
+    if self.verify != "full":
+      return {name: {"size": size} for name, size in listing.items()}
+    digests = filecheck.hash_to_first(step_dir, key, listing)
+    if digests is None or not self.is_writer:
+      return None
+    return {name: {"size": size, "sha256": digests[name]} for name, size in listing.items()}
+
+  def _raise_if_failed(self) -> None:
+    if self._error is not None:
+      err, self._error = self._error, None
+      raise err
+
+  def _rotate(self) -> None:
+    steps = committed_steps(self.dir)
+    keep = set(steps[-self.keep:])
+    if self.keep_every:
+      keep |= {s for s in steps if s % self.keep_every == 0}
+    for s in steps:
+      if s not in keep:
+        shutil.rmtree(self.dir / str(s), ignore_errors=True)
+
+  def close(self) -> None:
+    try:
+      self.wait()
+    finally:
+      self.mgr.close()
+
+  # -- restoring -------------------------------------------------------------------------
+
+  def restore(self, step_dir: Path, abstract_state, verified: bool = False):
+    """Verified restore onto the shardings carried by `abstract_state` (any mesh);
+    `verified`: `resume_point` has just verified it. Either way every process calls it."""
+    import orbax.checkpoint as ocp
+    manifest = read_manifest(step_dir)
+    size = sum(f["size"] for f in manifest["files"].values())
+    t0 = time.perf_counter()
+    print(f"checkpoint: {'restoring' if verified else 'verifying and restoring'} {step_dir} ({size / 2**30:.2f} GiB)...",
+          flush=True)
+    if not verified:
+      verify(step_dir, manifest, self.verify)
+    own = step_dir.parent.absolute() == self.dir and step_dir.name == str(manifest["step"])
+    try:
+      if own:
+        state = self.mgr.restore(manifest["step"], args=ocp.args.StandardRestore(abstract_state))
+      else:  # any directory name, e.g. one moved to checkpoints.aside/<step>.<reason>.<time>
+        with ocp.StandardCheckpointer() as reader:
+          state = reader.restore(step_dir.absolute() / "default", abstract_state)
+    except Exception as e:  # noqa: BLE001
+      raise CheckpointError(f"checkpoint {step_dir} could not be restored: {_reason(e)}") from e
+    self.last_committed = manifest["step"] if own else None
+    print(f"checkpoint: restored step {manifest['step']} in {time.perf_counter() - t0:.1f}s", flush=True)
+    return state, manifest
+
+
+def _reason(e: BaseException) -> str:
+  """The innermost cause of an exception, in one line."""
+  while e.__cause__ is not None or e.__context__ is not None:
+    e = e.__cause__ or e.__context__
+  text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+  # Storage errors arrive wrapped in long tensorstore texts; the OS error is what to act on.
+  code = getattr(e, "errno", None) or next((int(m) for m in re.findall(r"os_error_code='?(\d+)", text)), None)
+  if code:
+    return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+  if len(text) > 300:
+    text = text[:300] + "..."
+  return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _last_good(step: int | None) -> str:
+  if step is None:
+    return "no checkpoint has been committed yet"
+  return f"the last good checkpoint is {step}"
+
+
+# -- choosing where to resume (rollback, damaged checkpoints) -------------------------------
+
+def _problem(step_dir: Path, mode: str = "full") -> str | None:
+  """None if the checkpoint verifies, else the one-line reason it does not. With several
+  processes, a collective: each checks its share and all return the same verdict."""
+  manifest, before = None, None
+  try:
+    manifest = read_manifest(step_dir)
+    for rec in manifest["files"].values():  # the shape every process's share relies on
+      int(rec["size"])
+  except CheckpointError as e:
+    before = str(e)
+  except (OSError, KeyError, TypeError, ValueError, AttributeError) as e:  # a manifest of the wrong shape is damage too
+    before = f"checkpoint {step_dir} is damaged: {_reason(e)}"
+  return _files_problem(step_dir, manifest, mode, before)
+
+
+def move_aside(step_dir: Path, aside: Path, reason: str) -> Path:
+  """Renames a step directory to <aside>/<step>.<reason>.<time>: never deleted, out of
+  orbax's sight, so a later save of the same step cannot collide with it."""
+  aside.mkdir(parents=True, exist_ok=True)
+  dest = aside / f"{step_dir.name}.{reason}.{time.strftime('%Y%m%dT%H%M%S')}"
+  n = 1
+  while dest.exists():
+    dest, n = dest.with_name(f"{step_dir.name}.{reason}.{time.strftime('%Y%m%dT%H%M%S')}.{n}"), n + 1
+  step_dir.rename(dest)
+  return dest
+
+
+def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: str, aside: Path,
+                        problem=_problem) -> tuple[Path | None, list[str], list[str]]:
+  """(step dir to resume from or None, notes, warnings), each note/warning one line.
+
+  Latest (no --resume-from): the newest checkpoint that verifies. Newer ones that do not
+  are moved aside with a warning (`on_damaged="fallback"`), or the run stops naming the
+  good steps and the --resume-from to use ("stop"). If none verifies, the run stops and
+  nothing is moved. An explicit step or path must verify. Either way, every committed
+  step after the chosen one is moved aside (a rollback), so the resumed run saves its
+  own steps without colliding and the old ones stay on disk. `problem(step_dir)` is the
+  verification (one-line reason or None)."""
+  directory = Path(directory)
+  steps = committed_steps(directory)
+  notes: list[str] = []
+  warnings: list[str] = []
+  if resume_from is None:
+    damaged, chosen = [], None
+    for s in reversed(steps):
+      reason = problem(directory / str(s))
+      if reason is None:
+        chosen = s
+        break
+      damaged.append((s, reason))
+    if damaged and chosen is None:
+      raise CheckpointError(f"{damaged[0][1]}; no committed checkpoint verifies (damaged: steps "
+                            f"{', '.join(str(s) for s, _ in damaged)}); pass --fresh to start over "
+                            "(they are moved aside, not deleted)")
+    if damaged and on_damaged == "stop":
+      good = [s for s in steps if s <= chosen and (s == chosen or problem(directory / str(s)) is None)]
+      raise CheckpointError(f"{damaged[0][1]}; checkpoints that verify: steps {', '.join(map(str, good))}; "
+                            f"resume with --resume-from {chosen} (later steps are moved aside), or set "
+                            "checkpoint.on_damaged=fallback to do that automatically")
+    for s, reason in damaged:
+      dest = move_aside(directory / str(s), aside, "damaged")
+      warnings.append(f"{reason}; moved it to {dest} and resuming from step {chosen}, the newest checkpoint "
+                      "that verifies")
+    if chosen is None:
+      return None, notes, warnings
+    step_dir = directory / str(chosen)
+  else:
+    if resume_from.isdigit():
+      step_dir = directory / str(int(resume_from))
+      if not (step_dir / MANIFEST).is_file():
+        raise UserError(f"--resume-from {resume_from}: no committed checkpoint at that step; "
+                        f"committed steps: {steps or 'none'}")
+    else:
+      step_dir = Path(resume_from)
+      if not (step_dir / MANIFEST).is_file():
+        raise UserError(f"--resume-from {resume_from}: not a committed checkpoint directory (no {MANIFEST})")
+    reason = problem(step_dir)
+    if reason is not None:
+      good = [s for s in steps if directory / str(s) != step_dir and problem(directory / str(s)) is None]
+      raise CheckpointError(f"{reason}; checkpoints of this run that verify: "
+                            + (f"steps {', '.join(map(str, good))} (use --resume-from {good[-1]})" if good
+                               else "none (pass --fresh to start over)"))
+  chosen = read_manifest(step_dir)["step"]
+  later = [s for s in committed_steps(directory) if s > chosen]
+  if later:
+    for s in later:
+      move_aside(directory / str(s), aside, "rollback")
+    notes.append(f"rolling back to step {chosen}: later checkpoint(s) {', '.join(map(str, later))} moved to {aside} "
+                 "(not deleted); their metrics records are kept in the metrics.<time>.jsonl copy")
+  return step_dir, notes, warnings
+
+
+def resume_point(directory: Path, resume_from: str | None, on_damaged: str, aside: Path,
+                 mode: str = "full") -> Path | None:
+  """`choose_resume_point` on process 0 (the only one that moves files and prints), its
+  choice shared with every other process. Each verification it makes is joint: process 0
+  names the step directory, every process checks its share of the files, all agree. A
+  failure stops every process with process 0's message (a damaged file named on each)."""
+  import sys
+  me = filecheck.processes()[1]
+
+  def problem(step_dir: Path) -> str | None:
+    _command(_VERIFY, str(step_dir))  # the others join this verification
+    return _problem(step_dir, mode)
+
+  if me == 0:
+    try:
+      step_dir, notes, warnings = choose_resume_point(directory, resume_from, on_damaged, aside, problem)
+    except UserError as e:
+      _command(_USER_ERROR, str(e))
+      raise
+    except CheckpointError as e:
+      _command(_FAILED, str(e))
+      raise
+    except BaseException:
+      _command(_FAILED, "process 0 could not choose a checkpoint to resume from (see its message)")
+      raise
+    for line in notes:
+      print(line, flush=True)
+    for line in warnings:
+      print(f"jaxtrain: warning: {line}", file=sys.stderr, flush=True)
+    if step_dir is None:
+      _command(_NONE)
+    else:
+      _command(_CHOSEN, str(read_manifest(step_dir)["step"]))
+    return step_dir
+  while True:
+    code, text = _command()
+    if code == _VERIFY:
+      _problem(Path(text), mode)
+    elif code == _CHOSEN:
+      return Path(resume_from) if resume_from and not resume_from.isdigit() else Path(directory) / text
+    elif code == _NONE:
+      return None
+    elif code == _USER_ERROR:
+      raise UserError(text)
+    else:
+      raise CheckpointError(text)
+
+
+_VERIFY, _CHOSEN, _NONE, _USER_ERROR, _FAILED = range(1, 6)
+_COMMAND_BYTES = 8192
+
+
+def _command(code: int = 0, text: str = "") -> tuple[int, str]:
+  """Process 0's (code, text) on every process (the others pass nothing); one process: as given."""
+  if filecheck.processes()[0] == 1:
+    return code, text
+  import numpy as np
+  from jax.experimental import multihost_utils
+  raw = text.encode()[:_COMMAND_BYTES]
+  buf = np.zeros((_COMMAND_BYTES,), np.uint8)
+  buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+  got = multihost_utils.broadcast_one_to_all({"code": np.array([code], np.int32), "text": buf})
+  return int(np.asarray(got["code"])[0]), bytes(np.asarray(got["text"])).rstrip(b"\0").decode(errors="replace")

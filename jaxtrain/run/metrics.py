@@ -1,0 +1,115 @@
+"""Per-step metrics records and the sinks that receive them (metrics.jsonl, console, TensorBoard).
+
+A record is built once per step (`record`) and handed to every sink's `write(step, record)`.
+Only process 0 has sinks. metrics.jsonl is strict JSON: a non-finite number is written as
+null (the `skipped` flag says why).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+from jaxtrain.run import runfiles
+
+MOE_FIELDS = ("moe_aux_loss", "moe_dropped_frac", "moe_load_imbalance")
+EVAL_FIELDS = ("eval_loss", "eval_ppl")
+
+
+def record(step: int, fetched: dict, step_time: float, data_wait: float, progress, flops_per_step: float,
+           peak_total: float | None) -> dict:
+  """One metrics.jsonl record from a step's fetched device metrics and the run state after it."""
+  m = {k: v.item() for k, v in fetched.items()}
+  tokens = int(m["tokens"])
+  rec = {
+      "step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"], "tokens": tokens,
+      "tokens_per_sec": tokens / step_time, "step_time_s": step_time, "data_wait_s": data_wait,
+      "mfu": flops_per_step / step_time / peak_total if peak_total else None,
+      "skipped": bool(m["skipped"]), "loss_scale": m["loss_scale"],
+      "tokens_seen": progress.tokens_seen, "tokens_updated": progress.tokens_updated,
+  }
+  rec.update({k: m[k] for k in (*EVAL_FIELDS, *MOE_FIELDS) if k in m})  # eval steps / MoE models only
+  return rec
+
+
+class JsonlSink:
+  """<workdir>/metrics.jsonl (`runfiles`: a fresh run keeps an old file aside; a resumed
+  one drops the records past its checkpoint and a torn last line; strict JSON; a failed
+  write is remembered, not raised, so the run can save before it stops)."""
+
+  def __init__(self, path: Path, resumed_at: int | None, carried: list | None = None):
+    runfiles.prepare_metrics(path, resumed_at, carried)
+    self.writer = runfiles.JsonlWriter(path)
+
+  def write(self, step: int, rec: dict) -> None:
+    self.writer.write(step, rec)
+
+  def close(self) -> None:
+    self.writer.close()
+
+
+class ConsoleSink:
+  """A progress line every `log_every` steps and at the last one."""
+
+  def __init__(self, total: int, log_every: int):
+    self.total, self.log_every = total, log_every
+
+  def write(self, step: int, rec: dict) -> None:
+    if step % self.log_every and step != self.total:
+      return
+    mfu = f"{rec['mfu']:.1%}" if rec["mfu"] is not None else "n/a"
+    print(f"step {step:>6}/{self.total}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  gnorm {rec['grad_norm']:.3f}  "
+          f"tok/s {rec['tokens_per_sec']:,.0f}  step {rec['step_time_s'] * 1e3:.0f}ms  "
+          f"data {rec['data_wait_s'] * 1e3:.1f}ms  mfu {mfu}"
+          + (f"  scale {rec['loss_scale']:g}" if rec["loss_scale"] != 1.0 else "")
+          + ("  SKIPPED (non-finite gradients)" if rec["skipped"] else "")
+          + (f"  eval {rec['eval_loss']:.4f} (ppl {rec['eval_ppl']:.2f})" if "eval_loss" in rec else ""), flush=True)
+
+  def close(self) -> None:
+    pass
+
+
+class TensorBoardSink:
+  """The numeric fields of each record (not None or booleans) as scalars of the same name,
+  in <workdir>/tb/ (tensorboardX writes the event files)."""
+
+  def __init__(self, logdir: Path):
+    from tensorboardX import SummaryWriter
+    self.writer = SummaryWriter(logdir=str(logdir), flush_secs=10)
+
+  def write(self, step: int, rec: dict) -> None:
+    if self.writer is None:
+      return
+    try:
+      for k, v in rec.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+          self.writer.add_scalar(k, v, step)
+    except OSError as e:  # TensorBoard is a view: losing it must not end the run (metrics.jsonl decides)
+      print(f"jaxtrain: warning: TensorBoard events stop at step {step}: {e}", file=sys.stderr)
+      self.close()
+
+  def close(self) -> None:
+    if self.writer is not None:
+      try:
+        self.writer.close()
+      except OSError:
+        pass
+      self.writer = None
+
+
+class Sinks:
+  def __init__(self, sinks: list):
+    self.sinks = sinks
+
+  def writer(self):
+    """metrics.jsonl's writer (its failure state drives the run's stop), or None."""
+    return next((s.writer for s in self.sinks if isinstance(s, JsonlSink)), None)
+
+  def write(self, step: int, rec: dict) -> None:
+    for s in self.sinks:
+      s.write(step, rec)
+
+  def close(self) -> None:
+    for s in self.sinks:
+      s.close()

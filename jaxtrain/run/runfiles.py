@@ -1,0 +1,282 @@
+"""The run's own files in the workdir: the directory itself, `metrics.jsonl`, and the log.
+
+- `prepare_workdir`: a workdir that is a file or cannot be written is a one-line user error.
+- `prepare_metrics`: on resume, records past the checkpoint are dropped (the full old file
+  is kept as `metrics.<time>.jsonl`); a torn last record (the process died mid-write) is
+  dropped with a note; any other unreadable line is a one-line error naming file and line.
+- `JsonlWriter`: strict JSON records (non-finite floats become `null`), one per line. A
+  failed write (disk full, ...) does not raise: the writer remembers the first failure and
+  goes quiet, so the loop can still save a checkpoint (`must_stop`) and then end with one
+  line (`report_write_failure`). Usable from any metrics sink.
+- `RunLog`: `<workdir>/jaxtrain.log` receives library logging (absl/orbax), Python
+  warnings, exceptions of background threads and the traceback of a fatal error, so the
+  terminal only shows our own lines.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from jaxtrain.core.errors import RunAborted, UserError
+
+LOG_NAME = "jaxtrain.log"
+
+
+class RunFileError(RunAborted):
+  """A file of the run could not be read or written."""
+
+
+def _why(e: OSError) -> str:
+  code = e.errno
+  return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})" if code else str(e)
+
+
+def prepare_workdir(workdir: Path) -> None:
+  """Creates the workdir; a path that is (or runs through) a file, or cannot be written,
+  is a user error in one line."""
+  given = str(workdir)
+  if workdir.exists() and not workdir.is_dir():
+    raise UserError(f"--workdir {given}: is a file, not a directory; give a directory (created if missing)")
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+  except (FileExistsError, NotADirectoryError):
+    raise UserError(f"--workdir {given}: a part of that path is a file; give a directory path") from None
+  except OSError as e:
+    raise UserError(f"--workdir {given}: cannot create it: {_why(e)}") from None
+  probe = workdir / f".write-test.{os.getpid()}"
+  try:
+    probe.write_bytes(b"")
+    probe.unlink()
+  except OSError as e:
+    raise UserError(f"--workdir {given}: cannot write there: {_why(e)}; give a writable directory") from None
+
+
+def write_json(path: Path, obj) -> None:
+  """A small run file (config.json), written atomically; a failure is one line."""
+  from jaxtrain.core.files import write_json_atomic
+  try:
+    write_json_atomic(path, obj, indent=2)
+  except OSError as e:
+    raise RunFileError(f"cannot write {path}: {_why(e)}") from None
+
+
+# -- metrics.jsonl -------------------------------------------------------------------------
+
+def strict_json(record: dict) -> str:
+  """One line of strict JSON (RFC 8259 has no NaN/Infinity): non-finite floats -> null.
+  The record's own flags (e.g. `skipped`) still say why a value is missing."""
+  clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+  return json.dumps(clean, allow_nan=False)
+
+
+def read_metrics(path: Path) -> tuple[list[tuple[str, dict]], str | None]:
+  """[(line, record)] of a metrics file, and a note if a torn last record was dropped.
+  Older files may hold bare NaN: Python's parser reads it."""
+  try:
+    text = path.read_bytes().decode("utf-8", errors="replace")
+  except OSError as e:
+    raise RunFileError(f"cannot read {path}: {_why(e)}") from None
+  lines = text.split("\n")
+  last = max((i for i, l in enumerate(lines) if l.strip()), default=-1)
+  out, note = [], None
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      rec = json.loads(line)
+      if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+        raise ValueError("not a record with an integer 'step'")
+    except ValueError as e:
+      if i == last:  # the writer died mid-record: nothing after it was ever written
+        note = f"{path.name}: dropped the torn last record at line {i + 1} ({len(line)} characters, unfinished write)"
+        break
+      raise RunFileError(f"{path}:{i + 1}: unreadable metrics record ({e}); fix or remove that line, or move "
+                         "the file aside, and run again") from None
+    out.append((line, rec))
+  return out, note
+
+
+def prepare_metrics(path: Path, resumed_at: int | None, carried: list[dict] | None = None) -> None:
+  """Fresh run: keep an old file aside. Resume: drop records past the checkpoint (they
+  will be recomputed) and a torn last record, keeping the full old file aside; add the
+  checkpoint's `carried` records (those this file could not take when they were made)."""
+  if not path.exists() and not (resumed_at is not None and carried):
+    return
+  backup = path.with_name(f"metrics.{int(time.time())}.jsonl")
+  try:
+    if resumed_at is None:
+      path.rename(backup)
+      print(f"previous {path.name} kept as {backup.name}")
+      return
+    records, note = read_metrics(path) if path.exists() else ([], None)
+    kept = [(rec["step"], line) for line, rec in records if rec["step"] <= resumed_at]
+    dropped = len(records) - len(kept)
+    have = {step for step, _ in kept}
+    extra = [(r["step"], strict_json(r)) for r in carried or () if r.get("step") not in have
+             and isinstance(r.get("step"), int) and r["step"] <= resumed_at]
+    if note or dropped or extra:
+      if path.exists():
+        path.rename(backup)
+      tmp = path.with_name(path.name + ".tmp")
+      tmp.write_text("".join(line + "\n" for _, line in sorted(kept + extra, key=lambda x: x[0])))
+      os.replace(tmp, path)
+    if note:
+      print(f"metrics: {note} (old file kept as {backup.name})")
+    if dropped:
+      print(f"metrics: {dropped} record(s) after step {resumed_at} will be recomputed "
+            f"(old file kept as {backup.name})")
+    if extra:
+      print(f"metrics: {len(extra)} record(s) that could not be written before (steps "
+            f"{', '.join(str(s) for s, _ in extra)}) restored from the checkpoint")
+  except OSError as e:
+    raise RunFileError(f"cannot prepare {path}: {_why(e)}") from None
+
+
+class JsonlWriter:
+  """Appends strict-JSON records to a file; `path=None` writes nothing (other processes)."""
+
+  def __init__(self, path: Path | None):
+    self.path, self.failure, self.failed_at = path, None, None
+    self.unwritten: list[dict] = []  # records after a failure: the next checkpoint carries them
+    self.file = None
+    if path is not None:
+      try:
+        self.file = path.open("a")
+      except OSError as e:
+        raise RunFileError(f"cannot open {path} for writing: {_why(e)}") from None
+
+  def write(self, step: int, record: dict) -> None:
+    if self.file is None:
+      return
+    from jaxtrain.run import faults
+    self.guard(step, str(self.path), lambda: (faults.metrics_write(step), self.file.write(strict_json(record) + "\n"),
+                                             self.file.flush()))
+    if self.failure is not None:
+      self.unwritten.append(json.loads(strict_json(record)))
+
+  def guard(self, step: int, what: str, fn) -> None:
+    """Runs `fn` (a write of a run file); its OSError becomes the writer's failure."""
+    if self.failure is not None:
+      return
+    try:
+      fn()
+    except OSError as e:
+      self.failure, self.failed_at = f"cannot write {what} at step {step}: {_why(e)}", step
+
+  def close(self) -> None:
+    if self.file is not None:
+      try:
+        self.file.close()
+      except OSError:  # the failure, if any, was already recorded
+        pass
+
+
+def must_stop(writer: JsonlWriter) -> bool:
+  """After a write failure, stop at this step (the loop then saves it). Several processes
+  must agree on the step to save at, and only process 0 writes: stop them all right away."""
+  if writer.failure is None:
+    return False
+  import jax
+  if jax.process_count() > 1:
+    raise RunFileError(f"{writer.failure}; no checkpoint attempted (multi-process run: the processes cannot agree "
+                       "on a save step from process 0's file error); the last committed checkpoint is kept")
+  return True
+
+
+def report_write_failure(writer: JsonlWriter, saved_step: int | None) -> None:
+  """The one line that ends a run stopped by a write failure, once its checkpoint is saved."""
+  if writer.failure is not None:
+    raise RunFileError(f"{writer.failure}; checkpoint {saved_step} was saved first; "
+                       "free space (or fix the file) and run the same command to resume")
+
+
+def combine(writer: JsonlWriter | None, err: Exception) -> Exception:
+  """A save that failed after a write failure: one line that says both."""
+  if writer is None or writer.failure is None or isinstance(err, RunFileError):
+    return err
+  return RunFileError(f"{writer.failure}; the checkpoint attempted after it failed too: {err}")
+
+
+# -- the log file ----------------------------------------------------------------------------
+
+class _QuietFileHandler(logging.FileHandler):
+  """A log file that may itself be on a full disk: losing a log line is not worth a report."""
+
+  def handleError(self, record):  # noqa: N802 (logging's name)
+    pass
+
+
+class RunLog:
+  """Routes library noise of this process into the workdir log until `close()`."""
+
+  def __init__(self, workdir: Path, process_index: int = 0):
+    self.path = workdir / (LOG_NAME if process_index == 0 else f"jaxtrain.process-{process_index}.log")
+    self.handler = _QuietFileHandler(self.path, delay=True)
+    self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    self._before = list(root.handlers)
+    # Our handler replaces the terminal ones; with one installed, basicConfig() adds none.
+    root.handlers = [self.handler]
+    logging.captureWarnings(True)
+    threading.excepthook = self._thread_exception
+    sys.unraisablehook = self._unraisable
+    self._log = logging.getLogger("jaxtrain")
+
+  def _thread_exception(self, args):
+    self._log.error("exception in thread %s", getattr(args.thread, "name", "?"),
+                    exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+
+  def _unraisable(self, u):
+    self._log.error("unraisable exception in %r: %s", u.object, u.err_msg or "",
+                    exc_info=(u.exc_type, u.exc_value, u.exc_traceback) if u.exc_value else None)
+
+  def failed(self, err: BaseException) -> None:
+    """The run ends with `err`: its traceback goes to the log, the terminal gets one line."""
+    self._log.error("run ended: %s\n%s", err, "".join(traceback.format_exception(err)))
+    self.handler.flush()
+
+  def pointer(self) -> str:
+    try:
+      return f" (details in {self.path})" if self.path.stat().st_size else ""
+    except OSError:
+      return ""
+
+  def ending(self, err: Exception, writer: JsonlWriter | None) -> Exception:
+    """What the run raises for `err`: a run failure becomes one line (naming an earlier
+    write failure too, and the log when it holds details); anything else (a bug) is left
+    as it is, traceback and all."""
+    pointer = self.pointer()  # only when libraries logged details, before our own traceback lands there
+    self.failed(err)
+    if isinstance(err, UserError) or not isinstance(err, RunAborted):
+      return err
+    err = combine(writer, err)
+    return type(err)(f"{err}{pointer}")
+
+  def close(self) -> None:
+    """The run is over, but not its noise: orbax's failed tasks and event loops report when
+    they are garbage-collected, after the run. So the log stays the destination (the
+    handlers present before, minus those writing to the terminal, plus this file) and the
+    thread hooks stay ours, until another RunLog or the process ends."""
+    global _after_run
+    root = logging.getLogger()
+    terminal = (sys.stderr, sys.__stderr__, sys.stdout, sys.__stdout__)
+    kept = [h for h in self._before if not (type(h) is logging.StreamHandler and h.stream in terminal)
+            and not isinstance(h, _QuietFileHandler)]
+    self.handler.close()
+    if _after_run is not None:
+      _after_run.close()
+    _after_run = _QuietFileHandler(self.path, delay=True)
+    _after_run.setFormatter(self.handler.formatter)
+    root.handlers = kept + [_after_run]
+
+
+_after_run: _QuietFileHandler | None = None

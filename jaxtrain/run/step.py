@@ -1,0 +1,252 @@
+"""The train step, readable top to bottom, and the sharded setup around it.
+
+Train state: {"params": pure dict of fp32 arrays, "opt": optax state, "step": int32 count
+of applied updates (the schedule position), "loss_scale": see `precision`}.
+Loss contract: sum of per-token cross-entropy over valid tokens, divided by the number
+of valid tokens in the WHOLE update (all microbatches, all data-parallel ranks). The
+global view of jit makes "all ranks" automatic: the batch is one global array.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxtrain.model import transformer as model_lib
+from jaxtrain.model import moe_balance
+from jaxtrain.parallel import expert_layout as moe_layout
+from jaxtrain.parallel import pipeline
+from jaxtrain.parallel import placement as placement_lib
+from jaxtrain.parallel import plan as plan_lib
+from jaxtrain.run import precision
+from jaxtrain.parallel import sharding
+from jaxtrain.model import loss as xent
+from jaxtrain.core.config import Config, OptimConfig
+from jaxtrain.core.errors import UserError
+# Weight decay applies to the projection matrices only: not to norm scales (they set a
+# scale, not a direction) and not to the embedding table (rows of rare tokens would be
+# pulled to zero between their rare updates).
+DECAYED = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"})
+
+
+def lr_schedule(o: OptimConfig, steps: int):
+  """Linear warmup (lr/warmup .. lr), then cosine to lr*min_lr_ratio at step `steps`.
+
+  Its argument is the number of optimizer updates already applied.
+  """
+  def lr(count):
+    s = jnp.asarray(count, jnp.float32)
+    warm = o.lr * (s + 1) / max(o.warmup_steps, 1)
+    progress = jnp.clip((s - o.warmup_steps) / max(steps - o.warmup_steps, 1), 0.0, 1.0)
+    cosine = o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * progress)))
+    return jnp.where(s < o.warmup_steps, warm, cosine)
+  return lr
+
+
+def decay_mask(params):
+  return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) in DECAYED, params)
+
+
+def optimizer(cfg: Config) -> optax.GradientTransformation:
+  o = cfg.optim
+  return optax.adamw(lr_schedule(o, cfg.train.steps), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                     mask=decay_mask)
+
+
+def token_loss_sum(graphdef, params, mb, plan=None):
+  """Sum (not mean) of next-token cross-entropy over the valid targets of a microbatch."""
+  return token_loss_and_moe(graphdef, params, mb, plan)[0]
+
+
+def token_loss_and_moe(graphdef, params, mb, plan=None):
+  """(token_loss_sum, MoE totals of the microbatch (`moe_balance.totals`): aux loss,
+  dropped and assigned token-to-expert assignments, per-layer expert load; zeros for a
+  dense model)."""
+  model = nnx.merge(graphdef, params)
+  plan = plan or plan_lib.local(model.cfg)
+  h_BxLxD, moe_stats = model.hidden(mb["inputs"], mb["positions"], mb["segment_ids"], plan)
+  loss_sum = xent.nll_sum(h_BxLxD, model.head_weight(), mb["targets"], mb["loss_mask"], plan, plan.loss_chunk_tokens)
+  return loss_sum, moe_balance.totals(model.cfg, moe_stats)
+
+
+def split_microbatches(batch, k: int, plan):
+  """(B, L) -> (k, B/k, L), microbatch i = rows i, i+k, ... so no row changes device."""
+  def split(x_BxL):
+    B, L = x_BxL.shape
+    x_kxbxL = x_BxL.reshape(B // k, k, L).swapaxes(0, 1)
+    return plan.constrain(x_kxbxL, (None, "batch", "length"))
+  return jax.tree.map(split, batch)
+
+
+def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metrics: bool = False, plan=None):
+  """Token-normalized loss and (unscaled) gradient of one update, accumulated over microbatches.
+
+  The valid-token count of the whole update is known before any microbatch runs, so
+  each microbatch's backward pass runs on loss_sum * loss_scale / n_valid: per-token
+  gradients are O(loss_scale / n_valid), in float16 range, and the summed gradient is
+  already the token average. Dividing by loss_scale at the end unscales it.
+
+  MoE: the objective differentiated is loss + (mean over microbatches of the
+  microbatch's aux loss, itself the mean over MoE layers); the returned loss is the
+  cross-entropy alone. With moe_metrics=True a 4th value holds `moe_aux_loss`,
+  `moe_dropped_frac` (dropped / all token-to-expert assignments of the update),
+  `moe_load_imbalance` and `moe_load` (per MoE layer and expert: assignments chosen in the
+  update, for the aux-free bias; not a logged metric).
+  """
+  n_valid = jnp.sum(batch["loss_mask"] > 0)
+  denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+
+  def scaled(p, mb):
+    loss_sum, moe = token_loss_and_moe(graphdef, p, mb, plan)
+    return (loss_sum + moe["aux"] * denom / microbatches) * (loss_scale / denom), (loss_sum, moe)
+
+  def accumulate(carry, mb):
+    loss_sum, grad_sum, moe_sum = carry
+    (_, (l, moe)), g = jax.value_and_grad(scaled, has_aux=True)(params, mb)
+    return (loss_sum + l, jax.tree.map(jnp.add, grad_sum, g), jax.tree.map(jnp.add, moe_sum, moe)), None
+
+  moe0 = moe_balance.zero_totals(nnx.merge(graphdef, params).cfg)
+  (loss_sum, grad_sum, moe), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros, moe0),
+                                              split_microbatches(batch, microbatches, plan or plan_lib.local()))
+  out = loss_sum / denom, jax.tree.map(lambda g: g / loss_scale, grad_sum), n_valid
+  if not moe_metrics:
+    return out
+  return *out, moe_metrics_of(moe, microbatches)
+
+
+def moe_metrics_of(moe: dict, microbatches: int) -> dict:
+  """The update's MoE metrics from its summed per-microbatch totals (shared with the pipeline)."""
+  return {"moe_aux_loss": moe["aux"] / microbatches,
+          "moe_dropped_frac": moe["dropped"] / jnp.maximum(moe["assigned"], 1.0),
+          "moe_load_imbalance": moe_balance.imbalance(moe["load"]), "moe_load": moe["load"]}
+
+
+def eval_loss(graphdef, params, batch, microbatches: int, plan):
+  """Loss-only pass: summed per-token loss and valid-token count of one batch (microbatched
+  like the train step, so it fits wherever training fits). Sums, so batches add up exactly."""
+  def accumulate(total, mb):
+    return total + token_loss_sum(graphdef, params, mb, plan), None
+  loss_sum, _ = jax.lax.scan(accumulate, jnp.float32(0), split_microbatches(batch, microbatches, plan))
+  n_valid = jnp.sum(batch["loss_mask"] > 0)
+  return {"loss": loss_sum / jnp.maximum(n_valid, 1), "loss_sum": loss_sum, "tokens": n_valid}
+
+
+def init_state(cfg: Config, opt: optax.GradientTransformation, params) -> dict:
+  return {"params": params, "opt": opt.init(params), "step": jnp.zeros((), jnp.int32),
+          "loss_scale": precision.init(cfg)}
+
+
+def guarded_update(opt: optax.GradientTransformation, params, opt_state, g, ok):
+  """(params, opt_state, applied): the AdamW update when `ok` and the new params are
+  finite, else the old values untouched. The choice is one `lax.cond` between the two
+  states, not an elementwise select over every array."""
+  updates, new_opt = opt.update(g, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  # e.g. a huge lr: finite gradients, overflowing params
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(new_params)]))
+  return jax.lax.cond(ok & finite, lambda: (new_params, new_opt, True), lambda: (params, opt_state, False))
+
+
+def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, plan, state, batch, grads_fn=None):
+  """One update. A step whose gradients or update are not all finite (or that has no valid
+  token) moves nothing: params, Adam state and the schedule position (`step`) stay as they were.
+  `grads_fn` (same contract as `grads`) replaces it: the pipeline executor."""
+  t = cfg.train
+  scale = state["loss_scale"]["scale"]
+  if grads_fn is None:
+    loss, g, n_valid, moe_metrics = grads(graphdef, state["params"], batch, t.microbatches, scale, moe_metrics=True,
+                                          plan=plan)
+  else:
+    loss, g, n_valid, moe_metrics = grads_fn(graphdef, state["params"], batch, t.microbatches, scale, moe_metrics=True)
+  grad_norm = optax.tree.norm(g)  # before clipping, as logged
+  finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)  # a non-finite element makes the norm non-finite
+  if cfg.optim.grad_clip > 0:
+    g, _ = optax.clip_by_global_norm(cfg.optim.grad_clip).update(g, optax.EmptyState())
+  params, opt_state, apply = guarded_update(opt, state["params"], state["opt"], g, finite & (n_valid > 0))
+  # aux-loss-free balancing: the routing bias moves after an applied update only (no-op when off)
+  params = moe_balance.nudge(cfg.model, params, moe_metrics.pop("moe_load"), apply)
+  new_state = {
+      "params": params,
+      "opt": opt_state,
+      "step": state["step"] + apply.astype(jnp.int32),
+      "loss_scale": precision.update(cfg, state["loss_scale"], finite),
+  }
+  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(cfg.optim, t.steps)(state["step"]), "tokens": n_valid,
+             "skipped": ~apply, "loss_scale": scale}
+  if cfg.model.moe_experts:
+    metrics.update(moe_metrics)
+  return new_state, metrics
+
+
+class Setup:
+  """The model, optimizer, shardings and jitted functions of one (config, mesh)."""
+
+  def __init__(self, cfg: Config, mesh, plan=None):
+    self.cfg, self.mesh = cfg, mesh
+    check_fits_mesh(cfg, mesh)
+    self.plan = plan or plan_lib.build(cfg, mesh)  # decided once; the model only follows it
+    self.graphdef, abstract_state = model_lib.abstract(cfg.model, cfg.train.seed)
+    self.n_params = model_lib.param_count(abstract_state)
+    self.abstract_params = abstract_state  # nnx.State of ShapeDtypeStructs with `axes` metadata
+    self.notes: list[str] = []
+    param_sh = sharding.param_shardings(abstract_state, mesh, self.notes)
+    self.opt = optimizer(cfg)
+    replicated = NamedSharding(mesh, P())
+    abstract_params = nnx.to_pure_dict(abstract_state)
+    opt_sh = optax.tree_map_params(self.opt, lambda _, sh: sh, jax.eval_shape(self.opt.init, abstract_params),
+                                   param_sh, transform_non_params=lambda _: replicated)
+    self.state_shardings = {"params": param_sh, "opt": opt_sh, "step": replicated,
+                            "loss_scale": {"scale": replicated, "good_steps": replicated}}
+    t = cfg.train
+    self.placement = placement_lib.Placement(self.plan, t.batch_size, t.seq_len)
+    self.batch_sharding = self.placement.sharding
+
+    def init():
+      params = nnx.to_pure_dict(nnx.state(model_lib.Transformer(cfg.model, nnx.Rngs(t.seed))))
+      return init_state(cfg, self.opt, params)
+
+    # mesh pipeline > 1: the update's gradients come from the pipeline schedule
+    self.grads_fn = pipeline.grads_fn(cfg, mesh, self.plan) if pipeline.active(mesh) else None
+
+    def step(state, batch):
+      return train_step(self.graphdef, self.opt, cfg, self.plan, state, batch, self.grads_fn)
+
+    def eval_step(params, batch):
+      return eval_loss(self.graphdef, params, batch, t.microbatches, self.plan)
+
+    # Initializers run under jit with output shardings: each shard is created on its device.
+    self.init = jax.jit(init, out_shardings=self.state_shardings)
+    self.step = jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
+                        out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+    self.eval_step = jax.jit(eval_step, in_shardings=(param_sh, self.batch_sharding), out_shardings=replicated)
+
+  def abstract_state(self):
+    """Shapes, dtypes and shardings of the train state, without allocating it."""
+    shapes = jax.eval_shape(self.init)
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, self.state_shardings)
+
+  def device_batch(self, local: dict):
+    return self.placement.device_batch(local)
+
+
+def check_fits_mesh(cfg: Config, mesh) -> None:
+  """Mesh-dependent config checks, as user errors."""
+  t = cfg.train
+  batch_ways = math.prod(mesh.shape[a] for a in sharding.RULES["batch"])
+  per_micro = t.batch_size // t.microbatches
+  if per_micro % batch_ways:
+    raise UserError(f"train.batch_size={t.batch_size} / train.microbatches={t.microbatches} = {per_micro} sequences "
+                    f"per microbatch must divide over data*fsdp*expert={batch_ways} devices")
+  m = cfg.model
+  if m.moe_experts and m.moe_experts % mesh.shape["expert"]:
+    raise UserError(f"model.moe_experts={m.moe_experts} must divide over expert={mesh.shape['expert']} devices")
+  pipeline.check(cfg, mesh)
+  if t.seq_len % mesh.shape["sequence"]:
+    raise UserError(f"train.seq_len={t.seq_len} must divide over sequence={mesh.shape['sequence']} devices")
+  moe_layout.check(cfg, mesh)
