@@ -18,7 +18,6 @@ from jaxtrain import cli
 from jaxtrain.core.errors import UserError
 
 # The fields of one batch (see data.fields_from_rows), all int32 (batch, seq_len).
-BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 
 
 def parse_args(argv=None):
@@ -41,18 +40,6 @@ def parse_args(argv=None):
                  help="warn about a fully replicated parameter of at least this size per device (default 16MiB)")
   p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
   return p.parse_args(argv)
-
-
-def abstract_inputs(setup):
-  """(state, batch) as ShapeDtypeStructs carrying the step's shardings: nothing allocated."""
-  import jax
-  import jax.numpy as jnp
-  state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                       jax.eval_shape(setup.init), setup.state_shardings)
-  t = setup.cfg.train
-  batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=setup.batch_sharding)
-           for k in BATCH_KEYS}
-  return state, batch
 
 
 def compiled_memory(setup) -> dict:

@@ -7,9 +7,9 @@ import numpy as np
 import optax
 import pytest
 
-from jaxtrain import data, inspect
+from jaxtrain import data
 from jaxtrain.core import config
-from jaxtrain.analysis import costs
+from jaxtrain.analysis import costs, gpu_compile
 from jaxtrain.model import flops
 from jaxtrain.analysis import memory
 from jaxtrain.run import precision
@@ -22,7 +22,7 @@ SMALL = ["model.dtype=float32", "train.batch_size=4", "train.seq_len=32", "model
 def _efficiency(*sets):
   cfg = config.load("tiny", [*SMALL, *sets])
   setup = step.Setup(cfg, mesh_of("dp=1"))
-  compiled = setup.step.lower(*inspect.abstract_inputs(setup)).compile()
+  compiled = setup.step.lower(*gpu_compile.abstract_inputs(setup)).compile()
   model = flops.flops_per_token(cfg.model, 32) * 4 * 32
   return costs.efficiency(compiled, model, sum(memory.state_bytes(setup).values()))
 

@@ -36,7 +36,8 @@ import math
 import numpy as np
 
 from jaxtrain.parallel import expert_layout as moe_layout
-from jaxtrain.analysis.memory import Row, _ways, tokens_per_device
+from jaxtrain.analysis.memory import Row
+from jaxtrain.parallel import sharding
 
 GRAD_BYTES = 4
 BATCH_LIKE = ("data", "fsdp", "expert", "sequence")
@@ -50,7 +51,7 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
   """{mesh axis: {collective: bytes per device per step}} for every axis of size > 1."""
   m, k = cfg.model, cfg.train.microbatches
   s = np.dtype(m.dtype).itemsize
-  T = tokens_per_device(cfg, mesh)
+  T = sharding.tokens_per_device(cfg, mesh)
   out: dict[str, dict[str, int]] = {}
 
   def add(axis, what, nbytes):
@@ -74,10 +75,10 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
   t = mesh.shape["tensor"]
   if t > 1:
     ring = 2 * (t - 1) / t
-    split = _ways("act_heads", m.n_heads, mesh) > 1 or _ways("act_mlp", m.d_ff, mesh) > 1
+    split = sharding.axis_ways("act_heads", m.n_heads, mesh) > 1 or sharding.axis_ways("act_mlp", m.d_ff, mesh) > 1
     if split:
       add("tensor", "activation all-reduce (4 per layer)", k * ring * 4 * m.n_layers * T * m.d_model * s)
-    if _ways("vocab", m.vocab_size, mesh) > 1:
+    if sharding.axis_ways("vocab", m.vocab_size, mesh) > 1:
       add("tensor", "embedding + LM head all-reduce", k * ring * T * m.d_model * (4 + s))
     for r in rows:
       if len(r.shape) >= 2 and "tensor" not in _axes_of(r.spec) and r.path != "embed":
@@ -86,7 +87,7 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
 
   n = mesh.shape["sequence"]
   if n > 1:
-    K = m.n_kv_heads // _ways("act_kv_heads", m.n_kv_heads, mesh)
+    K = m.n_kv_heads // sharding.axis_ways("act_kv_heads", m.n_kv_heads, mesh)
     add("sequence", "ring K/V transfers (fwd+bwd)", 3 * k * (n - 1) * m.n_layers * T * 2 * K * m.head_dim * s)
 
   for axis, items in moe_traffic(cfg, mesh).items():

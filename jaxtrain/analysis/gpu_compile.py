@@ -22,6 +22,9 @@ import math
 import re
 import time
 
+import jax
+import jax.numpy as jnp
+
 from jaxtrain.parallel import devices as device_table
 from jaxtrain.core.errors import UserError
 
@@ -153,13 +156,22 @@ def is_gpu_mesh(mesh) -> bool:
   return mesh.devices.flat[0].platform == "gpu"
 
 
+def abstract_inputs(setup):
+  """(state, batch) as ShapeDtypeStructs carrying the step's shardings: nothing allocated."""
+  state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                       jax.eval_shape(setup.init), setup.state_shardings)
+  t = setup.cfg.train
+  batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=setup.batch_sharding)
+           for k in ("inputs", "targets", "loss_mask", "segment_ids", "positions")}
+  return state, batch
+
+
 def compile_step(setup):
   """(compiled train step, seconds) from abstract inputs: nothing is allocated."""
-  from jaxtrain import inspect
   dev = setup.mesh.devices.flat[0]
   t0 = time.perf_counter()
   with _capability_of(dev):
-    lowered = setup.step.lower(*inspect.abstract_inputs(setup))
+    lowered = setup.step.lower(*abstract_inputs(setup))
   options = compiler_options(setup.cfg) if is_gpu_mesh(setup.mesh) else None
   compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
   return compiled, time.perf_counter() - t0

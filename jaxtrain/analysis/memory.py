@@ -127,20 +127,6 @@ def state_bytes(setup) -> dict[str, int]:
   return out
 
 
-def _ways(name: str, dim: int, mesh) -> int:
-  """How many ways the rules table splits a dimension of this logical axis on `mesh`."""
-  entry = sharding.spec_for((name,), (dim,), mesh)[0]
-  names = entry if isinstance(entry, tuple) else ((entry,) if entry else ())
-  return math.prod(mesh.shape[a] for a in names)
-
-
-def tokens_per_device(cfg, mesh) -> int:
-  """Tokens of one microbatch on one device: rows over the batch axes, length over sequence."""
-  t = cfg.train
-  rows = t.batch_size // t.microbatches // _ways("batch", t.batch_size // t.microbatches, mesh)
-  return rows * (t.seq_len // _ways("length", t.seq_len, mesh))
-
-
 REMATS = ("none", "full", "save_dots", "save_named", "offload_named")
 
 
@@ -149,17 +135,17 @@ def _dims(cfg, mesh) -> dict:
   m = cfg.model
   return dict(
       s=np.dtype(m.dtype).itemsize, c=np.dtype(m.attention_logits_dtype).itemsize,
-      D=m.d_model // _ways("act_embed", m.d_model, mesh), H=m.n_heads // _ways("act_heads", m.n_heads, mesh),
-      K=m.n_kv_heads // _ways("act_kv_heads", m.n_kv_heads, mesh), F=m.d_ff // _ways("act_mlp", m.d_ff, mesh),
-      V=m.vocab_size // _ways("act_vocab", m.vocab_size, mesh), E=m.head_dim, L=cfg.train.seq_len,
-      T=tokens_per_device(cfg, mesh))
+      D=m.d_model // sharding.axis_ways("act_embed", m.d_model, mesh), H=m.n_heads // sharding.axis_ways("act_heads", m.n_heads, mesh),
+      K=m.n_kv_heads // sharding.axis_ways("act_kv_heads", m.n_kv_heads, mesh), F=m.d_ff // sharding.axis_ways("act_mlp", m.d_ff, mesh),
+      V=m.vocab_size // sharding.axis_ways("act_vocab", m.vocab_size, mesh), E=m.head_dim, L=cfg.train.seq_len,
+      T=sharding.tokens_per_device(cfg, mesh))
 
 
 def _moe_slots_per_token(cfg, mesh) -> float:
   """Expert-buffer rows per routed token of one device: X * C / T (capacity over tokens)."""
   from jaxtrain.parallel import experts as moe
   m = cfg.model
-  T = tokens_per_device(cfg, mesh)
+  T = sharding.tokens_per_device(cfg, mesh)
   return m.moe_experts * moe.capacity(T, m.moe_experts, m.moe_top_k, m.moe_capacity_factor) / T
 
 
@@ -346,7 +332,7 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   st = state_bytes(setup)
   t = cfg.train
   remat = cfg.model.remat
-  batch = 5 * 4 * (t.batch_size // _ways("batch", t.batch_size, mesh)) * (t.seq_len // _ways("length", t.seq_len, mesh))
+  batch = 5 * 4 * (t.batch_size // sharding.axis_ways("batch", t.batch_size, mesh)) * (t.seq_len // sharding.axis_ways("length", t.seq_len, mesh))
   act = activations(cfg, mesh, remat, kernel, packed, logits_residual=False)
   gathered = gathered_weights(cfg, rows, mesh)
   work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)

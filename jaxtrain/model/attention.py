@@ -3,7 +3,7 @@
 The choice is explicit and made once (`select`, called by the execution plan); the
 trainer prints it. `model.attention`:
   auto   cuDNN when every condition below holds, else the reference, with the reason;
-  xla    always the reference (`jaxtrain.model.transformer.attention`);
+  xla    always the reference (`attention` below);
   cudnn  cuDNN, and a one-line user error when a condition fails (never a silent fallback).
 Conditions for cuDNN: a CUDA GPU backend; compute dtype bfloat16 or float16; head_dim a
 multiple of 8 and at most 128 (256 on Hopper or later); even sequence length (cuDNN's
@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.core.errors import UserError
+
+NEG_INF = -1e30  # finite, so a fully masked row (padding) gives no NaN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,3 +146,40 @@ def packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, max_segments: int):
                                     scale=q_BxLxHxE.shape[-1] ** -0.5, mask_type=cudnn.MaskType.PADDING_CAUSAL,
                                     qkv_layout="BTNH")
   return out.astype(q_BxLxHxE.dtype)
+
+
+def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype=jnp.float32):
+  """Causal grouped-query attention; a token sees only earlier tokens of its own segment.
+  Scores and softmax in `logits_dtype` (model.attention_logits_dtype)."""
+  L = q_BxLxHxE.shape[1]
+  causal_LxL = jnp.tril(jnp.ones((L, L), bool))
+  same_BxLxL = seg_BxL[:, :, None] == seg_BxL[:, None, :]
+  return masked_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, causal_LxL & same_BxLxL, logits_dtype)
+
+
+def masked_attention(q_BxLxHxE, k_BxMxKxE, v_BxMxKxE, mask_BxLxM, logits_dtype=jnp.float32):
+  """GQA of L queries over M keys where `mask_BxLxM` allows (M = L in training, the
+  cache length when decoding)."""
+  B, L, H, E = q_BxLxHxE.shape
+  K = k_BxMxKxE.shape[2]
+  q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, H // K, E)
+  s_BxKxGxLxM = jnp.einsum("blkge,bmke->bkglm", q_BxLxKxGxE, k_BxMxKxE,
+                           preferred_element_type=logits_dtype) * jnp.asarray(E**-0.5, logits_dtype)
+  s_BxKxGxLxM = jnp.where(mask_BxLxM[:, None, None], s_BxKxGxLxM, NEG_INF)
+  p_BxKxGxLxM = jax.nn.softmax(s_BxKxGxLxM, axis=-1).astype(v_BxMxKxE.dtype)
+  o_BxLxKxGxE = jnp.einsum("bkglm,bmke->blkge", p_BxKxGxLxM, v_BxMxKxE)
+  return o_BxLxKxGxE.reshape(B, L, H, E)
+
+
+def cached_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, seg_BxT, cache):
+  """Decoding: writes this chunk's k/v into the cache at slot `start`, then attends over
+  the cache. A query at slot start+t sees slots <= start+t of its own segment (cache
+  `seg` already holds this chunk's ids; unwritten and padding slots never match)."""
+  start = cache["start"]
+  k_BxSxKxE = jax.lax.dynamic_update_slice(cache["k"], k_BxTxKxE.astype(cache["k"].dtype), (0, start, 0, 0))
+  v_BxSxKxE = jax.lax.dynamic_update_slice(cache["v"], v_BxTxKxE.astype(cache["v"].dtype), (0, start, 0, 0))
+  T, S = q_BxTxHxE.shape[1], k_BxSxKxE.shape[1]
+  causal_TxS = jnp.arange(S)[None, :] <= start + jnp.arange(T)[:, None]
+  same_BxTxS = seg_BxT[:, :, None] == cache["seg"][:, None, :]
+  o_BxTxHxE = masked_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, causal_TxS & same_BxTxS)
+  return o_BxTxHxE, {"k": k_BxSxKxE, "v": v_BxSxKxE}

@@ -84,3 +84,10 @@ def nudge(m: ModelConfig, params: dict, load_LxX, applied) -> dict:
     mlp = layers[i]["mlp"]
     new[i] = {**layers[i], "mlp": {**mlp, "router_bias": mlp["router_bias"] + delta_LxX[j]}}
   return {**params, "layers": new}
+
+
+def update_metrics(moe: dict, microbatches: int) -> dict:
+  """The update's MoE metrics from its summed per-microbatch totals (the step and the pipeline)."""
+  return {"moe_aux_loss": moe["aux"] / microbatches,
+          "moe_dropped_frac": moe["dropped"] / jnp.maximum(moe["assigned"], 1.0),
+          "moe_load_imbalance": imbalance(moe["load"]), "moe_load": moe["load"]}

@@ -31,17 +31,12 @@ def token_spec(mesh, B: int, L: int, rules=sharding.RULES) -> P:
   return sharding.spec_for(AXES, (B, L, 1), mesh, rules=rules)
 
 
-def _ways(entry, mesh) -> int:
-  names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-  return math.prod(mesh.shape[a] for a in names)
-
-
 def local_shape(mesh, B: int, L: int) -> tuple[int, int]:
   """(rows, positions) of one microbatch that one device holds during dispatch."""
   if mesh is None:
     return B, L
   spec = token_spec(mesh, B, L)
-  return B // _ways(spec[0], mesh), L // _ways(spec[1], mesh)
+  return B // sharding.ways(spec[0], mesh), L // sharding.ways(spec[1], mesh)
 
 
 def group_size(m, L: int) -> int:

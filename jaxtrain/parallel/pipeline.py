@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.model import transformer as model_lib
 from jaxtrain.model import moe_balance
-from jaxtrain.parallel import schedule as schedule_lib
+from jaxtrain.parallel import schedule as schedule_lib, sharding
 from jaxtrain.model import loss as xent
 from jaxtrain.core.errors import UserError
 
@@ -140,7 +140,6 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
           plan):
   """Token-normalized loss and unscaled gradient of one update, run as a pipeline.
   Returns (loss, grads, n_valid[, moe metrics]) like `step.grads`."""
-  from jaxtrain.run import step as step_lib
   p, v, m = stages(mesh), cfg.pipeline.virtual_stages, microbatches
   mc = cfg.model
   n_moe = mc.n_layers if mc.moe_experts else 0
@@ -151,7 +150,7 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   prog[..., BRANCH] = np.searchsorted(used, prog[..., BRANCH])
   n_valid = jnp.sum(batch["loss_mask"] > 0)
   denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
-  mbs = step_lib.split_microbatches(batch, m, plan)
+  mbs = placement_lib.split_microbatches(batch, m, plan)
   # (layers, ...) -> (v, p, layers per chunk, ...): [j, s] is global chunk j*p + s, so
   # device s gets its v chunks. For v = 1 this matches the stored split (no traffic);
   # for v > 1 XLA moves the layers between devices (an all-to-all each way).
@@ -178,7 +177,7 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
     return res
   moe["aux"] = moe["aux"] / max(n_moe, 1)  # summed over layers; step's totals hold the mean over layers
   moe["load"] = load.reshape(mc.n_layers, -1)[:n_moe]  # (v, p, layers per chunk, X): global layer order
-  return *res, step_lib.moe_metrics_of(moe, m)
+  return *res, moe_balance.update_metrics(moe, m)
 
 
 def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale):
@@ -295,9 +294,8 @@ def traffic(cfg, mesh, rows) -> dict[str, int]:
   zeros), T tokens x d_model x compute bytes each. The embedding, final norm and head
   gradients are all-reduced over pipeline once; with v > 1 the layer stack is
   re-laid out into chunks (all-to-all) and its gradient back."""
-  from jaxtrain.analysis.memory import tokens_per_device
   p, t = stages(mesh), table(cfg, mesh)
-  act = tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
+  act = sharding.tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
   useful = sum(op is not None and ((op.kind == schedule_lib.F and op.chunk * p + s < t.chunks - 1)
                                    or (op.kind == schedule_lib.B and op.chunk * p + s > 0))
                for row in t.grid for s, op in enumerate(row))
@@ -316,8 +314,7 @@ def report(cfg, mesh) -> dict:
   """The schedule for `inspect`: timeline, bubble (table and formula), stash per stage."""
   t = table(cfg, mesh)
   _, S, G = program_table(t)
-  from jaxtrain.analysis.memory import tokens_per_device
-  act = tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
+  act = sharding.tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
   return {"schedule": t.name, "stages": t.p, "virtual_stages": t.v, "microbatches": t.m, "ticks": t.ticks,
           "bubble": t.bubble(), "bubble_formula": t.bubble_formula(), "in_flight": t.in_flight(),
           "stash_slots": S, "grad_slots": G, "stash_bytes": (S + G) * act, "timeline": t.timeline()}

@@ -41,3 +41,12 @@ class Placement:
     """This process's rows -> global arrays sharded over the batch axes."""
     self.plan.check_rows(local["segment_ids"])
     return {k: jax.make_array_from_process_local_data(self.sharding, v, self.shape) for k, v in local.items()}
+
+
+def split_microbatches(batch, k: int, plan):
+  """(B, L) -> (k, B/k, L), microbatch i = rows i, i+k, ... so no row changes device."""
+  def split(x_BxL):
+    B, L = x_BxL.shape
+    x_kxbxL = x_BxL.reshape(B // k, k, L).swapaxes(0, 1)
+    return plan.constrain(x_kxbxL, (None, "batch", "length"))
+  return jax.tree.map(split, batch)

@@ -94,13 +94,8 @@ class Plan:
     return f"attention: {self.attention} ({self.attention_why}{scores}){moe}; remat {self.remat}{rules}"
 
 
-def _reference(q, k, v, seg, logits_dtype=jnp.float32):
-  from jaxtrain.model import transformer as model
-  return model.attention(q, k, v, seg, logits_dtype)
-
-
 # Kernels that run on one shard of heads/batch (the ring calls neither: it scores its own blocks).
-KERNELS = {"xla": _reference, "cudnn": attention_lib.fused}
+KERNELS = {"xla": attention_lib.attention, "cudnn": attention_lib.fused}
 
 
 def build(cfg, mesh, device=None) -> Plan:

@@ -144,3 +144,22 @@ def param_shardings(abstract_state, mesh, notes: list[str] | None = None):
 
 def logical_sharding(mesh, axes: tuple[str | None, ...], shape: tuple[int, ...], rules=RULES) -> NamedSharding:
   return NamedSharding(mesh, spec_for(axes, shape, mesh, rules=rules))
+
+
+def ways(entry, mesh) -> int:
+  """How many devices split a dimension whose PartitionSpec entry is `entry` (None, a mesh
+  axis, or a tuple of them). The one answer to "how many ways is this dimension split"."""
+  names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+  return math.prod(mesh.shape[a] for a in names) if mesh is not None else 1
+
+
+def axis_ways(name: str, dim: int, mesh) -> int:
+  """How many ways the rules table splits a dimension of logical axis `name` on `mesh`."""
+  return ways(spec_for((name,), (dim,), mesh)[0], mesh) if mesh is not None else 1
+
+
+def tokens_per_device(cfg, mesh) -> int:
+  """Tokens of one microbatch on one device: rows over the batch axes, length over sequence."""
+  t = cfg.train
+  rows = t.batch_size // t.microbatches
+  return rows // axis_ways("batch", rows, mesh) * (t.seq_len // axis_ways("length", t.seq_len, mesh))

@@ -74,15 +74,6 @@ def token_loss_and_moe(graphdef, params, mb, plan=None):
   return loss_sum, moe_balance.totals(model.cfg, moe_stats)
 
 
-def split_microbatches(batch, k: int, plan):
-  """(B, L) -> (k, B/k, L), microbatch i = rows i, i+k, ... so no row changes device."""
-  def split(x_BxL):
-    B, L = x_BxL.shape
-    x_kxbxL = x_BxL.reshape(B // k, k, L).swapaxes(0, 1)
-    return plan.constrain(x_kxbxL, (None, "batch", "length"))
-  return jax.tree.map(split, batch)
-
-
 def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metrics: bool = False, plan=None):
   """Token-normalized loss and (unscaled) gradient of one update, accumulated over microbatches.
 
@@ -113,18 +104,11 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
 
   moe0 = moe_balance.zero_totals(nnx.merge(graphdef, params).cfg)
   (loss_sum, grad_sum, moe), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros, moe0),
-                                              split_microbatches(batch, microbatches, plan or plan_lib.local()))
+                                              placement_lib.split_microbatches(batch, microbatches, plan or plan_lib.local()))
   out = loss_sum / denom, jax.tree.map(lambda g: g / loss_scale, grad_sum), n_valid
   if not moe_metrics:
     return out
-  return *out, moe_metrics_of(moe, microbatches)
-
-
-def moe_metrics_of(moe: dict, microbatches: int) -> dict:
-  """The update's MoE metrics from its summed per-microbatch totals (shared with the pipeline)."""
-  return {"moe_aux_loss": moe["aux"] / microbatches,
-          "moe_dropped_frac": moe["dropped"] / jnp.maximum(moe["assigned"], 1.0),
-          "moe_load_imbalance": moe_balance.imbalance(moe["load"]), "moe_load": moe["load"]}
+  return *out, moe_balance.update_metrics(moe, microbatches)
 
 
 def eval_loss(graphdef, params, batch, microbatches: int, plan):
@@ -132,7 +116,7 @@ def eval_loss(graphdef, params, batch, microbatches: int, plan):
   like the train step, so it fits wherever training fits). Sums, so batches add up exactly."""
   def accumulate(total, mb):
     return total + token_loss_sum(graphdef, params, mb, plan), None
-  loss_sum, _ = jax.lax.scan(accumulate, jnp.float32(0), split_microbatches(batch, microbatches, plan))
+  loss_sum, _ = jax.lax.scan(accumulate, jnp.float32(0), placement_lib.split_microbatches(batch, microbatches, plan))
   n_valid = jnp.sum(batch["loss_mask"] > 0)
   return {"loss": loss_sum / jnp.maximum(n_valid, 1), "loss_sum": loss_sum, "tokens": n_valid}
 
