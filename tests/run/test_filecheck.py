@@ -9,7 +9,7 @@ import pytest
 from jaxtrain.run import checkpoint
 from jaxtrain.run import filecheck
 from jaxtrain.core import files
-from tests import multihost, multihost_verify
+from tests.multihost import procs as multihost, verify as multihost_verify
 
 
 def test_owners_are_deterministic_and_balanced():
@@ -25,7 +25,7 @@ def test_owners_are_deterministic_and_balanced():
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-  """The 2-process harness (tests/multihost_verify.py), once: (per-process results, its dir)."""
+  """The 2-process harness (tests/multihost/verify.py), once: (per-process results, its dir)."""
   tmp = tmp_path_factory.mktemp("verify2")
   codes, res = multihost_verify.launch(2, tmp)
   assert codes == [0, 0], multihost.log_of(tmp, 0)[-2000:] + multihost.log_of(tmp, 1)[-2000:]

@@ -3,7 +3,7 @@ prepared dataset) with the checkpoint module's own multi-process paths, counting
 this process hashes; writes <out>.p<i>.json. `--old`: the call that main's trainer made
 (restore re-verifies on every process but 0), to measure main with the same harness.
 
-`python -m tests.multihost_verify --launch N --workdir DIR [--rows R] [--pythonpath P] [--old]`
+`python -m tests.multihost.verify --launch N --workdir DIR [--rows R] [--pythonpath P] [--old]`
 prepares the data, starts the N processes and prints the bytes each hashed."""
 
 import argparse
@@ -63,11 +63,12 @@ def _damage_one(sizes: dict[str, int], n: int) -> str:
 
 def launch(n: int, tmp: Path, rows: int = 256, pythonpath: str | None = None, old: bool = False):
   """Starts the n processes on a fresh prepared dataset (7 shards); (exit codes, results)."""
-  from tests import corpora, multihost
+  from tests import corpora
+  from tests.multihost import procs as multihost
   data = corpora.prepared(tmp, "d", corpora.texts(3000, hi=400), shard_mb=0.1)
-  args = ["tests.multihost_verify", "--dir", str(tmp / "run"), "--out", str(tmp / "r"), "--data", data,
+  args = ["tests.multihost.verify", "--dir", str(tmp / "run"), "--out", str(tmp / "r"), "--data", data,
           "--rows", str(rows), *(["--old"] if old else [])]
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   codes = multihost.wait_all(multihost.launch(args, n, tmp, env={"PYTHONPATH": pythonpath or root}), 300)
   done = [tmp / f"r.p{i}.json" for i in range(n)]
   return codes, [json.loads(f.read_text()) if f.is_file() else None for f in done]
@@ -78,7 +79,7 @@ def _report(a) -> None:
   tmp.mkdir(parents=True)
   codes, res = launch(a.launch, tmp, a.rows, a.pythonpath, a.old)
   if codes != [0] * a.launch:
-    from tests import multihost
+    from tests.multihost import procs as multihost
     sys.exit(f"exit codes {codes}\n" + multihost.log_of(tmp, 0)[-3000:])
   total = {"save (steps 1+2)": sum(res[0]["step_bytes"].values()), "restore (step 2)": res[0]["step_bytes"]["2"],
            "data open": res[0]["data_bytes"]}

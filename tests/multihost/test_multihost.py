@@ -10,7 +10,7 @@ import pytest
 from jaxtrain import data
 from jaxtrain.core import config
 from jaxtrain.core import files
-from tests import multihost
+from tests.multihost import procs as multihost
 from tests.conftest import REPO
 
 TIMEOUT = 300
@@ -92,7 +92,7 @@ def test_checkpoint_moves_between_process_counts(run_cli, tmp_path, runs):
 
 @pytest.mark.parametrize("mesh, disjoint", [("dp=2,fsdp=2,tp=2,dcn.dp=2", True), ("tp=8", False)])
 def test_each_process_reads_its_slice_of_the_global_batch(tmp_path, mesh, disjoint):
-  procs = multihost.launch(["tests.multihost_rows", "--mesh", mesh, "--out", str(tmp_path / "rows")], 2, tmp_path,
+  procs = multihost.launch(["tests.multihost.rows", "--mesh", mesh, "--out", str(tmp_path / "rows")], 2, tmp_path,
                            env={"PYTHONPATH": REPO})
   assert multihost.wait_all(procs, TIMEOUT) == [0, 0], multihost.log_of(tmp_path, 0)[-2000:]
   parts = [np.load(tmp_path / f"rows.p{i}.npy") for i in range(2)]
