@@ -5,12 +5,12 @@ import pytest
 
 from jaxtrain.core import config
 from tests.helpers import trajectory
-from tests.test_parity import STEPS, reference  # noqa: F401  (module fixture: the dense one-device run)
+from tests.parity.test_one_device_parity import STEPS, reference  # noqa: F401  (module fixture: the dense one-device run)
 
 
 def _trajectory(spec: str, cfg=None):
   """(loss, grad_norm) per step on mesh `spec`; cfg defaults to test_parity's dense config."""
-  from tests.test_parity import CFG
+  from tests.parity.test_one_device_parity import CFG
   return trajectory(cfg or CFG, spec, STEPS)
 
 
@@ -39,7 +39,7 @@ def test_expert_parallel_moe_matches_single_device(spec, moe_reference):
 
 
 def test_tensor_parallel_with_sequence_parallelism_matches_single_device(reference):  # noqa: F811
-  from tests.test_parity import CFG
+  from tests.parity.test_one_device_parity import CFG
   cfg = config.load("tiny", ["model.dtype=float32", "train.microbatches=2", "train.sequence_parallel=true"])
   assert cfg.model == CFG.model and cfg.train.microbatches == CFG.train.microbatches
   got = _trajectory("tp=4", cfg)
