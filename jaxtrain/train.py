@@ -9,8 +9,6 @@ Running the same command again resumes from the latest committed checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
-import signal
 import sys
 import time
 from pathlib import Path
@@ -38,263 +36,12 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
-@dataclasses.dataclass
-class Summary:
-  """What one invocation did: steps run (and skipped), its last loss, wall time."""
-  steps: int = 0
-  skipped: int = 0
-  final_loss: float | None = None
-  last: dict | None = None  # the last metrics record
-
-
-class Evaluator:
-  """params -> {eval_loss, eval_ppl} over the fixed held-out batches (token-normalized over
-  all of them), as device scalars read with the step's metrics; due every
-  train.eval_interval steps."""
-
-  def __init__(self, cfg, setup):
-    import jax
-    from jaxtrain import data
-    from jaxtrain.run import progress
-    self.cadence = progress.Every(cfg.train.eval_interval)
-    if not self.cadence.n:
-      return
-    held = [setup.device_batch(b) for b in data.eval_batches(cfg, *setup.placement.rows())]
-    # Compiled now, so the first evaluation does not stall a training step with a compile.
-    self.compiled = setup.eval_step.lower(jax.eval_shape(setup.init)["params"], held[0]).compile()
-    self.held = held
-
-  def due(self, step: int) -> bool:
-    return self.cadence.due(step)
-
-  def __call__(self, params):
-    import jax.numpy as jnp
-    outs = [self.compiled(params, b) for b in self.held]
-    loss = sum(o["loss_sum"] for o in outs) / jnp.maximum(sum(o["tokens"] for o in outs), 1)
-    return {"eval_loss": loss, "eval_ppl": jnp.exp(loss)}
-
-
-class Preemption:
-  """SIGTERM: the loop checkpoints at the current step and exits 0.
-
-  One process: our own SIGTERM flag. Several: JAX's coordination service catches the
-  signal and all processes agree on the step to stop at (else they would deadlock)."""
-
-  def __init__(self, multi_process: bool):
-    self.multi, self.requested, self._old = multi_process, False, None
-    if not multi_process:
-      self._old = signal.signal(signal.SIGTERM, self._handle)
-
-  def _handle(self, signum, frame):
-    self.requested = True
-    print("SIGTERM: will checkpoint after the current step and exit", flush=True)
-
-  def check(self, step: int) -> bool:
-    if self.multi and not self.requested:
-      from jax.experimental import multihost_utils
-      self.requested = multihost_utils.reached_preemption_sync_point(step)
-    return self.requested
-
-  def restore(self):
-    if self._old is not None:
-      signal.signal(signal.SIGTERM, self._old)
-
-
-def _allowed(text: str) -> set[str]:
-  allowed = {w.strip() for w in text.split(",") if w.strip()}
-  if "all" in allowed:
-    return set(MISMATCH_CATEGORIES)
-  bad = allowed - set(MISMATCH_CATEGORIES)
-  if bad:
-    raise UserError(f"--allow-mismatch {','.join(sorted(bad))}: unknown; use {', '.join(MISMATCH_CATEGORIES)} or all")
-  return allowed
-
-
-def _sinks(cfg, workdir: Path, stop_at: int, resumed_at: int | None, carried: list | None):
-  """metrics.jsonl, console and TensorBoard on process 0; nothing elsewhere. `carried`:
-  records the last run could not write (a full disk), restored from its checkpoint."""
-  import jax
-  from jaxtrain.run import metrics
-  if jax.process_index() != 0:
-    return metrics.Sinks([])
-  sinks = [metrics.JsonlSink(workdir / "metrics.jsonl", resumed_at, carried),
-           metrics.ConsoleSink(stop_at, cfg.run.log_every)]
-  if cfg.run.tensorboard:
-    sinks.append(metrics.TensorBoardSink(workdir / "tb"))
-  return metrics.Sinks(sinks)
-
-
-def _announce(setup, config_name: str, mesh_text: str, workdir: Path) -> None:
-  """What runs, said once: model, mesh, devices, the execution plan, replicated dimensions."""
-  mesh = setup.mesh
-  dev = mesh.devices.flat[0]
-  print(f"jaxtrain: {config_name} ({setup.n_params:,} params), mesh {mesh_text} "
-        f"on {mesh.size} {dev.platform} device(s) [{dev.device_kind}], workdir {workdir}")
-  print(setup.plan.describe())
-  if setup.grads_fn is not None:
-    from jaxtrain.parallel import pipeline
-    print(pipeline.describe(setup.cfg, mesh))
-  if setup.notes:
-    print(f"sharding: {len(setup.notes)} dimension(s) replicated where the mesh axis does not divide them, e.g. "
-          f"{setup.notes[0]}")
-
-
-def _resume(ckpts, step_dir, current: dict, allowed: set[str], setup, batches, mesh_text: str):
-  """(state, Progress, manifest) from the checkpoint `step_dir` (chosen and verified by
-  `checkpoint.resume_point`), with the data iterator moved to it; (None, Progress(), {})
-  when there is none. A different run is refused, naming what changed."""
-  from jaxtrain.run import checkpoint
-  from jaxtrain.run import progress as progress_lib
-  if step_dir is None:
-    return None, progress_lib.Progress(), {}
-  manifest = checkpoint.read_manifest(step_dir)
-  changed = {k: v for k, v in checkpoint.mismatches(manifest["fingerprint"], current).items() if k not in allowed}
-  if changed:
-    raise UserError(f"checkpoint {step_dir} was written by a different run: {'; '.join(changed.values())}; "
-                    f"pass --allow-mismatch {','.join(changed)} to resume anyway, or --fresh")
-  # resume_point verified it, every process its share
-  state, manifest = ckpts.restore(step_dir, setup.abstract_state(), verified=True)
-  batches.set_state(manifest["data_state"])
-  moved = "" if manifest["mesh"] == mesh_text else f" (written on mesh {manifest['mesh']}, resharded)"
-  print(f"resumed from {step_dir} at step {manifest['progress']['step']}{moved}")
-  return state, progress_lib.Progress(**manifest["progress"]), manifest
-
-
-def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = None, fresh: bool = False,
-        resume_from: str | None = None, allow_mismatch: str = "") -> Summary:
-  """Trains until `stop_at` (default train.steps) total steps."""
-  import jax
-  from jaxtrain import data
-  from jaxtrain.run import checkpoint
-  from jaxtrain.model import flops
-  from jaxtrain.parallel import mesh as mesh_lib
-  from jaxtrain.run import metrics
-  from jaxtrain.run import observe
-  from jaxtrain.run import progress as progress_lib
-  from jaxtrain.analysis import fit
-  from jaxtrain.run import lock as lock_lib
-  from jaxtrain.run import runfiles
-  from jaxtrain.run import step as step_lib
-
-  allowed = _allowed(allow_mismatch)
-  stop_at = stop_at or cfg.train.steps
-  setup = step_lib.Setup(cfg, mesh)
-  fit.check(setup, cfg.run.fit_check)  # before the workdir or any array is touched
-  runfiles.prepare_workdir(workdir)
-  # One trainer per workdir, taken before anything in it is moved or removed.
-  lock = lock_lib.WorkdirLock(workdir).acquire() if jax.process_index() == 0 else None
-  ckdir = workdir / "checkpoints"
-  if fresh and ckdir.exists():
-    aside = workdir / f"checkpoints.{int(time.time())}"
-    ckdir.rename(aside)
-    print(f"--fresh: previous checkpoints moved to {aside}")
-  if jax.process_index() == 0:
-    runfiles.write_json(workdir / "config.json", cfg.to_dict())
-  dev = mesh.devices.flat[0]
-  mesh_text = mesh_lib.describe(dict(mesh.shape))
-  _announce(setup, config_name, mesh_text, workdir)
-
-  ck = cfg.checkpoint
-  # Chosen (and later/damaged steps moved aside) before orbax lists the steps it has.
-  step_dir = checkpoint.resume_point(ckdir, resume_from, ck.on_damaged, workdir / "checkpoints.aside", ck.verify)
-  ckpts = checkpoint.Checkpoints(ckdir, ck.keep, ck.keep_every, ck.async_save, is_writer=jax.process_index() == 0,
-                                 verify=ck.verify)
-  saves = progress_lib.Every(ck.interval)
-  current = checkpoint.fingerprint(cfg, data.tokenizer_digest(cfg), data.source_digest(cfg))
-  batches = data.batches(cfg, *setup.placement.rows())
-  evaluate = Evaluator(cfg, setup)
-  preempt = Preemption(jax.process_count() > 1)
-  profiler = observe.Profiler(cfg.run.profile_steps, workdir / "profile", enabled=jax.process_index() == 0)
-  flops_per_step = flops.flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
-  peak = flops.peak_flops(dev.device_kind)
-  peak_total = peak * mesh.size if peak else None
-  sinks, summary = None, Summary()
-  runlog = runfiles.RunLog(workdir, jax.process_index())  # library noise -> <workdir>/jaxtrain.log
-  try:
-    t0 = time.perf_counter()
-    state, progress, manifest = _resume(ckpts, step_dir, current, allowed, setup, batches, mesh_text)
-    resumed_at = progress.step if state is not None else None
-    state = setup.init() if state is None else state
-    start = progress.step
-    sinks = _sinks(cfg, workdir, stop_at, resumed_at, manifest.get("unwritten_metrics"))
-    out = sinks.writer()  # metrics.jsonl's writer (its failures stop the run after a save); None elsewhere
-    if start >= stop_at:
-      print(f"nothing to do: the run is at step {start} and --steps asks for {stop_at}")
-      return summary
-
-    def manifest_body():
-      return {"progress": dataclasses.asdict(progress), "data_state": batches.get_state(), "mesh": mesh_text,
-              "fingerprint": current, "config": cfg.to_dict(), "seed": cfg.train.seed,
-              "process_count": jax.process_count(), "unwritten_metrics": list(out.unwritten) if out else []}
-
-    def log_step(s, device_metrics, wait, since):
-      """Fetches step s's metrics (waiting for s), records them; returns when s was done."""
-      fetched = jax.device_get(device_metrics)
-      done = time.perf_counter()
-      progress.count(s, int(fetched["tokens"]), bool(fetched["skipped"]))
-      rec = metrics.record(s, fetched, done - since, wait, progress, flops_per_step, peak_total)
-      sinks.write(s, rec)
-      summary.steps, summary.skipped, summary.final_loss, summary.last = (
-          summary.steps + 1, summary.skipped + rec["skipped"], rec["loss"], rec)
-      progress.check(cfg.train.max_skipped_in_a_row, rec["loss_scale"])
-      return done
-
-    batch = setup.device_batch(next(batches))
-    compiled = setup.step.lower(state, batch).compile()
-    print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s", flush=True)
-
-    pending, wait, last_done = None, 0.0, time.perf_counter()
-    for s in range(start + 1, stop_at + 1):
-      profiler.before(s)
-      state, step_metrics = compiled(state, batch)
-      profiler.after(s, step_metrics)
-      if evaluate.due(s):  # dispatched before the next step donates state
-        step_metrics = {**step_metrics, **evaluate(state["params"])}
-      if pending:  # step s-1's metrics: reading them waits for s-1, while s is already queued
-        last_done = log_step(*pending, last_done)
-      pending = (s, step_metrics, wait)
-      stop = s == stop_at or preempt.check(s) or (out is not None and runfiles.must_stop(out))
-      if stop or saves.due(s):
-        last_done = log_step(*pending, last_done)  # the manifest's clocks must include step s
-        pending = None
-        t = time.perf_counter()
-        ckpts.save(s, state, manifest_body())
-        last_done = time.perf_counter()  # the save's blocking part is not the next step's time
-        print(f"checkpoint {s}: saving ({last_done - t:.2f}s blocking{', async' if ck.async_save else ''})", flush=True)
-      ckpts.poll()
-      if stop:
-        break
-      t = time.perf_counter()
-      batch = setup.device_batch(next(batches))
-      wait = time.perf_counter() - t
-    ckpts.wait()
-    if out is not None:
-      runfiles.report_write_failure(out, progress.step)
-    if preempt.requested:
-      print(f"preempted: checkpoint committed at step {progress.step}; run the same command to resume")
-    return summary
-  except Exception as e:  # noqa: BLE001 (details to the log; the terminal gets one line)
-    raise runlog.ending(e, sinks.writer() if sinks else None) from None
-  finally:
-    profiler.close()
-    preempt.restore()
-    if sinks is not None:
-      sinks.close()
-    batches.close()
-    try:  # a save already in flight still gets its manifest, whatever ended the run
-      ckpts.close()
-    except checkpoint.CheckpointError as e:
-      print(f"jaxtrain: warning: {e}", file=sys.stderr)
-    runlog.close()
-    if lock is not None:
-      lock.release()
-
-
 def main(argv=None) -> int:
   args = parse_args(argv)
 
   def body(set_prog):
     from jaxtrain.core import config
+    from jaxtrain.run import loop
     if args.help_config:
       print(config.help_text())
       return 0
@@ -302,12 +49,12 @@ def main(argv=None) -> int:
       raise UserError(f"--steps {args.steps}: must be a positive integer")
     if args.fresh and args.resume_from:
       raise UserError("--fresh and --resume-from contradict each other; give one")
-    _allowed(args.allow_mismatch)
+    loop.allowed_mismatches(args.allow_mismatch)
     started = cli.start(args, "jaxtrain")
     set_prog(started.prog)
     workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
     t0 = time.perf_counter()
-    summary = run(started.cfg, started.mesh, workdir, Path(args.config).stem, stop_at=args.steps, fresh=args.fresh,
+    summary = loop.run(started.cfg, started.mesh, workdir, Path(args.config).stem, stop_at=args.steps, fresh=args.fresh,
                   resume_from=args.resume_from, allow_mismatch=args.allow_mismatch)
     if summary.steps:
       print(f"done: {summary.steps} steps ({summary.skipped} skipped) in {time.perf_counter() - t0:.1f}s, "

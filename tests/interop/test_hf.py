@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from jaxtrain import hf, train
+from jaxtrain import hf
+from jaxtrain.run import loop
 from jaxtrain.run import checkpoint
 from jaxtrain.core import config
 from jaxtrain.model import transformer as model_lib
@@ -97,7 +98,7 @@ def _tokenizer_json(path):
 
 def _train(cfg_path, workdir, spec, capsys):
   cfg = config.load(str(cfg_path))
-  train.run(cfg, mesh_of(spec), workdir, "m", stop_at=2)
+  loop.run(cfg, mesh_of(spec), workdir, "m", stop_at=2)
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   return records, capsys.readouterr().out
 

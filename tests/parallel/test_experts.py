@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import train
+from jaxtrain.run import loop
 from jaxtrain.core import config
 from jaxtrain.model import transformer as model_lib
 from jaxtrain.parallel import experts as moe
@@ -144,7 +144,7 @@ def test_moe_config_errors():
 def test_metrics_log_moe_fields(tmp_path):
   cfg = config.load("moe-tiny", ["train.batch_size=4", "train.seq_len=32", "model.n_layers=1",
                                   "model.moe_capacity_factor=0.5"])
-  summary = train.run(cfg, mesh_of("ep=2"), tmp_path, "moe-tiny", stop_at=2)
+  summary = loop.run(cfg, mesh_of("ep=2"), tmp_path, "moe-tiny", stop_at=2)
   lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert len(lines) == summary.steps == 2 and lines[-1] == summary.last
   for rec in lines:

@@ -159,22 +159,22 @@ def test_exact_resume_and_resharding_through_a_pipeline_run(tmp_path, capsys):
   """pp=2,dp=2: 6 steps straight (checkpointing at 3); resumed from its step-3 checkpoint
   in another workdir, steps 4-6 are the same bit for bit; the same checkpoint resumed on
   fsdp=4 continues the same run (to float32 rounding)."""
-  from jaxtrain import train
+  from jaxtrain.run import loop
   cfg = cfg_of("train.steps=6", "checkpoint.interval=3", "checkpoint.async_save=false", "train.tensorboard=false")
   pp = mesh_of("pp=2,dp=2")
 
   def records(workdir):
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-  train.run(cfg, pp, tmp_path / "straight", "tiny", stop_at=6)
+  loop.run(cfg, pp, tmp_path / "straight", "tiny", stop_at=6)
   straight = records(tmp_path / "straight")
   at3 = str(tmp_path / "straight" / "checkpoints" / "3")
-  train.run(cfg, pp, tmp_path / "resumed", "tiny", stop_at=6, resume_from=at3)
+  loop.run(cfg, pp, tmp_path / "resumed", "tiny", stop_at=6, resume_from=at3)
   resumed = records(tmp_path / "resumed")
   assert "pipeline: 1f1b, 2 stages" in capsys.readouterr().out
   key = lambda r: (r["step"], r["loss"], r["grad_norm"], r["tokens_seen"])  # noqa: E731
   assert [r["step"] for r in resumed] == [4, 5, 6]
   assert [key(r) for r in resumed] == [key(r) for r in straight[3:]]
-  train.run(cfg, mesh_of("fsdp=4"), tmp_path / "moved", "tiny", stop_at=6, resume_from=at3)
+  loop.run(cfg, mesh_of("fsdp=4"), tmp_path / "moved", "tiny", stop_at=6, resume_from=at3)
   fsdp = records(tmp_path / "moved")
   assert "written on mesh pipeline=2,data=2, resharded" in capsys.readouterr().out
   np.testing.assert_allclose([r["loss"] for r in fsdp], [r["loss"] for r in straight[3:]], rtol=1e-5)

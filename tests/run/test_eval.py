@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import data, train
+from jaxtrain import data
+from jaxtrain.run import loop
 from jaxtrain.core import config
 from jaxtrain.run import step
 from jaxtrain.core.errors import UserError
@@ -35,7 +36,7 @@ def test_eval_step_is_the_token_mean_loss_on_a_sharded_mesh():
 def test_run_records_eval_loss_every_interval(tmp_path):
   cfg = config.load("tiny", ["train.steps=4", "train.eval_interval=2", "data.eval_fraction=0.05",
                              "data.eval_batches=2", "model.dtype=float32", "model.n_layers=1"])
-  train.run(cfg, mesh_of("dp=2"), tmp_path / "w", "tiny")
+  loop.run(cfg, mesh_of("dp=2"), tmp_path / "w", "tiny")
   records = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
   assert [("eval_loss" in r) for r in records] == [False, True, False, True]
   for r in records:
@@ -48,6 +49,6 @@ def test_run_records_eval_loss_every_interval(tmp_path):
 def test_eval_without_a_held_out_split_is_a_user_error(tmp_path):
   cfg = config.load("tiny", ["train.steps=1", "train.eval_interval=1"])
   with pytest.raises(UserError, match="train.eval_interval=1 needs a held-out split"):
-    train.run(cfg, mesh_of("dp=1"), tmp_path / "w", "tiny")
+    loop.run(cfg, mesh_of("dp=1"), tmp_path / "w", "tiny")
   with pytest.raises(UserError, match="fewer than data.eval_batches=50"):
     data.eval_batches(config.load("tiny", ["data.eval_fraction=0.01", "data.eval_batches=50"]))
