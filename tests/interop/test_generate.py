@@ -9,6 +9,7 @@ pytest.importorskip("transformers")
 from flax import nnx  # noqa: E402
 
 from jaxtrain import generate
+from jaxtrain.interop import decode
 from jaxtrain.model import transformer as model_lib  # noqa: E402
 from tests import hf_models as H  # noqa: E402
 from tests.helpers import mesh_of  # noqa: E402
@@ -27,7 +28,7 @@ def llama(tmp_path_factory):
 
 def _generate(loaded, prompts, spec="fsdp=1", n=20, **kw):
   cfg, model, params = loaded
-  return generate.generate(cfg, mesh_of(spec), nnx.split(model)[0], params, prompts, n, **kw)
+  return decode.generate(cfg, mesh_of(spec), nnx.split(model)[0], params, prompts, n, **kw)
 
 
 def test_greedy_ids_equal_transformers_generate(llama):
