@@ -2,13 +2,14 @@
 
     python -m jaxtrain.bench --config llama3-1b --mesh fsdp=1 [--steps 20] [--warmup 3]
         [--baseline minimal,torch|minimal|torch|none] [--rounds 3] [--measure-peak] [--out bench.json] [--set k=v ...]
-    python -m jaxtrain.bench --suite gpu [--tiny] [--out FILE]   (the GPU checks: jaxtrain/bench_gpu.py)
 
 Times `Setup.step` (compiled ahead of time, state donated, batches from jaxtrain.data
 staged on the device before timing) over N steps after W warm-up steps. A step's time
 runs from the end of the previous step to the end of this one, with the next step
 already queued (as the trainer measures). With baselines, R rounds alternate N
 jaxtrain steps and N steps of each baseline, and each ratio is taken round by round.
+The GPU checks (attention kernels, matmul peak, remat policies, XLA flags, baselines at
+the ~1B shape) are a pytest suite in a source checkout: `python -m pytest -m gpu tests/gpu`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from jaxtrain import cli
+from jaxtrain.analysis.timing import first_batches, stats, time_steps
 from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
 
@@ -28,8 +30,7 @@ PEAK_SIZE = {"gpu": 8192, "tpu": 8192, "cpu": 1024}  # bf16 n x n x n matmul for
 
 
 def parse_args(argv=None):
-  p = cli.Parser(prog="jaxtrain.bench", description="Time the real train step; compare with baselines. "
-                 "`--suite gpu` runs the GPU checks instead (its own flags: --suite gpu --help).")
+  p = cli.Parser(prog="jaxtrain.bench", description="Time the real train step; compare with baselines.")
   cli.add_config_args(p, help_config=False)
   cli.add_mesh_args(p)
   p.add_argument("--steps", type=int, default=10, help="timed steps per round and side (default 10)")
@@ -43,62 +44,10 @@ def parse_args(argv=None):
   p.add_argument("--workdir", help="where the default --out goes (default runs/<config>)")
   p.add_argument("--compare", action="append", default=[], metavar="NAME:SECTION.KEY=VALUE[,...]",
                  help="time variants of the config in one run, alternating rounds, with compiled memory per "
-                      "device (repeatable; see jaxtrain/bench_compare.py); no baselines")
+                      "device (repeatable; see jaxtrain/analysis/compare.py); no baselines")
   p.add_argument("--breakdown", type=int, default=0, metavar="N",
                  help="after timing, trace a few steps with jax.profiler and print the N ops that take the most time")
   return p.parse_args(argv)
-
-
-def stats(xs) -> dict:
-  import numpy as np
-  a = np.asarray(xs, float)
-  return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max()),
-          "p25": float(np.percentile(a, 25)), "p75": float(np.percentile(a, 75)), "n": int(a.size)}
-
-
-def time_steps(run, sync, n: int, pipelined: bool = True) -> list[float]:
-  """Per-step seconds of n steps: `run()` dispatches one step and returns a handle,
-  `sync(handle)` waits for it. Pipelined (asynchronous dispatch): step s's end is awaited
-  while s+1 is already queued. Otherwise (`run` returns when the step is done, e.g.
-  torch on CPU) each step is timed alone."""
-  if not pipelined:
-    times = []
-    for _ in range(n):
-      t = time.perf_counter()
-      sync(run())
-      times.append(time.perf_counter() - t)
-    return times
-  times, pending, last = [], None, time.perf_counter()
-  for _ in range(n):
-    handle = run()
-    if pending is not None:
-      sync(pending)
-      now = time.perf_counter()
-      times.append(now - last)
-      last = now
-    pending = handle
-  sync(pending)
-  times.append(time.perf_counter() - last)
-  return times
-
-
-def unpack(batch: dict) -> dict:
-  """The same tokens with each row one document: one segment, positions 0..L-1."""
-  import numpy as np
-  B, L = batch["inputs"].shape
-  return {**batch, "segment_ids": np.ones((B, L), np.int32),
-          "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy()}
-
-
-def first_batches(cfg, setup, n: int, unpacked: bool) -> list[dict]:
-  """The first n numpy batches of this process from jaxtrain's data path."""
-  from jaxtrain import data
-  it = data.batches(cfg, *setup.placement.rows())
-  try:
-    out = [next(it) for _ in range(n)]
-  finally:
-    it.close()
-  return [unpack(b) for b in out] if unpacked else out
 
 
 def measure_peak(device, size: int | None = None, reps: int = 5) -> dict:
@@ -174,10 +123,10 @@ def minimal_side(cfg, params, batches, device):
   return _Side("minimal", run, jax.block_until_ready, compile_s, [device], box)
 
 
-def torch_side(cfg, params, batches, platform, compile=True):  # noqa: A002
+def torch_side(cfg, params, batches, platform):
   from jaxtrain.analysis.baselines import torch_model  # imports torch; only here
   try:
-    b = torch_model.TorchBaseline(cfg, params, "cuda" if platform == "gpu" else "cpu", compile=compile)
+    b = torch_model.TorchBaseline(cfg, params, "cuda" if platform == "gpu" else "cpu")
   except ValueError as e:
     raise UserError(f"--baseline torch: {e}") from None
   dev = [b.to_device(x) for x in batches]
@@ -213,9 +162,8 @@ def _progress(text: str) -> None:
 
 
 def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list[str], rounds: int,
-        measure: bool, breakdown: int = 0, trace_dir: Path | None = None, batches: list[dict] | None = None,
-        torch_compile: bool = True) -> dict:
-  """`batches`: numpy batches to cycle instead of jaxtrain.data's (the GPU suite's synthetic tokens)."""
+        measure: bool, breakdown: int = 0, trace_dir: Path | None = None, batches: list[dict] | None = None) -> dict:
+  """`batches`: numpy batches to cycle instead of jaxtrain.data's (e.g. synthetic tokens, tests/gpu)."""
   import jax
   import numpy as np
   from jaxtrain.analysis import baselines as baselines_lib
@@ -247,7 +195,7 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
     for name in baselines:
       _progress(f"compiling the {name} baseline")
       sides.append(minimal_side(cfg, params0, batches, dev0) if name == "minimal"
-                   else torch_side(cfg, params0, batches, dev0.platform, torch_compile))
+                   else torch_side(cfg, params0, batches, dev0.platform))
   for side in sides:
     for _ in range(warmup):
       side.sync(side.run())
@@ -359,9 +307,10 @@ def parse_baselines(text: str) -> list[str]:
 
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
-  if any(a == "--suite" or a.startswith("--suite=") for a in argv):
-    from jaxtrain.analysis import bench_gpu  # the suite has its own flags
-    return bench_gpu.main(argv)
+  if any(a == "--suite" or a.startswith("--suite=") for a in argv):  # the GPU checks became a pytest suite
+    def moved(_):
+      raise UserError("--suite gpu is now a pytest suite: run `python -m pytest -m gpu tests/gpu` in a source checkout")
+    return cli.main("jaxtrain.bench", moved)
   args = parse_args(argv)
 
   def body(set_prog):

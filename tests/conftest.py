@@ -1,18 +1,35 @@
-"""Eight simulated CPU devices for in-process multi-device tests (set before JAX starts)."""
+"""Eight simulated CPU devices for in-process multi-device tests (set before JAX starts).
+
+The suite runs on the CPU backend even where a CUDA plugin is installed (the gpu-aot extra
+in CI): no CUDA backend is started, here or in the subprocesses that inherit this. Only a
+run that selects the GPU checks (`python -m pytest -m gpu`, tests/gpu) leaves the platform
+to JAX. The choice is made in pytest_configure, after the options are parsed and before any
+test module is imported (JAX reads JAX_PLATFORMS when it is imported)."""
 
 import os
+import re
 import sys
 
-# The suite runs on the CPU backend even where a CUDA plugin is installed (the gpu-aot
-# extra in CI): no CUDA backend is started, here or in the subprocesses that inherit this.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax  # noqa: E402
 import pytest
 
-jax.config.update("jax_num_cpu_devices", 8)
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def selects_gpu(markexpr: str) -> bool:
+  """Whether `-m markexpr` asks for the tests marked gpu (`gpu`, `gpu and not slow`; not `not gpu`)."""
+  return bool(re.search(r"(?<![\w-])gpu(?![\w-])", markexpr)) and not re.search(r"\bnot\s+gpu\b", markexpr)
+
+
+def pytest_configure(config):
+  gpu = selects_gpu(config.getoption("markexpr") or "")
+  if gpu:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # children share the device
+  else:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import jax
+  if not gpu:  # also where a plugin imported jax before the variable was set
+    jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+  jax.config.update("jax_num_cpu_devices", 8)
 
 
 @pytest.fixture

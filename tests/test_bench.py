@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxtrain import bench
+from jaxtrain.analysis import timing
 from jaxtrain.model import flops
 
 TINY = ["--set", "train.batch_size=4", "--set", "train.seq_len=64"]
@@ -76,15 +77,29 @@ def test_pipelined_timer_attributes_each_step_its_own_time():
   def sync(i):
     while time.perf_counter() < ends[i]:
       time.sleep(0.001)
-  times = bench.time_steps(run, sync, len(durations))
+  times = timing.time_steps(run, sync, len(durations))
   np.testing.assert_allclose(times, durations, atol=0.01)
-  sync_times = bench.time_steps(lambda: time.sleep(0.02), lambda _: None, 3, pipelined=False)
+  sync_times = timing.time_steps(lambda: time.sleep(0.02), lambda _: None, 3, pipelined=False)
   np.testing.assert_allclose(sync_times, [0.02] * 3, atol=0.01)
 
 
-def test_measure_peak_is_a_positive_rate_close_to_the_matmul_flops():
-  m = bench.measure_peak(jax.devices()[0], size=256, reps=2)
-  assert m["tflops"] > 0 and m["flops"] == pytest.approx(m["tflops"] * 1e12) and m["size"] == 256
+def test_measure_peak_counts_2mnk_flops_per_product_it_waits_for(monkeypatch):
+  # A hand count: each wait's products (observed here, with their shapes) cost 2*M*N*K FLOPs
+  # over the time bench's clock shows; the clock is a fake that moves 0.25 s per reading.
+  from types import SimpleNamespace
+  clock = iter(np.arange(1000) * 0.25)
+  monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+  waits, real_wait = [], jax.block_until_ready
+
+  def wait(x):
+    waits.append([o.shape for o in x])
+    return real_wait(x)
+  monkeypatch.setattr(jax, "block_until_ready", wait)
+  m = bench.measure_peak(jax.devices()[0], size=64, reps=3)
+  assert len(waits) == 3 and all(shapes and all(s == (64, 64) for s in shapes) for shapes in waits)
+  M = N = K = 64
+  assert m["flops"] == max(len(shapes) * 2 * M * N * K / 0.25 for shapes in waits)
+  assert m["size"] == 64 and m["dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("kind, peak", [

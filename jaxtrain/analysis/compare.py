@@ -70,13 +70,13 @@ def _variant(cfg, mesh, batches, first: dict):
 def run(base_name: str, base_sets: list[str], variants: list[tuple[str, list[str]]], mesh, *, steps: int,
         warmup: int, rounds: int) -> dict:
   import numpy as np
-  from jaxtrain import bench
+  from jaxtrain.analysis import timing
   from jaxtrain.core import config
   from jaxtrain.parallel import mesh as mesh_lib
   from jaxtrain.run import step as step_lib
   cfgs = {name: config.load(base_name, base_sets + sets) for name, sets in variants}
   first = next(iter(cfgs.values()))
-  batches = bench.first_batches(first, step_lib.Setup(first, mesh), min(steps, 4), unpacked=False)
+  batches = timing.first_batches(first, step_lib.Setup(first, mesh), min(steps, 4), unpacked=False)
   first: dict = {}
   sides = {name: _variant(cfg, mesh, batches, first) for name, cfg in cfgs.items()}
   for run_fn, sync, _, _ in sides.values():
@@ -86,13 +86,13 @@ def run(base_name: str, base_sets: list[str], variants: list[tuple[str, list[str
   per_round = {name: [] for name in sides}
   for _ in range(rounds):
     for name, (run_fn, sync, _, _) in sides.items():
-      ts = bench.time_steps(run_fn, sync, steps)
+      ts = timing.time_steps(run_fn, sync, steps)
       times[name] += ts
       per_round[name].append(float(np.median(ts)))
   return {
       "config": base_name, "set": base_sets, "mesh": mesh_lib.describe(dict(mesh.shape)), "devices": mesh.size,
       "device_kind": mesh.devices.flat[0].device_kind, "steps": steps, "warmup": warmup, "rounds": rounds,
-      "variants": {name: {"set": sets, "compile_s": sides[name][2], "step_time_s": bench.stats(times[name]),
+      "variants": {name: {"set": sets, "compile_s": sides[name][2], "step_time_s": timing.stats(times[name]),
                           "round_medians_s": per_round[name], "compiled_memory_per_device": sides[name][3]}
                    for name, sets in variants},
   }

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import bench
 from jaxtrain.core import config
 from jaxtrain.run import step
+from jaxtrain.analysis import timing
 from jaxtrain.analysis.baselines import minimal
 from tests.helpers import mesh_of
 
@@ -30,7 +30,7 @@ def _jaxtrain(tied, unpacked):
   setup = step.Setup(cfg, mesh_of("fsdp=1"))
   state = setup.init()
   params0 = jax.device_get(state["params"])
-  batch = bench.first_batches(cfg, setup, 1, unpacked)[0]
+  batch = timing.first_batches(cfg, setup, 1, unpacked)[0]
   if not unpacked:  # two documents per row (the bundled ones are longer than a row)
     L = batch["inputs"].shape[1]
     second = np.arange(L) >= 20
@@ -79,3 +79,24 @@ def test_torch_baseline_refuses_packed_rows():
   params0, batch, *_ = _jaxtrain(False, False)
   with pytest.raises(ValueError, match="one document per row"):
     torch_model.TorchBaseline(_cfg(False), params0, compile=False).to_device(batch)
+
+
+def test_baselines_take_scanned_parameters_layer_by_layer():
+  # Presets that scan their layers (llama3-1b, tests/gpu) hand the baselines stacked parameters;
+  # the baselines index layers one by one. Split, the scanned parameters give the loss of the
+  # unscanned model at the same seed (float32).
+  from flax import nnx
+  from jaxtrain.analysis import baselines
+  from jaxtrain.model import transformer as model
+  rng = np.random.default_rng(0)
+  tok = rng.integers(0, config.load("tiny").model.vocab_size, (2, 17), dtype=np.int32)
+  batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:], "loss_mask": np.ones((2, 16), np.int32),
+           "segment_ids": np.ones((2, 16), np.int32), "positions": np.tile(np.arange(16, dtype=np.int32), (2, 1))}
+  losses = []
+  for scan in ("false", "true"):
+    cfg = config.load("tiny", [f"model.scan_layers={scan}", "model.dtype=float32"])
+    params = nnx.to_pure_dict(nnx.state(model.Transformer(cfg.model, nnx.Rngs(0))))
+    params = baselines.layer_list(jax.device_get(params), cfg.model.n_layers)
+    assert sorted(params["layers"]) == list(range(cfg.model.n_layers))
+    losses.append(float(jax.jit(lambda p, b, m=cfg.model: minimal.loss_fn(p, m, b))(params, batch)))
+  np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
