@@ -1,1 +1,3 @@
-"""placeholder"""
+"""The base layer: typed config and presets, user-facing errors, crash-safe file helpers.
+
+Imports nothing else of jaxtrain; every other package may import it."""
