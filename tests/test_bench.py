@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxtrain import bench
+from jaxtrain.analysis import speed
 from jaxtrain.analysis import timing
 from jaxtrain.model import flops
 
@@ -85,17 +86,17 @@ def test_pipelined_timer_attributes_each_step_its_own_time():
 
 def test_measure_peak_counts_2mnk_flops_per_product_it_waits_for(monkeypatch):
   # A hand count: each wait's products (observed here, with their shapes) cost 2*M*N*K FLOPs
-  # over the time bench's clock shows; the clock is a fake that moves 0.25 s per reading.
+  # over the time the timer's clock shows; the clock is a fake that moves 0.25 s per reading.
   from types import SimpleNamespace
   clock = iter(np.arange(1000) * 0.25)
-  monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+  monkeypatch.setattr(speed, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
   waits, real_wait = [], jax.block_until_ready
 
   def wait(x):
     waits.append([o.shape for o in x])
     return real_wait(x)
   monkeypatch.setattr(jax, "block_until_ready", wait)
-  m = bench.measure_peak(jax.devices()[0], size=64, reps=3)
+  m = speed.measure_peak(jax.devices()[0], size=64, reps=3)
   assert len(waits) == 3 and all(shapes and all(s == (64, 64) for s in shapes) for shapes in waits)
   M = N = K = 64
   assert m["flops"] == max(len(shapes) * 2 * M * N * K / 0.25 for shapes in waits)

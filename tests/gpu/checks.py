@@ -64,7 +64,7 @@ def measure_step(tiny: bool, device, remat: str) -> dict:
   """jaxtrain's step alone with `remat`: step time, tokens/s, MFU, peak and compiled memory, loss."""
   import jax
   import numpy as np
-  from jaxtrain import bench
+  from jaxtrain.analysis import speed as bench
   from jaxtrain.analysis import timing
   from jaxtrain.model import flops
   from jaxtrain.run import step as step_lib
@@ -92,8 +92,8 @@ def measure_step(tiny: bool, device, remat: str) -> dict:
 
 
 def measure_baseline(tiny: bool, device, name: str) -> dict:
-  """`bench.run` of jaxtrain against one baseline, rounds alternating, remat none on both sides."""
-  from jaxtrain import bench
+  """`analysis.speed.run` of jaxtrain against one baseline, rounds alternating, remat none on both sides."""
+  from jaxtrain.analysis import speed as bench
   cfg = load_config(tiny, ["model.remat=none"])  # the baselines keep every activation: so does jaxtrain here
   bench.check_baseline(cfg, name)
   s = shape(tiny)

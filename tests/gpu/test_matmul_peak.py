@@ -1,8 +1,8 @@
-"""The measured bf16 matmul throughput (`bench.measure_peak`) against `devices.TABLE`."""
+"""The measured bf16 matmul throughput (`analysis.speed.measure_peak`) against `devices.TABLE`."""
 
 
 def test_measured_matmul_peak_is_below_the_datasheet(device, report):
-  from jaxtrain import bench
+  from jaxtrain.analysis import speed as bench
   from jaxtrain.parallel import devices
   m = bench.measure_peak(device)
   row = devices.lookup(device.device_kind)

@@ -1,0 +1,274 @@
+"""The train step's speed beside baselines, for `python -m jaxtrain.bench`: `Setup.step`
+compiled ahead of time, state donated, batches staged before timing; with baselines, R
+rounds alternate N steps of each side and each ratio is taken round by round."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from jaxtrain.analysis.timing import first_batches, stats, time_steps
+from jaxtrain.core.errors import UserError
+
+BASELINES = ("minimal", "torch")
+PEAK_SIZE = {"gpu": 8192, "tpu": 8192, "cpu": 1024}  # bf16 n x n x n matmul for --measure-peak
+
+
+def measure_peak(device, size: int | None = None, reps: int = 5) -> dict:
+  """Best bf16 matmul throughput of one device over a few timed repeats, FLOP/s."""
+  import jax
+  import jax.numpy as jnp
+  n = size or PEAK_SIZE.get(device.platform, 1024)
+  k1, k2 = jax.random.split(jax.random.key(0))
+  a = jax.device_put(jax.random.normal(k1, (n, n), jnp.bfloat16), device)
+  b = jax.device_put(jax.random.normal(k2, (n, n), jnp.bfloat16), device)
+  mm = jax.jit(lambda x, y: x @ y)
+  mm(a, b).block_until_ready()
+  inner = 10 if device.platform != "cpu" else 2
+  best = 0.0
+  for _ in range(reps):
+    t = time.perf_counter()
+    outs = [mm(a, b) for _ in range(inner)]
+    jax.block_until_ready(outs)
+    best = max(best, inner * 2 * n**3 / (time.perf_counter() - t))
+  return {"flops": best, "tflops": best / 1e12, "size": n, "dtype": "bfloat16"}
+
+
+def device_peak_memory(devices) -> int | None:
+  """Largest peak_bytes_in_use over the devices; None where the backend gives no stats (CPU)."""
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+  return max(peaks) if peaks and all(p is not None for p in peaks) else None
+
+
+class _Side:
+  """One trainer under test: dispatch/sync callables, compile time, timings."""
+
+  def __init__(self, name, run, sync, compile_s, devices, box):
+    self.name, self.run, self.sync, self.compile_s, self.devices = name, run, sync, compile_s, devices
+    self.box = box  # box["i"]: steps dispatched so far; step i trains on batch i % len(batches)
+    self.times: list[float] = []
+    self.tokens: list[int] = []
+    self.peak_memory, self.memory_note = None, ""
+    self.pipelined = True
+
+
+def jaxtrain_side(cfg, setup, batches):
+  import jax
+  state = setup.init()
+  dev = [setup.device_batch(b) for b in batches]
+  t = time.perf_counter()
+  compiled = setup.step.lower(state, dev[0]).compile()
+  compile_s = time.perf_counter() - t
+  box = {"state": state, "i": 0, "compiled": compiled}
+
+  def run():
+    box["state"], metrics = compiled(box["state"], dev[box["i"] % len(dev)])
+    box["i"] += 1
+    return metrics["loss"]
+  return _Side("jaxtrain", run, jax.block_until_ready, compile_s, list(setup.mesh.devices.flat), box)
+
+
+def minimal_side(cfg, params, batches, device):
+  import jax
+  import jax.numpy as jnp
+  from jaxtrain.analysis.baselines import minimal
+  b = minimal.Minimal(cfg)
+  state = b.init(params, device)
+  dev = [{k: jax.device_put(jnp.asarray(v), device) for k, v in x.items()} for x in batches]
+  t = time.perf_counter()
+  compiled = b.step.lower(state, dev[0]).compile()
+  compile_s = time.perf_counter() - t
+  box = {"state": state, "i": 0}
+
+  def run():
+    box["state"], loss = compiled(box["state"], dev[box["i"] % len(dev)])
+    box["i"] += 1
+    return loss
+  return _Side("minimal", run, jax.block_until_ready, compile_s, [device], box)
+
+
+def torch_side(cfg, params, batches, platform):
+  from jaxtrain.analysis.baselines import torch_model  # imports torch; only here
+  try:
+    b = torch_model.TorchBaseline(cfg, params, "cuda" if platform == "gpu" else "cpu")
+  except ValueError as e:
+    raise UserError(f"--baseline torch: {e}") from None
+  dev = [b.to_device(x) for x in batches]
+  box = {"i": 0}
+
+  def run():
+    loss = b.step(dev[box["i"] % len(dev)])
+    box["i"] += 1
+    return loss
+  # torch.compile compiles on the first call: that call's time is the compile time.
+  t = time.perf_counter()
+  run().item()
+  side = _Side("torch", run, lambda loss: loss.item(), time.perf_counter() - t, [], box)
+  side.torch_baseline, side.pipelined = b, b.device.type == "cuda"  # CPU torch runs each step eagerly
+  return side
+
+
+def summarize(side: _Side, flops_per_step: float, n_devices: int, peak: float | None, measured: float | None) -> dict:
+  per_dev = [flops_per_step / s / n_devices for s in side.times]
+  return {
+      "compile_s": side.compile_s,
+      "step_time_s": stats(side.times),
+      "tokens_per_s": stats([n / s for n, s in zip(side.tokens, side.times)]),
+      "tflops_per_device": stats([f / 1e12 for f in per_dev]),
+      "mfu": stats([f / peak for f in per_dev]) if peak else None,
+      "mfu_vs_measured_peak": stats([f / measured for f in per_dev]) if measured else None,
+      "peak_memory_bytes": side.peak_memory, "memory_note": side.memory_note, "devices": n_devices,
+  }
+
+
+def _progress(text: str) -> None:
+  print(f"bench: {text}", flush=True)  # long work gets a line, not a silent minute
+
+
+def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list[str], rounds: int,
+        measure: bool, breakdown: int = 0, trace_dir: Path | None = None, batches: list[dict] | None = None) -> dict:
+  """`batches`: numpy batches to cycle instead of jaxtrain.data's (e.g. synthetic tokens, tests/gpu)."""
+  import jax
+  import numpy as np
+  from jaxtrain.analysis import baselines as baselines_lib
+  from jaxtrain.analysis import costs
+  from jaxtrain.analysis import fit
+  from jaxtrain.model import flops
+  from jaxtrain.analysis import memory
+  from jaxtrain.parallel import mesh as mesh_lib
+  from jaxtrain.run import step as step_lib
+  setup = step_lib.Setup(cfg, mesh)
+  fit.check(setup, cfg.run.fit_check)
+  dev0 = mesh.devices.flat[0]
+  t = cfg.train
+  unpacked = "torch" in baselines  # SDPA's flash path masks causally only: every side gets unpacked rows
+  if batches is None:
+    batches = first_batches(cfg, setup, min(steps, 4), unpacked)
+  else:
+    unpacked = unpacked or all((b["segment_ids"] == b["segment_ids"][:, :1]).all() for b in batches)
+  valid = [int((b["loss_mask"] > 0).sum()) for b in batches]
+  flops_per_step = flops.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
+  peak = flops.peak_flops(dev0.device_kind)
+  measured = measure_peak(dev0) if measure else None
+
+  _progress(f"compiling the jaxtrain step ({config_name}, mesh {mesh_lib.describe(dict(mesh.shape))})")
+  sides = [jaxtrain_side(cfg, setup, batches)]
+  if baselines:
+    # The baselines start from jaxtrain's initial weights (fetched before any step donates them).
+    params0 = baselines_lib.layer_list(jax.device_get(setup.init()["params"]), cfg.model.n_layers)
+    for name in baselines:
+      _progress(f"compiling the {name} baseline")
+      sides.append(minimal_side(cfg, params0, batches, dev0) if name == "minimal"
+                   else torch_side(cfg, params0, batches, dev0.platform))
+  for side in sides:
+    for _ in range(warmup):
+      side.sync(side.run())
+  per_round: dict[str, list[float]] = {name: [] for name in baselines}
+  for r in range(rounds if baselines else 1):
+    _progress(f"timing round {r + 1}/{rounds if baselines else 1}: {steps} steps per side")
+    medians = {}
+    for side in sides:
+      first = side.box["i"]
+      times = time_steps(side.run, side.sync, steps, side.pipelined)
+      side.tokens += [valid[(first + i) % len(valid)] for i in range(steps)]
+      side.times += times
+      medians[side.name] = float(np.median(times))
+      if side.name == "jaxtrain" and r == 0:
+        # Before any baseline step: the device peak is jaxtrain's own.
+        side.peak_memory = device_peak_memory(side.devices)
+        side.memory_note = ("device.memory_stats() peak_bytes_in_use, max over devices" if side.peak_memory is not None
+                            else f"not reported by the {dev0.platform} backend")
+    for name in baselines:  # same batches: step-time ratio = tokens/s ratio
+      per_round[name].append(medians[name] / medians["jaxtrain"])
+  for side in sides[1:]:
+    if side.name == "torch":
+      side.peak_memory = side.torch_baseline.peak_memory()
+      side.memory_note = ("torch.cuda.max_memory_allocated()" if side.peak_memory is not None
+                          else "not reported for torch on CPU")
+    else:
+      side.memory_note = "not separable: shares the device (and its peak counter) with jaxtrain"
+
+  compiled = sides[0].box["compiled"]
+  eff = costs.efficiency(compiled, flops_per_step / mesh.size, sum(memory.state_bytes(setup).values()))
+  top = None
+  if breakdown:
+    def run_steps(n):
+      for _ in range(n):
+        sides[0].sync(sides[0].run())
+    top = costs.breakdown(run_steps, min(steps, 3), compiled.as_text(), breakdown, trace_dir)
+  mflops = measured and measured["flops"]
+  return {
+      "config": config_name, "mesh": mesh_lib.describe(dict(mesh.shape)), "devices": mesh.size,
+      "platform": dev0.platform, "device_kind": dev0.device_kind, "batch_size": t.batch_size, "seq_len": t.seq_len,
+      "compute_dtype": cfg.model.dtype, "batch": "one document per row" if unpacked else "packed",
+      "steps": steps, "warmup": warmup, "rounds": rounds if baselines else 1, "baselines": baselines,
+      "valid_tokens_per_step": stats(valid),
+      "flops_per_token": flops_per_step / (t.batch_size * t.seq_len), "flops_per_step": flops_per_step,
+      "flops_formula": "jaxtrain.model.flops.flops_per_token (as in jaxtrain.inspect)",
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      "peak_flops_per_device": peak, "peak_source": "jaxtrain.parallel.devices.TABLE" if peak else
+      f"unknown for device kind {dev0.device_kind!r}: MFU is null",
+      "measured_peak": measured,
+      "efficiency": eff,
+      "breakdown": top,
+      "jaxtrain": summarize(sides[0], flops_per_step, mesh.size, peak, mflops),
+      "baseline_results": {s.name: summarize(s, flops_per_step, 1, peak, mflops) for s in sides[1:]},
+      "ratios": {name: {**stats(q), "per_round": q,
+                        "meaning": f"jaxtrain tokens/s / {name} tokens/s, from the median step time of each round"}
+                 for name, q in per_round.items()},
+  }
+
+
+def _fmt(x, spec):
+  return "n/a" if x is None else format(x, spec)
+
+
+def table(rep: dict) -> str:
+  rows = [("jaxtrain", rep["jaxtrain"]), *rep["baseline_results"].items()]
+  L = [f"jaxtrain.bench: {rep['config']} on {rep['mesh']} ({rep['devices']} x {rep['device_kind']}), "
+       f"batch {rep['batch_size']} x {rep['seq_len']} ({rep['batch']}), {rep['compute_dtype']}, "
+       f"{rep['steps']} steps x {rep['rounds']} round(s)",
+       f"{'':<9} {'step ms: median [min..max]':<28} {'tokens/s':>11} {'TFLOP/s/dev':>11} {'MFU':>6} "
+       f"{'compile s':>9} {'peak mem':>10}"]
+  for name, r in rows:
+    st = r["step_time_s"]
+    mfu = r["mfu"]["median"] if r["mfu"] else None
+    mem = r["peak_memory_bytes"]
+    steps = f"{st['median'] * 1e3:.2f} [{st['min'] * 1e3:.2f}..{st['max'] * 1e3:.2f}]"
+    L.append(f"{name:<9} {steps:<28} {r['tokens_per_s']['median']:>11,.0f} {r['tflops_per_device']['median']:>11.4g} "
+             f"{_fmt(mfu, '.1%'):>6} {r['compile_s']:>9.1f} {'n/a' if mem is None else f'{mem / 2**30:.2f} GiB':>10}")
+  if rep["measured_peak"]:
+    m = rep["measured_peak"]
+    mfu = rep["jaxtrain"]["mfu_vs_measured_peak"]["median"]
+    L.append(f"measured bf16 matmul peak ({m['size']}^3): {m['tflops']:.4g} TFLOP/s per device; "
+             f"jaxtrain MFU against it {mfu:.1%}")
+  e = rep["efficiency"]
+  if e["compiled_over_model_flops"] is not None:
+    L.append(f"compiled program: {e['compiled_over_model_flops']:.3f}x the model FLOPs per device; bytes accessed "
+             f"{_fmt(e['bytes_accessed_over_state'], '.2f')}x the train state per device (XLA cost analysis)")
+  b = rep["breakdown"]
+  if b and b["available"]:
+    L.append(f"top ops of {b['steps']} traced step(s), {b['ops_ms_per_step']:.2f} ms of ops per step:")
+    for row in b["top"]:
+      L.append(f"  {row['share']:6.1%} {row['ms_per_step']:9.3f} ms  {row['op']:<28} {row['jax_op'][-90:]}")
+  elif b:
+    L.append(f"breakdown: not available ({b['why']})")
+  for name, q in rep["ratios"].items():
+    L.append(f"ratio jaxtrain/{name} tokens/s: {q['median']:.3f}x median over {q['n']} rounds "
+             f"[{q['min']:.3f}..{q['max']:.3f}]")
+  return "\n".join(L)
+
+
+def check_baseline(cfg, baseline: str) -> None:
+  """What the baselines implement: one device, no microbatches, bf16 or fp32 compute."""
+  if cfg.model.dtype not in ("bfloat16", "float32"):
+    raise UserError(f"--baseline {baseline}: model.dtype={cfg.model.dtype} is not supported (no loss scaling in "
+                    f"the baselines); use bfloat16 or float32")
+  if cfg.train.microbatches != 1:
+    raise UserError(f"--baseline {baseline}: train.microbatches={cfg.train.microbatches}; the baselines do not "
+                    f"accumulate, use train.microbatches=1")
+  if baseline == "torch":
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
+      raise UserError("--baseline torch needs PyTorch: pip install 'jaxtrain[bench]'")
