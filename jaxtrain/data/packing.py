@@ -1,12 +1,5 @@
-"""Packing a TokenSet into rows, addressable by row number (no hidden iterator state).
-
-Epoch e is the documents in a seed-determined order (a global shuffle, different every
-epoch), concatenated into one token stream of T tokens. Row r of the epoch is the
-window stream[r*L : r*L + L + 1] (L = seq_len): inputs are its first L tokens, targets
-its last L, so consecutive rows overlap by one token and every token of the epoch except
-the first is a target exactly once; none is dropped or repeated. A document longer than
-a row continues in the next row (its positions keep counting). The last row of an epoch
-is padded (segment id 0). Rows per epoch = ceil((T - 1) / L).
+"""A TokenSet packed into rows addressable by number, with no hidden iterator state: row r
+of epoch e is window r of the epoch's shuffled token stream (README, Data: Packing).
 """
 
 from __future__ import annotations
@@ -21,10 +14,7 @@ from jaxtrain.core.errors import UserError
 
 def fields_from_rows(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """Packed (N, seq_len+1) rows -> model inputs, targets, loss mask, segment ids, positions.
-
-  A target counts in the loss only when it continues the same document (segment id equal
-  and non-zero: never across a document boundary, never padding) and is trainable
-  (`tokens_trainable`, optional: false for prompt tokens of supervised data)."""
+  A target counts only within one document (never padding) and where trainable (not a prompt)."""
   tok, seg, pos = rows["tokens"], rows["tokens_segment_ids"], rows["tokens_positions"]
   valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
   if "tokens_trainable" in rows:
