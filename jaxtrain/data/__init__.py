@@ -3,8 +3,7 @@ batches, and the digests that identify data in checkpoints. It imports jaxtrain.
 jaxtrain.run.filecheck only, never a command module; __main__.py (the `data` command) may import cli.
 """
 
-from jaxtrain.data.packing import fields_from_rows
-from jaxtrain.data.pipeline import batches, eval_batches, source_digest, tokenizer_digest
+from jaxtrain.data.pipeline import batches, eval_batches, fields_from_rows, source_digest, tokenizer_digest
 from jaxtrain.data.readers import read_documents
 from jaxtrain.data.tokenizer import ByteTokenizer
 

@@ -1,7 +1,8 @@
 """The loader: sources -> packed rows -> a weighted mixture -> this process's slice of each batch.
 
-The global batch of step s is a pure function of (train.seed, the data config, s), so the iterator
-state is the step (plus per-source row counts, which make resuming O(1)) on any process count.
+Rows are addressable by number (no hidden iterator state): row r of epoch e is window r of the epoch's
+shuffled token stream. The global batch of step s is a pure function of (train.seed, the data config, s),
+so the iterator state is the step (plus per-source row counts: O(1) resume) on any process count.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import numpy as np
 
 from jaxtrain.core.config import Config
 from jaxtrain.data import readers, shards, tokenizer as tokenizer_lib
-from jaxtrain.data.packing import Packer, fields_from_rows
 from jaxtrain.core.errors import UserError
 from jaxtrain.core.files import sha256_file
 
@@ -62,6 +62,60 @@ def open_source(spec: str, cfg: Config, check_tokenizer: bool = True) -> tuple[s
     return _memo[key]
 
 
+def fields_from_rows(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Packed (N, seq_len+1) rows -> model inputs, targets, loss mask, segment ids, positions.
+  A target counts only within one document (never padding) and where trainable (not a prompt)."""
+  tok, seg, pos = rows["tokens"], rows["tokens_segment_ids"], rows["tokens_positions"]
+  valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
+  if "tokens_trainable" in rows:
+    valid &= rows["tokens_trainable"][:, 1:].astype(bool)
+  return {"inputs": tok[:, :-1].astype(np.int32), "targets": tok[:, 1:].astype(np.int32),
+          "loss_mask": valid.astype(np.int32), "segment_ids": seg[:, :-1].astype(np.int32),
+          "positions": pos[:, :-1].astype(np.int32)}
+
+
+class Packer:
+  """Rows of one TokenSet. `row(q)` for q = epoch * rows_per_epoch + r, safe from threads."""
+
+  def __init__(self, ts: shards.TokenSet, seq_len: int, seed: int, tag: int, pad_id: int = 0):
+    if ts.n_tokens < 2:
+      raise UserError(f"data source {ts.name!r} holds fewer than 2 tokens: nothing to train on")
+    self.ts, self.L, self.seed, self.tag, self.pad_id = ts, seq_len, seed, tag, pad_id
+    self.rows_per_epoch = -(-(ts.n_tokens - 1) // seq_len)
+    self._layouts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    self._lock = threading.Lock()
+
+  def layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """The epoch's document order and the stream offset of each (cumulative lengths)."""
+    with self._lock:
+      if epoch not in self._layouts:
+        order = np.random.default_rng([self.seed, self.tag, epoch]).permutation(self.ts.n_docs)
+        starts = np.concatenate([[0], np.cumsum(self.ts.lengths[order])])
+        if len(self._layouts) >= 2:  # keep the current epoch and the next
+          self._layouts.pop(min(self._layouts))
+        self._layouts[epoch] = (order, starts)
+      return self._layouts[epoch]
+
+  def row(self, q: int) -> dict[str, np.ndarray]:
+    """One packed row of L + 1 tokens with segment ids, positions and trainable flags."""
+    epoch, r = divmod(q, self.rows_per_epoch)
+    order, starts = self.layout(epoch)
+    a, n = r * self.L, self.L + 1
+    b = min(a + n, int(starts[-1]))
+    tok = np.full(n, self.pad_id, np.int32)
+    seg, pos, train = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool)
+    k = int(np.searchsorted(starts, a, side="right")) - 1
+    for segment in range(1, len(order) - k + 1):  # the documents overlapping [a, b), numbered from 1
+      if starts[k] >= b:
+        break
+      doc, train_from = self.ts.doc(order[k])
+      lo, hi = max(a, starts[k]) - starts[k], min(b, starts[k + 1]) - starts[k]
+      at = slice(starts[k] + lo - a, starts[k] + hi - a)
+      tok[at], seg[at], pos[at], train[at] = doc[lo:hi], segment, np.arange(lo, hi), np.arange(lo, hi) >= train_from
+      k += 1
+    return {"tokens": tok, "tokens_segment_ids": seg, "tokens_positions": pos, "tokens_trainable": train}
+
+
 def _split(ts: shards.TokenSet, fraction: float) -> tuple[shards.TokenSet, shards.TokenSet]:
   """(train, held-out): each document held out with probability `fraction` (fixed seed)."""
   held = np.random.default_rng(SPLIT_SEED).random(ts.n_docs) < fraction
@@ -95,8 +149,7 @@ def open_sources(cfg: Config, check_tokenizer: bool = True):
   vocab = max(v for _, _, v in sources)
   if cfg.model.vocab_size < vocab:
     raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab} ids")
-  train = [ts for ts, _, _ in sources]
-  held = None
+  train, held = [ts for ts, _, _ in sources], None
   if d.eval_source.strip():
     if d.eval_fraction > 0:
       raise UserError("set data.eval_source or data.eval_fraction, not both")
@@ -139,10 +192,6 @@ class Mixture:
           del self._counts[s]
       return c
 
-  def seed_counts(self, step: int, counts: list[int]) -> None:
-    with self._lock:
-      self._counts[step] = np.array(counts, np.int64)
-
   def batch(self, step: int, lo: int, hi: int) -> dict[str, np.ndarray]:
     """Rows lo..hi of the global batch of `step`."""
     ds = self.choices(step)
@@ -161,18 +210,15 @@ class DataIterator:
     self.mixture, self.lo, self.hi, self.workers, self.prefetch = mixture, lo, hi, workers, prefetch
     self.step, self._it = 0, None
 
-  def _start(self):
-    import grain
-    ds = grain.MapDataset.range(self.step, 1 << 62).map(lambda s: self.mixture.batch(s, self.lo, self.hi))
-    self._it = iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=self.workers,
-                                                         prefetch_buffer_size=self.prefetch)))
-
   def __iter__(self):
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    if self._it is None:
-      self._start()
+    if self._it is None:  # grain builds batches from self.step on in background threads
+      import grain
+      ds = grain.MapDataset.range(self.step, 1 << 62).map(lambda s: self.mixture.batch(s, self.lo, self.hi))
+      options = grain.ReadOptions(num_threads=self.workers, prefetch_buffer_size=self.prefetch)
+      self._it = iter(ds.to_iter_dataset(options))
     batch = next(self._it)
     self.step += 1
     return batch
@@ -187,9 +233,9 @@ class DataIterator:
     rows = state.get("rows_per_source")
     if rows is not None:
       if len(rows) != len(self.mixture.packers):
-        raise UserError(f"data iterator state has {len(rows)} sources but data.source has "
-                        f"{len(self.mixture.packers)}")
-      self.mixture.seed_counts(state["step"], rows)
+        raise UserError(f"data iterator state has {len(rows)} sources but data.source has {len(self.mixture.packers)}")
+      with self.mixture._lock:
+        self.mixture._counts[state["step"]] = np.array(rows, np.int64)
     self.close()
     self.step = state["step"]
 

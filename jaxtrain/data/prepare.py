@@ -55,11 +55,7 @@ def _documents(tok, records, supervised):
 
 def run_unit(job: dict, n: int, output: str, tok=None) -> dict:
   """Tokenizes unit n into shard n; returns the shard's meta (also written to shard-n.json)."""
-  tok = tok or _worker_tok
-  unit = job["units"][n]
-  src = job["sources"][unit[0]]
-  out = Path(output)
-  bad: list[str] = []
+  tok, unit, out, bad = tok or _worker_tok, job["units"][n], Path(output), []
 
   def on_bad(err):
     bad.append(str(err))
@@ -67,7 +63,7 @@ def run_unit(job: dict, n: int, output: str, tok=None) -> dict:
       raise UserError(f"{err} (more than --max-bad-records={job['max_bad_records']} bad records)")
 
   supervised = "prompt" in job["fields"]
-  records = readers.read_unit(Path(src["path"]), unit[1], unit[2], job["fields"], on_bad)
+  records = readers.read_unit(Path(job["sources"][unit[0]]["path"]), unit[1], unit[2], job["fields"], on_bad)
   # Texts are kept byte for byte; only all-whitespace documents are dropped (and counted).
   nonempty = [r for r in records if ((r[0].strip() or r[1].strip()) if supervised else r.strip())]
   docs, train_from = _documents(tok, nonempty, supervised)

@@ -63,9 +63,8 @@ def plan_units(path: Path, unit_bytes: int) -> list[tuple[int, int]]:
   with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
     while start < total:
       cut = mm.find(sep, min(start + unit_bytes, total))
-      end = total if cut < 0 else cut + len(sep)
-      units.append((start, end))
-      start = end
+      units.append((start, total if cut < 0 else cut + len(sep)))
+      start = units[-1][1]
   return units
 
 
@@ -98,8 +97,7 @@ def read_unit(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
     line = line0[0] + blob.count(b"\n", 0, offset)
     return f"{path}:{line}"
 
-  out, pos = [], 0
-  sep = SEPARATOR[fmt]
+  out, pos, sep = [], 0, SEPARATOR[fmt]
   for piece in blob.split(sep):
     here, pos = pos, pos + len(piece) + len(sep)
     if not piece.strip():

@@ -21,9 +21,8 @@ class ByteTokenizer:
   """UTF-8 bytes shifted past three specials: PAD=0, BOS=1, EOS=2."""
 
   PAD, BOS, EOS, OFFSET = 0, 1, 2, 3
-  vocab_size = 256 + OFFSET
+  spec, vocab_size = "byte", 256 + OFFSET
   digest = hashlib.sha256(b"jaxtrain-byte-tokenizer-v1").hexdigest()[:16]
-  spec = "byte"
   bos_id, eos_id, pad_id = BOS, EOS, PAD
 
   def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
