@@ -1,7 +1,6 @@
 """Data: tokenizers, `prepare` (token shards + manifest), packing, the host-sharded grain loader, eval
 batches, and the digests that identify data in checkpoints. It imports jaxtrain.core and
-jaxtrain.run.filecheck only, never a command module; __main__.py (the `data` command) may import cli.
-"""
+jaxtrain.run.filecheck only, never a command module; __main__.py (the `data` command) may import cli."""
 
 from jaxtrain.data.pipeline import batches, eval_batches, fields_from_rows, source_digest, tokenizer_digest
 from jaxtrain.data.readers import read_documents

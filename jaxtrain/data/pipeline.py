@@ -1,9 +1,6 @@
 """The loader: sources -> packed rows -> a weighted mixture -> this process's slice of each batch.
-
-Rows are addressable by number (no hidden iterator state): row r of epoch e is window r of the epoch's
-shuffled token stream. The global batch of step s is a pure function of (train.seed, the data config, s),
-so the iterator state is the step (plus per-source row counts: O(1) resume) on any process count.
-"""
+Rows are addressable by number and the global batch of step s is a pure function of (train.seed, the
+data config, s), so the iterator state is the step (plus per-source row counts) on any process count."""
 
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ def _raw_path(spec: str) -> Path:
   return BUNDLED if spec == "bundled" else Path(spec)
 
 
-_memo: dict[tuple, tuple] = {}
-_lock = threading.Lock()
+_memo, _lock = {}, threading.Lock()  # raw files tokenized in memory, by path, content, tokenizer, field
 
 
 def open_source(spec: str, cfg: Config, check_tokenizer: bool = True) -> tuple[shards.TokenSet, int, int]:
@@ -82,8 +78,7 @@ class Packer:
       raise UserError(f"data source {ts.name!r} holds fewer than 2 tokens: nothing to train on")
     self.ts, self.L, self.seed, self.tag, self.pad_id = ts, seq_len, seed, tag, pad_id
     self.rows_per_epoch = -(-(ts.n_tokens - 1) // seq_len)
-    self._layouts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    self._lock = threading.Lock()
+    self._layouts, self._lock = {}, threading.Lock()  # epoch -> (order, starts)
 
   def layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """The epoch's document order and the stream offset of each (cumulative lengths)."""
@@ -141,8 +136,7 @@ def _weights(cfg: Config, sets: list[shards.TokenSet]) -> np.ndarray:
 
 def open_sources(cfg: Config, check_tokenizer: bool = True):
   """(train TokenSets, eval TokenSets or None, pad id), after every user-facing check."""
-  d = cfg.data
-  specs = source_specs(d.source)
+  d, specs = cfg.data, source_specs(cfg.data.source)
   if not specs:
     raise UserError("data.source is empty; use 'bundled', a prepared directory, or a file")
   sources = [open_source(s, cfg, check_tokenizer) for s in specs]
@@ -167,8 +161,7 @@ class Mixture:
   def __init__(self, cfg: Config, sets: list[shards.TokenSet], seed: int, pad_id: int):
     self.cum_weights, self.seed, self.B = np.cumsum(_weights(cfg, sets)), seed, cfg.train.batch_size
     self.packers = [Packer(ts, cfg.train.seq_len, seed, tag, pad_id) for tag, ts in enumerate(sets)]
-    self._counts = {0: np.zeros(len(sets), np.int64)}  # rows taken from each dataset before step s
-    self._lock = threading.Lock()
+    self._counts, self._lock = {0: np.zeros(len(sets), np.int64)}, threading.Lock()  # step -> rows taken before
 
   def choices(self, step: int) -> np.ndarray:
     if len(self.packers) == 1:

@@ -1,7 +1,5 @@
-"""`python -m jaxtrain.data prepare`: raw corpora -> token shards + manifest, one shard per work unit
-in worker processes. A shard is saved under temporary names, renamed, then marked complete by its
-.json, so a re-run of the same job skips complete shards (resume).
-"""
+"""`python -m jaxtrain.data prepare`: raw corpora -> token shards + manifest, one shard per work unit in
+worker processes; a shard's .json, written last, marks it complete, so a re-run skips it (resume)."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ from jaxtrain.data import readers, shards, tokenizer as tokenizer_lib
 from jaxtrain.core.errors import UserError
 from jaxtrain.core.files import sha256_file, write_json_atomic
 
-JOB = "prepare.json"
-_worker_tok = None
+JOB, _worker_tok = "prepare.json", None
 
 
 def _save(directory: Path, name: str, array: np.ndarray) -> dict:
@@ -29,28 +26,13 @@ def _save(directory: Path, name: str, array: np.ndarray) -> dict:
   with open(tmp, "wb") as f:
     np.save(f, array)
   os.replace(tmp, directory / name)
-  return {"name": name, "bytes": (directory / name).stat().st_size,
-          "sha256": sha256_file(directory / name)}
+  return {"name": name, "bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
 
 
 def _init_worker(spec, bos, eos):
   global _worker_tok
   os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already: no extra tokenizer threads
   _worker_tok = tokenizer_lib.load(spec, bos, eos)
-
-
-def _documents(tok, records, supervised):
-  """Tokenized documents ([BOS] body EOS) and the index of each one's first trainable token."""
-  head = 0 if tok.bos_id is None else 1
-  if supervised:
-    prompts = tok.encode_batch([p for p, _ in records])
-    completions = tok.encode_batch([c for _, c in records])
-    docs = [tokenizer_lib.frame(tok, p, c) for p, c in zip(prompts, completions)]
-    train_from = [max(1, head + len(p)) for p in prompts]
-  else:
-    docs = [tokenizer_lib.frame(tok, b) for b in tok.encode_batch(records)]
-    train_from = [1] * len(docs)
-  return docs, train_from
 
 
 def run_unit(job: dict, n: int, output: str, tok=None) -> dict:
@@ -62,11 +44,13 @@ def run_unit(job: dict, n: int, output: str, tok=None) -> dict:
     if len(bad) > job["max_bad_records"]:
       raise UserError(f"{err} (more than --max-bad-records={job['max_bad_records']} bad records)")
 
-  supervised = "prompt" in job["fields"]
   records = readers.read_unit(Path(job["sources"][unit[0]]["path"]), unit[1], unit[2], job["fields"], on_bad)
-  # Texts are kept byte for byte; only all-whitespace documents are dropped (and counted).
-  nonempty = [r for r in records if ((r[0].strip() or r[1].strip()) if supervised else r.strip())]
-  docs, train_from = _documents(tok, nonempty, supervised)
+  # A text is an empty prompt + a completion. Texts are kept byte for byte; all-whitespace ones are dropped.
+  pairs = [r if "prompt" in job["fields"] else ("", r) for r in records]
+  nonempty = [(p, c) for p, c in pairs if p.strip() or c.strip()]
+  prompts = tok.encode_batch([p for p, _ in nonempty])
+  docs = [tokenizer_lib.frame(tok, p, c) for p, c in zip(prompts, tok.encode_batch([c for _, c in nonempty]))]
+  train_from = [max(1, len(p) + (tok.bos_id is not None)) for p in prompts]  # BOS is never a target
   tokens, index = shards.concat(docs, train_from)
   lengths, names = index[:, 1], shards.shard_files(n)
   meta = {
@@ -142,7 +126,8 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
   bar = tqdm.tqdm(total=len(units), desc="prepare", disable=not progress, file=sys.stderr,
                   bar_format="{desc} [{bar:30}] {n}/{total} shards  {postfix}  [{elapsed}<{remaining}]")
 
-  def advance(n):
+  def done(n, meta):
+    metas[n] = meta
     done_mb[0] += units[n][3] / 2**20
     bar.set_postfix_str(f"{done_mb[0]:.1f}/{done_mb[1]:.1f} MB", refresh=False)
     bar.update(1)
@@ -150,13 +135,11 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
     if (meta := _finished(out, n, unit)) is None:
       todo.append(n)
     else:
-      metas[n] = meta
-      advance(n)
+      done(n, meta)
   t0 = time.perf_counter()
   if workers <= 1 or len(todo) <= 1:
     for n in todo:
-      metas[n] = run_unit(job, n, output, tok)
-      advance(n)
+      done(n, run_unit(job, n, output, tok))
   else:
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold JAX or tokenizer threads
     with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
@@ -164,8 +147,7 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
       futures = {pool.submit(run_unit, job, n, output): n for n in todo}
       try:
         for fut in cf.as_completed(futures):
-          metas[futures[fut]] = fut.result()
-          advance(futures[fut])
+          done(futures[fut], fut.result())
       except BaseException:
         pool.shutdown(cancel_futures=True)
         raise
@@ -188,10 +170,8 @@ def _manifest(job: dict, metas: dict[int, dict], out: Path) -> dict:
     raise UserError(f"the inputs ({', '.join(s['path'] for s in job['sources'])}) hold no documents: an empty corpus")
   manifest = {
       "format": shards.FORMAT, "tokenizer": job["tokenizer"], "dtype": job["dtype"],
-      "kind": "supervised" if "prompt" in job["fields"] else "text", "fields": job["fields"],
-      "sources": job["sources"],
-      "documents": sum(m["documents"] for m in kept), "tokens": sum(m["tokens"] for m in kept),
-      "trainable_tokens": sum(m["trainable_tokens"] for m in kept),
+      "kind": "supervised" if "prompt" in job["fields"] else "text", "fields": job["fields"], "sources": job["sources"],
+      **{k: sum(m[k] for m in kept) for k in ("documents", "tokens", "trainable_tokens")},
       "skipped": {"bad_records": len(bad), "empty_documents": sum(m["empty_documents"] for m in ordered),
                   "examples": bad[:20]},
       "shards": [{k: m[k] for k in ("documents", "tokens", "trainable_tokens", "files")} for m in kept],

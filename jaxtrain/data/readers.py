@@ -1,6 +1,5 @@
 """Raw corpora (.txt, .jsonl, .parquet) read in work units: byte ranges cut at record
-boundaries, or ranges of Parquet row groups. Bad records are reported with file and line or row.
-"""
+boundaries, or ranges of Parquet row groups. Bad records are reported with file and line or row."""
 
 from __future__ import annotations
 
@@ -58,8 +57,7 @@ def plan_units(path: Path, unit_bytes: int) -> list[tuple[int, int]]:
   total = path.stat().st_size
   if total == 0:
     return []
-  sep = SEPARATOR[fmt]
-  units, start = [], 0
+  sep, units, start = SEPARATOR[fmt], [], 0
   with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
     while start < total:
       cut = mm.find(sep, min(start + unit_bytes, total))
@@ -94,8 +92,7 @@ def read_unit(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
     if not line0:
       with open(path, "rb") as f:
         line0.append(f.read(start).count(b"\n") + 1)
-    line = line0[0] + blob.count(b"\n", 0, offset)
-    return f"{path}:{line}"
+    return f"{path}:" + str(line0[0] + blob.count(b"\n", 0, offset))
 
   out, pos, sep = [], 0, SEPARATOR[fmt]
   for piece in blob.split(sep):
@@ -125,13 +122,11 @@ def read_unit(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
 def _read_parquet(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
   pf = parquet_file(path)
   names = list(fields.values())
-  missing = [n for n in names if n not in pf.schema_arrow.names]
-  if missing:
+  if missing := [n for n in names if n not in pf.schema_arrow.names]:
     raise UserError(f"input {str(path)!r} has no column {missing[0]!r}; columns: {', '.join(pf.schema_arrow.names)}")
   first_row = sum(pf.metadata.row_group(g).num_rows for g in range(start))
   table = pf.read_row_groups(list(range(start, end)), columns=names)
-  cols = {n: table.column(n).to_pylist() for n in names}
-  out = []
+  cols, out = {n: table.column(n).to_pylist() for n in names}, []
   for i in range(table.num_rows):
     where = lambda: f"{path} row {first_row + i + 1}"  # noqa: E731
     try:

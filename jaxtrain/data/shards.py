@@ -1,6 +1,5 @@
 """The prepared-data format: a directory of memory-mapped .npy token shards plus manifest.json
-(layout in README, Data: Prepared format). A TokenSet indexes documents as slices of token arrays.
-"""
+(layout in README, Data: Prepared format). A TokenSet indexes documents as slices of token arrays."""
 
 from __future__ import annotations
 
@@ -75,8 +74,7 @@ def problem(directory: Path, entry: dict, verify: bool) -> str | None:
   return None
 
 
-_opened: dict[tuple, TokenSet] = {}
-_lock = threading.Lock()
+_opened, _lock = {}, threading.Lock()  # verified datasets, by manifest and shard files' stat
 
 
 def open_prepared(directory: Path, verify: bool = True) -> tuple[TokenSet, dict]:
@@ -92,8 +90,8 @@ def open_prepared(directory: Path, verify: bool = True) -> tuple[TokenSet, dict]
       return _opened[key], manifest
   if verify and filecheck.processes()[0] > 1:
     # Several processes: each hashes its share of the shards and all stop on the same one.
-    first = filecheck.first_problem([e["bytes"] for e in entries], lambda i: problem(directory, entries[i], True))
-    if first is not None:
+    if (first := filecheck.first_problem([e["bytes"] for e in entries],
+                                         lambda i: problem(directory, entries[i], True))) is not None:
       raise UserError(first)
     verify = False  # what is left below is the cheap size check
   arrays, parts = [], []

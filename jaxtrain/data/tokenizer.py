@@ -1,7 +1,5 @@
 """Tokenizers named by a spec: "byte" (built in) or a path to a local Hugging Face tokenizer.json.
-
-A digest (16 hex chars) identifies the tokenizer in manifests and checkpoints.
-"""
+A digest (16 hex chars) identifies the tokenizer in manifests and checkpoints."""
 
 from __future__ import annotations
 
