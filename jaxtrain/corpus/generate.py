@@ -1,9 +1,5 @@
-"""Writes bundled.jsonl: a small synthetic English corpus, generated here, nothing downloaded.
-
-Documents vary in length (a line to a few paragraphs) so packing has work to do, and
-have enough structure (templates, counting, arithmetic) that a tiny model's loss falls.
-Run `python -m jaxtrain.corpus.generate` to regenerate; the output is deterministic.
-"""
+"""Regenerates bundled.jsonl (`python -m jaxtrain.corpus.generate`, deterministic): synthetic documents
+of varied length with enough structure that a tiny model's loss falls. Not used by the library."""
 
 import json
 import random
@@ -22,10 +18,8 @@ NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight
 
 
 def town(r: random.Random) -> str:
-  name, trade = r.choice(TOWNS), r.choice(TRADES)
-  river, season = r.choice(RIVERS), r.choice(SEASONS)
-  people = r.randrange(200, 9000, 50)
-  lines = [f"{name} is a town on {river}. About {people} people live there.",
+  name, trade, river, season = r.choice(TOWNS), r.choice(TRADES), r.choice(RIVERS), r.choice(SEASONS)
+  lines = [f"{name} is a town on {river}. About {r.randrange(200, 9000, 50)} people live there.",
            f"Most of the town are {trade}, and in {season} they sell {GOODS[trade]} at the market."]
   for _ in range(r.randrange(0, 6)):
     other = r.choice(TRADES)
@@ -46,24 +40,18 @@ def story(r: random.Random) -> str:
 
 
 def counting(r: random.Random) -> str:
-  start = r.randrange(0, 50)
-  step = r.randrange(1, 6)
-  seq = [str(start + i * step) for i in range(r.randrange(5, 40))]
-  return f"Counting by {step} from {start}: " + ", ".join(seq) + "."
+  start, step = r.randrange(0, 50), r.randrange(1, 6)
+  seq = ", ".join(str(start + i * step) for i in range(r.randrange(5, 40)))
+  return f"Counting by {step} from {start}: {seq}."
 
 
 def arithmetic(r: random.Random) -> str:
-  rows = []
-  for _ in range(r.randrange(1, 12)):
-    x, y = r.randrange(0, 100), r.randrange(0, 100)
-    rows.append(f"{x} + {y} = {x + y}.")
-  return " ".join(rows)
+  pairs = [(r.randrange(0, 100), r.randrange(0, 100)) for _ in range(r.randrange(1, 12))]
+  return " ".join(f"{x} + {y} = {x + y}." for x, y in pairs)
 
 
 def main(n_docs: int = 2000, seed: int = 1234) -> None:
-  r = random.Random(seed)
-  kinds = [town, story, counting, arithmetic]
-  out = Path(__file__).with_name("bundled.jsonl")
+  r, kinds, out = random.Random(seed), [town, story, counting, arithmetic], Path(__file__).with_name("bundled.jsonl")
   with out.open("w") as f:
     for i in range(n_docs):
       text = "\n\n".join(r.choice(kinds)(r) for _ in range(r.choice([1, 1, 1, 2, 3])))

@@ -1,17 +1,10 @@
-"""Data: tokenizers, prepared token shards, packing, the host-sharded grain loader, eval.
+"""Data: tokenizers, `prepare` (token shards + manifest), packing, the host-sharded grain loader, eval
+batches, and the digests that identify data in checkpoints. It imports jaxtrain.core and
+jaxtrain.run.filecheck only, never a command module; __main__.py (the `data` command) may import cli."""
 
-    from jaxtrain import data
-    it = data.batches(cfg, block, blocks)   # next(it), get_state(), set_state(), close()
-    # (block, blocks): which rows of each global batch this process feeds (placement.Placement.rows())
-    data.eval_batches(cfg, ...), data.source_digest(cfg), data.tokenizer_digest(cfg)
-
-`python -m jaxtrain.data prepare|bench` is the CLI (see __main__.py).
-"""
-
-from jaxtrain.data.packing import fields_from_rows
-from jaxtrain.data.pipeline import BUNDLED, batches, eval_batches, source_digest, tokenizer_digest
+from jaxtrain.data.pipeline import batches, eval_batches, fields_from_rows, source_digest, tokenizer_digest
 from jaxtrain.data.readers import read_documents
 from jaxtrain.data.tokenizer import ByteTokenizer
 
-__all__ = ["BUNDLED", "ByteTokenizer", "batches", "eval_batches", "fields_from_rows", "read_documents",
+__all__ = ["ByteTokenizer", "batches", "eval_batches", "fields_from_rows", "read_documents",
            "source_digest", "tokenizer_digest"]

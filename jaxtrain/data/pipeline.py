@@ -1,25 +1,19 @@
-"""The loader: sources -> packed rows -> a weighted mixture -> this process's batch slice.
-
-The global batch of step s is a pure function of (train.seed, the data config, s): row j
-of it comes from dataset c_j (drawn with the mixture weights from an RNG keyed by
-(seed, s)), and is that dataset's next unused row (Packer.row). Every process computes
-the same plan and loads only its own rows, so the iterator state is just the step (plus
-the per-dataset row counts at that step, which make resuming O(1)); it means the same
-on any number of processes. grain runs the batch builder in background threads and
-prefetches (data.workers, data.prefetch).
-"""
+"""The loader: sources -> packed rows -> a weighted mixture -> this process's slice of each batch.
+Rows are addressable by number and the global batch of step s is a pure function of (train.seed, the
+data config, s), so the iterator state is the step (plus per-source row counts) on any process count."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 
 from jaxtrain.core.config import Config
 from jaxtrain.data import readers, shards, tokenizer as tokenizer_lib
-from jaxtrain.data.packing import Packer, fields_from_rows
 from jaxtrain.core.errors import UserError
 from jaxtrain.core.files import sha256_file
 
@@ -37,38 +31,84 @@ def _raw_path(spec: str) -> Path:
   return BUNDLED if spec == "bundled" else Path(spec)
 
 
-class Source:
-  """One opened data source: its documents and the tokenizer facts they were made with."""
+_memo, _lock = {}, threading.Lock()  # raw files tokenized in memory, by path, content, tokenizer, field
 
-  _memo: dict[tuple, "Source"] = {}
-  _lock = threading.Lock()
 
-  def __init__(self, tokens: shards.TokenSet, pad_id: int, vocab_size: int):
-    self.tokens, self.pad_id, self.vocab_size = tokens, pad_id, vocab_size
+def open_source(spec: str, cfg: Config, check_tokenizer: bool = True) -> tuple[shards.TokenSet, int, int]:
+  """One data source: (its documents, pad id, vocab size of the tokenizer that made them)."""
+  path, want = _raw_path(spec), cfg.data.tokenizer
+  if path.is_dir():
+    ts, manifest = shards.open_prepared(path, cfg.data.verify)
+    tok = manifest["tokenizer"]
+    if check_tokenizer and tok["digest"] != tokenizer_lib.digest_of(want):
+      raise UserError(f"{spec!r} was prepared with tokenizer {tok['spec']!r} (digest {tok['digest']}) but "
+                      f"data.tokenizer={want!r} has digest {tokenizer_lib.digest_of(want)}")
+    return ts, tok["pad_id"], tok["vocab_size"]
+  if not path.is_file():
+    raise UserError(f"data source {spec!r} does not exist; use 'bundled', a prepared directory, "
+                    f"or a .txt, .jsonl or .parquet file")
+  # A raw file is tokenized in memory with data.tokenizer (fine for small corpora).
+  key = (str(path.resolve()), sha256_file(path), want, cfg.data.text_field)
+  with _lock:
+    if key not in _memo:
+      tok = tokenizer_lib.load(want)
+      bodies = tok.encode_batch(readers.read_documents(str(path), cfg.data.text_field))
+      docs = [tokenizer_lib.frame(tok, b) for b in bodies]
+      _memo[key] = shards.in_memory(docs, spec), tok.pad_id, tok.vocab_size
+    return _memo[key]
 
-  @classmethod
-  def open(cls, spec: str, cfg: Config, check_tokenizer: bool = True) -> "Source":
-    path, want = _raw_path(spec), cfg.data.tokenizer
-    if path.is_dir():
-      ts, manifest = shards.open_prepared(path, cfg.data.verify)
-      tok = manifest["tokenizer"]
-      if check_tokenizer and tok["digest"] != tokenizer_lib.digest_of(want):
-        raise UserError(f"{spec!r} was prepared with tokenizer {tok['spec']!r} (digest {tok['digest']}) but "
-                        f"data.tokenizer={want!r} has digest {tokenizer_lib.digest_of(want)}")
-      return cls(ts, tok["pad_id"], tok["vocab_size"])
-    if not path.is_file():
-      raise UserError(f"data source {spec!r} does not exist; use 'bundled', a prepared directory, "
-                      f"or a .txt, .jsonl or .parquet file")
-    # A raw file is tokenized in memory with data.tokenizer (fine for small corpora).
-    key = (str(path.resolve()), sha256_file(path), want, cfg.data.text_field)
-    with cls._lock:
-      if key not in cls._memo:
-        tok = tokenizer_lib.load(want)
-        docs = readers.read_documents(str(path), cfg.data.text_field)
-        head = [] if tok.bos_id is None else [tok.bos_id]
-        ids = [np.concatenate([head, b, [tok.eos_id]]) for b in tok.encode_batch(docs)]
-        cls._memo[key] = cls(shards.in_memory(ids, spec), tok.pad_id, tok.vocab_size)
-      return cls._memo[key]
+
+def fields_from_rows(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Packed (N, seq_len+1) rows -> model inputs, targets, loss mask, segment ids, positions.
+  A target counts only within one document (never padding) and where trainable (not a prompt)."""
+  tok, seg, pos = rows["tokens"], rows["tokens_segment_ids"], rows["tokens_positions"]
+  valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
+  if "tokens_trainable" in rows:
+    valid &= rows["tokens_trainable"][:, 1:].astype(bool)
+  return {"inputs": tok[:, :-1].astype(np.int32), "targets": tok[:, 1:].astype(np.int32),
+          "loss_mask": valid.astype(np.int32), "segment_ids": seg[:, :-1].astype(np.int32),
+          "positions": pos[:, :-1].astype(np.int32)}
+
+
+class Packer:
+  """Rows of one TokenSet. `row(q)` for q = epoch * rows_per_epoch + r, safe from threads."""
+
+  def __init__(self, ts: shards.TokenSet, seq_len: int, seed: int, tag: int, pad_id: int = 0):
+    if ts.n_tokens < 2:
+      raise UserError(f"data source {ts.name!r} holds fewer than 2 tokens: nothing to train on")
+    self.ts, self.L, self.seed, self.tag, self.pad_id = ts, seq_len, seed, tag, pad_id
+    self.rows_per_epoch = -(-(ts.n_tokens - 1) // seq_len)
+    self._layouts, self._lock = {}, threading.Lock()  # epoch -> (order, starts)
+
+  def layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """The epoch's document order and the stream offset of each (cumulative lengths)."""
+    with self._lock:
+      if epoch not in self._layouts:
+        order = np.random.default_rng([self.seed, self.tag, epoch]).permutation(self.ts.n_docs)
+        starts = np.concatenate([[0], np.cumsum(self.ts.lengths[order])])
+        if len(self._layouts) >= 2:  # keep the current epoch and the next
+          self._layouts.pop(min(self._layouts))
+        self._layouts[epoch] = (order, starts)
+      return self._layouts[epoch]
+
+  def row(self, q: int) -> dict[str, np.ndarray]:
+    """One packed row of L + 1 tokens with segment ids, positions and trainable flags."""
+    epoch, r = divmod(q, self.rows_per_epoch)
+    order, starts = self.layout(epoch)
+    a, n = r * self.L, self.L + 1
+    b = min(a + n, int(starts[-1]))
+    tok = np.full(n, self.pad_id, np.int32)
+    seg, pos, train = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool)
+    k = int(np.searchsorted(starts, a, side="right")) - 1
+    for segment in range(1, len(order) - k + 1):  # the documents overlapping [a, b), numbered from 1
+      if starts[k] >= b:
+        break
+      doc, train_from = self.ts.doc(order[k])
+      lo, hi = max(a, starts[k]) - starts[k], min(b, starts[k + 1]) - starts[k]
+      at = slice(starts[k] + lo - a, starts[k] + hi - a)
+      tok[at], seg[at], pos[at], train[at] = doc[lo:hi], segment, np.arange(lo, hi), np.arange(lo, hi) >= train_from
+      k += 1
+    return {"tokens": tok, "tokens_segment_ids": seg, "tokens_positions": pos, "tokens_trainable": train}
 
 
 def _split(ts: shards.TokenSet, fraction: float) -> tuple[shards.TokenSet, shards.TokenSet]:
@@ -77,7 +117,7 @@ def _split(ts: shards.TokenSet, fraction: float) -> tuple[shards.TokenSet, shard
   if held.all() or not held.any():
     raise UserError(f"data.eval_fraction={fraction} holds out {int(held.sum())} of the {ts.n_docs} documents of "
                     f"{ts.name!r}; it must leave at least one on each side")
-  return ts.subset(~held), ts.subset(held)
+  return shards.TokenSet(ts.arrays, ts.index[~held], ts.name), shards.TokenSet(ts.arrays, ts.index[held], ts.name)
 
 
 def _weights(cfg: Config, sets: list[shards.TokenSet]) -> np.ndarray:
@@ -96,36 +136,32 @@ def _weights(cfg: Config, sets: list[shards.TokenSet]) -> np.ndarray:
 
 def open_sources(cfg: Config, check_tokenizer: bool = True):
   """(train TokenSets, eval TokenSets or None, pad id), after every user-facing check."""
-  d = cfg.data
-  specs = source_specs(d.source)
+  d, specs = cfg.data, source_specs(cfg.data.source)
   if not specs:
     raise UserError("data.source is empty; use 'bundled', a prepared directory, or a file")
-  sources = [Source.open(s, cfg, check_tokenizer) for s in specs]
-  vocab = max(s.vocab_size for s in sources)
+  sources = [open_source(s, cfg, check_tokenizer) for s in specs]
+  vocab = max(v for _, _, v in sources)
   if cfg.model.vocab_size < vocab:
     raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab} ids")
-  train = [s.tokens for s in sources]
-  held = None
+  train, held = [ts for ts, _, _ in sources], None
   if d.eval_source.strip():
     if d.eval_fraction > 0:
       raise UserError("set data.eval_source or data.eval_fraction, not both")
-    held = [Source.open(s, cfg, check_tokenizer).tokens for s in source_specs(d.eval_source)]
+    held = [open_source(s, cfg, check_tokenizer)[0] for s in source_specs(d.eval_source)]
   elif d.eval_fraction > 0:
     if d.eval_fraction >= 1:
       raise UserError(f"data.eval_fraction={d.eval_fraction} must be below 1")
     train, held = map(list, zip(*[_split(ts, d.eval_fraction) for ts in train]))
-  return train, held, sources[0].pad_id
+  return train, held, sources[0][1]
 
 
 class Mixture:
   """The global batch plan: for step s, which dataset and row each of the B rows is."""
 
-  def __init__(self, sets, weights, seed: int, seq_len: int, batch_size: int, pad_id: int):
-    self.packers = [Packer(ts, seq_len, seed, tag, pad_id) for tag, ts in enumerate(sets)]
-    self.cum_weights = np.cumsum(weights)
-    self.seed, self.B = seed, batch_size
-    self._counts = {0: np.zeros(len(sets), np.int64)}  # rows taken from each dataset before step s
-    self._lock = threading.Lock()
+  def __init__(self, cfg: Config, sets: list[shards.TokenSet], seed: int, pad_id: int):
+    self.cum_weights, self.seed, self.B = np.cumsum(_weights(cfg, sets)), seed, cfg.train.batch_size
+    self.packers = [Packer(ts, cfg.train.seq_len, seed, tag, pad_id) for tag, ts in enumerate(sets)]
+    self._counts, self._lock = {0: np.zeros(len(sets), np.int64)}, threading.Lock()  # step -> rows taken before
 
   def choices(self, step: int) -> np.ndarray:
     if len(self.packers) == 1:
@@ -149,10 +185,6 @@ class Mixture:
           del self._counts[s]
       return c
 
-  def seed_counts(self, step: int, counts: list[int]) -> None:
-    with self._lock:
-      self._counts[step] = np.array(counts, np.int64)
-
   def batch(self, step: int, lo: int, hi: int) -> dict[str, np.ndarray]:
     """Rows lo..hi of the global batch of `step`."""
     ds = self.choices(step)
@@ -168,22 +200,18 @@ class DataIterator:
   """This process's slice of each global batch. State: {"step", "rows_per_source"}."""
 
   def __init__(self, mixture: Mixture, lo: int, hi: int, workers: int, prefetch: int):
-    self.mixture, self.lo, self.hi = mixture, lo, hi
-    self.workers, self.prefetch = workers, prefetch
+    self.mixture, self.lo, self.hi, self.workers, self.prefetch = mixture, lo, hi, workers, prefetch
     self.step, self._it = 0, None
-
-  def _start(self):
-    import grain
-    ds = grain.MapDataset.range(self.step, 1 << 62).map(lambda s: self.mixture.batch(s, self.lo, self.hi))
-    self._it = iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=self.workers,
-                                                         prefetch_buffer_size=self.prefetch)))
 
   def __iter__(self):
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    if self._it is None:
-      self._start()
+    if self._it is None:  # grain builds batches from self.step on in background threads
+      import grain
+      ds = grain.MapDataset.range(self.step, 1 << 62).map(lambda s: self.mixture.batch(s, self.lo, self.hi))
+      options = grain.ReadOptions(num_threads=self.workers, prefetch_buffer_size=self.prefetch)
+      self._it = iter(ds.to_iter_dataset(options))
     batch = next(self._it)
     self.step += 1
     return batch
@@ -198,23 +226,21 @@ class DataIterator:
     rows = state.get("rows_per_source")
     if rows is not None:
       if len(rows) != len(self.mixture.packers):
-        raise UserError(f"data iterator state has {len(rows)} sources but data.source has "
-                        f"{len(self.mixture.packers)}")
-      self.mixture.seed_counts(state["step"], rows)
+        raise UserError(f"data iterator state has {len(rows)} sources but data.source has {len(self.mixture.packers)}")
+      with self.mixture._lock:
+        self.mixture._counts[state["step"]] = np.array(rows, np.int64)
     self.close()
     self.step = state["step"]
 
   def close(self) -> None:
-    if self._it is not None and hasattr(self._it, "close"):
-      self._it.close()
+    getattr(self._it, "close", lambda: None)()
     self._it = None
 
 
 def _slice(cfg: Config, block: int, blocks: int) -> tuple[int, int]:
-  B = cfg.train.batch_size
-  if B % blocks:
-    raise UserError(f"train.batch_size={B} must divide evenly into {blocks} blocks of rows")
-  per = B // blocks
+  per, rest = divmod(cfg.train.batch_size, blocks)
+  if rest:
+    raise UserError(f"train.batch_size={cfg.train.batch_size} must divide evenly into {blocks} blocks of rows")
   return block * per, (block + 1) * per
 
 
@@ -223,9 +249,7 @@ def batches(cfg: Config, block: int = 0, blocks: int = 1, *, check_tokenizer: bo
   get_state()/set_state()/close(). `placement.Placement.rows()` says which block a process feeds."""
   lo, hi = _slice(cfg, block, blocks)
   train, _, pad = open_sources(cfg, check_tokenizer)
-  t = cfg.train
-  mixture = Mixture(train, _weights(cfg, train), t.seed, t.seq_len, t.batch_size, pad)
-  return DataIterator(mixture, lo, hi, cfg.data.workers, cfg.data.prefetch)
+  return DataIterator(Mixture(cfg, train, cfg.train.seed, pad), lo, hi, cfg.data.workers, cfg.data.prefetch)
 
 
 def eval_batches(cfg: Config, block: int = 0, blocks: int = 1) -> list[dict[str, np.ndarray]]:
@@ -237,7 +261,7 @@ def eval_batches(cfg: Config, block: int = 0, blocks: int = 1) -> list[dict[str,
     raise UserError(f"train.eval_interval={cfg.train.eval_interval} needs a held-out split: "
                     f"set data.eval_fraction or data.eval_source")
   t, n = cfg.train, cfg.data.eval_batches
-  mixture = Mixture(held, _weights(cfg, held), EVAL_SEED, t.seq_len, t.batch_size, pad)
+  mixture = Mixture(cfg, held, EVAL_SEED, pad)
   have = sum(p.rows_per_epoch for p in mixture.packers)
   if have < n * t.batch_size:
     raise UserError(f"the held-out split has {have} rows of train.seq_len={t.seq_len}, fewer than "
@@ -256,8 +280,8 @@ def _digest_one(spec: str) -> str:
 
 
 def source_digest(cfg: Config) -> str:
-  """A short stable hash of the training data: the manifest of prepared data, the bytes of
-  a raw file; for a mixture, a hash of the parts' hashes."""
+  """A short stable hash of the training data (manifest of prepared data, bytes of a raw file;
+  for a mixture, a hash of the parts' hashes)."""
   parts = [_digest_one(s) for s in source_specs(cfg.data.source)]
   return parts[0] if len(parts) == 1 else hashlib.sha256(",".join(parts).encode()).hexdigest()[:16]
 
@@ -265,3 +289,22 @@ def source_digest(cfg: Config) -> str:
 def tokenizer_digest(cfg: Config) -> str:
   """A short stable hash of data.tokenizer."""
   return tokenizer_lib.digest_of(cfg.data.tokenizer)
+
+
+def bench(cfg: Config, n: int) -> dict:
+  """Tokens/s the loader delivers over `n` batches after one warm-up batch; printed and returned."""
+  it = batches(cfg, check_tokenizer=False)  # measures the loader, whatever tokenizer made the data
+  next(it)  # opens, verifies and starts the workers
+  t0 = time.perf_counter()
+  valid = sum(int(next(it)["loss_mask"].sum()) for _ in range(n))
+  seconds = time.perf_counter() - t0
+  it.close()
+  t, d = cfg.train, cfg.data
+  out = {"batches": n, "batch_size": t.batch_size, "seq_len": t.seq_len, "workers": d.workers,
+         "prefetch": d.prefetch, "seconds": seconds, "tokens_per_sec": n * t.batch_size * t.seq_len / seconds,
+         "valid_tokens_per_sec": valid / seconds}
+  print(f"bench: {n} batches of {t.batch_size} x {t.seq_len} in {seconds:.3f}s: "
+        f"{out['tokens_per_sec']:,.0f} tokens/s ({out['valid_tokens_per_sec']:,.0f} valid tokens/s) "
+        f"with data.workers={d.workers}, data.prefetch={d.prefetch}")
+  print(json.dumps(out))
+  return out

@@ -1,10 +1,5 @@
-"""`python -m jaxtrain.data prepare`: raw corpora -> token shards + manifest (see shards.py).
-
-Work is cut into units (about --shard-mb of input each, at record boundaries); each unit
-becomes one shard, tokenized in a worker process. A shard is written to temporary names,
-renamed, then marked complete by its .json; a re-run with the same inputs and options
-skips complete shards, so an interrupted run resumes where it stopped.
-"""
+"""`python -m jaxtrain.data prepare`: raw corpora -> token shards + manifest, one shard per work unit in
+worker processes; a shard's .json, written last, marks it complete, so a re-run skips it (resume)."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ from jaxtrain.data import readers, shards, tokenizer as tokenizer_lib
 from jaxtrain.core.errors import UserError
 from jaxtrain.core.files import sha256_file, write_json_atomic
 
-JOB = "prepare.json"
-_worker_tok = None
+JOB, _worker_tok = "prepare.json", None
 
 
 def _save(directory: Path, name: str, array: np.ndarray) -> dict:
@@ -32,59 +26,38 @@ def _save(directory: Path, name: str, array: np.ndarray) -> dict:
   with open(tmp, "wb") as f:
     np.save(f, array)
   os.replace(tmp, directory / name)
-  return {"name": name, "bytes": (directory / name).stat().st_size,
-          "sha256": sha256_file(directory / name)}
+  return {"name": name, "bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
 
 
-def _init_worker(spec, bos, eos, quiet_threads):
+def _init_worker(spec, bos, eos):
   global _worker_tok
-  if quiet_threads:  # one process per core already: no extra tokenizer threads
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+  os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already: no extra tokenizer threads
   _worker_tok = tokenizer_lib.load(spec, bos, eos)
-
-
-def _documents(tok, records, supervised):
-  """Tokenized documents ([BOS] body EOS) and the index of each one's first trainable token."""
-  head = 0 if tok.bos_id is None else 1
-  if supervised:
-    prompts = tok.encode_batch([p for p, _ in records])
-    completions = tok.encode_batch([c for _, c in records])
-    docs = [tokenizer_lib.frame(tok, p, c) for p, c in zip(prompts, completions)]
-    train_from = [max(1, head + len(p)) for p in prompts]
-  else:
-    docs = [tokenizer_lib.frame(tok, b) for b in tok.encode_batch(records)]
-    train_from = [1] * len(docs)
-  return docs, train_from
 
 
 def run_unit(job: dict, n: int, output: str, tok=None) -> dict:
   """Tokenizes unit n into shard n; returns the shard's meta (also written to shard-n.json)."""
-  tok = tok or _worker_tok
-  unit = job["units"][n]
-  src = job["sources"][unit[0]]
-  out = Path(output)
-  bad: list[str] = []
+  tok, unit, out, bad = tok or _worker_tok, job["units"][n], Path(output), []
 
   def on_bad(err):
     bad.append(str(err))
     if len(bad) > job["max_bad_records"]:
       raise UserError(f"{err} (more than --max-bad-records={job['max_bad_records']} bad records)")
 
-  supervised = "prompt" in job["fields"]
-  records = readers.read_unit(Path(src["path"]), unit[1], unit[2], job["fields"], on_bad)
-  # Texts are kept byte for byte; only all-whitespace documents are dropped (and counted).
-  nonempty = [r for r in records if ((r[0].strip() or r[1].strip()) if supervised else r.strip())]
-  docs, train_from = _documents(tok, nonempty, supervised)
-  lengths = np.array([len(d) for d in docs], np.int64)
-  index = np.stack([np.concatenate([[0], np.cumsum(lengths)[:-1]]) if docs else lengths, lengths,
-                    np.array(train_from, np.int64)], axis=1).astype(np.int64).reshape(-1, 3)
-  tokens = (np.concatenate(docs) if docs else np.zeros(0)).astype(job["dtype"])
-  names = shards.shard_files(n)
+  records = readers.read_unit(Path(job["sources"][unit[0]]["path"]), unit[1], unit[2], job["fields"], on_bad)
+  # A text is an empty prompt + a completion. Texts are kept byte for byte; all-whitespace ones are dropped.
+  pairs = [r if "prompt" in job["fields"] else ("", r) for r in records]
+  nonempty = [(p, c) for p, c in pairs if p.strip() or c.strip()]
+  prompts = tok.encode_batch([p for p, _ in nonempty])
+  docs = [tokenizer_lib.frame(tok, p, c) for p, c in zip(prompts, tok.encode_batch([c for _, c in nonempty]))]
+  train_from = [max(1, len(p) + (tok.bos_id is not None)) for p in prompts]  # BOS is never a target
+  tokens, index = shards.concat(docs, train_from)
+  lengths, names = index[:, 1], shards.shard_files(n)
   meta = {
       "unit": unit, "documents": len(docs), "tokens": int(lengths.sum()),
       "trainable_tokens": int((lengths - index[:, 2]).sum()), "empty_documents": len(records) - len(nonempty),
       "bad_records": bad, "input_bytes": unit[3],
-      "files": {k: _save(out, v, a) for (k, v), a in zip(names.items(), (tokens, index))},
+      "files": {k: _save(out, v, a) for (k, v), a in zip(names.items(), (tokens.astype(job["dtype"]), index))},
   }
   write_json_atomic(out / f"shard-{n:05d}.json", meta)
   return meta
@@ -96,22 +69,16 @@ def _finished(out: Path, n: int, unit: list) -> dict | None:
   if not path.is_file():
     return None
   meta = json.loads(path.read_text())
-  try:
-    for entry in meta["files"].values():
-      shards.check_file(out, entry, verify=True)
-  except UserError:
-    return None
-  return meta if meta["unit"] == unit else None
+  intact = all(shards.problem(out, entry, verify=True) is None for entry in meta["files"].values())
+  return meta if intact and meta["unit"] == unit else None
 
 
 def plan(inputs: list[str], tok, fields: dict, shard_mb: float, max_bad: int) -> dict:
   sources, units = [], []
   for i, name in enumerate(inputs):
     path = Path(name)
-    fmt = readers.file_format(path)
-    size = path.stat().st_size
-    sources.append({"path": str(path.resolve()), "format": fmt, "bytes": size,
-                    "sha256": sha256_file(path)})
+    fmt, size = readers.file_format(path), path.stat().st_size
+    sources.append({"path": str(path.resolve()), "format": fmt, "bytes": size, "sha256": sha256_file(path)})
     ranges = readers.plan_units(path, max(1, int(shard_mb * 2**20)))
     span = ranges[-1][1] if ranges else 1
     for a, b in ranges:  # input bytes of a unit: exact for text, proportional to row groups for Parquet
@@ -121,7 +88,7 @@ def plan(inputs: list[str], tok, fields: dict, shard_mb: float, max_bad: int) ->
   return {"sources": sources, "units": units, "fields": fields, "max_bad_records": max_bad,
           "tokenizer": {"spec": tok.spec, "digest": tok.digest, "vocab_size": tok.vocab_size,
                         "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id},
-          "dtype": np.dtype(shards.token_dtype(tok.vocab_size)).name}
+          "dtype": "uint16" if tok.vocab_size <= 1 << 16 else "uint32"}
 
 
 def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str = "text",
@@ -129,6 +96,10 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
             shard_mb: float = 64.0, max_bad_records: int = 0, bos_token: str | None = None,
             eos_token: str | None = None, progress: bool = True) -> dict:
   """Prepares `inputs` into `output`; returns the manifest (also written to output/manifest.json)."""
+  if workers < 1:
+    raise UserError(f"--workers {workers}: must be a positive integer")
+  if shard_mb <= 0 or max_bad_records < 0:
+    raise UserError("--shard-mb must be positive and --max-bad-records non-negative")
   if not inputs:
     raise UserError("prepare needs at least one --input")
   if (prompt_field is None) != (completion_field is None):
@@ -150,47 +121,40 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
     write_json_atomic(out / JOB, job)
   (out / shards.MANIFEST).unlink(missing_ok=True)  # no manifest until every shard is complete
 
-  metas: dict[int, dict] = {}
-  # Progress in shards, with the input megabytes beside; finished shards of an earlier run count at once.
-  total_mb = sum(u[3] for u in job["units"]) / 2**20
-  bar = tqdm.tqdm(total=len(job["units"]), desc="prepare", disable=not progress, file=sys.stderr,
+  # Progress in shards, with input megabytes beside; finished shards of an earlier run count at once.
+  units, metas, todo, done_mb = job["units"], {}, [], [0.0, sum(u[3] for u in job["units"]) / 2**20]
+  bar = tqdm.tqdm(total=len(units), desc="prepare", disable=not progress, file=sys.stderr,
                   bar_format="{desc} [{bar:30}] {n}/{total} shards  {postfix}  [{elapsed}<{remaining}]")
-  done_mb = [0.0]
 
-  def advance(nbytes):
-    done_mb[0] += nbytes / 2**20
-    bar.set_postfix_str(f"{done_mb[0]:.1f}/{total_mb:.1f} MB", refresh=False)
+  def done(n, meta):
+    metas[n] = meta
+    done_mb[0] += units[n][3] / 2**20
+    bar.set_postfix_str(f"{done_mb[0]:.1f}/{done_mb[1]:.1f} MB", refresh=False)
     bar.update(1)
-  todo = []
-  for n, unit in enumerate(job["units"]):
-    meta = _finished(out, n, unit)
-    if meta is None:
+  for n, unit in enumerate(units):
+    if (meta := _finished(out, n, unit)) is None:
       todo.append(n)
     else:
-      metas[n] = meta
-      advance(unit[3])
+      done(n, meta)
   t0 = time.perf_counter()
   if workers <= 1 or len(todo) <= 1:
     for n in todo:
-      metas[n] = run_unit(job, n, output, tok)
-      advance(job["units"][n][3])
+      done(n, run_unit(job, n, output, tok))
   else:
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold JAX or tokenizer threads
     with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                initargs=(tokenizer, bos_token, eos_token, True)) as pool:
+                                initargs=(tokenizer, bos_token, eos_token)) as pool:
       futures = {pool.submit(run_unit, job, n, output): n for n in todo}
       try:
         for fut in cf.as_completed(futures):
-          n = futures[fut]
-          metas[n] = fut.result()
-          advance(job["units"][n][3])
+          done(futures[fut], fut.result())
       except BaseException:
         pool.shutdown(cancel_futures=True)
         raise
   bar.close()
   seconds = time.perf_counter() - t0
   manifest = _manifest(job, metas, out)
-  fresh = sum(job["units"][n][3] for n in todo)
+  fresh = sum(units[n][3] for n in todo)
   print(f"throughput: {fresh / 2**20:.2f} MB of input tokenized in {seconds:.2f}s = "
         f"{fresh / 2**20 / max(seconds, 1e-9):.1f} MB/s ({len(todo)} shard(s) this run, {workers} worker(s))")
   return manifest
@@ -206,20 +170,17 @@ def _manifest(job: dict, metas: dict[int, dict], out: Path) -> dict:
     raise UserError(f"the inputs ({', '.join(s['path'] for s in job['sources'])}) hold no documents: an empty corpus")
   manifest = {
       "format": shards.FORMAT, "tokenizer": job["tokenizer"], "dtype": job["dtype"],
-      "kind": "supervised" if "prompt" in job["fields"] else "text", "fields": job["fields"],
-      "sources": job["sources"],
-      "documents": sum(m["documents"] for m in kept), "tokens": sum(m["tokens"] for m in kept),
-      "trainable_tokens": sum(m["trainable_tokens"] for m in kept),
+      "kind": "supervised" if "prompt" in job["fields"] else "text", "fields": job["fields"], "sources": job["sources"],
+      **{k: sum(m[k] for m in kept) for k in ("documents", "tokens", "trainable_tokens")},
       "skipped": {"bad_records": len(bad), "empty_documents": sum(m["empty_documents"] for m in ordered),
                   "examples": bad[:20]},
       "shards": [{k: m[k] for k in ("documents", "tokens", "trainable_tokens", "files")} for m in kept],
   }
   write_json_atomic(out / shards.MANIFEST, manifest)
-  manifest_note = (f"prepared {manifest['documents']:,} documents, {manifest['tokens']:,} tokens in "
-                   f"{len(kept)} shard(s) -> {out / shards.MANIFEST}")
-  skipped = manifest["skipped"]
-  if skipped["bad_records"] or skipped["empty_documents"]:
-    manifest_note += (f"; skipped {skipped['bad_records']} bad record(s) and {skipped['empty_documents']} "
-                      f"empty document(s)" + (f", first: {bad[0]}" if bad else ""))
-  print(manifest_note)
+  empty = manifest["skipped"]["empty_documents"]
+  note = (f"prepared {manifest['documents']:,} documents, {manifest['tokens']:,} tokens in "
+          f"{len(kept)} shard(s) -> {out / shards.MANIFEST}")
+  if bad or empty:
+    note += f"; skipped {len(bad)} bad record(s) and {empty} empty document(s)" + (f", first: {bad[0]}" if bad else "")
+  print(note)
   return manifest

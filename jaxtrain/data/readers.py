@@ -1,11 +1,5 @@
-"""Reading raw corpora: plain text, JSON Lines and Parquet, in work units with locations.
-
-A work unit is a byte range of a .txt/.jsonl file (cut at record boundaries) or a range
-of Parquet row groups, so `prepare` can tokenize units in parallel and resume per unit.
-Records are a text, or a (prompt, completion) pair for supervised data. A bad record
-(invalid UTF-8, invalid JSON, a missing or non-string field) is reported with its file
-and line (or row); the caller decides whether it may be skipped (it is always counted).
-"""
+"""Raw corpora (.txt, .jsonl, .parquet) read in work units: byte ranges cut at record
+boundaries, or ranges of Parquet row groups. Bad records are reported with file and line or row."""
 
 from __future__ import annotations
 
@@ -16,9 +10,7 @@ from pathlib import Path
 from jaxtrain.core.errors import UserError
 
 FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
-# .txt documents are separated by a blank line; JSONL records by a newline.
-SEPARATOR = {"txt": b"\n\n", "jsonl": b"\n"}
-NEWLINE = b"\n"
+SEPARATOR = {"txt": b"\n\n", "jsonl": b"\n"}  # .txt documents are separated by a blank line
 
 
 class BadRecord(Exception):
@@ -34,18 +26,13 @@ def file_format(path: Path) -> str:
   return fmt
 
 
-def pyarrow_parquet():
+def parquet_file(path: Path):
+  """pyarrow's ParquetFile; a file that is not Parquet is a one-line user error."""
   try:
+    import pyarrow
     import pyarrow.parquet as pq
   except ImportError:
     raise UserError("reading Parquet needs the 'pyarrow' package: pip install 'jaxtrain[data]'") from None
-  return pq
-
-
-def parquet_file(path: Path):
-  """pyarrow's ParquetFile; a file that is not Parquet is a one-line user error."""
-  pq = pyarrow_parquet()
-  import pyarrow
   try:
     return pq.ParquetFile(path)
   except (pyarrow.ArrowException, OSError) as e:
@@ -70,31 +57,25 @@ def plan_units(path: Path, unit_bytes: int) -> list[tuple[int, int]]:
   total = path.stat().st_size
   if total == 0:
     return []
-  sep = SEPARATOR[fmt]
-  units, start = [], 0
+  sep, units, start = SEPARATOR[fmt], [], 0
   with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
     while start < total:
       cut = mm.find(sep, min(start + unit_bytes, total))
-      end = total if cut < 0 else cut + len(sep)
-      units.append((start, end))
-      start = end
+      units.append((start, total if cut < 0 else cut + len(sep)))
+      start = units[-1][1]
   return units
 
 
-def _field(obj, name: str, where):
-  """obj[name] as a string; `where()` names the record, computed only for an error."""
-  if not isinstance(obj, dict) or name not in obj:
-    raise BadRecord(f"{where()}: no {name!r} field")
-  value = obj[name]
-  if not isinstance(value, str):
-    raise BadRecord(f"{where()}: field {name!r} is {type(value).__name__}, not a string")
-  return value
-
-
 def _record(obj, fields: dict, where):
-  if "text" in fields:
-    return _field(obj, fields["text"], where)
-  return _field(obj, fields["prompt"], where), _field(obj, fields["completion"], where)
+  """The text, or (prompt, completion), of a record; `where()` names it, computed only for an error."""
+  out = []
+  for name in fields.values():
+    if not isinstance(obj, dict) or name not in obj:
+      raise BadRecord(f"{where()}: no {name!r} field")
+    if not isinstance(obj[name], str):
+      raise BadRecord(f"{where()}: field {name!r} is {type(obj[name]).__name__}, not a string")
+    out.append(obj[name])
+  return out[0] if "text" in fields else tuple(out)
 
 
 def read_unit(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
@@ -105,17 +86,15 @@ def read_unit(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
   with open(path, "rb") as f:
     f.seek(start)
     blob = f.read(end - start)
-  line0 = None
+  line0 = []
 
-  def where(offset):  # 1-based line of byte `offset` of the unit; counted only for errors
-    nonlocal line0
-    if line0 is None:
+  def where(offset):  # file:line of byte `offset` of the unit; lines are counted only for errors
+    if not line0:
       with open(path, "rb") as f:
-        line0 = f.read(start).count(b"\n") + 1
-    return f"{path}:{line0 + blob.count(NEWLINE, 0, offset)}"
+        line0.append(f.read(start).count(b"\n") + 1)
+    return f"{path}:" + str(line0[0] + blob.count(b"\n", 0, offset))
 
-  out, pos = [], 0
-  sep = SEPARATOR[fmt]
+  out, pos, sep = [], 0, SEPARATOR[fmt]
   for piece in blob.split(sep):
     here, pos = pos, pos + len(piece) + len(sep)
     if not piece.strip():
@@ -143,13 +122,11 @@ def read_unit(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
 def _read_parquet(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
   pf = parquet_file(path)
   names = list(fields.values())
-  missing = [n for n in names if n not in pf.schema_arrow.names]
-  if missing:
+  if missing := [n for n in names if n not in pf.schema_arrow.names]:
     raise UserError(f"input {str(path)!r} has no column {missing[0]!r}; columns: {', '.join(pf.schema_arrow.names)}")
   first_row = sum(pf.metadata.row_group(g).num_rows for g in range(start))
   table = pf.read_row_groups(list(range(start, end)), columns=names)
-  cols = {n: table.column(n).to_pylist() for n in names}
-  out = []
+  cols, out = {n: table.column(n).to_pylist() for n in names}, []
   for i in range(table.num_rows):
     where = lambda: f"{path} row {first_row + i + 1}"  # noqa: E731
     try:
@@ -175,13 +152,11 @@ def read_documents(source: str, text_field: str = "text") -> list[str]:
   if not path.is_file():
     raise UserError(f"data.source={source!r} is not a file; use 'bundled', a prepared directory, "
                     f"or a .txt, .jsonl or .parquet file")
-  docs = []
-  for start, end in plan_units(path, 1 << 62):
 
-    def fail(bad):
-      raise UserError(f"{bad} (data.text_field={text_field!r})" if "field" in str(bad) else str(bad))
-    docs += read_unit(path, start, end, {"text": text_field}, fail)
-  docs = [d for d in docs if d.strip()]
+  def fail(bad):
+    raise UserError(f"{bad} (data.text_field={text_field!r})" if "field" in str(bad) else str(bad))
+  docs = [d for a, b in plan_units(path, 1 << 62) for d in read_unit(path, a, b, {"text": text_field}, fail)
+          if d.strip()]
   if not docs:
     raise UserError(f"data.source={source!r} holds no documents")
   return docs

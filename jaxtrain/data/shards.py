@@ -1,16 +1,5 @@
-"""The prepared-data format: token shards as memory-mapped .npy arrays plus a manifest.
-
-A prepared dataset is a directory:
-  manifest.json            tokenizer, sources, counts, and every shard file with size and sha256
-  shard-00000.tokens.npy   all documents of the shard, concatenated (uint16, or uint32 if the
-                           vocabulary needs it); each document is [BOS] body EOS
-  shard-00000.index.npy    int64 (documents, 3): start, length, first trainable token
-  shard-00000.json         written last: the shard is complete (lets `prepare` resume)
-
-Loading memory-maps the token files, so reading a document is a slice: random access at
-page-cache speed, no decoding, no per-record framing. A TokenSet is the union of the
-shards' document index; the in-memory corpora ('bundled', raw files) are TokenSets too.
-"""
+"""The prepared-data format: a directory of memory-mapped .npy token shards plus manifest.json
+(layout in README, Data: Prepared format). A TokenSet indexes documents as slices of token arrays."""
 
 from __future__ import annotations
 
@@ -26,45 +15,37 @@ from jaxtrain.core.errors import UserError
 
 FORMAT = "jaxtrain-tokens-v1"
 MANIFEST = "manifest.json"
-SHARD, START, LEN, TRAIN_FROM = range(4)  # columns of TokenSet.index
 
 
 def shard_files(n: int) -> dict[str, str]:
   return {"tokens": f"shard-{n:05d}.tokens.npy", "index": f"shard-{n:05d}.index.npy"}
 
 
-def token_dtype(vocab_size: int):
-  return np.uint16 if vocab_size <= 1 << 16 else np.uint32
-
-
 class TokenSet:
-  """Documents as slices of token arrays. index: int64 (docs, 4) = shard, start, length,
-  first trainable token (1 for plain text: BOS or the first token is never a target;
-  after the prompt for supervised data)."""
+  """Documents as slices of token arrays. index: int64 (docs, 4) = shard, start, length, first
+  trainable token (1 for plain text: the first token is never a target; after the prompt if supervised)."""
 
   def __init__(self, arrays: list[np.ndarray], index: np.ndarray, name: str):
     self.arrays, self.index, self.name = arrays, index, name
-    self.lengths = index[:, LEN]
-    self.n_docs = len(index)
+    self.lengths, self.n_docs = index[:, 2], len(index)
     self.n_tokens = int(self.lengths.sum())
-
-  def subset(self, keep: np.ndarray) -> "TokenSet":
-    return TokenSet(self.arrays, self.index[keep], self.name)
 
   def doc(self, i: int) -> tuple[np.ndarray, int]:
     shard, start, length, train_from = self.index[i]
     return self.arrays[shard][start:start + length], int(train_from)
 
 
-def in_memory(docs: list[np.ndarray], name: str, train_from: list[int] | None = None) -> TokenSet:
-  """A TokenSet over already-tokenized documents (each [BOS] body EOS)."""
+def concat(docs: list[np.ndarray], train_from: list[int]) -> tuple[np.ndarray, np.ndarray]:
+  """Documents -> their tokens concatenated and an int64 (docs, 3) index: start, length, first trainable."""
   lengths = np.array([len(d) for d in docs], np.int64)
-  index = np.zeros((len(docs), 4), np.int64)
-  index[:, START] = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(docs) else 0
-  index[:, LEN] = lengths
-  index[:, TRAIN_FROM] = 1 if train_from is None else np.maximum(1, train_from)
-  tokens = np.concatenate(docs).astype(np.int32) if docs else np.zeros(0, np.int32)
-  return TokenSet([tokens], index, name)
+  index = np.stack([np.cumsum(lengths) - lengths, lengths, np.array(train_from, np.int64)], axis=1)
+  return (np.concatenate(docs) if docs else np.zeros(0, np.int32)), index.reshape(-1, 3)
+
+
+def in_memory(docs: list[np.ndarray], name: str) -> TokenSet:
+  """A TokenSet over already-tokenized plain-text documents (each [BOS] body EOS)."""
+  tokens, index = concat(docs, [1] * len(docs))
+  return TokenSet([tokens.astype(np.int32)], np.concatenate([np.zeros((len(docs), 1), np.int64), index], 1), name)
 
 
 def read_manifest(directory: Path) -> dict:
@@ -81,15 +62,8 @@ def read_manifest(directory: Path) -> dict:
   return manifest
 
 
-def check_file(directory: Path, entry: dict, verify: bool) -> Path:
-  """A shard file exists with the manifest's size (and sha256 when `verify`), else a UserError."""
-  problem = _problem(directory, entry, verify)
-  if problem is not None:
-    raise UserError(problem)
-  return directory / entry["name"]
-
-
-def _problem(directory: Path, entry: dict, verify: bool) -> str | None:
+def problem(directory: Path, entry: dict, verify: bool) -> str | None:
+  """Why a shard file does not match its manifest entry (size; sha256 when `verify`), or None."""
   path = directory / entry["name"]
   if not path.is_file():
     return f"shard {path} is missing (listed in {directory / MANIFEST})"
@@ -100,35 +74,33 @@ def _problem(directory: Path, entry: dict, verify: bool) -> str | None:
   return None
 
 
-_opened: dict[tuple, TokenSet] = {}
-_lock = threading.Lock()
+_opened, _lock = {}, threading.Lock()  # verified datasets, by manifest and shard files' stat
 
 
 def open_prepared(directory: Path, verify: bool = True) -> tuple[TokenSet, dict]:
   """Memory-maps a prepared dataset after checking its shards against the manifest.
   Verified once per process while the manifest and the shard files' stat are unchanged."""
   manifest = read_manifest(directory)
-  stats = []
-  for shard in manifest["shards"]:
-    for entry in shard["files"].values():
-      p = directory / entry["name"]
-      stats.append((p.stat().st_mtime_ns, p.stat().st_size) if p.exists() else None)
+  entries = [entry for shard in manifest["shards"] for entry in shard["files"].values()]
+  stats = [(p.stat().st_mtime_ns, p.stat().st_size) if p.exists() else None
+           for p in (directory / e["name"] for e in entries)]
   key = (str(directory.resolve()), (directory / MANIFEST).read_bytes(), verify, tuple(stats))
   with _lock:
     if key in _opened:
       return _opened[key], manifest
   if verify and filecheck.processes()[0] > 1:
     # Several processes: each hashes its share of the shards and all stop on the same one.
-    entries = [entry for shard in manifest["shards"] for entry in shard["files"].values()]
-    problem = filecheck.first_problem([e["bytes"] for e in entries],
-                                      lambda i: _problem(directory, entries[i], True))
-    if problem is not None:
-      raise UserError(problem)
+    if (first := filecheck.first_problem([e["bytes"] for e in entries],
+                                         lambda i: problem(directory, entries[i], True))) is not None:
+      raise UserError(first)
     verify = False  # what is left below is the cheap size check
   arrays, parts = [], []
   for n, shard in enumerate(manifest["shards"]):
-    tokens = np.load(check_file(directory, shard["files"]["tokens"], verify), mmap_mode="r")
-    index = np.load(check_file(directory, shard["files"]["index"], verify))
+    for entry in shard["files"].values():
+      if (why := problem(directory, entry, verify)) is not None:
+        raise UserError(why)
+    tokens = np.load(directory / shard["files"]["tokens"]["name"], mmap_mode="r")
+    index = np.load(directory / shard["files"]["index"]["name"])
     if len(index) != shard["documents"] or len(tokens) != shard["tokens"]:
       raise UserError(f"shard {directory / shard['files']['tokens']['name']}: counts differ from the manifest")
     arrays.append(tokens)

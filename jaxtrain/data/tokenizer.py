@@ -1,9 +1,5 @@
-"""Tokenizers: the built-in byte tokenizer, or a local Hugging Face `tokenizer.json`.
-
-A tokenizer is named by a spec: "byte", or a path to a tokenizer.json (loaded through the
-`tokenizers` package; nothing is fetched from a hub). Its digest identifies it in data
-manifests and checkpoints: a constant for "byte", the sha256 of the file otherwise.
-"""
+"""Tokenizers named by a spec: "byte" (built in) or a path to a local Hugging Face tokenizer.json.
+A digest (16 hex chars) identifies the tokenizer in manifests and checkpoints."""
 
 from __future__ import annotations
 
@@ -23,28 +19,23 @@ class ByteTokenizer:
   """UTF-8 bytes shifted past three specials: PAD=0, BOS=1, EOS=2."""
 
   PAD, BOS, EOS, OFFSET = 0, 1, 2, 3
-  vocab_size = 256 + OFFSET
+  spec, vocab_size = "byte", 256 + OFFSET
   digest = hashlib.sha256(b"jaxtrain-byte-tokenizer-v1").hexdigest()[:16]
-  spec = "byte"
   bos_id, eos_id, pad_id = BOS, EOS, PAD
 
-  def encode_body(self, text: str) -> np.ndarray:
-    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32) + self.OFFSET
-
   def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-    return [self.encode_body(t) for t in texts]
+    return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) + self.OFFSET for t in texts]
 
   def encode(self, text: str) -> np.ndarray:
-    """BOS + body + EOS, one document as it is stored and trained on."""
-    return frame(self, self.encode_body(text))
+    """One document as it is stored and trained on: BOS body EOS."""
+    return frame(self, self.encode_batch([text])[0])
 
   def decode(self, ids) -> str:
-    data = bytes(int(i) - self.OFFSET for i in ids if int(i) >= self.OFFSET)
-    return data.decode("utf-8", errors="replace")
+    return bytes(int(i) - self.OFFSET for i in ids if int(i) >= self.OFFSET).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
-  """A local tokenizer.json. Specials: EOS is required (after every document), BOS optional."""
+  """A local tokenizer.json (nothing fetched from a hub). EOS is required, BOS optional."""
 
   def __init__(self, path: str, bos_token: str | None = None, eos_token: str | None = None):
     try:
@@ -59,8 +50,7 @@ class HFTokenizer:
     except Exception as e:  # the library raises plain Exceptions for malformed files
       raise UserError(f"tokenizer {path!r} cannot be read as a Hugging Face tokenizer.json: "
                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    self.spec = str(p.resolve())
-    self.digest = sha256_file(p)[:16]
+    self.spec, self.digest = str(p.resolve()), sha256_file(p)[:16]
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     self.eos_id = self._special(eos_token, EOS_CANDIDATES, "EOS", "--eos-token", required=True)
     self.bos_id = self._special(bos_token, BOS_CANDIDATES, "BOS", "--bos-token", required=False)
@@ -68,46 +58,35 @@ class HFTokenizer:
 
   def _special(self, given, candidates, what, flag, required):
     if given:
-      i = self._tok.token_to_id(given)
-      if i is None:
+      if self._tok.token_to_id(given) is None:
         raise UserError(f"tokenizer {self.spec!r} has no token {given!r} ({flag})")
-      return i
-    for c in candidates:
-      i = self._tok.token_to_id(c)
-      if i is not None:
-        return i
-    if required:
+      return self._tok.token_to_id(given)
+    found = [i for i in map(self._tok.token_to_id, candidates) if i is not None]
+    if required and not found:
       raise UserError(f"tokenizer {self.spec!r} has none of the {what} tokens {', '.join(candidates)}; name one with {flag}")
-    return None
+    return found[0] if found else None
 
   def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(e.ids, np.int32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
-
-  def encode(self, text: str) -> np.ndarray:
-    return frame(self, self.encode_batch([text])[0])
 
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def frame(tok, *bodies) -> np.ndarray:
-  """One document as it is stored and trained on: [BOS] bodies... EOS (BOS where the tokenizer has one)."""
+  """[BOS] bodies... EOS (BOS where the tokenizer has one), as int32."""
   head = [] if tok.bos_id is None else [tok.bos_id]
   return np.concatenate([head, *bodies, [tok.eos_id]]).astype(np.int32)
 
 
 def load(spec: str, bos_token: str | None = None, eos_token: str | None = None):
-  """The tokenizer named by `spec` ("byte" or a tokenizer.json path)."""
-  if spec == "byte":
-    return ByteTokenizer()
-  return HFTokenizer(spec, bos_token, eos_token)
+  return ByteTokenizer() if spec == "byte" else HFTokenizer(spec, bos_token, eos_token)
 
 
 def digest_of(spec: str) -> str:
   """The digest of the tokenizer named by `spec`, without loading the library."""
   if spec == "byte":
     return ByteTokenizer.digest
-  p = Path(spec)
-  if not p.is_file():
+  if not Path(spec).is_file():
     raise UserError(f"data.tokenizer={spec!r} does not exist; use 'byte' or a path to a tokenizer.json")
-  return sha256_file(p)[:16]
+  return sha256_file(Path(spec))[:16]
