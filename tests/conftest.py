@@ -37,9 +37,10 @@ def run_cli(tmp_path):
   """Runs `python -m <module> args...` in a subprocess; returns the CompletedProcess."""
   import subprocess
 
+  from tests.helpers import clean_env  # here, not at the top: jax must see the settings above first
+
   def run(module, *args, env=None, timeout=300):
-    full_env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    full_env.update(env or {})
+    full_env = clean_env(**(env or {}))
     return subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
   return run

@@ -1,6 +1,8 @@
-"""Shared test helpers: build a mesh from a spec on the first N simulated devices."""
+"""Shared test helpers: a clean subprocess environment, a mesh from a spec on the first N
+simulated devices, the plan and a short loss trajectory for a config."""
 
 import math
+import os
 
 import jax
 import numpy as np
@@ -10,6 +12,17 @@ from jaxtrain.core import config
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import plan as plan_lib
 from jaxtrain.run import step
+
+# Set by this test process (or a developer's shell) for in-process simulated devices or
+# fault injection; a subprocess that stands for a user's run must not inherit them.
+NOT_INHERITED = ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAXTRAIN_FAULTS")
+
+
+def clean_env(**extra):
+  """os.environ without NOT_INHERITED, then `extra` on top: the environment for a subprocess."""
+  env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
+  env.update(extra)
+  return env
 
 
 def mesh_of(spec: str):

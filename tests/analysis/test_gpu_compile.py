@@ -149,3 +149,17 @@ def test_without_the_plugin_compile_falls_back_with_one_line(tmp_path):
   rep = json.loads(r.stdout)
   assert rep["compiled"]["backend"] == "cpu" and rep["compiled"]["compiler"] == "XLA:CPU"
   assert rep["memory"]["device_memory_source"] == "H100"
+
+
+@needs_plugin
+def test_llama31_8b_compiled_for_8_h100s_at_seq_8192_fits_in_80gib():
+  """The real shapes and the preset's settings (32 scanned layers, seq 8192, save_dots),
+  XLA:GPU compile-only; the bill agrees with it within 15%."""
+  mesh = gpu_compile.mesh(gpu_compile.kind("H100"), "host8")
+  rep = inspect.report(config.load("llama3.1-8b"), mesh, "llama3.1-8b", compile=True, device_memory="H100")
+  c = rep["compiled"]
+  print(f"compiled total {c['total'] / 2**30:.2f} GiB in {c['seconds']:.1f}s; ratio {c['ratio_without_margin']:.3f}")
+  assert c["backend"] == "cuda" and c["total"] <= 80 * 2**30 and rep["memory"]["fits"]
+  assert c["arguments"] == c["analytic"]["arguments"]
+  assert 0.85 <= c["ratio_without_margin"] <= 1.15
+  assert c["cudnn_attention"]["ops"] >= 2  # fused attention, forward and backward

@@ -1,5 +1,6 @@
 """The analytic memory bill against the real sharded state, JAX's saved residuals and seed 002."""
 
+import dataclasses
 import functools
 import math
 
@@ -136,3 +137,98 @@ def test_verdict_names_the_shortfall_and_the_largest_items():
   assert memory.device_memory("H100", "cpu")[0] == 80 * 2**30
   assert memory.device_memory(None, "NVIDIA H100 80GB HBM3")[0] == 80 * 2**30
   assert memory.device_memory(None, "cpu")[0] is None
+
+
+def _acts(sets, kernel, remat="none", packed=0):
+  cfg = config.load("tiny", list(sets))
+  return sum(memory.activations(cfg, mesh_of("dp=1"), remat, kernel, packed, logits_residual=False).values())
+
+
+def test_cudnn_figure_has_no_l_by_l_term_and_the_reference_does():
+  """Same tokens per device (batch x length), the length doubled: a bill linear in the
+  tokens stays equal; an L x L term doubles with the length."""
+  short, long = ["train.batch_size=8", "train.seq_len=64"], ["train.batch_size=4", "train.seq_len=128"]
+  cfg = config.load("tiny")
+  n, H = cfg.model.n_layers, cfg.model.n_heads
+  # packed segments: nothing grows with L; the L x L mask path keeps one bool mask row per token
+  assert _acts(long, "cudnn", packed=4) == _acts(short, "cudnn", packed=4)
+  assert _acts(long, "cudnn") - _acts(short, "cudnn") == n * 512 * 64
+  # reference: 1 + 2c + s bytes per score (mask, masked scores, exp, probabilities; c = 4, s = 2),
+  # H L scores per token, 512 tokens: the difference is that of L = 128 vs 64
+  assert _acts(long, "xla") - _acts(short, "xla") == n * 512 * H * 64 * (1 + 2 * 4 + 2)
+  for remat in ("full", "save_dots", "save_named", "offload_named"):  # only the none set holds attention
+    assert _acts(long, "xla", remat) == _acts(short, "xla", remat)
+
+
+def _one_layer_matmul_params(m):
+  return m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim + m.n_heads * m.head_dim * m.d_model \
+      + 3 * m.d_model * m.d_ff
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_fsdp_gathered_weights_are_one_layers_twice(scan):
+  cfg = config.load("tiny", [f"model.scan_layers={str(scan).lower()}", "model.n_layers=4"])
+  setup = step.Setup(cfg, mesh_of("fsdp=4"))
+  g = memory.gathered_weights(cfg, memory.grouped(memory.param_rows(setup)), setup.mesh)
+  s = jnp.dtype(cfg.model.dtype).itemsize
+  assert g["layers"] == 2 * _one_layer_matmul_params(cfg.model) * s  # whole (gathered) layer, not 4 of them
+  assert g["lm_head"] == cfg.model.d_model * cfg.model.vocab_size * s
+  # tensor parallelism splits what is gathered; fsdp=2 x tp=2 holds half of a layer's weights
+  tp = step.Setup(cfg, mesh_of("fsdp=2,tp=2"))
+  assert memory.gathered_weights(cfg, memory.grouped(memory.param_rows(tp)), tp.mesh)["layers"] == g["layers"] // 2
+
+
+def _saved_bytes(cfg, n_layers):
+  """What jax.vjp keeps of the loss (one device, reference attention): the independent reference."""
+  cfg = config.load("tiny", [f"model.n_layers={n_layers}", f"model.remat={cfg}", "train.batch_size=2",
+                             "train.seq_len=32"])
+  graphdef, abstract = model_lib.abstract(cfg.model)
+  params = nnx.to_pure_dict(abstract)
+  mb = {k: jax.ShapeDtypeStruct((2, 32), jnp.int32) for k in ("inputs", "targets", "positions", "segment_ids",
+                                                               "loss_mask")}
+  keep = lambda p, b: jax.tree.leaves(jax.vjp(lambda q: step.token_loss_sum(graphdef, q, b), p)[1])  # noqa: E731
+  return sum(x.size * x.dtype.itemsize for x in jax.eval_shape(keep, params, mb)), cfg
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots", "save_named"])
+def test_each_remat_policy_is_billed_what_it_saves(remat):
+  """One more layer adds what the policy saves for it (its block input and the saved
+  tensors) plus that layer's own float32 parameters (the checkpointed function's inputs)."""
+  one, cfg = _saved_bytes(remat, 1)
+  two, _ = _saved_bytes(remat, 2)
+  T = 2 * 32
+  per_token = sum(memory.saved_per_token(cfg, mesh_of("dp=1"), remat).values())
+  layer_params = 4 * (_one_layer_matmul_params(cfg.model) + 2 * cfg.model.d_model)
+  assert two - one == T * per_token + layer_params
+
+
+def test_offload_named_keeps_what_full_keeps_on_the_device():
+  assert _acts([], "cudnn", "offload_named") == _acts([], "cudnn", "full") < _acts([], "cudnn", "save_named")
+
+
+def test_bill_counts_the_activations_of_the_configured_remat_setting():
+  """The bill's activations for tiny on dp=2 (reference attention on this CPU), counted by hand
+  from the shapes for remat none and full: a bill that ignored model.remat, or counted the
+  other setting, is off by ~36 MB."""
+  cfg = config.load("tiny")
+  m = cfg.model
+  assert (cfg.train.batch_size, cfg.train.seq_len, m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim,
+          m.d_ff, m.dtype, m.attention_logits_dtype) == (16, 128, 2, 128, 8, 4, 16, 256, "bfloat16", "float32")
+  T, L, n, D, H, K, E, F, s, c = 16 * 128 // 2, 128, 2, 128, 8, 4, 16, 256, 2, 4  # T: tokens on each device (dp=2)
+  # Once per token, not per layer: RoPE sin and cos (float32, E/2 each) and the final RMSNorm
+  # (float32 input and normalized, its bfloat16 output).
+  once = 4 * E + (4 + 4 + s) * D
+  # remat none, one layer, per token:
+  none = (2 * ((4 + 4 + s) * D + 8)  # two RMSNorms: float32 input, normalized, bf16 output, float32 statistics
+          + s * (H + K + K + H) * E  # q, k, v, attention output
+          + H * L * (1 + c + c + s) + H * 2 * c  # scores: bool mask, masked float32, float32 exp, bf16 probs; row stats
+          + 6 * s * F)  # SwiGLU: gate, up, three silu residuals, their product
+  assert none == 2576 + 768 + 11328 + 3072 == 17744
+  full = s * D  # remat full: each block's bf16 input only
+  mesh = mesh_of("dp=2")
+  for remat, per_layer in (("none", none), ("full", full)):
+    setup = step.Setup(dataclasses.replace(cfg, model=dataclasses.replace(m, remat=remat)), mesh)
+    assert setup.plan.attention == "xla"
+    b = memory.bill(setup, memory.param_rows(setup), 0.0)
+    assert b.items["activations"] == T * (n * per_layer + once), remat
+  assert T * (n * none + once) == 37_715_968 and T * (n * full + once) == 1_900_544

@@ -1,13 +1,15 @@
 """`python -m jaxtrain.inspect`: FLOPs, compiled memory against the bill, warnings, the CLI."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from jaxtrain import inspect
 from jaxtrain.core import config
 from jaxtrain.model import flops
-from tests.helpers import mesh_of
+from tests.helpers import clean_env, mesh_of
 
 # The ratio compiled/analytic total that the README documents as agreement (XLA fuses
 # and reuses buffers the formula counts separately; measured 0.88-1.08 on tiny, 0.76 on
@@ -80,3 +82,48 @@ def test_bad_input_gives_one_line(run_cli, args, words):
   assert len(lines) == 1 and lines[0].startswith("jaxtrain.inspect: error:"), r.stderr
   for w in words:
     assert w in lines[0]
+
+
+PODS = [("llama3.1-8b", "host8"), ("llama3.1-70b", "pod-8x8-fsdp"), ("mixtral-8x7b", "pod-8x8-moe")]
+
+
+POD_SCRIPT = """
+import json, math
+import jax
+jax.config.update("jax_num_cpu_devices", 64)
+from jaxtrain import inspect
+from jaxtrain.core import config
+from jaxtrain.parallel import mesh as mesh_lib
+out = {}
+for name, spec in %r:
+  sizes, _ = mesh_lib.parse_full(spec)  # dcn factors only order devices; one process here
+  m = mesh_lib.build(sizes, jax.devices()[:math.prod(sizes.values())])
+  rep = inspect.report(config.load(name), m, name, device_memory="H100", device="H100")
+  out[name] = {k: rep["memory"][k] for k in ("fits", "verdict", "attention", "total", "device_memory")}
+print(json.dumps(out))
+"""
+
+
+def test_inspect_device_h100_says_fits_for_each_pod_preset():
+  """Analytic: the pod meshes (8 and 64 devices) on simulated devices, bill for H100 kernels."""
+  rep = inspect.report(config.load("llama3.1-8b"), mesh_of("fsdp=8"), "llama3.1-8b", device_memory="H100",
+                       device="H100")
+  text = inspect.render(rep)
+  assert "Memory per device (analytic, for H100: attention cudnn, remat save_dots)" in text
+  assert "verdict [H100]: fits:" in text and rep["memory"]["total"] < 0.9 * 80 * 2**30
+  # the 64-device meshes need a process of their own
+  p = subprocess.run([sys.executable, "-c", POD_SCRIPT % (PODS[1:],)], capture_output=True, text=True, timeout=300,
+                     env=clean_env(JAX_PLATFORMS="cpu"))
+  assert p.returncode == 0, p.stderr[-2000:]
+  got = json.loads(p.stdout.strip().splitlines()[-1])
+  for name, _ in PODS[1:]:
+    mem = got[name]
+    assert mem["attention"] == "cudnn" and mem["device_memory"] == 80 * 2**30
+    assert mem["fits"] and mem["verdict"].startswith("fits:"), (name, mem)
+    assert mem["total"] < 0.9 * 80 * 2**30, (name, mem["total"] / 2**30)  # with a margin
+
+
+def test_unknown_device_is_one_line_naming_the_known_ones(run_cli):
+  r = run_cli("jaxtrain.inspect", "--config", "tiny", "--mesh", "dp=1", "--device", "Z100")
+  assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+  assert "'Z100' is not a known device; known: H200, H100" in r.stderr

@@ -1,5 +1,6 @@
 import dataclasses
 
+import numpy as np
 import pytest
 
 from jaxtrain.core import config
@@ -52,3 +53,92 @@ def test_help_lists_every_key_with_type_default_and_meaning():
       line = next(l for l in text.splitlines() if l.strip().startswith(f"{section}.{f.name} ("))
       assert f"default {f.default!r}" in line
   assert "one of bfloat16, float16, float32" in text
+
+
+def test_renamed_keys_load_from_old_preset_files(tmp_path, capsys):
+  p = tmp_path / "old.toml"
+  p.write_text("[train]\nlr = 1e-4\nlog_every = 3\nsteps = 5\n")
+  cfg = config.load(str(p))
+  assert (cfg.optim.lr, cfg.run.log_every, cfg.train.steps) == (1e-4, 3, 5)
+  assert "train.lr -> optim.lr" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("setting, words", [
+    ("optim.lr=nan", "optim.lr=nan is not a finite number"),
+    ("optim.b2=1.0", "optim.b2=1.0 must be less than 1.0"),
+    ("optim.eps=0", "optim.eps=0.0 must be greater than 0.0"),
+])
+def test_float_keys_have_bounds(setting, words):
+  with pytest.raises(UserError, match=words.replace(".", r"\.")):
+    config.load("tiny", [setting])
+
+
+def test_scan_layers_with_mixed_moe_layers_is_a_user_error():
+  with pytest.raises(UserError, match="model.scan_layers=true needs identical layers; model.moe_every=2"):
+    config.load("tiny", ["model.scan_layers=true", "model.moe_experts=4", "model.moe_every=2"])
+
+
+# Written out by hand, not read from the `math` flags in config.py. A key changes the math
+# when runs that differ only in it compute different numbers from the same start (or save
+# state that the other cannot resume); such a key must stop a resume that changes it.
+MATH_KEYS = {
+    # the model's shapes and numerics
+    "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.head_dim",
+    "model.d_ff", "model.rope_theta", "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor",
+    "model.rope_high_freq_factor", "model.rope_original_max_position", "model.norm_eps", "model.tie_embeddings",
+    "model.init_std", "model.dtype", "model.attention_logits_dtype",
+    # mixture of experts: routing, capacity, losses and expert shapes
+    "model.moe_experts", "model.moe_top_k", "model.moe_every", "model.moe_capacity_factor", "model.moe_aux_weight",
+    "model.moe_z_weight", "model.moe_group_size", "model.moe_dropless", "model.moe_expert_d_ff",
+    "model.moe_shared_experts", "model.moe_first_dense", "model.moe_router", "model.moe_bias_rate",
+    "model.moe_aux_convention",
+    # stacked layers: the same numbers, but the saved parameter tree has another shape
+    "model.scan_layers",
+    # the optimizer and its schedule (train.steps sets the decay length)
+    "optim.lr", "optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay", "optim.b1", "optim.b2", "optim.eps",
+    "optim.grad_clip", "train.steps", "train.batch_size", "train.seq_len", "train.seed",
+    # loss scaling changes which steps are skipped and the float16 gradients
+    "loss_scale.mode", "loss_scale.initial", "loss_scale.growth_interval", "loss_scale.growth_factor",
+    "loss_scale.backoff_factor", "loss_scale.min", "loss_scale.max",
+    # what is trained on
+    "data.text_field", "data.weights", "data.eval_fraction",
+}
+# Math keys naming files: compared by the digest of what they name, not by their text.
+CONTENT_KEYS = {"data.source", "data.tokenizer"}
+# How the same math is executed, observed, evaluated or saved.
+RUN_KEYS = {
+    "model.moe_grouped_matmul", "model.attention", "model.attention_max_segments", "model.remat",
+    "train.microbatches", "train.max_skipped_in_a_row", "train.eval_interval", "train.loss_chunk_tokens",
+    "run.log_every", "run.sequence_parallel", "run.xla_flags", "run.xla_flags_extra", "run.tensorboard",
+    "run.profile_steps", "run.fit_check",
+    "checkpoint.interval", "checkpoint.keep", "checkpoint.keep_every", "checkpoint.async_save", "checkpoint.on_damaged",
+    "checkpoint.verify", "distributed.heartbeat_timeout_s", "distributed.init_timeout_s",
+    "data.eval_source", "data.eval_batches", "data.workers", "data.prefetch", "data.verify",
+    "pipeline.schedule", "pipeline.virtual_stages",
+}
+
+
+def test_every_key_declares_whether_it_changes_the_math_as_listed_here():
+  keys = config.all_keys()
+  assert not (MATH_KEYS & RUN_KEYS) and not (CONTENT_KEYS & (MATH_KEYS | RUN_KEYS))
+  # A new key must be classified here too (a person decides, not the flag under test).
+  assert set(keys) == MATH_KEYS | CONTENT_KEYS | RUN_KEYS, set(keys) ^ (MATH_KEYS | CONTENT_KEYS | RUN_KEYS)
+  for dotted, field in keys.items():
+    assert field.metadata["doc"], dotted
+    assert field.metadata["math"] is (dotted in MATH_KEYS | CONTENT_KEYS), dotted
+    assert field.metadata["content"] is (dotted in CONTENT_KEYS), dotted
+
+
+def test_a_run_key_leaves_the_losses_alone_and_a_math_key_changes_them():
+  """Two keys of each list, trained: the independent check that the lists above are right."""
+  from tests.helpers import trajectory
+  sets = ["model.dtype=float32", "train.batch_size=4", "train.seq_len=32", "model.n_layers=1"]
+  base = trajectory(config.load("tiny", sets), "dp=1", 3)[:, 0]
+  for setting in ("model.remat=full", "train.loss_chunk_tokens=32"):  # 32 of 128 tokens: 4 loss chunks
+    assert setting.split("=")[0] in RUN_KEYS
+    np.testing.assert_allclose(trajectory(config.load("tiny", [*sets, setting]), "dp=1", 3)[:, 0], base, rtol=1e-5,
+                               err_msg=setting)
+  for setting in ("optim.lr=0.03", "model.init_std=0.05"):
+    assert setting.split("=")[0] in MATH_KEYS
+    other = trajectory(config.load("tiny", [*sets, setting]), "dp=1", 3)[:, 0]
+    assert np.max(np.abs(other - base) / base) > 1e-3, (setting, other, base)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+from tests import helpers
+
 
 def free_port() -> int:
   with socket.socket() as s:
@@ -14,9 +16,8 @@ def free_port() -> int:
 
 
 def clean_env(extra=None):
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-  env.update(extra or {}, PYTHONUNBUFFERED="1")
-  return env
+  """tests.helpers.clean_env with `extra`, unbuffered so the process logs arrive as written."""
+  return helpers.clean_env(**{**(extra or {}), "PYTHONUNBUFFERED": "1"})
 
 
 def launch(module_args, n, cwd, env=None):

@@ -38,3 +38,9 @@ def test_the_rule_for_one_dimension():
   assert tuple(sharding.spec_for(("embed", "heads"), (128, 8), mesh)) == ("fsdp", "tensor")
   with pytest.raises(UserError, match="embed=3 cannot be split over fsdp=2"):
     sharding.spec_for(("embed",), (3,), mesh)
+
+
+def test_a_typo_in_a_logical_axis_is_an_error():
+  mesh = mesh_of("dp=2")
+  with pytest.raises(KeyError, match="'bacth'"):
+    sharding.spec_for(("bacth", "length"), (4, 8), mesh)

@@ -24,7 +24,7 @@ from jaxtrain.run import runfiles
 from jaxtrain.run import step
 from jaxtrain.core.errors import UserError
 from jaxtrain.run.lock import WorkdirLock
-from tests.helpers import mesh_of
+from tests.helpers import clean_env, mesh_of
 
 SETS = ["model.n_layers=1", "train.batch_size=2", "train.seq_len=16", "checkpoint.interval=2"]
 RUN = ["--mesh", "dp=1"] + [a for s in SETS for a in ("--set", s)]
@@ -32,11 +32,9 @@ RUN = ["--mesh", "dp=1"] + [a for s in SETS for a in ("--set", s)]
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-  e = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAXTRAIN_FAULTS")}
-  e.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jit-cache")),
-           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-           PYTHONUNBUFFERED="1")
-  return e
+  return clean_env(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jit-cache")),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+                   PYTHONUNBUFFERED="1")
 
 
 def train(env, workdir, *extra, faults=None, cwd=None):

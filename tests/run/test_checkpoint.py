@@ -1,11 +1,12 @@
 """Checkpoints and exact resume, and the failure rehearsals of DESIGN.md."""
 
+import dataclasses
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
+import typing
 
 import jax
 import numpy as np
@@ -14,7 +15,8 @@ import pytest
 from jaxtrain.run import checkpoint
 from jaxtrain.core import config
 from jaxtrain.run import step
-from tests.helpers import mesh_of
+from tests.core.test_config import CONTENT_KEYS, MATH_KEYS, RUN_KEYS
+from tests.helpers import clean_env, mesh_of
 
 # Sharded, accumulating, packed: the data iterator state and the mesh both matter.
 RUN = ["--mesh", "fsdp=2,tp=2", "--set", "model.dtype=float32", "--set", "train.microbatches=2"]
@@ -44,7 +46,7 @@ def straight(tmp_path_factory):
   """The uninterrupted reference: 8 steps in one run."""
   import subprocess as sp
   w = tmp_path_factory.mktemp("straight") / "w"
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+  env = clean_env()
   r = sp.run([sys.executable, "-m", "jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "8",
               "--set", "checkpoint.interval=3"], env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
@@ -83,8 +85,7 @@ def test_resume_onto_a_different_mesh(run_cli, tmp_path, straight):
 
 
 def _popen(workdir, *extra, env=None):
-  full = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-  full.update(env or {}, PYTHONUNBUFFERED="1")
+  full = clean_env(**{**(env or {}), "PYTHONUNBUFFERED": "1"})
   return subprocess.Popen([sys.executable, "-m", "jaxtrain.train", *RUN, "--workdir", str(workdir), *extra],
                           env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -161,7 +162,7 @@ def test_disk_full_reports_and_keeps_the_last_good_checkpoint(run_cli, tmp_path)
 def saved(tmp_path_factory):
   """A finished 2-step run to tamper with (copied per test)."""
   w = tmp_path_factory.mktemp("saved") / "w"
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+  env = clean_env()
   r = subprocess.run([sys.executable, "-m", "jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "2"],
                      env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
@@ -232,3 +233,60 @@ def test_an_aborted_run_keeps_its_committed_checkpoints(run_cli, tmp_path):
               "--set", "train.max_skipped_in_a_row=2", "--set", "checkpoint.interval=2")
   assert r.returncode == 1 and "aborting at step 3" in r.stderr
   assert checkpoint.committed_steps(w / "checkpoints") == [2]
+
+
+def test_resume_checks_point_the_right_way():
+  saved = checkpoint.fingerprint(config.load("tiny"), "tok", "data")
+
+  def diff(*sets):
+    return checkpoint.mismatches(saved, checkpoint.fingerprint(config.load("tiny", list(sets)), "tok", "data"))
+  assert diff("train.eval_interval=100", "train.microbatches=2", "run.log_every=5", "model.remat=full") == {}
+  assert "data.eval_fraction: 0.0 -> 0.3" in diff("data.eval_fraction=0.3")["data"]
+  assert "data.weights: '' -> '1'" in diff("data.weights=1")["data"]
+  assert "optim.lr: 0.003 -> 0.1" in diff("train.lr=0.1")["train"]  # an old key name still works
+  # A changed source names what changed, not only digests.
+  new = checkpoint.fingerprint(config.load("tiny", ["data.source=/x/y"]), "tok", "other")
+  assert checkpoint.mismatches(saved, new)["data"] == "data.source: 'bundled' (content data) -> '/x/y' (content other)"
+
+
+def test_fingerprints_of_older_checkpoints_still_compare():
+  """Written before keys declared their role: bare names, run keys mixed in, bare digests."""
+  cfg = config.load("tiny")
+  old = {"model": {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in ("attention", "remat")},
+         "train": {**{k: v for k, v in dataclasses.asdict(cfg.train).items()}, "lr": 0.003, "warmup_steps": 5,
+                   "eval_interval": 7},
+         "tokenizer": "tok", "data": "data"}
+  assert checkpoint.mismatches(old, checkpoint.fingerprint(cfg, "tok", "data")) == {}
+  assert set(checkpoint.mismatches(old, checkpoint.fingerprint(cfg, "tok2", "data"))) == {"tokenizer"}
+
+
+def _other_value(field, tp, value):
+  """A different value of the same type, for the key-walking test."""
+  if typing.get_origin(tp) is typing.Literal:
+    return next(c for c in typing.get_args(tp) if c != value)
+  if tp is bool:
+    return not value
+  if tp is int:
+    return value + 1
+  if tp is float:
+    hi = field.metadata["max"]
+    return (value + hi) / 2 if hi is not None else value + 1.0
+  return value + "-other"
+
+
+def test_every_key_changes_the_fingerprint_exactly_when_it_changes_the_math():
+  """Each key set to another value: the resume check must object to exactly the math keys
+  (listed by hand in tests/core/test_config.py), under the key's category; a content key
+  whose files did not change, and every run key, must pass."""
+  base = config.Config()
+  fp = checkpoint.fingerprint(base, "tok", "data")
+  for dotted, field in config.all_keys().items():
+    section, name = dotted.split(".")
+    tp = typing.get_type_hints(config.SECTIONS[section])[name]
+    other = _other_value(field, tp, getattr(getattr(base, section), name))
+    changed = dataclasses.replace(base, **{section: dataclasses.replace(getattr(base, section), **{name: other})})
+    found = checkpoint.mismatches(fp, checkpoint.fingerprint(changed, "tok", "data"))
+    if dotted in MATH_KEYS:
+      assert list(found) == [config.category(dotted)] and dotted in found[config.category(dotted)], (dotted, found)
+    else:
+      assert dotted in CONTENT_KEYS | RUN_KEYS and found == {}, (dotted, found)

@@ -1,0 +1,30 @@
+"""XLA flags (jaxtrain.parallel.xla_flags): unknown flags are dropped with a warning, the
+verdicts are cached, and the gpu-default preset is known to this jaxlib."""
+
+import subprocess
+import sys
+
+from jaxtrain.parallel import xla_flags
+from tests.helpers import clean_env
+
+
+def test_unknown_xla_flag_is_dropped_with_a_warning(tmp_path, capsys):
+  cache = tmp_path / "flags.json"
+  env = {"XLA_FLAGS": "--xla_dump_to=/tmp/user_choice"}
+  added = xla_flags.apply("none", "--xla_jaxtrain_no_such_flag=1 --xla_gpu_enable_latency_hiding_scheduler=true "
+                          "--xla_dump_to=/tmp/ignored", environ=env, cache=cache)
+  assert added == ["--xla_gpu_enable_latency_hiding_scheduler=true"]
+  assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/user_choice --xla_gpu_enable_latency_hiding_scheduler=true"
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == ["warning: dropping XLA flag(s) this jaxlib does not know: --xla_jaxtrain_no_such_flag=1"]
+  # The verdicts are cached: a second call decides without a probe.
+  assert xla_flags.validate(["--xla_jaxtrain_no_such_flag=2"], cache)[1] == ["--xla_jaxtrain_no_such_flag=2"]
+  # What is kept really starts XLA (the independent check: a fresh process with those flags).
+  r = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True, text=True,
+                     env=clean_env(XLA_FLAGS=env["XLA_FLAGS"], JAX_PLATFORMS="cpu"))
+  assert r.returncode == 0, r.stderr[-500:]
+
+
+def test_gpu_default_preset_flags_are_known_to_this_jaxlib(tmp_path):
+  kept, dropped = xla_flags.validate(xla_flags.PRESETS["gpu-default"], tmp_path / "flags.json")
+  assert dropped == [] and len(kept) == len(xla_flags.PRESETS["gpu-default"])
