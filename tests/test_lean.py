@@ -39,11 +39,11 @@ def test_efficiency_fields_are_finite_and_remat_shows_as_recompute():
 
 
 def _old_guard_step(graphdef, opt, cfg, plan, state, batch):
-  """The guard this replaced: compute the update, then select old or new over the whole state."""
+  """The guard this replaced: compute the update, then select old or new over the whole state.
+  The clip is the optimizer's now (`step.optimizer`), so `opt.update` clips here as in the step."""
   scale = state["loss_scale"]["scale"]
   loss, g, n_valid = step.grads(graphdef, state["params"], batch, cfg.train.microbatches, scale, plan=plan)
   finite = jnp.isfinite(optax.tree.norm(g)) & jnp.isfinite(loss)
-  g, _ = optax.clip_by_global_norm(cfg.optim.grad_clip).update(g, optax.EmptyState())
   updates, opt_state = opt.update(g, state["opt"], state["params"])
   params = optax.apply_updates(state["params"], updates)
   apply = finite & (n_valid > 0)
