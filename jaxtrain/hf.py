@@ -11,8 +11,8 @@ headers before anything is written; then each one is read alone (memory-mapped) 
 placed straight onto its parameter's sharding, so host memory stays near one tensor.
 
 Export writes config.json, model-0000x-of-0000y.safetensors with their index and the
-run's tokenizer in the layout and names `transformers` loads. Tensors are written one at
-a time, each file streamed (its header first, from the known shapes).
+run's tokenizer in the layout and names `transformers` loads. Each file is gathered to host
+memory and written (safetensors.numpy) before the next: host memory stays near one file.
 
 Layouts: HF stores a projection as (out, in); jaxtrain as (in, out) with heads split,
 e.g. q_proj (H*E, D) <-> wq (D, H, E). Both rotate RoPE halves, so q/k need no permutation.
@@ -467,23 +467,13 @@ def _plan_files(items: list[tuple[str, tuple, int]], max_bytes: int) -> list[lis
   return files + ([cur] if cur else [])
 
 
-def _header(entries: list[tuple[str, tuple, int]], dtype_tag: str) -> bytes:
-  meta, off = {"__metadata__": {"format": "pt"}}, 0
-  for name, shape, nbytes in entries:
-    meta[name] = {"dtype": dtype_tag, "shape": list(shape), "data_offsets": [off, off + nbytes]}
-    off += nbytes
-  blob = json.dumps(meta, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-  return len(blob).to_bytes(8, "little") + blob
-
-
 def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes: int, workdir: Path) -> None:
   import jax
   from jax.experimental import multihost_utils
   from jaxtrain.run import runs
   from jaxtrain.data import tokenizer as tokenizer_lib
   t0 = time.perf_counter()
-  tag, np_dtype = DTYPES[dtype]
+  _, np_dtype = DTYPES[dtype]  # the file dtype tag follows from the numpy dtype (safetensors)
   if np_dtype == "bfloat16":
     import ml_dtypes
     np_dtype = ml_dtypes.bfloat16
@@ -515,22 +505,19 @@ def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes
     x = np.asarray(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
     return np.ascontiguousarray(t.to_hf(np.asarray(x, np.float32)).astype(np_dtype))
 
-  written = 0
+  _safetensors()
+  from safetensors.numpy import save_file
   for i, entries in enumerate(files):
     mine = i % procs == me  # files are spread over the processes
-    f = (out / fname(i)).open("wb") if mine else None
-    try:
-      if f:
-        f.write(_header(entries, tag))
-      for name, shape, nbytes in entries:
-        arr = host_value(name)  # every process takes part: a gather is a collective
-        assert arr.shape == shape and arr.nbytes == nbytes, (name, arr.shape, shape)
-        if f:
-          f.write(arr.tobytes())
-          written += nbytes
-    finally:
-      if f:
-        f.close()
+    shard = {}  # host memory: one file's tensors at a time
+    for name, shape, nbytes in entries:
+      arr = host_value(name)  # every process takes part: a gather is a collective
+      assert arr.shape == shape and arr.nbytes == nbytes, (name, arr.shape, shape)
+      if mine:
+        shard[name] = arr
+    if mine:
+      save_file(shard, out / fname(i), metadata={"format": "pt"})
+    del shard
   if me == 0:
     index = {"metadata": {"total_size": sum(it[2] for it in items)},
              "weight_map": {name: fname(i) for i, entries in enumerate(files) for name, _, _ in entries}}

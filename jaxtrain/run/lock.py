@@ -1,10 +1,11 @@
 """One trainer per workdir: an OS file lock on <workdir>/jaxtrain.run.lock, held by process 0.
 
-The lock is `flock(LOCK_EX | LOCK_NB)` on an open file: the kernel drops it when the
-process exits in any way (SIGKILL included), so a crashed run never leaves a lock that
-blocks its requeued successor. The file also records the holder (host, pid, since) for the
-message a second trainer prints; a clean exit empties it, so a record found under a free
-lock is a run that died, and the taker says so (the "stale lock" note).
+The lock is `filelock`'s native Unix lock, `flock(LOCK_EX | LOCK_NB)` on an open file,
+tried once (no waiting): the kernel drops it when the process exits in any way (SIGKILL
+included), so a crashed run never leaves a lock that blocks its requeued successor. The
+file also records the holder (host, pid, since) for the message a second trainer prints;
+a clean exit empties it, so a record found under a free lock is a run that died, and the
+taker says so (the "stale lock" note).
 
 What it guarantees: on one host, always. Across hosts on a shared filesystem, only where
 that filesystem implements locks (NFS with a working lock manager, NFSv4, Lustre mounted
@@ -17,13 +18,14 @@ per workdir.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import socket
 import sys
 import time
 from pathlib import Path
+
+import filelock
 
 from jaxtrain.core.errors import UserError
 
@@ -46,37 +48,31 @@ def _describe(rec: dict) -> str:
   return f"host {rec.get('host', '?')}, pid {rec.get('pid', '?')}, since {when}"
 
 
+def _record(raw: bytes) -> dict:
+  try:
+    rec = json.loads(raw.decode() or "{}")
+    return rec if isinstance(rec, dict) else {}
+  except ValueError:
+    return {}
+
+
 class WorkdirLock:
   """`acquire()` or a one-line user error naming the holder; `release()` on the way out."""
 
   def __init__(self, workdir: Path):
     self.path = Path(workdir) / NAME
-    self.fd: int | None = None
     self.note: str | None = None  # set when a dead run's record was taken over
+    self._claimed = False  # the record is ours (locked, or unlocked where the filesystem has no locks)
+    # One attempt, no waiting; never the soft (marker-file) fallback: unlink-on-release would lose the record.
+    self._lock = filelock.UnixFileLock(self.path, thread_local=False, blocking=False, fallback_to_soft=False,
+                                       preserve_lock_file=True, on_acquired=self._claim)
 
-  def _read(self, fd: int) -> dict:
+  def _claim(self, fd: int) -> None:
+    """Under the lock: note a record left by a run that did not exit cleanly, write ours."""
     try:
-      rec = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-      return rec if isinstance(rec, dict) else {}
-    except (OSError, ValueError):
-      return {}
-
-  def acquire(self) -> WorkdirLock:
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      holder = self._read(fd)
-      os.close(fd)
-      raise UserError(f"workdir {self.path.parent} is in use by another trainer ({_describe(holder)}; lock file "
-                      f"{self.path}); wait for it to finish or stop it, or use another --workdir") from None
-    except OSError as e:
-      if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-        os.close(fd)
-        raise
-      print(f"jaxtrain: warning: the filesystem of {self.path.parent} does not support file locks "
-            f"({os.strerror(e.errno)}); running without the one-trainer-per-workdir lock", file=sys.stderr)
-    old = self._read(fd)
+      old = _record(os.pread(fd, 4096, 0))
+    except OSError:
+      old = {}
     if old.get("pid"):
       here = old.get("host") == socket.gethostname()
       state = ("that process is gone" if not _alive(int(old["pid"])) else "that pid now belongs to another process") \
@@ -89,7 +85,28 @@ class WorkdirLock:
       os.pwrite(fd, body, 0)
     except OSError:
       pass
-    self.fd = fd
+    self._claimed = True
+
+  def acquire(self) -> WorkdirLock:
+    try:
+      self._lock.acquire()
+    except filelock.Timeout:
+      try:
+        holder = _record(self.path.read_bytes()[:4096])
+      except OSError:
+        holder = {}
+      raise UserError(f"workdir {self.path.parent} is in use by another trainer ({_describe(holder)}; lock file "
+                      f"{self.path}); wait for it to finish or stop it, or use another --workdir") from None
+    except OSError as e:
+      if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        raise
+      print(f"jaxtrain: warning: the filesystem of {self.path.parent} does not support file locks "
+            f"({os.strerror(e.errno)}); running without the one-trainer-per-workdir lock", file=sys.stderr)
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+      try:
+        self._claim(fd)
+      finally:
+        os.close(fd)
     return self
 
   def __del__(self):  # a run() that failed before its `finally` still lets go in-process
@@ -97,12 +114,13 @@ class WorkdirLock:
 
   def release(self) -> None:
     """Empties the record (a clean exit) and drops the lock."""
-    if self.fd is None:
+    if not getattr(self, "_claimed", False):  # also: __init__ failed
       return
-    fd, self.fd = self.fd, None
+    self._claimed = False
     try:
-      os.ftruncate(fd, 0)
+      os.truncate(self.path, 0)  # still under the lock: nobody else writes the record
     except OSError:
       pass
     finally:
-      os.close(fd)  # closing the only descriptor releases the flock
+      if self._lock.is_locked:
+        self._lock.release()

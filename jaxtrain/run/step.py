@@ -34,18 +34,17 @@ from jaxtrain.core.errors import UserError
 DECAYED = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"})
 
 
-def lr_schedule(o: OptimConfig, steps: int):
-  """Linear warmup (lr/warmup .. lr), then cosine to lr*min_lr_ratio at step `steps`.
+def lr_schedule(o: OptimConfig, steps: int) -> optax.Schedule:
+  """Linear warmup (lr/warmup, 2*lr/warmup, .., lr at update warmup-1), then cosine from lr at
+  update `warmup` to lr*min_lr_ratio at update `steps`, held there after.
 
   Its argument is the number of optimizer updates already applied.
   """
-  def lr(count):
-    s = jnp.asarray(count, jnp.float32)
-    warm = o.lr * (s + 1) / max(o.warmup_steps, 1)
-    progress = jnp.clip((s - o.warmup_steps) / max(steps - o.warmup_steps, 1), 0.0, 1.0)
-    cosine = o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * progress)))
-    return jnp.where(s < o.warmup_steps, warm, cosine)
-  return lr
+  cosine = optax.cosine_decay_schedule(o.lr, max(steps - o.warmup_steps, 1), alpha=o.min_lr_ratio)
+  if o.warmup_steps == 0:
+    return cosine
+  warmup = optax.linear_schedule(o.lr / o.warmup_steps, o.lr, o.warmup_steps - 1)  # 0 steps: constant lr
+  return optax.join_schedules([warmup, cosine], [o.warmup_steps])
 
 
 def decay_mask(params):
@@ -53,9 +52,22 @@ def decay_mask(params):
 
 
 def optimizer(cfg: Config) -> optax.GradientTransformation:
+  """AdamW on the global-norm-clipped gradient (clipping off when optim.grad_clip is 0).
+
+  The clip is stateless, so the state is AdamW's alone: the same pytree, hence the same
+  checkpoint layout, with and without clipping (`optax.chain` would nest it one level down,
+  and checkpoints written before could no longer be restored)."""
   o = cfg.optim
-  return optax.adamw(lr_schedule(o, cfg.train.steps), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                     mask=decay_mask)
+  adamw = optax.adamw(lr_schedule(o, cfg.train.steps), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                      mask=decay_mask)
+  if o.grad_clip <= 0:
+    return adamw
+  clip = optax.clip_by_global_norm(o.grad_clip)
+
+  def update(g, state, params=None):
+    g, _ = clip.update(g, clip.init(g))
+    return adamw.update(g, state, params)
+  return optax.GradientTransformation(adamw.init, update)
 
 
 def token_loss_sum(graphdef, params, mb, plan=None):
@@ -127,8 +139,8 @@ def init_state(cfg: Config, opt: optax.GradientTransformation, params) -> dict:
 
 
 def guarded_update(opt: optax.GradientTransformation, params, opt_state, g, ok):
-  """(params, opt_state, applied): the AdamW update when `ok` and the new params are
-  finite, else the old values untouched. The choice is one `lax.cond` between the two
+  """(params, opt_state, applied): the update of `opt` (clipping included) when `ok` and the
+  new params are finite, else the old values untouched. The choice is one `lax.cond` between the two
   states, not an elementwise select over every array."""
   updates, new_opt = opt.update(g, opt_state, params)
   new_params = optax.apply_updates(params, updates)
@@ -148,10 +160,8 @@ def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, plan, s
                                           plan=plan)
   else:
     loss, g, n_valid, moe_metrics = grads_fn(graphdef, state["params"], batch, t.microbatches, scale, moe_metrics=True)
-  grad_norm = optax.tree.norm(g)  # before clipping, as logged
+  grad_norm = optax.tree.norm(g)  # unscaled, before the optimizer clips it: as logged
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)  # a non-finite element makes the norm non-finite
-  if cfg.optim.grad_clip > 0:
-    g, _ = optax.clip_by_global_norm(cfg.optim.grad_clip).update(g, optax.EmptyState())
   params, opt_state, apply = guarded_update(opt, state["params"], state["opt"], g, finite & (n_valid > 0))
   # aux-loss-free balancing: the routing bias moves after an applied update only (no-op when off)
   params = moe_balance.nudge(cfg.model, params, moe_metrics.pop("moe_load"), apply)
