@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxtrain import hf
+from jaxtrain.interop import hf
 from jaxtrain.run import checkpoint
 from jaxtrain.run import runs
 from tests.helpers import mesh_of

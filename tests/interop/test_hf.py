@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from jaxtrain import hf
+from jaxtrain import hf as hf_command
+from jaxtrain.interop import hf
 from jaxtrain.run import loop
 from jaxtrain.run import checkpoint
 from jaxtrain.core import config
@@ -140,7 +141,7 @@ def test_import_on_a_mesh_then_train_equals_single_device_and_exports(tmp_path, 
 
 def _one_line_exit_2(capsys, argv):
   with pytest.raises(SystemExit) as e:
-    hf.main(argv)
+    hf_command.main(argv)
   err = capsys.readouterr().err.strip()
   assert e.value.code == 2 and len(err.splitlines()) == 1, err
   return err
