@@ -1,10 +1,5 @@
-"""RoPE inverse frequencies, with the `llama3` long-context scaling of Llama 3.1/3.2.
-
-llama3 scaling keeps high frequencies (wavelength below original/high_freq_factor),
-divides low frequencies (wavelength above original/low_freq_factor) by `factor`, and
-blends linearly in between. Computed once on the host in float32, the precision the
-reference implementation uses, so positions past the original context rotate the same.
-"""
+"""RoPE inverse frequencies with the `llama3` long-context scaling of Llama 3.1/3.2, on the host
+in float32 as the reference does. Imports nothing of jaxtrain."""
 
 from __future__ import annotations
 
@@ -12,7 +7,8 @@ import numpy as np
 
 
 def inv_freq(cfg) -> np.ndarray | None:
-  """(head_dim/2,) float32 frequencies for model.rope_scaling, or None for the plain ones."""
+  """(head_dim/2,) float32 frequencies for model.rope_scaling, or None for the plain ones: high
+  frequencies kept, low ones divided by `factor`, blended linearly in between."""
   if cfg.rope_scaling == "none":
     return None
   half = cfg.head_dim // 2

@@ -1,12 +1,7 @@
-"""A Llama-shaped decoder-only transformer in Flax NNX. Plain math, logical axes only.
-
-Tensors are named with their shape: B batch, L length, D d_model, H query heads,
-K kv heads, G = H/K queries per kv head, E head_dim, F d_ff, V vocab.
-Parameters carry their logical axes in the `axes` metadata; `jaxtrain.parallel.sharding` maps
-those to the mesh. Nothing here names a mesh axis or calls a collective: activations are
-annotated, attention run and MoE tokens dispatched through the execution plan
-(`jaxtrain.parallel.plan`) that the caller passes in.
-"""
+"""A Llama-shaped decoder-only transformer in Flax NNX: plain math, logical axes only (parameters
+carry them as `axes` metadata); attention, MoE dispatch and annotations go through the execution
+plan passed in. Shapes: B batch, L length, D d_model, H heads, K kv heads, E head_dim, F d_ff, V vocab.
+Imports model.{attention, rope}, parallel.plan, core."""
 
 from __future__ import annotations
 
@@ -15,12 +10,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.parallel import plan as plan_lib
-from jaxtrain.model import rope as rope_scaling
-from jaxtrain.model.attention import attention, cached_attention, masked_attention  # noqa: F401 (the reference kernels)
 from jaxtrain.core.config import ModelConfig
+from jaxtrain.model import rope as rope_scaling
+from jaxtrain.model.attention import attention, cached_attention  # noqa: F401 (attention: the reference kernel)
+from jaxtrain.parallel import plan as plan_lib
 
-# Tensors named for the save_named / offload_named remat policies.
 NAMED = ("q", "k", "v", "attn_out", "mlp_hidden")
 
 
@@ -36,7 +30,6 @@ def remat_policy(name: str):
           names_which_can_be_saved=[], names_which_can_be_offloaded=list(NAMED),
           offload_src="device", offload_dst="pinned_host")),
   }[name]
-
 
 
 def _param(rngs: nnx.Rngs, shape, axes, std: float) -> nnx.Param:
@@ -55,14 +48,12 @@ class RMSNorm(nnx.Module):
     return (x * self.scale[...]).astype(x_BxLxD.dtype)
 
 
-def rope_tables(pos_BxL, head_dim: int, theta: float, freq_E2=None):
-  """(sin, cos) of the rotary angles, each (B, L, 1, E/2) float32 (the 1 broadcasts over
-  heads): computed once per forward pass and shared by every layer, so neither each layer
-  nor remat recomputes them, and the backward pass keeps one copy. `freq_E2` overrides
-  the plain frequencies (model.rope_scaling)."""
-  half = head_dim // 2
-  if freq_E2 is None:
-    freq_E2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+def rope_tables(pos_BxL, cfg: ModelConfig):
+  """(sin, cos) of the rotary angles, each (B, L, 1, E/2) float32, with model.rope_scaling: once
+  per forward pass, shared by every layer (neither the layers nor remat recompute them)."""
+  half = cfg.head_dim // 2
+  freq_E2 = rope_scaling.inv_freq(cfg)
+  freq_E2 = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half) if freq_E2 is None else jnp.asarray(freq_E2)
   ang_BxLx1xE2 = (pos_BxL.astype(jnp.float32)[:, :, None] * freq_E2)[:, :, None, :]
   return jnp.sin(ang_BxLx1xE2), jnp.cos(ang_BxLx1xE2)
 
@@ -89,16 +80,17 @@ class Attention(nnx.Module):
   def __call__(self, x_BxLxD, rope_tables, seg_BxL, plan, cache=None):
     """With a KV `cache` (decoding) returns (output, updated {"k", "v"})."""
     dt = x_BxLxD.dtype
-    q = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
-    k = jnp.einsum("bld,dke->blke", x_BxLxD, self.wk[...].astype(dt))
-    v = jnp.einsum("bld,dke->blke", x_BxLxD, self.wv[...].astype(dt))
-    q = checkpoint_name(plan.constrain(rope(q, rope_tables), ("batch", "length", "act_heads", None)), "q")
-    k = checkpoint_name(plan.constrain(rope(k, rope_tables), ("batch", "length", "act_kv_heads", None)), "k")
-    v = checkpoint_name(plan.constrain(v, ("batch", "length", "act_kv_heads", None)), "v")
+    q_BxLxHxE = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
+    k_BxLxKxE = jnp.einsum("bld,dke->blke", x_BxLxD, self.wk[...].astype(dt))
+    v_BxLxKxE = jnp.einsum("bld,dke->blke", x_BxLxD, self.wv[...].astype(dt))
+    q_BxLxHxE = plan.constrain(rope(q_BxLxHxE, rope_tables), ("batch", "length", "act_heads", None))
+    k_BxLxKxE = plan.constrain(rope(k_BxLxKxE, rope_tables), ("batch", "length", "act_kv_heads", None))
+    v_BxLxKxE = plan.constrain(v_BxLxKxE, ("batch", "length", "act_kv_heads", None))
+    qkv = checkpoint_name(q_BxLxHxE, "q"), checkpoint_name(k_BxLxKxE, "k"), checkpoint_name(v_BxLxKxE, "v")
     if cache is not None:
-      o_BxLxHxE, cache = cached_attention(q, k, v, seg_BxL, cache)
+      o_BxLxHxE, cache = cached_attention(*qkv, seg_BxL, cache)
       return jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt)), cache
-    o_BxLxHxE = checkpoint_name(plan.attend(q, k, v, seg_BxL), "attn_out")
+    o_BxLxHxE = checkpoint_name(plan.attend(*qkv, seg_BxL), "attn_out")
     return jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt))
 
 
@@ -121,13 +113,8 @@ class MLP(nnx.Module):
 
 
 class MoE(nnx.Module):
-  """Mixture of X SwiGLU experts with a float32 top-k router (routing math in `jaxtrain.parallel.experts`),
-  plus optional always-on shared experts and a routing bias (aux-loss-free balancing: it
-  gets no gradient; `moe_balance.nudge` moves it after each update).
-
-  Returns (y, stats) where stats are this layer's auxiliary-loss terms, expert load and
-  drop counts (`moe_balance` combines them over layers).
-  """
+  """X routed SwiGLU experts (routing in parallel.experts), optional shared experts, and a routing
+  bias without gradient that `moe_balance.nudge` moves. Returns (y, this layer's stats)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     D, X, std = cfg.d_model, cfg.moe_experts, cfg.init_std
@@ -190,36 +177,32 @@ class Transformer(nnx.Module):
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
 
   def __call__(self, tokens_BxL, pos_BxL, seg_BxL, plan=None):
-    """Returns float32 logits (B, L, V)."""
-    return self.forward(tokens_BxL, pos_BxL, seg_BxL, plan)[0]
-
-  def forward(self, tokens_BxL, pos_BxL, seg_BxL, plan=None):
-    """Returns (float32 logits (B, L, V), list of the MoE layers' stats; empty if dense).
-    `plan`: how to run on the mesh (`jaxtrain.parallel.plan`); None = one device, reference attention."""
+    """float32 logits (B, L, V). `plan` None = one device, reference attention."""
     plan = plan or plan_lib.local(self.cfg)
-    x_BxLxD, moe_stats = self.hidden(tokens_BxL, pos_BxL, seg_BxL, plan)
-    logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, self.head_weight().astype(x_BxLxD.dtype),
-                              preferred_element_type=jnp.float32)
-    return plan.constrain(logits_BxLxV, ("batch", "length", "act_vocab")), moe_stats
+    x_BxLxD, _ = self.hidden(tokens_BxL, pos_BxL, seg_BxL, plan)
+    return plan.constrain(self._logits(x_BxLxD), ("batch", "length", "act_vocab"))
 
   def head_weight(self):
     """The output projection (D, V), float32: the embedding's transpose when tied."""
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
+  def _logits(self, x_BxLxD):
+    return jnp.einsum("bld,dv->blv", x_BxLxD, self.head_weight().astype(x_BxLxD.dtype),
+                      preferred_element_type=jnp.float32)
+
+  def _embed(self, tokens_BxL, plan):
+    x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(jnp.dtype(self.cfg.dtype))
+    return plan.constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
+
   def hidden(self, tokens_BxL, pos_BxL, seg_BxL, plan=None):
-    """(final-normed hidden states (B, L, D) in the compute dtype, MoE stats): `forward`
-    without the output head, for a loss that applies the head itself (`jaxtrain.model.loss`)."""
+    """(final-normed hidden states (B, L, D), compute dtype; list of the MoE layers' stats): the
+    forward pass without the head, for a loss that applies it itself (model.loss)."""
     plan = plan or plan_lib.local(self.cfg)
-    dt = jnp.dtype(self.cfg.dtype)
-    x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(dt)
-    x_BxLxD = plan.constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
-    tables = rope_tables(pos_BxL, self.cfg.head_dim, self.cfg.rope_theta, _freq(self.cfg))
+    x_BxLxD = self._embed(tokens_BxL, plan)
+    tables = rope_tables(pos_BxL, self.cfg)
     moe_stats = []
     use_remat, policy = remat_policy(self.cfg.remat)
-
-    def _run_block(block, x_BxLxD, tables, seg_BxL):
-      return block(x_BxLxD, tables, seg_BxL, plan)
-
+    _run_block = lambda block, x_BxLxD, tables, seg_BxL: block(x_BxLxD, tables, seg_BxL, plan)  # noqa: E731
     # prevent_cse is only needed outside a scan (scan already keeps the recomputation apart)
     run_block = nnx.remat(_run_block, policy=policy, prevent_cse=not self.cfg.scan_layers) if use_remat else _run_block
     if self.cfg.scan_layers:
@@ -232,14 +215,11 @@ class Transformer(nnx.Module):
     return self.final_norm(x_BxLxD), moe_stats
 
   def decode(self, tokens_BxT, pos_BxT, seg_BxT, cache, plan=None):
-    """KV-cached forward of T new tokens per row (the prompt, then one at a time) through the
-    same blocks. `cache` from `init_cache`; its slots [start, start+T) receive these tokens.
-    Returns (float32 logits (B, T, V), updated cache)."""
+    """KV-cached forward of T new tokens per row through the same blocks; the `init_cache` slots
+    [start, start+T) receive them. Returns (float32 logits (B, T, V), updated cache)."""
     plan = plan or plan_lib.local(self.cfg)
-    dt = jnp.dtype(self.cfg.dtype)
-    x_BxTxD = plan.constrain(jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt),
-                             ("batch", "act_length", "act_embed"))
-    tables = rope_tables(pos_BxT, self.cfg.head_dim, self.cfg.rope_theta, _freq(self.cfg))
+    x_BxTxD = self._embed(tokens_BxT, plan)
+    tables = rope_tables(pos_BxT, self.cfg)
     start = cache["start"]
     kv_seg_BxS = jax.lax.dynamic_update_slice(cache["seg"], seg_BxT.astype(cache["seg"].dtype), (0, start))
     shared = {"seg": kv_seg_BxS, "start": start}
@@ -255,16 +235,8 @@ class Transformer(nnx.Module):
       for block, kv in zip(self.layers, cache["layers"]):
         x_BxTxD, _, kv = block(x_BxTxD, tables, seg_BxT, plan, {**kv, **shared})
         layers.append(kv)
-    x_BxTxD = self.final_norm(x_BxTxD)
-    w_DxV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-    logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, w_DxV.astype(dt), preferred_element_type=jnp.float32)
+    logits_BxTxV = self._logits(self.final_norm(x_BxTxD))
     return logits_BxTxV, {"layers": layers, "seg": kv_seg_BxS, "start": start + tokens_BxT.shape[1]}
-
-
-def _freq(cfg: ModelConfig):
-  """model.rope_scaling's frequencies (computed on the host), or None for the plain ones."""
-  freq = rope_scaling.inv_freq(cfg)
-  return None if freq is None else jnp.asarray(freq)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int):
@@ -293,10 +265,7 @@ def _scan_blocks(run_block, stacked: Block, x_BxLxD, tables, seg_BxL):
   """jax.lax.scan over the `layers` axis: one traced block, applied n_layers times."""
   graphdef, state = nnx.split(stacked)
 
-  def body(x, layer_state):
-    x, stats = run_block(nnx.merge(graphdef, layer_state), x, tables, seg_BxL)
-    return x, stats
-
+  body = lambda x, layer_state: run_block(nnx.merge(graphdef, layer_state), x, tables, seg_BxL)  # noqa: E731
   x_BxLxD, stats = jax.lax.scan(body, x_BxLxD, state)
   n = jax.tree.leaves(state)[0].shape[0]
   return x_BxLxD, ([] if stats is None else [jax.tree.map(lambda a, i=i: a[i], stats) for i in range(n)])

@@ -1,12 +1,5 @@
-"""Multi-process start-up on JAX's own multi-controller runtime (NCCL on GPUs, gloo on CPUs).
-
-One process per host. The cluster is taken from explicit flags, or from JAX's own
-detection (SLURM, Open MPI, Kubernetes, ...); with neither, the run is one process. On
-machines without an accelerator each of N processes provides (mesh size)/N simulated
-CPU devices, so a multi-process run on a laptop is the same program as on a pod.
-When a process dies, the others learn it from the coordination service's heartbeats
-and exit non-zero (the runtime names the lost task) after `distributed.heartbeat_timeout_s`.
-"""
+"""Multi-process start-up on JAX's multi-controller runtime (NCCL on GPUs, gloo on CPUs): the
+cluster from explicit flags or JAX's own detection, else one process. Imports parallel.mesh, core."""
 
 from __future__ import annotations
 

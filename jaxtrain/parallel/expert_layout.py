@@ -1,18 +1,6 @@
-"""Where MoE tokens sit during dispatch, how they are grouped for capacity, and how big
-the dispatch buffers are: one answer shared by the layer (`jaxtrain.parallel.experts`, through the
-execution plan's rules), the config check (`step.check_fits_mesh`) and the traffic
-estimate (`comms.moe_traffic`).
-
-Layout: the logical axes `moe_batch`/`moe_length` of the rules table. Rows go over
-data, fsdp, expert and also sequence when the microbatch's rows divide over all four, so
-each device holds whole sequences; otherwise `sequence` keeps splitting the length.
-
-Capacity groups are data-defined: G tokens of consecutive positions of the microbatch
-(rows one after another), G = model.moe_group_size or one sequence. A group must lie on
-one device, so every mesh drops exactly the tokens one device drops: with (b rows x n
-positions) per device, G divides n, or n is the whole sequence L and G is a multiple of
-L dividing b*L.
-"""
+"""Where MoE tokens sit during dispatch (`moe_batch`/`moe_length` of the rules), the data-defined
+capacity groups (G consecutive positions, on one device) and the buffer sizes: one answer for the
+layer, the config check and the traffic estimate. Imports parallel.sharding, core."""
 
 from __future__ import annotations
 
@@ -31,6 +19,11 @@ def token_spec(mesh, B: int, L: int, rules=sharding.RULES) -> P:
   return sharding.spec_for(AXES, (B, L, 1), mesh, rules=rules)
 
 
+def dispatch_mesh(plan):
+  """The mesh of the all_to_all dispatch, or None for one local group set."""
+  return plan.mesh if plan.moe == "all_to_all" else None
+
+
 def local_shape(mesh, B: int, L: int) -> tuple[int, int]:
   """(rows, positions) of one microbatch that one device holds during dispatch."""
   if mesh is None:
@@ -44,20 +37,20 @@ def group_size(m, L: int) -> int:
 
 
 def group_fits(G: int, L: int, b: int, n: int) -> bool:
+  """A group lies on one device holding b rows x n positions: G divides n, or n = L and G is a
+  multiple of L dividing b*L."""
   return n % G == 0 or (n == L and G % L == 0 and (b * L) % G == 0)
 
 
 def capacity(tokens: int, experts: int, top_k: int, factor: float) -> int:
-  """Slots per expert and group: ceil(factor * G * k / X); factor 0 = G (no expert overflows:
-  a token picks an expert at most once)."""
+  """Slots per expert and group: ceil(factor * G * k / X); factor 0 = G (never overflows)."""
   if factor == 0:
     return tokens
   return max(1, math.ceil(factor * tokens * top_k / experts))
 
 
 def dropless_bound(tokens: int, experts: int, top_k: int, ep: int) -> int:
-  """Rows one device sends to one expert-parallel peer, exact: a token sends at most
-  min(k, X/ep) of its k assignments to the X/ep experts of one peer."""
+  """Rows one device sends to one expert-parallel peer, exact: a token picks distinct experts."""
   return tokens * min(top_k, experts // ep)
 
 
@@ -76,8 +69,8 @@ def check(cfg, mesh) -> None:
 
 
 def buffer_rows(cfg, mesh) -> dict:
-  """Per device, microbatch and MoE layer: tokens T, and the rows of the buffer each of
-  the dispatch's two all-to-alls moves (capacity: X * groups * C; dropless: ep * bound)."""
+  """Per device, microbatch and MoE layer: tokens, and the rows each of the dispatch's
+  all-to-alls moves (capacity: X * groups * C; dropless: ep * bound)."""
   m, t = cfg.model, cfg.train
   B, L = t.batch_size // t.microbatches, t.seq_len
   b, n = local_shape(mesh, B, L)

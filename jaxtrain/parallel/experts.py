@@ -1,31 +1,7 @@
-"""Mixture-of-experts routing, capacity, and expert-parallel dispatch/combine.
-
-Routing (plain math, XLA-sharded like any activation): float32 router logits, scores
-(softmax over experts, or a sigmoid per expert), top-k experts per token chosen on the
-scores plus an optional balancing bias (selection only), their score weights
-renormalized to sum to 1. Two auxiliary losses, both over all tokens of the microbatch
-(so they do not depend on the mesh), combined per `moe_balance.aux_loss`:
-  load balance  X * sum_e f_e * P_e   (f_e: share of the T*k assignments that chose e,
-                                       P_e: mean router probability of e; 1 when uniform)
-  router z-loss mean_t logsumexp(logits_t)^2
-
-Capacity (`moe_layout`): tokens are routed in groups of G consecutive positions, defined
-by the data, so every mesh drops the same tokens. Each expert takes at most
-C = ceil(capacity_factor * G * k / X) assignments of a group; first choices are served
-before second choices, earlier tokens before later ones. Assignments past C are dropped
-(they add nothing; the residual stream carries the token) and counted.
-
-Expert parallelism: with a mesh, dispatch and combine are `shard_map`s over the whole
-mesh with an `all_to_all` over `expert`: each device scatters its groups' tokens into
-per-expert buffers (X, groups x C, D), sends expert e's rows to the device that owns e,
-and gets back the outputs for its tokens. Between the two, the expert FFN is an ordinary
-einsum on (X, tokens, D) buffers sharded over `expert` (so each device computes its own
-experts), with FSDP/tensor sharding of the expert weights left to XLA.
-
-Dropless (`moe_dropless`): `jaxtrain.parallel.experts_dropless`, grouped matmuls with no capacity.
-Which of these runs, and on which mesh, is the execution plan's decision (`plan.moe`,
-`plan.moe_kernel`); nothing here looks the mesh up.
-"""
+"""Mixture-of-experts routing (float32 router, top-k, balance and z-loss stats), per-group
+capacity, and the expert-parallel dispatch/combine (shard_map + all_to_all over `expert`);
+dropless runs in experts_dropless. The plan decides which (`plan.moe`, `plan.moe_kernel`).
+Imports parallel.{sharding, expert_layout, experts_dropless}."""
 
 from __future__ import annotations
 
@@ -33,8 +9,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain.parallel import experts_dropless as moe_dropless
-from jaxtrain.parallel import expert_layout as moe_layout
+from jaxtrain.parallel import experts_dropless as moe_dropless, expert_layout as moe_layout, sharding
+
+capacity = moe_layout.capacity  # analysis.memory reads it here
 
 
 def route(x_BxLxD, router_DxX, top_k: int, score: str = "softmax", bias_X=None):
@@ -59,9 +36,6 @@ def route(x_BxLxD, router_DxX, top_k: int, score: str = "softmax", bias_X=None):
            "z": jnp.mean(jnp.square(jax.nn.logsumexp(logits_BxLxX, axis=-1))),
            "share": share_X, "prob": prob_X, "load": jax.lax.stop_gradient(load_X)}
   return idx_BxLxk, w_BxLxk, stats
-
-
-capacity = moe_layout.capacity
 
 
 def slots(idx_Txk, experts: int, cap: int):
@@ -91,10 +65,8 @@ def combine(out_XxCxD, idx_Txk, slot_Txk, keep_Txk, w_Txk):
 
 
 def experts_ffn(buf_XxNxD, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, plan, slot_axes=None):
-  """SwiGLU of every expert on its own buffer (hidden Megatron-sharded over `tensor`).
-  `slot_axes`: the mesh axes that split the buffer's slots (N). The hidden keeps that split:
-  left unsaid, XLA may all-gather the hidden activations over those axes (fsdp) instead of
-  gathering the expert weights (seen on mixtral-8x7b at fsdp=8 x expert=8: 4.4 GiB per layer)."""
+  """SwiGLU of every expert on its buffer. The hidden keeps the slots' split (`slot_axes`), else XLA
+  may gather it over fsdp instead of the weights (mixtral-8x7b, fsdp=8 x ep=8: 4.4 GiB a layer)."""
   g = jnp.einsum("xnd,xdf->xnf", buf_XxNxD, w_gate_XxDxF)
   u = jnp.einsum("xnd,xdf->xnf", buf_XxNxD, w_up_XxDxF)
   h_XxNxF = jax.nn.silu(g) * u
@@ -109,35 +81,29 @@ def experts_ffn(buf_XxNxD, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, plan, slot_ax
 
 def moe_ffn(x_BxLxD, router_DxX, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, *, top_k: int,
             capacity_factor: float, plan, group_size: int = 0, score: str = "softmax", bias_X=None):
-  """The MoE feed-forward, dispatched as the execution plan says (`plan.moe`: one local
-  group set or all_to_all over `expert`; `plan.moe_kernel`: capacity buffers, or dropless
-  grouped matmuls by ragged_dot or blocks). Returns (y_BxLxD, stats): `route`'s stats
-  plus the dropped and total assignment counts (float32 scalars). group_size 0 = one
-  sequence."""
+  """The MoE feed-forward, dispatched as the plan says. Returns (y_BxLxD, stats): `route`'s
+  stats plus dropped and assigned counts (float32). group_size 0 = one sequence."""
   B, L, D = x_BxLxD.shape
   idx, w, stats = route(x_BxLxD, router_DxX, top_k, score, bias_X)
-  weights = (w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD)
-  mesh = plan.mesh if plan.moe == "all_to_all" else None
+  weights = tuple(a.astype(x_BxLxD.dtype) for a in (w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD))
   if plan.moe_kernel != "capacity":
     y, dropped = moe_dropless.ffn(x_BxLxD, idx, w, weights, plan), jnp.float32(0)
   else:
-    G = group_size or L
-    if (B * L) % G:
-      # Only generation gets here (moe_layout.check stops training and eval first): it feeds
-      # a few positions at a time, and each row's fed positions are one group, as they are
-      # with the default group size.
-      G = L
-    y, dropped = _capacity_ffn(x_BxLxD, idx, w, weights, mesh, plan, top_k, capacity_factor, G)
+    # (B*L) % G: only generation, which feeds a few positions per row (moe_layout.check stops
+    # training first); each row's fed positions are then one group, as by default.
+    G = L if (B * L) % (group_size or L) else group_size or L
+    y, dropped = _capacity_ffn(x_BxLxD, idx, w, weights, plan, top_k, capacity_factor, G)
   stats.update(dropped=jax.lax.stop_gradient(dropped), assigned=jnp.float32(B * L * top_k))
   return y.astype(x_BxLxD.dtype), stats
 
 
-def _capacity_ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, mesh, plan, top_k, capacity_factor, G):
-  X = weights[0].shape[0]
-  AXIS = plan.expert_axis
+def _capacity_ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, plan, top_k, capacity_factor, G):
+  X, AXIS, mesh = weights[0].shape[0], plan.expert_axis, moe_layout.dispatch_mesh(plan)
   ep = 1 if mesh is None else mesh.shape[AXIS]
   B, L, D = x_BxLxD.shape
-  C = capacity(G, X, top_k, capacity_factor)
+  C = moe_layout.capacity(G, X, top_k, capacity_factor)
+  tok_spec = None if mesh is None else moe_layout.token_spec(mesh, B, L, plan.rules)
+  tok_axes = () if mesh is None else sharding.axes_of(tok_spec[0]) + sharding.axes_of(tok_spec[1])
 
   def send(x_bxnxD, idx_bxnxk):
     b, n, D = x_bxnxD.shape
@@ -149,46 +115,34 @@ def _capacity_ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, mesh, plan, top_k, capac
     buf_gxXxCxD = jax.vmap(lambda x, i, s, k: dispatch(x, i, s, k, X, C))(x_bxnxD.reshape(ng, G, D), idx_gxGxk,
                                                                          slot, keep)
     buf = buf_gxXxCxD.swapaxes(0, 1).reshape(X, ng * C, D)  # (experts, this device's slots, D)
-    if ep > 1:
-      # Expert e's rows go to the device that owns e; we get every device's rows for ours.
+    if ep > 1:  # expert e's rows go to the device that owns e; we get every device's rows for ours
       buf = jax.lax.all_to_all(buf.reshape(ep, X // ep, ng * C, D), AXIS, 0, 0)  # (source, Xl, M, D)
       buf = buf.swapaxes(0, 1).reshape(X // ep, ep * ng * C, D)
     dropped = jnp.sum(~keep).astype(jnp.float32)
-    if tok_axes:
-      dropped = jax.lax.psum(dropped, tok_axes)
-    return buf, slot, keep, dropped
+    return buf, slot, keep, jax.lax.psum(dropped, tok_axes) if tok_axes else dropped
 
   def receive(out_XlxNxD, idx_bxnxk, slot_gxGxk, keep_gxGxk, w_bxnxk):
     b, n, k = idx_bxnxk.shape
     Xl, N, D = out_XlxNxD.shape
     ng = slot_gxGxk.shape[0]
-    if ep > 1:
-      out = out_XlxNxD.reshape(Xl, ep, N // ep, D).swapaxes(0, 1)  # (source device, Xl, M, D)
-      out_XxMxD = jax.lax.all_to_all(out, AXIS, 0, 0).reshape(X, N // ep, D)  # back home
-    else:
-      out_XxMxD = out_XlxNxD
+    out_XxMxD = out_XlxNxD
+    if ep > 1:  # back home: (source device, Xl, M, D) -> (X, M, D)
+      out_XxMxD = jax.lax.all_to_all(out_XlxNxD.reshape(Xl, ep, N // ep, D).swapaxes(0, 1), AXIS, 0, 0)
+      out_XxMxD = out_XxMxD.reshape(X, N // ep, D)
     out_gxXxCxD = out_XxMxD.reshape(X, ng, C, D).swapaxes(0, 1)
     y = jax.vmap(combine)(out_gxXxCxD, idx_bxnxk.reshape(ng, G, k), slot_gxGxk, keep_gxGxk,
                           w_bxnxk.reshape(ng, G, k))
     return y.reshape(b, n, D)
 
-  ffn_weights = lambda dt: (w.astype(dt) for w in weights)  # noqa: E731
   if mesh is None:
-    tok_axes = ()
     buf, slot, keep, dropped = send(x_BxLxD, idx_BxLxk)
-    return receive(experts_ffn(buf, *ffn_weights(buf.dtype), plan), idx_BxLxk, slot, keep, w_BxLxk), dropped
-
-  tok_spec = moe_layout.token_spec(mesh, B, L, plan.rules)
-  tok_axes = tuple(a for entry in tok_spec[:2] if entry for a in ((entry,) if isinstance(entry, str) else entry))
+    return receive(experts_ffn(buf, *weights, plan), idx_BxLxk, slot, keep, w_BxLxk), dropped
   other = tuple(a for a in tok_axes if a != AXIS)
   buf_spec = P(AXIS, other or None, None)  # (experts, slots of every device's groups, D)
   grp_spec = P(tok_axes or None, None, None)  # (groups, G, k): groups follow their tokens
-  # check_vma=False: tokens are replicated over axes such as `tensor`; every replica does
-  # the same work, which shard_map's transpose accounts for without replication typing.
-  buf, slot, keep, dropped = jax.shard_map(
-      send, mesh=mesh, in_specs=(tok_spec, tok_spec), out_specs=(buf_spec, grp_spec, grp_spec, P()),
-      check_vma=False)(x_BxLxD, idx_BxLxk)
-  out = experts_ffn(buf, *ffn_weights(buf.dtype), plan, other or None)
-  y = jax.shard_map(receive, mesh=mesh, in_specs=(buf_spec, tok_spec, grp_spec, grp_spec, tok_spec),
-                    out_specs=tok_spec, check_vma=False)(out, idx_BxLxk, slot, keep, w_BxLxk)
+  buf, slot, keep, dropped = sharding.manual(send, mesh, (tok_spec, tok_spec), (buf_spec, grp_spec, grp_spec, P()))(
+      x_BxLxD, idx_BxLxk)
+  out = experts_ffn(buf, *weights, plan, other or None)
+  y = sharding.manual(receive, mesh, (buf_spec, tok_spec, grp_spec, grp_spec, tok_spec), tok_spec)(
+      out, idx_BxLxk, slot, keep, w_BxLxk)
   return y, dropped

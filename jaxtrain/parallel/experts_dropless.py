@@ -1,25 +1,7 @@
-"""Dropless experts: every token-to-expert assignment is computed, with grouped matmuls.
-
-One device: the k assignments of every token are sorted by expert (stable), the three
-expert matmuls are `jax.lax.ragged_dot` over the sorted rows with the per-expert counts
-as group sizes, and the outputs go back to assignment order by the inverse permutation,
-weighted and summed per token. No buffer is padded to "all tokens per expert".
-
-Expert parallelism (a `shard_map` over the whole mesh): each device sorts its
-assignments by expert, so by owning device, and writes them into a send buffer
-(ep, bound, D): row r of block d is its r-th assignment to device d's experts. The bound
-is static and exact: a token picks distinct experts, so it sends at most min(k, X/ep)
-rows to one device, bound = tokens x min(k, X/ep). (`jax.lax.ragged_all_to_all` would send
-only the filled rows, but XLA:CPU of jax 0.10 does not implement it: "HLO opcode
-`ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter".) One `all_to_all` over
-`expert` delivers every device's rows for our X/ep experts with their local expert ids
-(padding rows carry id X/ep); they run through the grouped matmuls as above (padding
-sorted last, outside every group, zeroed) and a second `all_to_all` brings them home.
-
-The expert weights enter the `shard_map` whole except for the `experts` dim: XLA gathers
-their FSDP/tensor shards before it (and reduce-scatters the gradients after), and every
-tensor rank computes the same rows (tokens are replicated over `tensor`).
-"""
+"""Dropless experts: every assignment computed by grouped matmuls (ragged_dot, or blocks of one
+expert each), and the expert-parallel exchange: a static exact bound of rows per peer through
+two all_to_alls (XLA:CPU of jax 0.10 has no ragged_all_to_all). Imports parallel.{sharding,
+expert_layout}."""
 
 from __future__ import annotations
 
@@ -27,14 +9,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.parallel import expert_layout as moe_layout
+from jaxtrain.parallel import expert_layout as moe_layout, sharding
 
 
 def kernel(name: str, platform: str) -> str:
-  """model.moe_grouped_matmul on the target device's platform -> the kernel that runs
-  (the execution plan's decision): `auto` is ragged_dot where the backend has a
-  grouped-matmul kernel for it (GPU, TPU), else blocks (XLA:CPU lowers ragged_dot to a
-  dense product with every expert: X times the work)."""
+  """model.moe_grouped_matmul on the target platform -> the kernel: `auto` is ragged_dot on GPU/TPU,
+  else blocks (XLA:CPU lowers ragged_dot to a dense product with every expert)."""
   if name != "auto":
     return name
   return "ragged_dot" if platform in ("gpu", "cuda", "rocm", "tpu") else "blocks"
@@ -59,21 +39,12 @@ def grouped_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_do
   return jnp.where(valid_N[:, None], y_NxD, 0)[inverse_N]
 
 
-def block_rows(rows: int, experts: int) -> int:
-  """Rows per block of `blocked_ffn`: a power of two near rows / (4 experts), at least 8, so
-  the padding (under one block per expert) stays near a quarter of the rows."""
-  return max(8, 1 << max(0, (rows // (4 * experts)).bit_length() - 1))
-
-
 def blocked_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, skip_empty: bool = False):
-  """`grouped_ffn` as matmuls over blocks of rows of one expert each: rows sorted by
-  expert, each expert's run padded to a multiple of the block (static bound N + X(b-1)
-  rows), each block multiplied by its expert's weights: one batched matmul with the
-  weights gathered per block, or (skip_empty, for the expert-parallel exchange whose
-  static bound is mostly padding) a loop over the blocks that skips those past the rows
-  in use."""
+  """`grouped_ffn` over blocks of b rows of one expert each (each expert's run padded to whole
+  blocks): one batched matmul with weights gathered per block, or (skip_empty: the exchange's
+  rows, mostly padding) a loop skipping the blocks past the rows in use."""
   N, D = rows_NxD.shape
-  b = block_rows(N, experts)
+  b = max(8, 1 << max(0, (N // (4 * experts)).bit_length() - 1))  # power of two near N / 4X: padding ~N/4
   nb = -(-(N + experts * (b - 1)) // b)
   order_N = jnp.argsort(expert_N, stable=True)
   e_N = expert_N[order_N]  # sorted; padding ids (>= experts) last
@@ -85,22 +56,19 @@ def blocked_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_do
   dest_N = jnp.where(e_N < experts, pend_X[e_c] - padded_X[e_c] + jnp.arange(N) - start[e_c], nb * b)
   x_blocks = jnp.zeros((nb * b + 1, D), rows_NxD.dtype).at[dest_N].set(rows_NxD[order_N])[:-1].reshape(nb, b, D)
   block_e = jnp.minimum(jnp.searchsorted(pend_X, jnp.arange(nb) * b, side="right"), experts - 1)
-  if not skip_empty:  # every block in one batched matmul, weights gathered per block
+  if not skip_empty:
     g = jnp.einsum("nbd,ndf->nbf", x_blocks, w_gate_XxDxF[block_e])
     u = jnp.einsum("nbd,ndf->nbf", x_blocks, w_up_XxDxF[block_e])
-    y = jnp.einsum("nbf,nfd->nbd", jax.nn.silu(g) * u, w_down_XxFxD[block_e]).reshape(nb * b, D)
-    return jnp.concatenate([y, jnp.zeros((1, D), y.dtype)])[dest_N][jnp.argsort(order_N)]
-  used = pend_X[-1]  # rows in use; the exchange's static bound covers the worst case, most blocks are empty
+    y = jnp.einsum("nbf,nfd->nbd", jax.nn.silu(g) * u, w_down_XxFxD[block_e])
+  else:
+    used = pend_X[-1]  # rows in use; empty blocks are skipped, in the backward pass too
 
-  def one(args):  # a loop over blocks: empty ones are skipped (in the backward pass too)
-    x_bxD, e, first = args
-
-    def swiglu(_):
-      h = jax.nn.silu(x_bxD @ w_gate_XxDxF[e]) * (x_bxD @ w_up_XxDxF[e])
-      return h @ w_down_XxFxD[e]
-    return jax.lax.cond(first < used, swiglu, lambda _: jnp.zeros_like(x_bxD), None)
-  y = jax.lax.map(one, (x_blocks, block_e, jnp.arange(nb) * b)).reshape(nb * b, D)
-  y_sorted = jnp.concatenate([y, jnp.zeros((1, D), y.dtype)])[dest_N]  # padding rows -> the zero row
+    def one(args):
+      x_bxD, e, first = args
+      swiglu = lambda _: jax.nn.silu(x_bxD @ w_gate_XxDxF[e]) * (x_bxD @ w_up_XxDxF[e]) @ w_down_XxFxD[e]  # noqa: E731
+      return jax.lax.cond(first < used, swiglu, lambda _: jnp.zeros_like(x_bxD), None)
+    y = jax.lax.map(one, (x_blocks, block_e, jnp.arange(nb) * b))
+  y_sorted = jnp.concatenate([y.reshape(nb * b, D), jnp.zeros((1, D), y.dtype)])[dest_N]  # padding -> zero row
   return y_sorted[jnp.argsort(order_N)]
 
 
@@ -131,27 +99,17 @@ def _local(x_TxD, idx_Txk, w_Txk, weights, ep: int, impl: str, axis: str = "expe
 
 
 def ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, plan):
-  """Dropless MoE output (B, L, D) float32 for routed tokens; weights (X,D,F),(X,D,F),(X,F,D);
-  the kernel (`plan.moe_kernel`: ragged_dot or blocks) and the mesh are the plan's."""
-  impl, axis = plan.moe_kernel, plan.expert_axis
-  B, L, D = x_BxLxD.shape
-  k = idx_BxLxk.shape[-1]
-  weights = tuple(w.astype(x_BxLxD.dtype) for w in weights)
-  mesh = plan.mesh if plan.moe == "all_to_all" else None
-  if mesh is None:
-    return _local(x_BxLxD.reshape(B * L, D), idx_BxLxk.reshape(B * L, k), w_BxLxk.reshape(B * L, k), weights,
-                  1, impl, axis).reshape(B, L, D)
-  ep = mesh.shape[axis]
-  tok_spec = moe_layout.token_spec(mesh, B, L, plan.rules)
+  """Dropless MoE output (B, L, D) float32 of routed tokens; weights (X,D,F),(X,D,F),(X,F,D) in
+  the compute dtype; kernel and mesh are the plan's."""
+  impl, axis, mesh = plan.moe_kernel, plan.expert_axis, moe_layout.dispatch_mesh(plan)
+  ep = 1 if mesh is None else mesh.shape[axis]
 
   def local(x_bxnxD, idx_bxnxk, w_bxnxk, *ws):
-    b, n, _ = x_bxnxD.shape
-    y = _local(x_bxnxD.reshape(b * n, D), idx_bxnxk.reshape(b * n, k), w_bxnxk.reshape(b * n, k), ws, ep, impl,
-               axis)
-    return y.reshape(b, n, D)
-
-  w_spec = P(axis, None, None)
-  # check_vma=False: tokens are replicated over axes such as `tensor`; every replica does
-  # the same work, which shard_map's transpose accounts for without replication typing.
-  return jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_spec, w_spec, w_spec),
-                       out_specs=tok_spec, check_vma=False)(x_BxLxD, idx_BxLxk, w_BxLxk, *weights)
+    b, n, D = x_bxnxD.shape
+    k = idx_bxnxk.shape[-1]
+    return _local(x_bxnxD.reshape(b * n, D), idx_bxnxk.reshape(b * n, k), w_bxnxk.reshape(b * n, k), ws, ep, impl,
+                  axis).reshape(b, n, D)
+  if mesh is None:
+    return local(x_BxLxD, idx_BxLxk, w_BxLxk, *weights)
+  tok_spec, w_spec = moe_layout.token_spec(mesh, *x_BxLxD.shape[:2], plan.rules), P(axis, None, None)
+  return sharding.manual(local, mesh, (tok_spec,) * 3 + (w_spec,) * 3, tok_spec)(x_BxLxD, idx_BxLxk, w_BxLxk, *weights)

@@ -1,9 +1,5 @@
-"""The logical device mesh: parsing `--mesh`, simulated CPU devices, building the Mesh.
-
-The mesh always has all six axes (size 1 where not asked for), so the rules table can
-name any of them. Device order puts `tensor` innermost (fastest links) and `pipeline`
-then `data` outermost (may cross the slow network: pipeline sends only activations).
-"""
+"""The device mesh: `--mesh` parsing, simulated CPU devices, the six-axis Mesh (size 1
+where not asked for); `tensor` innermost, `pipeline` then `data` outermost. Imports core."""
 
 from __future__ import annotations
 
@@ -15,7 +11,6 @@ from pathlib import Path
 from jaxtrain.core import resources
 from jaxtrain.core.errors import UserError
 
-# Outermost to innermost.
 AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 ALIASES = {"pp": "pipeline", "dp": "data", "fsdp": "fsdp", "ep": "expert", "sp": "sequence", "tp": "tensor"}
 
@@ -44,7 +39,6 @@ def preset_names() -> list[str]:
 
 
 def _from_preset(path: Path) -> str:
-  """A preset file -> the equivalent inline spec."""
   try:
     doc = tomllib.loads(path.read_text())
   except tomllib.TOMLDecodeError as e:
@@ -56,12 +50,9 @@ def _from_preset(path: Path) -> str:
 
 
 def parse_full(spec: str) -> tuple[dict[str, int], dict[str, int]]:
-  """`dp=8,tp=8[,dcn.dp=4]` or a preset -> (sizes of all six axes, cross-host factor of each).
-
-  `dcn.AXIS=K`: K of AXIS's size lies across hosts (slow links), the rest within a host.
-  """
-  spec = spec.strip()
-  if "=" not in spec:
+  """`dp=8,tp=8[,dcn.dp=4]` or a preset -> (sizes of all six axes, cross-host factor of each:
+  `dcn.AXIS=K` puts K of AXIS's size across hosts, the rest within a host)."""
+  if "=" not in (spec := spec.strip()):
     path = Path(spec) if spec.endswith(".toml") else resources.find("meshes", spec)
     if path is None or not path.is_file():
       raise UserError(f"mesh {spec!r} is neither axis=size pairs (e.g. dp=8,tp=8) nor a preset; presets: {', '.join(preset_names())}")
@@ -119,18 +110,11 @@ def has_accelerator_plugin() -> bool:
 
 
 def provide_cpu_devices(count: int) -> None:
-  """Asks JAX for `count` simulated CPU devices. Must run before the backend starts.
-
-  On a machine with an accelerator the CPU device count is left alone: the mesh is
-  then built on the real devices. If the user already chose a CPU device count
-  (XLA_FLAGS or JAX_NUM_CPU_DEVICES), theirs wins.
-  """
+  """Asks JAX for `count` simulated CPU devices, before the backend starts; not with an
+  accelerator, nor when the user chose a count (XLA_FLAGS or JAX_NUM_CPU_DEVICES)."""
   import jax
-  if has_accelerator_plugin() or count <= 1:
-    return
-  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-    return
-  if os.environ.get("JAX_NUM_CPU_DEVICES"):
+  if (has_accelerator_plugin() or count <= 1 or os.environ.get("JAX_NUM_CPU_DEVICES")
+      or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")):
     return
   try:
     jax.config.update("jax_num_cpu_devices", count)
@@ -139,11 +123,8 @@ def provide_cpu_devices(count: int) -> None:
 
 
 def build(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None):
-  """A Mesh with all six axes, Auto axis types (sharding by annotation; XLA picks collectives).
-
-  With `dcn`, the mesh is hybrid: each axis is (cross-host part) x (within-host part),
-  hosts being processes, so e.g. `tensor` stays inside a host while `data` crosses hosts.
-  """
+  """A Mesh with all six axes; with `dcn`, hybrid: each axis is (across processes) x (within one).
+  Auto axis types, not the Explicit default: the model annotates, XLA propagates (orbax/flax assume Auto)."""
   import jax
   import numpy as np
   from jax.experimental import mesh_utils
@@ -151,8 +132,6 @@ def build(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None
   devices = list(devices) if devices is not None else jax.devices()
   sizes = fill(sizes, len(devices))
   shape = tuple(sizes[a] for a in AXES)
-  # Auto, not the Explicit default: the model annotates shardings and XLA propagates
-  # them; orbax/flax paths also assume Auto.
   types = (AxisType.Auto,) * len(AXES)
   if not dcn or all(k == 1 for k in dcn.values()):
     return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)

@@ -1,25 +1,7 @@
-"""Pipeline parallelism: one SPMD program that runs a static schedule (jaxtrain.parallel.schedule).
-
-`jax.shard_map` is manual over `pipeline` only (data/fsdp/expert/tensor stay automatic
-inside, so every other parallelism composes unchanged). Each device holds its chunks of
-the stacked layers (model.scan_layers; the rules table splits `layers` over `pipeline`)
-and, per tick, reads its row of the table and `lax.switch`es to one of: idle, forward,
-or backward of one microbatch on one chunk. Forwards of the first chunk embed the
-tokens; forwards of the last chunk add the final norm, LM head and loss. A backward
-recomputes its chunk's forward from the stashed chunk input (jax.vjp), so a device
-keeps one activation per microbatch in flight (at most p for 1f1b), never the
-residuals of a whole chunk. After every tick two `ppermute`s move the activation sent
-downstream and the input gradient sent upstream; arrivals land in the stash / gradient
-slots the table assigned.
-
-Same math as `step.grads`: the update's valid-token count is known before the schedule
-starts; every microbatch's loss seeds its backward with loss_scale / n_valid; parameter
-gradients are summed over microbatches (each chunk's on its own device) and divided by
-loss_scale once. MoE: the aux loss of every layer enters the objective with weight
-loss_scale / (microbatches * MoE layers), exactly the mean-of-means of `step.grads`
-(jaxtrain's aux convention; HF's pools all layers and is refused). Each forward's expert
-load stays with its chunk on its device, for `moe_load_imbalance` and the aux-free bias.
-"""
+"""Pipeline parallelism: one SPMD program, manual over `pipeline` only, that scans a static
+schedule (parallel.schedule) and switches per tick to idle, forward or backward (recomputing the
+chunk from its stashed input) of one microbatch on one chunk; two ppermutes per tick. Same math
+as `step.grads`. Imports model.{transformer, loss, moe_balance}, parallel, core."""
 
 from __future__ import annotations
 
@@ -33,17 +15,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.model import transformer as model_lib
-from jaxtrain.model import moe_balance
-from jaxtrain.parallel import schedule as schedule_lib, sharding
-from jaxtrain.model import loss as xent
 from jaxtrain.core.errors import UserError
+from jaxtrain.model import loss as xent, moe_balance, transformer as model_lib
+from jaxtrain.parallel import placement as placement_lib, schedule as schedule_lib, sharding
 
 AXIS = "pipeline"
 ACT = ("batch", "act_length", "act_embed")  # a chunk's input/output activation
-# Branches of the per-tick switch.
-IDLE, FWD, BWD = range(3)
-# Columns of the per-(tick, device) table given to the program.
+IDLE, FWD, BWD = range(3)  # branches of the per-tick switch
+# columns of the per-(tick, device) table given to the program
 BRANCH, MB, CHUNK, SLOT, GSLOT, FWD_IN, BWD_IN = range(7)
 
 
@@ -56,7 +35,7 @@ def active(mesh) -> bool:
 
 
 def check(cfg, mesh) -> None:
-  """Pipeline-specific config/mesh checks, as one-line user errors."""
+  """Pipeline config/mesh checks, as one-line user errors."""
   p = stages(mesh)
   if p == 1:
     return
@@ -73,7 +52,6 @@ def check(cfg, mesh) -> None:
     raise UserError(f"mesh pipeline={p} with sequence={mesh.shape['sequence']} is not supported; "
                     "pipeline composes with data, fsdp, tensor and expert")
   if m.moe_experts and m.moe_aux_convention == "hf":
-    # HF pools f and P over all layers before the product: no stage has them all.
     raise UserError(f"model.moe_aux_convention=hf is not supported with mesh pipeline={p} (its loss pools every "
                     "layer's routing before the product); use moe_aux_convention=jaxtrain")
 
@@ -92,13 +70,12 @@ def table(cfg, mesh) -> schedule_lib.Table:
 
 
 def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int]:
-  """The table as int32 (ticks, p, 7) columns BRANCH..BWD_IN, and the stash and
-  gradient slot counts (the slot after the last is a discarded 'trash' slot)."""
+  """The table as int32 (ticks, p, 7) columns BRANCH..BWD_IN, and the stash and gradient slot
+  counts; the slot after the last is a discarded 'trash' slot (arrivals with nothing sent)."""
   p, last = t.p, t.chunks - 1
   stash = [schedule_lib.assign_slots(iv) for iv in t.stash_intervals()]
   grads = [schedule_lib.assign_slots(iv) for iv in t.grad_intervals()]
   S, G = max(max(n for _, n in stash), 1), max(max(n for _, n in grads), 1)
-  # Nothing to send on a link? Arrivals go to the trash slot.
   out = np.zeros((t.ticks, p, 7), np.int32)
   out[:, :, SLOT], out[:, :, GSLOT], out[:, :, FWD_IN], out[:, :, BWD_IN] = S, G, S, G
   for tick, row in enumerate(t.grid):
@@ -125,12 +102,6 @@ def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int]:
   return out, S, G
 
 
-def inner_mesh():
-  """The mesh seen inside the pipeline shard_map (pipeline manual, the other axes
-  automatic): the one place the model's sharding annotations get their mesh here."""
-  return jax.sharding.get_abstract_mesh()
-
-
 def grads_fn(cfg, mesh, plan):
   """A function with `step.grads`'s contract (moe_metrics=True form) for this mesh."""
   return functools.partial(grads, cfg=cfg, mesh=mesh, plan=plan)
@@ -138,8 +109,9 @@ def grads_fn(cfg, mesh, plan):
 
 def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metrics: bool = False, *, cfg, mesh,
           plan):
-  """Token-normalized loss and unscaled gradient of one update, run as a pipeline.
-  Returns (loss, grads, n_valid[, moe metrics]) like `step.grads`."""
+  """Token-normalized loss and unscaled gradient of one update, run as a pipeline: (loss, grads,
+  n_valid[, moe metrics]) like `step.grads`. Each microbatch's backward is seeded with
+  loss_scale / n_valid; each layer's aux loss enters with loss_scale / (microbatches * MoE layers)."""
   p, v, m = stages(mesh), cfg.pipeline.virtual_stages, microbatches
   mc = cfg.model
   n_moe = mc.n_layers if mc.moe_experts else 0
@@ -160,15 +132,9 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   dt = jnp.dtype(mc.dtype)
   prog_j = jnp.asarray(prog)
 
-  def body(layers, rest, mbs, denom, scale):
-    inner = dataclasses.replace(plan, mesh=inner_mesh())  # the same decisions, on the mesh seen inside
-    return _run(graphdef, mc, inner, prog_j, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale)
-
-  out = jax.shard_map(
-      body, mesh=mesh, axis_names={AXIS},
-      in_specs=(P(None, AXIS), P(), P(), P(), P()),
-      out_specs=(P(None, AXIS), P(), P(), P(), P(None, AXIS)),
-      check_vma=False)(layers, rest, mbs, denom, jnp.asarray(loss_scale, jnp.float32))
+  body = functools.partial(_run, graphdef, mc, plan, prog_j, used, S, G, p, v, m, n_moe, dt)
+  out = sharding.manual(body, mesh, (P(None, AXIS), P(), P(), P(), P()), (P(None, AXIS), P(), P(), P(), P(None, AXIS)),
+                        axis_names={AXIS})(layers, rest, mbs, denom, jnp.asarray(loss_scale, jnp.float32))
   g_layers, g_rest, loss_sum, moe, load = out
   g = {**g_rest, "layers": jax.tree.map(lambda a: a.reshape(mc.n_layers, *a.shape[3:]), g_layers)}
   g = {k: g[k] for k in params}  # the params' key order
@@ -182,6 +148,7 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
 
 def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale):
   """The per-device program: scan over ticks, switch on this device's table entry."""
+  plan = dataclasses.replace(plan, mesh=jax.sharding.get_abstract_mesh())  # the mesh seen inside
   s = jax.lax.axis_index(AXIS)
   layers = jax.tree.map(lambda a: a[:, 0], layers)  # (v, layers per chunk, ...)
   b, L = mbs["inputs"].shape[1:]
@@ -190,24 +157,19 @@ def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest,
   aux_ct = scale / (m * max(n_moe, 1))  # d objective / d (one layer's aux loss of one microbatch)
   use_remat, policy = model_lib.remat_policy(mc.remat)
 
-  def block_of(block, x, tables, seg):
-    return block(x, tables, seg, plan)
+  block_of = lambda block, x, tables, seg: block(x, tables, seg, plan)  # noqa: E731
   run_block = nnx.remat(block_of, policy=policy, prevent_cse=False) if use_remat else block_of
-
-  def module(rest, chunk):
-    return nnx.merge(graphdef, {**rest, "layers": chunk})
+  module = lambda rest, chunk: nnx.merge(graphdef, {**rest, "layers": chunk})  # noqa: E731
 
   def embed(rest, tokens):
-    # The lookup reads a table gathered whole: XLA's SPMD partitioner aborts on a gather
-    # from a table split over fsdp and tensor inside a partial-manual region.
-    x = jnp.take(plan.constrain(rest["embed"], (None, None)), tokens, axis=0).astype(dt)
-    return act(x)
+    # from a table gathered whole: XLA's SPMD partitioner aborts on a gather from a table split
+    # over fsdp and tensor inside a partial-manual region
+    return act(jnp.take(plan.constrain(rest["embed"], (None, None)), tokens, axis=0).astype(dt))
 
   def stage(chunk, x, mb):
-    """One chunk's layers: (output, summed aux loss, dropped, assigned) of its MoE layers,
-    and their expert load (layers per chunk, X)."""
+    """One chunk's layers: output, MoE totals (summed aux, dropped, assigned), load (layers, X)."""
     model = module(rest, chunk)
-    tables = model_lib.rope_tables(mb["positions"], mc.head_dim, mc.rope_theta, model_lib._freq(mc))
+    tables = model_lib.rope_tables(mb["positions"], mc)
     y, stats = model_lib._scan_blocks(run_block, model.layers, x, tables, mb["segment_ids"])
     tot = {k: sum((st[k] for st in stats), jnp.float32(0)) for k in ("dropped", "assigned")}
     tot["aux"] = sum((moe_balance.aux_loss(mc, [st]) for st in stats), jnp.float32(0))  # jaxtrain convention
@@ -230,12 +192,10 @@ def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest,
     load = zeros_load[0] if load is None else load
     return {"y": y, "dx": dx, "g_chunk": g_chunk, "g_rest": g_rest, "loss": loss, "moe": tot, "load": load}
 
-  def f32_tree(tree):
-    return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+  f32_tree = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
 
-  # Branches: (chunk params, stashed input, output gradient, microbatch, first, last).
-  # `first` / `last`: the chunk is the model's first (embeds the tokens) / last (runs the
-  # head and loss); `lax.cond`s, so each branch holds one copy of the chunk's layers.
+  # Branches: (chunk params, stashed input, output gradient, microbatch, first, last); the
+  # model's first chunk embeds, its last runs head and loss (lax.conds: one copy of the layers).
   def idle(chunk, x, dy, mb, first, last):
     return result()
 
@@ -278,24 +238,20 @@ def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest,
   carry = (buf(S), buf(G), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers), zeros_rest, f32,
            {"aux": f32, "dropped": f32, "assigned": f32}, zeros_load)
   (_, _, acc_layers, acc_rest, loss, tot, acc_load), _ = jax.lax.scan(tick, carry, prog)
-  # Chunk gradients stay on their device; the rest (embedding, final norm, head) were
-  # computed on the first / last device only: summing over the pipeline gathers them.
+  # chunk gradients stay on their device; the rest's (embedding, norm, head) are summed over it
   acc_rest, loss, tot = jax.lax.psum((acc_rest, loss, tot), AXIS)
   return jax.tree.map(lambda a: a[:, None], acc_layers), acc_rest, loss, tot, acc_load[:, None]
 
 
-# ----------------------------------------------------------------------------- inspect
+def _act_bytes(cfg, mesh) -> int:
+  """Bytes of one chunk input on one device (a microbatch's tokens x d_model, compute dtype)."""
+  return sharding.tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
+
 
 def traffic(cfg, mesh, rows) -> dict[str, int]:
-  """Bytes per device per step over `pipeline` (for the communication table).
-
-  The program ppermutes one activation downstream and one input gradient upstream at
-  EVERY tick (SPMD: the same collective on every device; ticks with nothing to send move
-  zeros), T tokens x d_model x compute bytes each. The embedding, final norm and head
-  gradients are all-reduced over pipeline once; with v > 1 the layer stack is
-  re-laid out into chunks (all-to-all) and its gradient back."""
-  p, t = stages(mesh), table(cfg, mesh)
-  act = sharding.tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
+  """Bytes per device per step over `pipeline`: two ppermutes at every tick (SPMD, also when
+  nothing is sent), the rest's gradient all-reduce, and with v > 1 the stack to chunks and back."""
+  p, t, act = stages(mesh), table(cfg, mesh), _act_bytes(cfg, mesh)
   useful = sum(op is not None and ((op.kind == schedule_lib.F and op.chunk * p + s < t.chunks - 1)
                                    or (op.kind == schedule_lib.B and op.chunk * p + s > 0))
                for row in t.grid for s, op in enumerate(row))
@@ -314,7 +270,7 @@ def report(cfg, mesh) -> dict:
   """The schedule for `inspect`: timeline, bubble (table and formula), stash per stage."""
   t = table(cfg, mesh)
   _, S, G = program_table(t)
-  act = sharding.tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
+  act = _act_bytes(cfg, mesh)
   return {"schedule": t.name, "stages": t.p, "virtual_stages": t.v, "microbatches": t.m, "ticks": t.ticks,
           "bubble": t.bubble(), "bubble_formula": t.bubble_formula(), "in_flight": t.in_flight(),
           "stash_slots": S, "grad_slots": G, "stash_bytes": (S + G) * act, "timeline": t.timeline()}

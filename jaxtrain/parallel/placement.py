@@ -1,8 +1,5 @@
-"""Data placement: which rows of each global batch this process feeds, and how its rows
-become global arrays. Training and evaluation batches both go through one `Placement`,
-so they agree on it whatever the mesh (processes whose devices share rows, e.g. when
-`tensor` spans hosts, feed the same block).
-"""
+"""Data placement: which rows of each global batch this process feeds (training and evaluation
+alike) and the global arrays they become; the microbatch split. Imports core."""
 
 from __future__ import annotations
 

@@ -1,25 +1,7 @@
-"""Pipeline schedules as static tables: which device runs what at every tick.
-
-Pure Python (no JAX). A model of `p * v` chunks runs on `p` pipeline devices; chunk c
-(layers [c*n/(p*v), (c+1)*n/(p*v))) lives on device c % p as its local chunk c // p, so
-activations flow device s -> s+1 and, with v > 1, wrap from the last device to the first.
-A tick is one unit of work on every device: a forward (F) or a backward (B, which
-recomputes the chunk's forward from its stashed input) of one microbatch on one chunk,
-or idle. Each device runs its ops in a fixed order (the schedule); a simulator places
-every op at the first tick its inputs have arrived (sent at the end of an earlier tick).
-
-  gpipe        all forwards, then all backwards (every microbatch's input stashed at once)
-  1f1b         p-1-s warm-up forwards on device s, then one forward / one backward
-               alternately, then the remaining backwards: at most p-s inputs stashed
-  interleaved  1f1b over v chunks per device, microbatches in groups of p (Megatron's
-               looped depth-first order): the bubble shrinks by v, traffic grows by v
-  looped-bfs   breadth-first looped: every microbatch through chunk 0, then chunk 1, ...
-               (GPipe over v chunks: small bubble, GPipe's memory)
-
-Bubble: idle ticks / all ticks. With every op one tick, GPipe and 1F1B take
-2(m+p-1) ticks for 2m ops per device: (p-1)/(m+p-1); interleaved takes 2(vm+p-1) ticks
-for 2vm: (p-1)/(vm+p-1), i.e. idle/busy = (p-1)/(vm), 1/v of GPipe's (p-1)/m.
-"""
+"""Pipeline schedules as static tables: which device runs what at every tick. Pure Python.
+Chunk c of the p*v chunks lives on device c % p as its local chunk c // p; a tick is a forward,
+a backward (recomputing from the stashed input) or idle; a simulator places each device's ops at
+the first tick their inputs have arrived. Imports nothing of jaxtrain."""
 
 from __future__ import annotations
 
@@ -27,7 +9,7 @@ import dataclasses
 import functools
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs")
-IDLE, F, B = 0, 1, 2
+F, B = 1, 2  # op kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,14 +20,15 @@ class Op:
 
 
 def _fwd_order(p: int, m: int, v: int, k: int) -> tuple[int, int]:
-  """(microbatch, local chunk) of a device's k-th forward in depth-first looped order:
-  microbatches in groups of p, each group through chunk 0, then chunk 1, ..."""
+  """(microbatch, local chunk) of a device's k-th forward in depth-first looped order
+  (microbatches in groups of p, each group through chunk 0, then chunk 1, ...)."""
   group, within = divmod(k, p * v)
   return group * p + within % p, within // p
 
 
 def device_order(name: str, p: int, m: int, v: int, s: int) -> list[Op]:
-  """The ops of device `s`, in the order it runs them."""
+  """The ops of device `s`, in order: gpipe / looped-bfs all forwards then all backwards; 1f1b and
+  interleaved warm-up forwards, then one forward / one backward alternately."""
   if name in ("gpipe", "looped-bfs"):
     fwd = [Op(F, i, j) for j in range(v) for i in range(m)]
     return fwd + [Op(B, i, j) for j in reversed(range(v)) for i in range(m)]
@@ -88,8 +71,7 @@ class Table:
     return idle / (self.ticks * self.p)
 
   def bubble_formula(self) -> float:
-    p, m, v = self.p, self.m, self.v
-    return (p - 1) / (v * m + p - 1)
+    return (self.p - 1) / (self.v * self.m + self.p - 1)
 
   def done(self) -> dict[tuple[int, int, int], int]:
     """{(kind, microbatch, global chunk): tick}."""
@@ -97,10 +79,8 @@ class Table:
             for t, row in enumerate(self.grid) for s, op in enumerate(row) if op is not None}
 
   def stash_intervals(self) -> list[list[tuple[int, int, int, int]]]:
-    """Per device: (arrival tick, last tick used, microbatch, global chunk) of every
-    stashed chunk input. The input of chunk c > 0 arrives at the end of the tick its
-    forward ran upstream and is kept until its backward (which recomputes from it)
-    has run. Chunk 0 stashes nothing: its input is re-embedded from the tokens."""
+    """Per device: (arrival tick, last tick used, microbatch, global chunk) of every stashed chunk
+    input, kept until its backward; chunk 0 stashes nothing (it re-embeds the tokens)."""
     done, out = self.done(), [[] for _ in range(self.p)]
     for (kind, mb, c), t in done.items():
       if kind == F and c > 0:
@@ -120,8 +100,7 @@ class Table:
     return [_max_overlap(iv) for iv in self.stash_intervals()]
 
   def timeline(self) -> str:
-    """One row per device, one cell per tick: F3 / B3 (microbatch 3), a/b/.. = local chunk
-    when v > 1, '.' idle."""
+    """One row per device, one cell per tick: F3 / B3 (microbatch 3), a/b/.. = local chunk, '.' idle."""
     def cell(op):
       if op is None:
         return "."
@@ -142,8 +121,7 @@ def _max_overlap(intervals) -> int:
 
 
 def assign_slots(intervals) -> tuple[dict[tuple[int, int], int], int]:
-  """Buffer slot of each (microbatch, chunk) so that no two overlapping intervals share
-  one (lowest free slot first); returns ({(mb, chunk): slot}, number of slots)."""
+  """({(mb, chunk): slot}, slot count): overlapping intervals never share a slot (lowest free first)."""
   slot_of, busy_until = {}, []  # busy_until[k]: last tick slot k is in use
   for a, b, mb, c in sorted(intervals):
     free = [k for k, until in enumerate(busy_until) if until < a]

@@ -1,8 +1,5 @@
-"""The rules table from logical axis names to mesh axes, and the code that applies it.
-
-The model names logical axes only. Parallelizing differently means editing RULES (or the
-one entry that Megatron sequence parallelism overrides, below).
-"""
+"""The rules table (logical axis -> mesh axes) and the code that applies it: specs, parameter
+shardings, split counts, and the one shard_map wrapper of the hand-written collectives. Imports core."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "act_mlp": ("tensor",),
     "act_vocab": ("tensor",),
     "act_experts": ("expert",),
-    # MoE dispatch (jaxtrain/moe_layout.py): whole sequences per device where the batch
-    # allows, so a capacity group of consecutive positions never straddles devices.
+    # MoE dispatch (expert_layout): whole sequences per device where the batch allows
     "moe_batch": ("data", "fsdp", "expert", "sequence"),
     "moe_length": ("sequence",),  # only when the rows cannot take `sequence`
     # parameters: stored FSDP-sharded on `embed`, Megatron-sharded on heads/mlp/vocab
@@ -42,28 +38,16 @@ RULES: dict[str, tuple[str, ...]] = {
 }
 
 
-# Megatron sequence parallelism (run.sequence_parallel) changes one entry: the residual
-# stream between tensor-parallel regions is split along its length over `tensor` as well,
-# so XLA turns each TP region's closing all-reduce into a reduce-scatter and opens the next
-# with an all-gather. The execution plan (`jaxtrain.parallel.plan`) picks the rules once.
-SEQUENCE_PARALLEL = {"act_length": ("sequence", "tensor")}
-
-
 def rules_for(sequence_parallel: bool) -> dict[str, tuple[str, ...]]:
-  return {**RULES, **SEQUENCE_PARALLEL} if sequence_parallel else dict(RULES)
+  """Megatron-SP (run.sequence_parallel) splits the residual stream's length over `tensor` too."""
+  return {**RULES, "act_length": ("sequence", "tensor")} if sequence_parallel else dict(RULES)
 
 
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh, notes: list[str] | None = None,
              where: str = "", rules: dict[str, tuple[str, ...]] = RULES) -> P:
-  """PartitionSpec for logical `axes` of an array of `shape` on `mesh`.
-
-  Divisibility rule (the trainer and inspect share it): a mesh axis splits a dimension
-  it divides. A dimension that itself divides the mesh axis (smaller, e.g. 4 KV heads
-  on tensor=8) is replicated over that axis, every shard keeping the whole dimension
-  (as Megatron duplicates KV heads), and noted. Any other size is a UserError naming what
-  would work. A mesh axis already used by an earlier dimension is skipped. A logical name
-  the rules do not know is a programming error (a typo must not silently replicate).
-  """
+  """PartitionSpec for logical `axes` of an array of `shape` on `mesh`: a mesh axis splits a
+  dimension it divides; a smaller dimension dividing it is replicated (noted); else Indivisible.
+  An unknown logical name is a KeyError (a typo must not silently replicate)."""
   used: set[str] = set()
   out = []
   for name, dim in zip(axes, shape, strict=True):
@@ -104,11 +88,8 @@ class Indivisible(UserError):
 
 
 def param_shardings(abstract_state, mesh, notes: list[str] | None = None):
-  """NamedShardings for every parameter of an abstract nnx.State, from its `axes` metadata.
-
-  Returns a pure dict mirroring `nnx.to_pure_dict(state)`. Dimensions the mesh cannot
-  split are reported together, in one UserError naming the sizes that fit them all.
-  """
+  """NamedShardings (a pure dict) for every parameter of an abstract nnx.State, from its `axes`
+  metadata; what the mesh cannot split is reported in one UserError naming sizes that fit all."""
   from flax import nnx
   failed: list[Indivisible] = []
   dims: dict[str, list[int]] = {}  # mesh axis -> every dimension the rules split over it
@@ -146,11 +127,14 @@ def logical_sharding(mesh, axes: tuple[str | None, ...], shape: tuple[int, ...],
   return NamedSharding(mesh, spec_for(axes, shape, mesh, rules=rules))
 
 
+def axes_of(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, a mesh axis, or a tuple of them)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def ways(entry, mesh) -> int:
-  """How many devices split a dimension whose PartitionSpec entry is `entry` (None, a mesh
-  axis, or a tuple of them). The one answer to "how many ways is this dimension split"."""
-  names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-  return math.prod(mesh.shape[a] for a in names) if mesh is not None else 1
+  """How many devices split a dimension whose PartitionSpec entry is `entry`."""
+  return math.prod(mesh.shape[a] for a in axes_of(entry)) if mesh is not None else 1
 
 
 def axis_ways(name: str, dim: int, mesh) -> int:
@@ -163,3 +147,9 @@ def tokens_per_device(cfg, mesh) -> int:
   t = cfg.train
   rows = t.batch_size // t.microbatches
   return rows // axis_ways("batch", rows, mesh) * (t.seq_len // axis_ways("length", t.seq_len, mesh))
+
+
+def manual(fn, mesh, in_specs, out_specs, **kw):
+  """jax.shard_map with check_vma=False: values replicated over some axes (e.g. `tensor`) meet
+  varying ones; every replica does the same work, which the transpose accounts for untyped."""
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False, **kw)

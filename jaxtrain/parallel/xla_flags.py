@@ -1,16 +1,6 @@
-"""XLA flag presets, validated against this jaxlib before they reach XLA_FLAGS.
-
-XLA aborts the whole process on a flag it does not know, and flags come and go between
-releases, so every candidate flag is checked first: a subprocess starts the CPU backend
-with the candidates in XLA_FLAGS; XLA names the unknown ones ("Unknown flag(s) in
-XLA_FLAGS: ...") and they are dropped, with one warning line, until the probe starts
-cleanly. The verdict per flag is cached per jaxlib version under
-$XDG_CACHE_HOME/jaxtrain/ (default ~/.cache), so later runs start without probing.
-
-Flags must be set before the backend starts: `apply` is called by the trainer right
-after the config is read, before jax.distributed or any device is touched. Flags the
-user already has in XLA_FLAGS win over the preset's value for the same flag.
-"""
+"""XLA flag presets, validated against this jaxlib (XLA aborts on an unknown flag) by a probing
+subprocess, verdicts cached per jaxlib version; applied before the backend starts, the user's own
+XLA_FLAGS winning. Imports core."""
 
 from __future__ import annotations
 
@@ -24,9 +14,7 @@ from pathlib import Path
 from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
 
-# GPU collectives and scheduling (the usual large-model set): overlap communication with
-# compute (latency-hiding scheduler, pipelined collectives in scanned loops), combine
-# small collectives into large ones, and keep the matmuls on cuBLAS.
+# GPU: overlap collectives with compute, combine small ones, keep matmuls on cuBLAS.
 PRESETS: dict[str, list[str]] = {
     "none": [],
     "gpu-default": [
@@ -104,8 +92,8 @@ def validate(flags: list[str], cache: Path | None = None) -> tuple[list[str], li
 
 
 def apply(preset: str, extra: str = "", environ=os.environ, cache: Path | None = None) -> list[str]:
-  """Adds the preset's and `extra`'s known flags to environ["XLA_FLAGS"] (the user's own
-  flags win); warns on one line about the dropped ones. Returns the flags added."""
+  """Adds the preset's and `extra`'s known flags to environ["XLA_FLAGS"] (the user's win), warns on
+  one line about dropped ones; returns the flags added."""
   candidates = PRESETS[preset] + parse(extra)
   if not candidates:
     return []
