@@ -90,14 +90,14 @@ POD_SCRIPT = """
 import json, math
 import jax
 jax.config.update("jax_num_cpu_devices", 64)
-from jaxtrain import inspect
+from jaxtrain.analysis import report
 from jaxtrain.core import config
 from jaxtrain.parallel import mesh as mesh_lib
 out = {}
 for name, spec in %r:
   sizes, _ = mesh_lib.parse_full(spec)  # dcn factors only order devices; one process here
   m = mesh_lib.build(sizes, jax.devices()[:math.prod(sizes.values())])
-  rep = inspect.report(config.load(name), m, name, device_memory="H100", device="H100")
+  rep = report.report(config.load(name), m, name, device_memory="H100", device="H100")
   out[name] = {k: rep["memory"][k] for k in ("fits", "verdict", "attention", "total", "device_memory")}
 print(json.dumps(out))
 """
@@ -105,10 +105,10 @@ print(json.dumps(out))
 
 def test_inspect_device_h100_says_fits_for_each_pod_preset():
   """Analytic: the pod meshes (8 and 64 devices) on simulated devices, bill for H100 kernels."""
-  from jaxtrain import inspect
-  rep = inspect.report(config.load("llama3.1-8b"), mesh_of("fsdp=8"), "llama3.1-8b", device_memory="H100",
+  from jaxtrain.analysis import report
+  rep = report.report(config.load("llama3.1-8b"), mesh_of("fsdp=8"), "llama3.1-8b", device_memory="H100",
                        device="H100")
-  text = inspect.render(rep)
+  text = report.render(rep)
   assert "Memory per device (analytic, for H100: attention cudnn, remat save_dots)" in text
   assert "verdict [H100]: fits:" in text and rep["memory"]["total"] < 0.9 * 80 * 2**30
   import subprocess  # the 64-device meshes need a process of their own
@@ -147,9 +147,9 @@ needs_plugin = pytest.mark.skipif(not gpu_compile.plugin_installed(), reason="no
 def test_llama31_8b_compiled_for_8_h100s_at_seq_8192_fits_in_80gib():
   """The real shapes and the preset's settings (32 scanned layers, seq 8192, save_dots),
   XLA:GPU compile-only; the bill agrees with it within 15%."""
-  from jaxtrain import inspect
-  mesh = gpu_compile.mesh(gpu_compile.kind("H100"), "host8")
-  rep = inspect.report(config.load("llama3.1-8b"), mesh, "llama3.1-8b", compile=True, device_memory="H100")
+  from jaxtrain.analysis import report
+  mesh = gpu_compile.mesh("H100", "host8")
+  rep = report.report(config.load("llama3.1-8b"), mesh, "llama3.1-8b", compile=True, device_memory="H100")
   c = rep["compiled"]
   print(f"compiled total {c['total'] / 2**30:.2f} GiB in {c['seconds']:.1f}s; ratio {c['ratio_without_margin']:.3f}")
   assert c["backend"] == "cuda" and c["total"] <= 80 * 2**30 and rep["memory"]["fits"]

@@ -129,13 +129,14 @@ def check_attention(tiny: bool, device) -> dict:
   import numpy as np
   from jaxtrain.model import attention
   from jaxtrain.model import transformer as model
+  from jaxtrain.parallel import devices
   B, L, H, K, E = _shape(tiny)["attention"]
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in [(B, L, H, E), (B, L, K, E), (B, L, K, E)])
   g = jnp.asarray(rng.standard_normal((B, L, H, E)), jnp.bfloat16)  # the output cotangent
   layouts = {"unpacked": np.ones((B, L), np.int32),
              "packed": np.repeat(np.arange(1, B * SEGMENTS + 1).reshape(B, SEGMENTS), L // SEGMENTS, axis=1)}
-  info = attention.info_of(device)
+  info = devices.of(device)
   kernels = {
       "reference_bf16": (lambda *a: model.attention(*a), None),
       "xla_fused": (lambda *a: attention.fused(*a, implementation="xla"), None),
@@ -189,7 +190,7 @@ def check_matmul_peak(tiny: bool, device) -> dict:
   from jaxtrain import bench
   from jaxtrain.parallel import devices
   m = bench.measure_peak(device)
-  row = devices.lookup(device.device_kind)
+  row = devices.of(device).entry
   table = row.peak_bf16_flops if row else None
   return {**m, "device_kind": device.device_kind, "table_peak_flops": table,
           "fraction_of_table": m["flops"] / table if table else None,
@@ -237,9 +238,9 @@ def measure_step(tiny: bool, device, remat: str) -> dict:
   times = bench.time_steps(side.run, side.sync, s["steps"])
   loss = float(jax.device_get(side.sync(side.run())))
   peak = bench.device_peak_memory(side.devices)
-  ma = side.box["compiled"].memory_analysis()
-  compiled = ({k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
-              if ma else None)
+  from jaxtrain.analysis import gpu_compile
+  m = gpu_compile.CompiledMemory.of(side.box["compiled"])
+  compiled = (dict(argument=m.arguments, output=m.outputs, alias=m.aliased, temp=m.temporaries) if m else None)
   t = cfg.train
   fl = flops.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
   table = flops.peak_flops(device.device_kind)

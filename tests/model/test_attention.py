@@ -11,9 +11,9 @@ from jaxtrain.model import attention
 from jaxtrain.core import config
 from jaxtrain.parallel import plan as plan_lib
 from jaxtrain.core.errors import UserError
+from jaxtrain.parallel import devices
 
-H100 = attention.DeviceInfo("gpu", True, (9, 0))
-A100 = attention.DeviceInfo("gpu", True, (8, 0))
+H100, A100 = devices.of("H100"), devices.of("A100")
 
 
 def test_selection_follows_the_target_device_not_the_host():
@@ -21,7 +21,7 @@ def test_selection_follows_the_target_device_not_the_host():
   assert attention.select(m, 128, H100) == ("cudnn", "cuDNN fused attention (causal; segments as packed offsets, "
                                                      "at most 8 per row)")
   assert attention.select(m, 128, A100)[1].endswith("segments as an L x L mask)")  # packed needs Hopper
-  assert attention.select(m, 128, attention.DeviceInfo("cpu"))[0] == "xla"  # what this host is
+  assert attention.select(m, 128, devices.of(jax.devices("cpu")[0]))[0] == "xla"  # what this host is
 
 
 def _mask_from_offsets(lengths, starts, L):
