@@ -131,6 +131,7 @@ for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins"):
   sys.modules[name] = None
 real = md.entry_points
 md.entry_points = lambda **kw: [] if kw.get("group") == "jax_plugins" else real(**kw)
+from jaxtrain import inspect
 sys.exit(inspect.main(sys.argv[1:]))
 """
 
