@@ -1,32 +1,6 @@
 """Analytic communication per device per step, by mesh axis, from the shardings and shapes.
 
-Ring collectives over n devices, for an array of S bytes in total: all-gather and
-reduce-scatter move (n-1)/n S per device, all-reduce 2 (n-1)/n S. With k microbatches,
-s = compute-dtype bytes, g = 4 (float32 gradients), T = tokens per device per microbatch,
-and e = a parameter's elements per device:
-  fsdp/data/expert/sequence, a param split over the axis (FSDP): all-gather of the
-      compute-dtype weight in the forward and again in the backward, 2 k (n-1) e s, and
-      reduce-scatter of its gradient, k (n-1) e g;
-  the same axes, a param replicated over the axis: gradient all-reduce, k 2 (n-1)/n e g
-      (the tokens are split over these axes, so every gradient is a partial sum);
-  tensor (Megatron): per layer two all-reduces of T D s in the forward (after wo and
-      w_down) and two in the backward (into the q/k/v and gate/up inputs); the vocab-split
-      embedding lookup one of T D 4 (float32 table) and the LM head one of T D s; each
-      k 2 (t-1)/t x that. A matmul weight replicated over tensor (duplicated KV heads)
-      also all-reduces its gradient there;
-  sequence (ring attention): per layer each device passes its K and V blocks, T 2 K E s,
-      to n-1 neighbours in the forward and again with dK and dV in the backward: 3 k (n-1) x that;
-  expert: expert weights split over `expert` are neither gathered nor reduced there (each
-      device computes and updates only its own experts); per MoE layer, the dispatch and
-      the combine all-to-all in the forward and their transposes in the backward, each
-      moving (n-1)/n of the buffer of the dispatch that runs (`moe_traffic`), in the
-      compute dtype: capacity buffers X x groups x C x D (groups of G tokens, C their
-      capacity), or the dropless exchange's ep x bound x D (plus its int32 expert ids
-      once, forward only): 4 k (n-1)/n x rows x D s per MoE layer;
-  sequence, MoE layers whose dispatch holds whole sequences: the layer's input and output
-      resharded from length-split to row-split and back, forward and backward, 4 (n-1)/n T D s.
-The actual schedule is XLA's: it may fuse, reorder or keep gathered weights instead of
-gathering twice; these are the bytes the shardings imply.
+Ring collectives; formulas in README ("Communication"). XLA's schedule may differ.
 """
 
 from __future__ import annotations

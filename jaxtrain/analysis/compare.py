@@ -53,11 +53,10 @@ def _variant(cfg, mesh, batches, first: dict):
   t = time.perf_counter()
   compiled = setup.step.lower(state, dev[0]).compile()
   compile_s = time.perf_counter() - t
-  ma = compiled.memory_analysis()
-  memory = None if ma is None else {
-      "temp_bytes": ma.temp_size_in_bytes, "argument_bytes": ma.argument_size_in_bytes,
-      "output_bytes": ma.output_size_in_bytes, "alias_bytes": ma.alias_size_in_bytes,
-      "code_bytes": ma.generated_code_size_in_bytes}
+  from jaxtrain.analysis import gpu_compile
+  m = gpu_compile.CompiledMemory.of(compiled)
+  memory = None if m is None else {"temp_bytes": m.temporaries, "argument_bytes": m.arguments,
+                                   "output_bytes": m.outputs, "alias_bytes": m.aliased, "code_bytes": m.generated_code}
   box = {"state": state, "i": 0}
 
   def run():

@@ -1,31 +1,38 @@
-"""Fit before allocate: the memory bill against the device's memory, before any array exists.
+"""Fit: the one verdict of bytes needed against a device's memory, and the trainer's check
+before any array exists (a one-line error instead of RESOURCE_EXHAUSTED after allocating).
 
-The trainer (and bench) build the step's set-up abstractly, then call `check`: when the
-bill (jaxtrain.analysis.memory, without its safety margin, for the plan that will run) exceeds the
-memory of one device, the run stops with one line naming what it needs, what is
-available and the largest items, instead of an XLA RESOURCE_EXHAUSTED traceback after
-the allocation. What counts as "known" memory:
-  GPU/TPU  the runtime's own limit (`memory_stats()["bytes_limit"]`), else the device
-           table's figure for the device kind;
-  CPU      the host's physical memory divided by the local devices (simulated CPU devices
-           share it).
-`run.fit_check = false` skips the check (e.g. when the bill is known to overestimate).
+Known memory: GPU/TPU the runtime's limit (`memory_stats()["bytes_limit"]`), else the device
+table's figure; CPU the host's physical memory over the local devices. run.fit_check=false skips.
 """
 
 from __future__ import annotations
 
 import os
 
-from jaxtrain.parallel import devices
 from jaxtrain.analysis import memory
 from jaxtrain.core.errors import UserError
+from jaxtrain.parallel import devices
+
+NO_MEMORY = "no device memory known: give --device-memory (e.g. 80GiB or H100) for a verdict"
 
 
-def host_memory() -> int | None:
-  try:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  except (ValueError, OSError, AttributeError):
-    return None
+def largest(items: dict[str, int], n: int = 3) -> str:
+  return ", ".join(f"{k} {memory.human(v)}" for v, k in sorted(((v, k) for k, v in items.items() if v),
+                                                                reverse=True)[:n])
+
+
+def verdict(need: int, have: int | None, items: dict[str, int] | None = None,
+            compiler: str | None = None) -> tuple[bool | None, str]:
+  """(fits, one line): None when `have` is unknown. With `compiler`, the line is about that
+  compiler's total; else the headroom, or the shortfall and the `items` largest."""
+  if have is None:
+    return None, NO_MEMORY
+  fits, h = need <= have, memory.human
+  if compiler:
+    return fits, f"{'fits' if fits else 'does not fit'}: compiled total {h(need)} of {h(have)} ({compiler})"
+  if fits:
+    return True, f"fits: {h(need)} of {h(have)} ({h(have - need)} free)"
+  return False, f"does not fit: misses by {h(need - have)} ({h(need)} of {h(have)}); largest: {largest(items or {})}"
 
 
 def capacity(mesh) -> tuple[int | None, str]:
@@ -34,34 +41,32 @@ def capacity(mesh) -> tuple[int | None, str]:
   local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()] or list(mesh.devices.flat)
   dev = local[0]
   if dev.platform == "cpu":
-    host = host_memory()
+    try:
+      host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+      return None, "unknown"
     n = len(jax.local_devices(backend="cpu"))
-    return (None, "unknown") if host is None else (host // n, f"host memory / {n} CPU device(s)")
+    return host // n, f"host memory / {n} CPU device(s)"
   try:
     limit = (dev.memory_stats() or {}).get("bytes_limit")
   except Exception:  # noqa: BLE001 - some backends do not implement memory_stats
     limit = None
   if limit:
     return int(limit), f"{dev.device_kind} runtime limit"
-  entry = devices.lookup(dev.device_kind)
+  entry = devices.of(dev).entry
   if entry and entry.memory_bytes:
     return entry.memory_bytes, f"{dev.device_kind} (device table)"
   return None, "unknown"
 
 
 def check(setup, enabled: bool = True) -> None:
-  """A UserError (one line) when the step cannot fit one device; nothing when it can or
-  when the device's memory is not known."""
-  if not enabled:
-    return
-  have, source = capacity(setup.mesh)
+  """A UserError (one line) when the bill (no margin, the plan that runs) cannot fit one
+  device; nothing when it can or when the device's memory is not known."""
+  have, source = capacity(setup.mesh) if enabled else (None, "")
   if have is None:
     return
   b = memory.bill(setup, memory.grouped(memory.param_rows(setup)), 0.0)
-  if b.total <= have:
-    return
-  big = sorted(((v, k) for k, v in b.items.items() if v), reverse=True)[:3]
-  largest = ", ".join(f"{k} {memory.human(v)}" for v, k in big)
-  raise UserError(f"does not fit: needs {memory.human(b.total)} per device, {memory.human(have)} available "
-                  f"({source}); largest items {largest}; see python -m jaxtrain.inspect, or set run.fit_check=false "
-                  "to try anyway")
+  if verdict(b.total, have)[0] is False:
+    raise UserError(f"does not fit: needs {memory.human(b.total)} per device, {memory.human(have)} available "
+                    f"({source}); largest items {largest(b.items)}; see python -m jaxtrain.inspect, or set "
+                    "run.fit_check=false to try anyway")

@@ -1,15 +1,10 @@
-"""Compile the real train step with XLA's GPU compiler for GPUs that are not here.
+"""Compile the real train step with XLA's GPU compiler for GPUs that are not here, and read it.
 
-With the CUDA PJRT plugin installed (`pip install 'jaxtrain[gpu-aot]'`) and the host
-backend on CPU, `jax.experimental.topologies` gives compile-only devices described by an
-XLA GPU TargetConfig (jaxtrain/gpu_targets/*.txtpb, one per device kind). A mesh over
-them and ShapeDtypeStructs carrying the step's shardings let `step.Setup(cfg, mesh).step`
-be lowered and compiled by XLA:GPU exactly as on the pod; nothing ever runs. The
-compiled program is then read: XLA's memory analysis, the collectives of the optimized
-HLO (kind, bytes, async or not, how often per step), cuDNN fused-attention calls, XLA's
-cost analysis and a roofline lower bound of the step time.
-
-Without the plugin `plugin_installed()` is False and callers fall back to XLA:CPU.
+With the CUDA PJRT plugin (the gpu-aot extra) and the host backend on CPU,
+`jax.experimental.topologies` gives compile-only devices described by an XLA GPU
+TargetConfig (jaxtrain/gpu_targets/*.txtpb); the step is lowered from ShapeDtypeStructs
+carrying its shardings and compiled by XLA:GPU as on the pod; nothing runs. Read back:
+memory analysis, collectives, cuDNN attention calls, cost analysis, a roofline bound.
 """
 
 from __future__ import annotations
@@ -25,50 +20,42 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.parallel import devices as device_table
 from jaxtrain.core.errors import UserError
+from jaxtrain.parallel import devices
 
-
-@dataclasses.dataclass(frozen=True)
-class Kind:
-  """A GPU model with a TargetConfig file; its peak, bandwidth and memory come from the
-  one device table (`jaxtrain.parallel.devices`, the datasheet figures)."""
-  name: str
-  file: str
-
-  @property
-  def figures(self):
-    return device_table.lookup(self.name)
-
-  peak_bf16_flops = property(lambda self: self.figures.peak_bf16_flops)
-  bandwidth = property(lambda self: self.figures.bandwidth)
-  memory = property(lambda self: self.figures.memory_bytes)
-
-
-# Keyed like the device table (jaxtrain.parallel.devices.TABLE).
-KINDS = {
-    "H100": Kind("H100", "h100.txtpb"),
-    "H200": Kind("H200", "h200.txtpb"),
-    "A100-80GB": Kind("A100-80GB", "a100-80gb.txtpb"),
-}
-ALIASES = {"h100-sxm": "H100", "h100-80gb": "H100", "h200-sxm": "H200", "a100": "A100-80GB",
-           "a100-sxm4-80gb": "A100-80GB"}
+# Device-table rows with a TargetConfig (file: the name in lower case + .txtpb).
+TARGETS = {"H100": "H100", "H200": "H200", "A100": "A100-80GB"}
 GPUS_PER_HOST = 8  # an HGX/DGX node: a mesh without dcn factors spans size/8 hosts
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 
-def kind(name: str) -> Kind:
-  """'H100', 'h200', 'A100-80GB' (or an alias) -> Kind; a UserError naming the valid ones."""
-  key = {k.lower(): k for k in KINDS}.get(name.strip().lower()) or ALIASES.get(name.strip().lower())
-  if key is None:
-    raise UserError(f"--device {name!r} is not a known GPU kind; known: {', '.join(KINDS)}")
-  return KINDS[key]
+def target(name) -> str | None:
+  """The TargetConfig name for a device (anything `devices.of` takes), None where there is none."""
+  return TARGETS.get(devices.of(name).key)
 
 
-def find_kind(name: str) -> Kind | None:
-  """`kind` without the error: None for a name with no TargetConfig."""
-  key = {k.lower(): k for k in KINDS}.get(name.strip().lower()) or ALIASES.get(name.strip().lower())
-  return KINDS[key] if key else None
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+  """XLA's per-device memory analysis of a compiled program, under inspect's names."""
+  arguments: int
+  outputs: int
+  aliased: int
+  temporaries: int
+  generated_code: int
+
+  @property
+  def total(self) -> int:
+    return self.arguments + self.outputs - self.aliased + self.temporaries + self.generated_code
+
+  @classmethod
+  def of(cls, compiled) -> "CompiledMemory | None":
+    """None where the backend gives no memory analysis."""
+    ma = compiled.memory_analysis()
+    return None if ma is None else cls(*(int(getattr(ma, f"{f}_size_in_bytes")) for f in (
+        "argument", "output", "alias", "temp", "generated_code")))
+
+  def fields(self) -> dict[str, int]:
+    return {**dataclasses.asdict(self), "total": self.total}
 
 
 def plugin_installed() -> bool:
@@ -86,10 +73,10 @@ def _installed_versions() -> tuple[tuple[int, int, int], tuple[int, int]] | None
   return (dnn // 10000, dnn // 100 % 100, dnn % 100), (rt // 1000, rt // 10 % 100)
 
 
-def target_config(k: Kind) -> str:
-  """The kind's TargetConfig text, its cuDNN/CUDA versions set to the installed ones, so
-  XLA plans for the libraries this same install would run with on the GPU."""
-  text = importlib.resources.files("jaxtrain.gpu_targets").joinpath(k.file).read_text()
+def target_config(name) -> str:
+  """The device's TargetConfig text with the installed cuDNN/CUDA versions, so XLA plans
+  for the libraries this install would run with on the GPU."""
+  text = importlib.resources.files("jaxtrain.gpu_targets").joinpath(target(name).lower() + ".txtpb").read_text()
   versions = _installed_versions()
   if versions:
     (a, b, c), (d, e) = versions
@@ -98,43 +85,35 @@ def target_config(k: Kind) -> str:
   return text
 
 
-def devices(k: Kind, count: int, hosts: int = 1) -> list:
-  """`count` compile-only devices of kind `k` over `hosts` processes."""
+def mesh(name, spec: str):
+  """The run's mesh (`--mesh` syntax, dcn factors included) over compile-only devices of the
+  device `name`. Hosts: the product of the dcn factors, else one per 8 GPUs; -1 fills one host."""
   from jax.experimental import topologies
-  if count % hosts:
-    raise UserError(f"{count} devices cannot be spread evenly over {hosts} hosts")
-  topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(k),
-                                      topology=f"1x{hosts}x{count // hosts}")
-  return list(topo.devices)
-
-
-def mesh(k: Kind, spec: str):
-  """The run's mesh (`--mesh` syntax, dcn factors included) over compile-only devices.
-  Hosts: the product of the dcn factors when given, else one per 8 GPUs; -1 fills one host."""
   from jaxtrain.parallel import mesh as mesh_lib
   sizes, dcn = mesh_lib.parse_full(spec)
   known = math.prod(s for s in sizes.values() if s != -1)
   count = known * (max(1, GPUS_PER_HOST // known) if -1 in sizes.values() else 1)
-  hosts = math.prod(dcn.values()) if any(v > 1 for v in dcn.values()) else (
-      count // GPUS_PER_HOST if count % GPUS_PER_HOST == 0 else 1)
-  return mesh_lib.build(sizes, devices(k, count, max(hosts, 1)), dcn)
+  hosts = max(math.prod(dcn.values()) if any(v > 1 for v in dcn.values()) else (
+      count // GPUS_PER_HOST if count % GPUS_PER_HOST == 0 else 1), 1)
+  if count % hosts:
+    raise UserError(f"{count} devices cannot be spread evenly over {hosts} hosts")
+  topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(name),
+                                      topology=f"1x{hosts}x{count // hosts}")
+  return mesh_lib.build(sizes, list(topo.devices), dcn)
 
 
 @contextlib.contextmanager
 def _capability_of(device):
-  """jax's cuDNN attention wrapper checks the compute capability of the HOST backend
-  while tracing (e.g. packed segments need Hopper); for a compile-only target it must
-  answer for the target device instead."""
+  """jax's cuDNN attention wrapper checks the HOST backend's compute capability while
+  tracing (packed segments need Hopper); for a compile-only target it answers for the target."""
+  have = devices.of(device).capability
   try:
     from jax._src.cudnn import fused_attention_stablehlo as fa
   except ImportError:
+    fa = None
+  if fa is None or have == (0, 0):
     yield
     return
-  cc = str(getattr(device, "compute_capability", ""))
-  if getattr(device, "platform", "") != "gpu" or not re.fullmatch(r"\d+\.\d+", cc):
-    yield
-    return
-  have = tuple(map(int, cc.split(".")))
   saved = fa.check_compute_capability, fa.is_cuda_compute_capability_equal
   fa.check_compute_capability = lambda c: have >= tuple(map(int, c.split(".")))
   fa.is_cuda_compute_capability_equal = lambda c: have == tuple(map(int, c.split(".")))
@@ -150,10 +129,6 @@ def compiler_options(cfg) -> dict[str, str]:
   from jaxtrain.parallel import xla_flags
   flags = xla_flags.PRESETS[cfg.run.xla_flags] + xla_flags.parse(cfg.run.xla_flags_extra)
   return {f.split("=", 1)[0].removeprefix("--"): (f.split("=", 1) + ["true"])[1] for f in flags}
-
-
-def is_gpu_mesh(mesh) -> bool:
-  return mesh.devices.flat[0].platform == "gpu"
 
 
 def abstract_inputs(setup):
@@ -172,7 +147,7 @@ def compile_step(setup):
   t0 = time.perf_counter()
   with _capability_of(dev):
     lowered = setup.step.lower(*abstract_inputs(setup))
-  options = compiler_options(setup.cfg) if is_gpu_mesh(setup.mesh) else None
+  options = compiler_options(setup.cfg) if dev.platform == "gpu" else None
   compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
   return compiled, time.perf_counter() - t0
 
@@ -246,24 +221,6 @@ class Hlo:
           times[callee] = n
           todo.append(callee)
     return cls(text, instrs, entry, times, loops)
-
-  def loop_depth(self, computation: str) -> list[int]:
-    """Trip counts of the while loops enclosing `computation`, outermost first."""
-    parent = {body: (outer, trip) for body, outer, trip in self.loops}
-    callers: dict[str, str] = {}
-    for i in self.instrs:
-      for callee in _CALLS.findall(i.rest):
-        callers.setdefault(callee, i.computation)
-    out, c = [], computation
-    for _ in range(100):
-      if c in parent:
-        c, trip = parent[c]
-        out.append(trip)
-      elif c in callers:
-        c = callers[c]
-      else:
-        break
-    return out[::-1]
 
 
 def collectives(hlo: Hlo) -> dict:
@@ -344,16 +301,9 @@ def cost(hlo: Hlo) -> dict | None:
     return {"error": f"{type(e).__name__}: {e}"[:200]}
 
 
-def device_kind_of(mesh) -> Kind | None:
-  dk = mesh.devices.flat[0].device_kind.lower()
-  hits = [k for k in KINDS.values() if k.name.split("-")[0].lower() in dk]
-  return hits[0] if hits else None
-
-
 def analyse(compiled, mesh, seq_len: int | None = None, plan=None) -> dict:
-  """What the compiled program shows, as inspect's `compiled` object adds it; with the
-  execution `plan`, also the attention kernel it chose for the mesh's device (to set
-  beside the cuDNN calls actually found)."""
+  """What the compiled program shows (inspect's `compiled` object); with the `plan`, also
+  the attention kernel it chose, to set beside the cuDNN calls found."""
   dev = mesh.devices.flat[0]
   gpu = dev.platform == "gpu"
   hlo = Hlo.parse(compiled.as_text())
@@ -367,21 +317,13 @@ def analyse(compiled, mesh, seq_len: int | None = None, plan=None) -> dict:
   c = cost(hlo)
   if c is not None:
     out["cost"] = c
-    k = device_kind_of(mesh) if gpu else None
-    if k is not None and "flops" in c:
-      t_flops, t_bytes = c["flops"] / k.peak_bf16_flops, c["bytes_accessed"] / k.bandwidth
+    row = devices.of(dev).entry if gpu else None
+    if row and row.peak_bf16_flops and row.bandwidth and "flops" in c:
+      t_flops, t_bytes = c["flops"] / row.peak_bf16_flops, c["bytes_accessed"] / row.bandwidth
       out["roofline"] = {
           "seconds": max(t_flops, t_bytes), "compute_seconds": t_flops, "memory_seconds": t_bytes,
           "bound": "compute" if t_flops >= t_bytes else "memory",
-          "peak_flops": k.peak_bf16_flops, "bandwidth": k.bandwidth,
+          "peak_flops": row.peak_bf16_flops, "bandwidth": row.bandwidth,
           "label": "lower bound, not a measurement: max(FLOPs / peak bf16, bytes / HBM bandwidth) of XLA's "
                    "cost analysis; excludes communication and the work inside cuDNN calls"}
   return out
-
-
-def verdict(total: int, capacity: int | None, compiler: str) -> str:
-  from jaxtrain.analysis.memory import human
-  if capacity is None:
-    return "no device memory known: give --device-memory (e.g. 80GiB or H100) for a verdict"
-  word = "fits" if total <= capacity else "does not fit"
-  return f"{word}: compiled total {human(total)} of {human(capacity)} ({compiler})"

@@ -1,11 +1,6 @@
-"""The analytic memory bill per device, computed from the real shardings without allocating.
+"""The analytic memory bill per device, from the real shardings, without allocating.
 
-State (params, Adam m and v, counters) comes from `step.Setup`'s shardings: per-device
-bytes = product of the per-device shape x itemsize. Gradients are float32 and sharded like
-their params. Activations follow `activations` (what the backward pass keeps, for the
-attention kernel and remat policy that run), FSDP-gathered weights `gathered_weights` (one
-layer at a time, as comms.py assumes), the transient peak `workspace`; other temporaries
-and communication buffers are a stated margin. Checked against XLA:GPU's compile (README).
+Formulas: README, "The memory bill"; checked against XLA:GPU's compile there.
 """
 
 from __future__ import annotations
@@ -39,18 +34,15 @@ def parse_size(text: str, flag: str = "--device-memory") -> int:
 
 def device_memory(text: str | None, device_kind: str) -> tuple[int | None, str]:
   """(bytes, where it came from) for --device-memory SIZE|KIND, else the local device's kind."""
-  def by_kind(kind):
-    entry = devices.lookup(kind)
-    return entry.memory_bytes if entry else None
+  if text and text.strip()[:1].isdigit():
+    return parse_size(text), text
+  entry = devices.of(text or device_kind).entry
+  if text and entry is None:
+    raise UserError(f"--device-memory {text!r} is neither a size (e.g. 80GiB) nor a known device kind: "
+                    f"{', '.join(devices.TABLE)}")
   if text:
-    if text.strip()[:1].isdigit():
-      return parse_size(text), text
-    if by_kind(text) is None:
-      raise UserError(f"--device-memory {text!r} is neither a size (e.g. 80GiB) nor a known device kind: "
-                      f"{', '.join(devices.TABLE)}")
-    return by_kind(text), text
-  found = by_kind(device_kind)
-  return found, device_kind if found else "unknown"
+    return entry.memory_bytes, text
+  return (entry.memory_bytes, device_kind) if entry else (None, "unknown")
 
 
 def per_device_shape(shape, spec, mesh) -> tuple[int, ...]:
@@ -127,9 +119,6 @@ def state_bytes(setup) -> dict[str, int]:
   return out
 
 
-REMATS = ("none", "full", "save_dots", "save_named", "offload_named")
-
-
 def _dims(cfg, mesh) -> dict:
   """Per-device sizes the formulas use (see `activations`)."""
   m = cfg.model
@@ -150,15 +139,7 @@ def _moe_slots_per_token(cfg, mesh) -> float:
 
 
 def layer_residuals(cfg, mesh, kernel: str = "xla", packed_segments: int = 0) -> dict[str, float]:
-  """Bytes per token that one layer keeps for its backward pass with remat none.
-
-  kernel xla (the reference): what jax.vjp keeps (bool mask, masked scores, exp,
-  probabilities, row statistics: H (L (1 + 2c + s) + 2c)); XLA:GPU keeps as much at
-  32 layers (measured; with 2 to 4 layers it fuses part of it into the backward). kernel cudnn: no L x L tensor,
-  only cuDNN's float32 softmax statistics, 4 H per token, or 4 M H with M packed
-  segments; with the L x L mask (M = 0) the mask row, L bytes. kernel ring: q, k, v and
-  the output (in qkvo) and the float32 log-sum-exp, 4 H.
-  """
+  """Bytes per token that one layer keeps for its backward pass with remat none, per kernel."""
   d = _dims(cfg, mesh)
   s, c, D, H, K, F, E, L = (d[k] for k in "scDHKFEL")
   out = {"norms": 2 * (8 + s) * D + 16, "qkvo": s * (2 * H + 2 * K) * E}
@@ -171,8 +152,7 @@ def layer_residuals(cfg, mesh, kernel: str = "xla", packed_segments: int = 0) ->
   else:
     raise ValueError(kernel)
   if cfg.model.moe_experts:
-    # MoE layers: router logits/probabilities (f32), the dispatched and returned rows,
-    # and the experts' SwiGLU residuals for every buffer row (dense layers: 6 s F per token).
+    # router logits/probabilities (f32); dispatched and returned rows and SwiGLU residuals per buffer row
     m = cfg.model
     share = m.moe_layers() / m.n_layers
     moe = 3 * 4 * m.moe_experts + _moe_slots_per_token(cfg, mesh) * (2 * s * D + 6 * s * F)
@@ -183,16 +163,7 @@ def layer_residuals(cfg, mesh, kernel: str = "xla", packed_segments: int = 0) ->
 
 
 def saved_per_token(cfg, mesh, remat: str) -> dict[str, float]:
-  """Bytes per token and layer that a checkpointing policy keeps besides the block input.
-
-  The block input (s D) is always kept.
-    full, offload_named: nothing else on the device (offload_named moves q, k, v, the
-        attention output and the MLP hidden to pinned host memory);
-    save_dots: the projections (dots without batch dimensions) that the backward needs:
-        q, k, v before RoPE, the wo output (the second norm's input is rebuilt from it),
-        gate and up (the w_down output only feeds the next block, whose input is kept);
-    save_named: q, k, v, the attention output, the MLP hidden.
-  """
+  """Bytes per token and layer that a checkpointing policy keeps (block input included)."""
   d = _dims(cfg, mesh)
   s, D, H, K, F, E = (d[k] for k in "sDHKFE")
   out = {"block_inputs": s * D}
@@ -208,21 +179,8 @@ def saved_per_token(cfg, mesh, remat: str) -> dict[str, float]:
 
 def activations(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segments: int = 0,
                 logits_residual: bool = True) -> dict[str, int]:
-  """Activation bytes per device kept for the backward pass of one microbatch (all layers).
-
-  remat none: every layer's residuals (`layer_residuals`), per token per layer, with
-  s = bytes of the compute dtype and sizes per device (heads H, KV heads K and MLP
-  width F divided by their tensor split, D by its act_embed split, L the full length):
-    2 RMSNorms      2 (8 + s) D + 16   f32 input, f32 normalized, s output, f32 statistics
-    q, k, v, o      s (2H + 2K) E
-    attention       per kernel (see layer_residuals)
-    SwiGLU          6 s F              gate, up, three silu residuals, their product
-  plus, once, the RoPE tables (sin and cos, f32, E/2 each: 4 E), the final norm and the
-  f32 exp of the logits: 4 E + (8 + s) D + 4 V (the 4 V only with logits_residual: in the
-  compiled step the logits are transient, counted in `workspace`).
-  Other policies: what they save (`saved_per_token`) for every layer; the one layer
-  recomputed during the backward pass is transient (`workspace`).
-  """
+  """Activation bytes per device kept for the backward pass of one microbatch (all layers);
+  `logits_residual`: jax.vjp's float32 exp of the logits (the compiled step's are transient)."""
   d = _dims(cfg, mesh)
   n, T, s, D, E, V = cfg.model.n_layers, d["T"], d["s"], d["D"], d["E"], d["V"]
   if remat == "none":
@@ -238,17 +196,7 @@ def activations(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segm
 
 def workspace(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segments: int = 0,
               gathered: int = 0, platform: str = "gpu") -> dict[str, int]:
-  """Transient bytes at the step's peak, on top of what is kept all along; the peak is
-  the larger of two phases (never both at once):
-    loss: the float32 logits of the tokens the loss handles at once and their gradient,
-        2 x 4 V per token (all T tokens, or train.loss_chunk_tokens of them when chunked),
-        plus the compute-dtype copy of the output weight, s D V, and on XLA:CPU its float32
-        upcast and a chunk's float32 weight gradient, 2 x 4 D V (see jaxtrain.model.loss);
-    layer: the backward pass of one layer: the `gathered` weights (two layers'), its
-        recomputed residuals (remat other than none; for the reference kernel its whole
-        L x L set, H L (1 + 2c + s) per token), or with remat none for the reference
-        kernel the score and probability gradients, H L (2c + 1) per token.
-  """
+  """Transient bytes at the step's peak beyond what is kept: the larger of the loss and layer phases."""
   d = _dims(cfg, mesh)
   T, V, H, L = d["T"], d["V"], d["H"], d["L"]
   chunk = cfg.train.loss_chunk_tokens
@@ -260,18 +208,6 @@ def workspace(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segmen
   else:  # the layer's residuals recomputed (the reference's whole L x L set, as jax.vjp keeps it)
     layer = gathered + T * sum(layer_residuals(cfg, mesh, kernel, packed_segments).values())
   return {"loss phase": int(loss), "layer phase": int(layer)}
-
-
-def weight_copies(cfg, rows: list[Row], mesh) -> int:
-  """Compute-dtype copies of all matmul weights gathered over fsdp, as jax.vjp keeps them
-  without remat and without a layer scan (the single-device residual test's reference)."""
-  s = np.dtype(cfg.model.dtype).itemsize
-  total = 0
-  for r in rows:
-    if len(r.shape) < 2 or (r.path == "embed" and not cfg.model.tie_embeddings):
-      continue  # norm scales are not cast; the untied embedding is a lookup
-    total += math.prod(r.device_shape) * _gathered(r, mesh) * s * r.count
-  return total
 
 
 def _gathered(r: Row, mesh) -> int:
@@ -286,10 +222,8 @@ def _is_matmul(cfg, r: Row) -> bool:
 
 
 def gathered_weights(cfg, rows: list[Row], mesh) -> dict[str, int]:
-  """Compute-dtype weights gathered over FSDP at once, as comms.py gathers them: one
-  layer's matmul weights for the layer running and one more (the next layer's prefetch
-  in the forward, the re-gather in the backward): 2 layers; and the LM head (or tied
-  embedding) gathered for the logits."""
+  """Compute-dtype weights gathered over FSDP at once (as comms.py): 2 layers' matmul
+  weights (running + next/re-gathered) and the LM head for the logits."""
   s = np.dtype(cfg.model.dtype).itemsize
   n = cfg.model.n_layers
   layer = head = 0
@@ -305,9 +239,8 @@ def gathered_weights(cfg, rows: list[Row], mesh) -> dict[str, int]:
 
 
 def weight_residuals(cfg, rows: list[Row], remat: str = "none") -> int:
-  """The compute-dtype cast of every layer's matmul weights, as stored (sharded), kept for
-  the backward pass: all of it with remat none; with a checkpointing policy XLA:GPU still
-  keeps about half (measured on llama3-8b layers: 25 of 54 MB per layer on 8-way FSDP)."""
+  """The layers' matmul weights in the compute dtype, as stored (sharded), kept for backward:
+  all with remat none, about half with a policy (measured on XLA:GPU)."""
   s = np.dtype(cfg.model.dtype).itemsize
   total = sum(math.prod(r.device_shape) * s * r.count for r in rows
               if _is_matmul(cfg, r) and r.path.startswith("layers"))
@@ -372,16 +305,6 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   notes["margin"] = f"temporaries and communication buffers: {margin:.0%} of the items above"
   full = sum(activations(cfg, mesh, "full", kernel, packed, logits_residual=False).values())
   return Bill(items, notes, sum(items.values()), full, kernel)
-
-
-def verdict(b: Bill, capacity: int | None) -> str:
-  if capacity is None:
-    return "no device memory known: give --device-memory (e.g. 80GiB or H100) for a verdict"
-  big = sorted(((v, k) for k, v in b.items.items() if v), reverse=True)[:3]
-  largest = ", ".join(f"{k} {human(v)}" for v, k in big)
-  if b.total <= capacity:
-    return f"fits: {human(b.total)} of {human(capacity)} ({human(capacity - b.total)} free)"
-  return f"does not fit: misses by {human(b.total - capacity)} ({human(b.total)} of {human(capacity)}); largest: {largest}"
 
 
 def human(n) -> str:

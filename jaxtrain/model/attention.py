@@ -1,92 +1,33 @@
-"""Which attention kernel runs: cuDNN fused attention or the plain XLA reference.
-
-The choice is explicit and made once (`select`, called by the execution plan); the
-trainer prints it. `model.attention`:
-  auto   cuDNN when every condition below holds, else the reference, with the reason;
-  xla    always the reference (`attention` below);
-  cudnn  cuDNN, and a one-line user error when a condition fails (never a silent fallback).
-Conditions for cuDNN: a CUDA GPU backend; compute dtype bfloat16 or float16; head_dim a
-multiple of 8 and at most 128 (256 on Hopper or later); even sequence length (cuDNN's
-training kernels with a bias need it).
-
-Packed segments: `jax.nn.dot_product_attention` has no public packed-segment (offsets)
-argument, so the segment mask is passed as its boolean `mask` (B, 1, L, L), which cuDNN
-applies as an additive bias together with its causal mask. That is exact for any
-packing, at the cost of reading an L x L bias; the causal blocks are still skipped.
-On Hopper or later (compute capability >= 9.0) with `model.attention_max_segments` = M > 0
-the segments go to cuDNN's packed layout instead (segment lengths and offsets, no L x L
-tensor; `packed`). cuDNN then keeps softmax statistics for M x L positions per row, so M
-is a bound the data must respect: `plan.Plan.check_rows` refuses a batch row with more segments.
-
-The decision is made once, by the execution plan (`jaxtrain.parallel.plan`), for the device the
-step is compiled FOR (`info_of` the mesh's first device), not the host: an H100
-compile-only target on a CPU machine selects cuDNN.
+"""Which attention kernel runs (`select`, once, by the execution plan, for the device the
+step is compiled for): cuDNN fused attention, packed segments on Hopper+, or the XLA reference.
+model.attention=cudnn where a condition fails is a one-line error, never a silent fallback.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from jaxtrain.core.errors import UserError
+from jaxtrain.parallel import devices
 
 NEG_INF = -1e30  # finite, so a fully masked row (padding) gives no NaN
 
 
-@dataclasses.dataclass(frozen=True)
-class DeviceInfo:
-  """What the kernel choice needs to know of the target device."""
-  platform: str                           # jax's device.platform: cpu, gpu, tpu
-  cuda: bool = False                      # an NVIDIA GPU (real, or a compile-only target)
-  capability: tuple[int, int] = (0, 0)    # CUDA compute capability
-
-  @property
-  def max_head_dim(self) -> int:
-    return 256 if self.capability >= (9, 0) else 128
-
-  @property
-  def packed(self) -> bool:
-    """cuDNN's packed layout (segment offsets) needs Hopper or later."""
-    return self.capability >= (9, 0)
-
-
-def info_of(device=None) -> DeviceInfo:
-  """DeviceInfo of `device` (default: the first local device), never raising.
-
-  CUDA devices, including compile-only ones from jax.experimental.topologies, report
-  platform "gpu" and a numeric compute capability ("9.0"); ROCm reports a gfx name."""
-  if device is None:
-    try:
-      device = jax.devices()[0]
-    except RuntimeError:
-      return DeviceInfo(jax.default_backend())
-  cc = str(getattr(device, "compute_capability", "")).split(".")
-  if device.platform != "gpu" or len(cc) != 2 or not all(c.isdigit() for c in cc):
-    return DeviceInfo(device.platform)
-  return DeviceInfo("gpu", True, (int(cc[0]), int(cc[1])))
-
-
-def select(model_cfg, seq_len: int | None = None, device_info: DeviceInfo | None = None,
-           gpu_info=None) -> tuple[str, str]:
-  """("cudnn" | "xla", reason) for the target `device_info` (default: the first local
-  device). `gpu_info` = (is CUDA GPU, max head_dim) is the older override (tests)."""
+def select(model_cfg, seq_len: int | None = None, info: devices.Info | None = None) -> tuple[str, str]:
+  """("cudnn" | "xla", reason) for the target device `info` (default: the first local one)."""
   want = model_cfg.attention
   if want == "xla":
     return "xla", "model.attention=xla"
-  if device_info is None and gpu_info is not None:
-    device_info = DeviceInfo("gpu" if gpu_info[0] else "cpu", gpu_info[0], (9, 0) if gpu_info[1] >= 256 else (8, 0))
-  info = device_info if device_info is not None else info_of()
-  is_gpu, max_e = info.cuda, info.max_head_dim
+  info = info or devices.of()
   E, dt = model_cfg.head_dim, model_cfg.dtype
   problem = None
-  if not is_gpu:
+  if not info.cuda:
     problem = f"backend is {info.platform}, not a CUDA GPU"
   elif dt not in ("bfloat16", "float16"):
     problem = f"model.dtype={dt} (cuDNN needs bfloat16 or float16)"
-  elif E % 8 or E > max_e:
-    problem = f"model.head_dim={E} (cuDNN needs a multiple of 8, at most {max_e} on this GPU)"
+  elif E % 8 or E > info.max_head_dim:
+    problem = f"model.head_dim={E} (cuDNN needs a multiple of 8, at most {info.max_head_dim} on this GPU)"
   elif seq_len is not None and seq_len % 2:
     problem = f"train.seq_len={seq_len} is odd (cuDNN needs it even)"
   if problem is None:
@@ -108,7 +49,7 @@ def fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, implementation: str = "cudnn
                                       implementation=implementation).astype(q_BxLxHxE.dtype)
 
 
-def uses_packed(model_cfg, info: DeviceInfo) -> bool:
+def uses_packed(model_cfg, info: devices.Info) -> bool:
   return info.packed and model_cfg.attention_max_segments > 0
 
 

@@ -32,6 +32,6 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
 
 
 def peak_flops(device_kind: str) -> float | None:
-  """Peak dense bf16 FLOP/s of one device from `devices.TABLE`; None where unknown (e.g. CPU)."""
-  entry = devices.lookup(device_kind)
+  """Peak dense bf16 FLOP/s of a device kind from `devices.TABLE`; None where unknown (e.g. CPU)."""
+  entry = devices.of(device_kind).entry
   return entry.peak_bf16_flops if entry else None

@@ -134,8 +134,7 @@ class MoE(nnx.Module):
     bias = jax.lax.stop_gradient(self.router_bias[...]) if c.moe_bias_rate > 0 else None
     y_BxLxD, stats = plan.moe_ffn(x_BxLxD, self.router[...], self.w_gate[...].astype(dt), self.w_up[...].astype(dt),
                                   self.w_down[...].astype(dt), top_k=c.moe_top_k,
-                                  capacity_factor=c.moe_capacity_factor, group_size=c.moe_group_size,
-                                  score=c.moe_router, bias_X=bias)
+                                  capacity_factor=c.moe_capacity_factor, score=c.moe_router, bias_X=bias)
     if c.moe_shared_experts:
       y_BxLxD = y_BxLxD + self.shared(x_BxLxD, plan)
     return y_BxLxD, stats

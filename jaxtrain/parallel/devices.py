@@ -1,8 +1,6 @@
-"""The one device table: peak dense bf16 FLOP/s, memory and memory bandwidth per device kind.
+"""The one device table and the one lookup (`of`) of a device: its row and what kernels need.
 
-A device kind (jax's `device.device_kind`, or a name the user gives such as "H100") is
-matched by the longest table key it contains, case-insensitively. Figures are the vendors'
-datasheet numbers (dense, no sparsity); None where a figure is not known.
+Rows are the vendors' datasheet figures (dense bf16, no sparsity); None where not known.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ class Device:
   peak_bf16_flops: float | None
   memory_bytes: int | None
   bandwidth: float | None = None  # HBM bytes/s (the roofline of compile-only GPU targets)
-  compute_capability: str | None = None  # CUDA GPUs: what the attention kernel choice needs
+  compute_capability: str | None = None  # CUDA GPUs
 
 
 TABLE: dict[str, Device] = {
@@ -39,30 +37,43 @@ TABLE: dict[str, Device] = {
 }
 
 
-def lookup(kind: str) -> Device | None:
-  """The entry whose key is the longest one contained in `kind`; None when none is."""
+@dataclasses.dataclass(frozen=True)
+class Info:
+  """A device as the analyses and the kernel choice see it."""
+  kind: str                   # jax's device_kind, or the name given
+  key: str | None             # the table row matched, None when none is
+  platform: str               # cpu, gpu, tpu
+  capability: tuple[int, int] = (0, 0)  # CUDA compute capability; (0, 0): not a CUDA GPU
+
+  entry = property(lambda self: TABLE.get(self.key))
+  cuda = property(lambda self: self.capability > (0, 0))
+  max_head_dim = property(lambda self: 256 if self.capability >= (9, 0) else 128)  # cuDNN attention
+  packed = property(lambda self: self.capability >= (9, 0))  # cuDNN's packed segment layout
+
+
+def _capability(cc) -> tuple[int, int]:
+  parts = str(cc or "").split(".")
+  return (int(parts[0]), int(parts[1])) if len(parts) == 2 and all(p.isdigit() for p in parts) else (0, 0)
+
+
+def of(device=None) -> Info:
+  """A jax device (real or compile-only; None: the first local one), any object with its
+  platform/compute_capability/device_kind, or a name the user gives ("H100", "A100-80GB").
+  The row is the longest table key the kind contains, case-insensitively; never raises."""
+  if isinstance(device, str):
+    name = device.strip()
+  elif device is None:
+    import jax
+    try:
+      device = jax.devices()[0]
+    except RuntimeError:
+      return Info(jax.default_backend(), None, jax.default_backend())
+  kind = name if isinstance(device, str) else str(getattr(device, "device_kind", ""))
   hits = [k for k in TABLE if k.lower() in kind.lower()]
-  return TABLE[max(hits, key=len)] if hits else None
-
-
-def named(name: str) -> tuple[str, Device]:
-  """(table key, entry) for a device name the user gives (`--device H100`, `A100-80GB`):
-  a key, case-insensitively, else the longest key it contains; a UserError listing the keys."""
-  from jaxtrain.core.errors import UserError
-  text = name.strip()
-  key = {k.lower(): k for k in TABLE}.get(text.lower())
-  if key is None:
-    hits = [k for k in TABLE if k.lower() in text.lower()]
-    key = max(hits, key=len) if hits else None
-  if key is None:
-    raise UserError(f"--device {name!r} is not a known device; known: {', '.join(TABLE)}")
-  return key, TABLE[key]
-
-
-def stand_in(name: str):
-  """An object with what the attention kernel choice reads of a device (platform,
-  compute_capability, device_kind), for a target device that is not here."""
-  import types
-  key, entry = named(name)
-  platform = "gpu" if entry.compute_capability else ("tpu" if key.startswith("TPU") else "cpu")
-  return types.SimpleNamespace(platform=platform, compute_capability=entry.compute_capability or "", device_kind=key)
+  key = max(hits, key=len) if hits else None
+  if isinstance(device, str):  # a target that is not here: what its row says
+    cc = TABLE[key].compute_capability if key else None
+    return Info(key or name, key, "gpu" if cc else "tpu" if (key or "").startswith("TPU") else "cpu", _capability(cc))
+  # CUDA devices report a numeric capability ("9.0"), ROCm a gfx name (not CUDA)
+  cap = _capability(getattr(device, "compute_capability", "")) if device.platform == "gpu" else (0, 0)
+  return Info(kind, key, device.platform, cap)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jaxtrain.model import attention as attention_lib
-from jaxtrain.parallel import sharding
+from jaxtrain.parallel import devices, sharding
 from jaxtrain.core.config import TrainConfig
 from jaxtrain.core.errors import UserError
 
@@ -36,7 +36,8 @@ class Plan:
   attention_why: str
   moe: str  # "dense" | "local" | "all_to_all"
   moe_kernel: str = "capacity"  # "capacity" | "ragged_dot" | "blocks" (the last two: dropless)
-  moe_group: int = 0  # capacity group in tokens (model.moe_group_size or train.seq_len); 0 = one sequence
+  moe_group: int = 0  # capacity group in tokens (model.moe_group_size, what the MoE layer runs); 0 = one sequence
+  seq_len: int = 0  # train.seq_len, the tokens of "one sequence" in describe() (0: not known)
   remat: str = "none"
   logits_dtype: str = "float32"  # scores/softmax of the reference kernel
   packed_segments: int = 0  # cudnn only: segments go as offsets, at most this many per row (0: an L x L mask)
@@ -78,13 +79,14 @@ class Plan:
                         f"{self.packed_segments}; raise it to at least {most}, or set it to 0 (L x L mask)")
 
   def moe_ffn(self, x_BxLxD, router_DxX, w_gate, w_up, w_down, *, top_k: int, capacity_factor: float,
-              group_size: int = 0, score: str = "softmax", bias_X=None):
+              score: str = "softmax", bias_X=None):
     from jaxtrain.parallel import experts as moe
     return moe.moe_ffn(x_BxLxD, router_DxX, w_gate, w_up, w_down, top_k=top_k, capacity_factor=capacity_factor,
-                       plan=self, group_size=group_size, score=score, bias_X=bias_X)
+                       plan=self, group_size=self.moe_group, score=score, bias_X=bias_X)
 
   def describe(self) -> str:
-    group = f"{self.moe_group} tokens" if self.moe_group else "one sequence"
+    group = self.moe_group or self.seq_len
+    group = f"{group} tokens" if group else "one sequence"
     kernel = (f"capacity groups of {group}" if self.moe_kernel == "capacity"
               else f"dropless, {self.moe_kernel} grouped matmuls")
     moe = {"dense": "", "local": f"; moe: local, {kernel}",
@@ -100,8 +102,9 @@ KERNELS = {"xla": attention_lib.attention, "cudnn": attention_lib.fused}
 
 def build(cfg, mesh, device=None) -> Plan:
   """The plan for `cfg` on `mesh` (None: one device, nothing sharded). `device`: the target
-  device whose kernels to use (default: the mesh's first device, or the local one)."""
+  device whose kernels to use (anything `devices.of` takes; default: the mesh's first device)."""
   m = cfg.model
+  info = devices.of(device if device is not None or mesh is None else mesh.devices.flat[0])
   sp = mesh.shape.get("sequence", 1) if mesh is not None else 1
   if sp > 1:
     if m.attention == "cudnn":
@@ -109,18 +112,12 @@ def build(cfg, mesh, device=None) -> Plan:
                       "blocks; use model.attention=auto or xla")
     impl, why, packed = "ring", f"ring attention over sequence={sp}, zig-zag blocks, online softmax", 0
   else:
-    if device is None and mesh is not None:
-      device = mesh.devices.flat[0]
-    info = attention_lib.info_of(device)
     impl, why = attention_lib.select(m, cfg.train.seq_len, info)
     packed = m.attention_max_segments if impl == "cudnn" and attention_lib.uses_packed(m, info) else 0
   moe = "dense" if not m.moe_experts else ("local" if mesh is None else "all_to_all")
-  if device is None and mesh is not None:
-    device = mesh.devices.flat[0]
-  platform = attention_lib.info_of(device).platform
   return Plan(mesh=mesh, rules=sharding.rules_for(cfg.run.sequence_parallel), attention=impl, attention_why=why,
-              moe=moe, moe_kernel=moe_kernel(m, platform), platform=platform,
-              moe_group=m.moe_group_size or cfg.train.seq_len, remat=m.remat,
+              moe=moe, moe_kernel=moe_kernel(m, info.platform), platform=info.platform,
+              moe_group=m.moe_group_size, seq_len=cfg.train.seq_len, remat=m.remat,
               logits_dtype=m.attention_logits_dtype, packed_segments=packed,
               loss_chunk_tokens=cfg.train.loss_chunk_tokens)
 
@@ -139,6 +136,6 @@ def local(model_cfg=None) -> Plan:
   return Plan(mesh=None, rules=dict(sharding.RULES), attention="xla", attention_why="one device, no mesh",
               moe="local" if m is not None and m.moe_experts else "dense",
               moe_kernel=moe_kernel(m, jax.default_backend()) if m is not None else "capacity",
-              remat=m.remat if m is not None else "none",
+              moe_group=m.moe_group_size if m is not None else 0, remat=m.remat if m is not None else "none",
               logits_dtype=m.attention_logits_dtype if m is not None else "float32",
               platform=jax.default_backend())

@@ -29,11 +29,6 @@ def config_of(manifest: dict) -> config.Config:
   return config.from_dict(manifest["config"], where="the checkpoint's config")
 
 
-def with_overrides(cfg: config.Config, overrides: list[str]) -> config.Config:
-  """`cfg` with `section.key=value` overrides applied (same parsing and checks as --set)."""
-  return config.from_dict(cfg.to_dict(), overrides)
-
-
 def restore_params(cfg: config.Config, mesh, step_dir: Path):
   """(step.Setup, params pure dict) restored from `step_dir` onto the mesh's shardings. Only
   the parameters are read (orbax partial restore): the Adam moments, twice their size, stay on disk."""

@@ -9,10 +9,9 @@ import sys
 
 import pytest
 
-from jaxtrain import inspect
 from jaxtrain.core import config
 from jaxtrain.analysis import gpu_compile
-from jaxtrain.analysis import gpu_report
+from jaxtrain.analysis import report
 from jaxtrain.analysis import memory
 from jaxtrain.run import step as step_lib
 
@@ -27,17 +26,15 @@ TINY_BF16 = ["model.dtype=bfloat16", "train.seq_len=96", "train.batch_size=8", "
 
 def _compiled(name, sets, spec="fsdp=8"):
   """(setup, inspect's `compiled` object) for the config on compile-only H100s."""
-  setup = step_lib.Setup(config.load(name, sets), gpu_compile.mesh(gpu_compile.kind("H100"), spec))
-  return setup, inspect.compiled_memory(setup)
+  setup = step_lib.Setup(config.load(name, sets), gpu_compile.mesh("H100", spec))
+  return setup, report.compiled_memory(setup)
 
 
 def _compiled_with_hlo(name, sets, spec="fsdp=8"):
   """(setup, `compiled` object as inspect builds it, parsed HLO) from one compile."""
-  setup = step_lib.Setup(config.load(name, sets), gpu_compile.mesh(gpu_compile.kind("H100"), spec))
+  setup = step_lib.Setup(config.load(name, sets), gpu_compile.mesh("H100", spec))
   compiled, _ = gpu_compile.compile_step(setup)
-  ma = compiled.memory_analysis()
-  c = {"arguments": ma.argument_size_in_bytes, "temporaries": ma.temp_size_in_bytes,
-       **gpu_compile.analyse(compiled, setup.mesh, setup.cfg.train.seq_len, setup.plan)}
+  c = {**gpu_compile.CompiledMemory.of(compiled).fields(), **gpu_compile.analyse(compiled, setup.mesh, setup.cfg.train.seq_len, setup.plan)}
   return setup, c, gpu_compile.Hlo.parse(compiled.as_text())
 
 
@@ -92,7 +89,7 @@ def test_cudnn_packed_segments_without_an_lxl_buffer_and_the_line_names_it(l8b_f
   # inspect's text names the kernel and the count of custom calls it found
   # inspect's lines name the kernel chosen for the H100 and the calls the program holds
   assert packed["attention"]["kernel"] == masked["attention"]["kernel"] == "cudnn"
-  text = "\n".join(gpu_report.render(packed))
+  text = "\n".join(report.render_compiled(packed))
   assert "attention: cudnn (cuDNN fused attention (causal; segments as packed offsets, at most 8 per row))" in text
   assert f"cuDNN fused attention: {packed['cudnn_attention']['ops']} custom call(s)" in text
   _, reference = _compiled("tiny", TINY_BF16 + ["model.attention=xla"])
@@ -109,7 +106,7 @@ def test_fsdp_parameter_gathers_are_per_layer_inside_the_scanned_loop(l8b_full):
     if i.opcode not in ("all-gather", "all-gather-start"):
       continue
     dims = {tuple(int(x) for x in ds.split(",") if x) for _, ds in gpu_compile._ARRAY.findall(i.shape)}
-    if layers in hlo.loop_depth(i.computation):
+    if hlo.times.get(i.computation, 1) == layers:  # runs once per layer: inside the scanned layer loop
       in_loop.append(dims)
     whole_model += [s for s in dims if s in ((layers, d, f), (layers, f, d))]
   assert any((d, f) in dims for dims in in_loop), in_loop  # one layer's w_gate/w_up, gathered in the loop
@@ -155,8 +152,8 @@ def test_without_the_plugin_compile_falls_back_with_one_line(tmp_path):
 def test_llama31_8b_compiled_for_8_h100s_at_seq_8192_fits_in_80gib():
   """The real shapes and the preset's settings (32 scanned layers, seq 8192, save_dots),
   XLA:GPU compile-only; the bill agrees with it within 15%."""
-  mesh = gpu_compile.mesh(gpu_compile.kind("H100"), "host8")
-  rep = inspect.report(config.load("llama3.1-8b"), mesh, "llama3.1-8b", compile=True, device_memory="H100")
+  mesh = gpu_compile.mesh("H100", "host8")
+  rep = report.report(config.load("llama3.1-8b"), mesh, "llama3.1-8b", compile=True, device_memory="H100")
   c = rep["compiled"]
   print(f"compiled total {c['total'] / 2**30:.2f} GiB in {c['seconds']:.1f}s; ratio {c['ratio_without_margin']:.3f}")
   assert c["backend"] == "cuda" and c["total"] <= 80 * 2**30 and rep["memory"]["fits"]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxtrain import inspect
+from jaxtrain.analysis import report
 from jaxtrain.core import config
 from jaxtrain.model import flops
 from tests.helpers import clean_env, mesh_of
@@ -18,7 +18,7 @@ RATIO = (0.7, 1.3)
 
 
 def test_flops_per_token_match_a_hand_computation():
-  rep = inspect.report(config.load("tiny"), mesh_of("dp=2"), "tiny")
+  rep = report.report(config.load("tiny"), mesh_of("dp=2"), "tiny")
   # tiny: D=128, H=8, K=4, E=16, F=256, V=512, 2 layers, L=128.
   attn = 128 * 16 * (8 + 4 + 4 + 8)   # wq, wk, wv, wo
   mlp = 3 * 128 * 256                 # gate, up, down
@@ -30,7 +30,7 @@ def test_flops_per_token_match_a_hand_computation():
 
 @pytest.mark.parametrize("spec, sets", [("fsdp=2,tp=2", ["train.microbatches=2"]), ("sp=2,dp=2", [])])
 def test_compiled_memory_agrees_with_the_bill(spec, sets):
-  rep = inspect.report(config.load("tiny", sets), mesh_of(spec), "tiny", compile=True)
+  rep = report.report(config.load("tiny", sets), mesh_of(spec), "tiny", compile=True)
   c = rep["compiled"]
   assert c["available"]
   assert c["arguments"] == c["analytic"]["arguments"]  # the state and batch, byte for byte
@@ -39,12 +39,12 @@ def test_compiled_memory_agrees_with_the_bill(spec, sets):
 
 def test_replication_warning_fires_for_large_replicated_params():
   cfg = config.load("llama3-1b", ["model.scan_layers=false"])  # one row per repeated layer
-  warned = inspect.report(cfg, mesh_of("dp=8"), "llama3-1b")["warnings"]
+  warned = report.report(cfg, mesh_of("dp=8"), "llama3-1b")["warnings"]
   assert any(w.startswith("embed: 1002.0 MiB per device, fully replicated on all 8 devices; a mesh with fsdp or "
                           "tensor > 1 would shard it") for w in warned), warned
   assert any(w.startswith("layers/*/mlp/w_up (x16): 64.0 MiB") for w in warned), warned
-  assert inspect.report(cfg, mesh_of("fsdp=8"), "llama3-1b")["warnings"] == []
-  assert inspect.report(cfg, mesh_of("dp=1"), "llama3-1b")["warnings"] == []  # one device: nothing could shard it
+  assert report.report(cfg, mesh_of("fsdp=8"), "llama3-1b")["warnings"] == []
+  assert report.report(cfg, mesh_of("dp=1"), "llama3-1b")["warnings"] == []  # one device: nothing could shard it
 
 
 def test_cli_json_for_llama3_8b_on_64_devices(run_cli):
@@ -91,14 +91,14 @@ POD_SCRIPT = """
 import json, math
 import jax
 jax.config.update("jax_num_cpu_devices", 64)
-from jaxtrain import inspect
+from jaxtrain.analysis import report
 from jaxtrain.core import config
 from jaxtrain.parallel import mesh as mesh_lib
 out = {}
 for name, spec in %r:
   sizes, _ = mesh_lib.parse_full(spec)  # dcn factors only order devices; one process here
   m = mesh_lib.build(sizes, jax.devices()[:math.prod(sizes.values())])
-  rep = inspect.report(config.load(name), m, name, device_memory="H100", device="H100")
+  rep = report.report(config.load(name), m, name, device_memory="H100", device="H100")
   out[name] = {k: rep["memory"][k] for k in ("fits", "verdict", "attention", "total", "device_memory")}
 print(json.dumps(out))
 """
@@ -106,9 +106,9 @@ print(json.dumps(out))
 
 def test_inspect_device_h100_says_fits_for_each_pod_preset():
   """Analytic: the pod meshes (8 and 64 devices) on simulated devices, bill for H100 kernels."""
-  rep = inspect.report(config.load("llama3.1-8b"), mesh_of("fsdp=8"), "llama3.1-8b", device_memory="H100",
+  rep = report.report(config.load("llama3.1-8b"), mesh_of("fsdp=8"), "llama3.1-8b", device_memory="H100",
                        device="H100")
-  text = inspect.render(rep)
+  text = report.render(rep)
   assert "Memory per device (analytic, for H100: attention cudnn, remat save_dots)" in text
   assert "verdict [H100]: fits:" in text and rep["memory"]["total"] < 0.9 * 80 * 2**30
   # the 64-device meshes need a process of their own

@@ -65,7 +65,7 @@ def measure_step(tiny: bool, device, remat: str) -> dict:
   import jax
   import numpy as np
   from jaxtrain.analysis import speed as bench
-  from jaxtrain.analysis import timing
+  from jaxtrain.analysis import gpu_compile, timing
   from jaxtrain.model import flops
   from jaxtrain.run import step as step_lib
   cfg = load_config(tiny, [f"model.remat={remat}"])
@@ -77,7 +77,7 @@ def measure_step(tiny: bool, device, remat: str) -> dict:
   times = timing.time_steps(side.run, side.sync, s["steps"])
   loss = float(jax.device_get(side.sync(side.run())))
   peak = bench.device_peak_memory(side.devices)
-  ma = side.box["compiled"].memory_analysis()
+  ma = gpu_compile.CompiledMemory.of(side.box["compiled"])
   t = cfg.train
   median = float(np.median(times))
   fl = flops.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
@@ -86,7 +86,7 @@ def measure_step(tiny: bool, device, remat: str) -> dict:
           "seq_len": t.seq_len, "compile_s": side.compile_s, "step_time_s": timing.stats(times),
           "tokens_per_s": t.batch_size * t.seq_len / median, "mfu": fl / median / table if table else None,
           "peak_memory_bytes": peak, "compiled_memory_bytes":
-          {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")} if ma else None,
+          {"argument": ma.arguments, "output": ma.outputs, "alias": ma.aliased, "temp": ma.temporaries} if ma else None,
           "loss_after": loss, "steps_before_loss": s["warmup"] + s["steps"] + 1,
           "xla_flags": os.environ.get("XLA_FLAGS", "")}
 

@@ -66,13 +66,14 @@ def _kernel(name, info):
 def test_attention_kernel_matches_the_float32_reference(kernel, layout, device, tiny, report):
   import jax.numpy as jnp
   import numpy as np
-  from jaxtrain.model import attention
+  from jaxtrain.model import attention  # noqa: F401
+  from jaxtrain.parallel import devices
   B, L, H, K, E = checks.shape(tiny)["attention"]
   entry = report.setdefault("attention", {"shape": {"B": B, "L": L, "H": H, "K": K, "E": E},
                                           "segments_per_row_packed": SEGMENTS})
   inputs, seg, truth, ref, ref_err = _reference(tiny, layout)
   per = entry.setdefault(layout, {"reference_bf16": {"rel_error": ref_err}})
-  f, skip = _kernel(kernel, attention.info_of(device))
+  f, skip = _kernel(kernel, devices.of(device))
   if skip:
     per[kernel] = {"status": "skipped", "reason": skip}
     pytest.skip(skip)

@@ -5,7 +5,7 @@ def test_measured_matmul_peak_is_below_the_datasheet(device, report):
   from jaxtrain.analysis import speed as bench
   from jaxtrain.parallel import devices
   m = bench.measure_peak(device)
-  row = devices.lookup(device.device_kind)
+  row = devices.of(device).entry
   table = row.peak_bf16_flops if row else None
   frac = m["flops"] / table if table else None
   report["matmul_peak"] = {**m, "device_kind": device.device_kind, "table_peak_flops": table,

@@ -15,8 +15,9 @@ from jaxtrain.core.errors import UserError
 from jaxtrain.model import transformer as model_lib
 from tests.helpers import trajectory
 
-H100 = attention.DeviceInfo("gpu", True, (9, 0))
-A100 = attention.DeviceInfo("gpu", True, (8, 0))
+from jaxtrain.parallel import devices
+
+H100, A100 = devices.of("H100"), devices.of("A100")
 CFG = config.load("tiny", ["model.dtype=float32", "model.n_layers=2", "model.d_model=32", "model.d_ff=64",
                            "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=8", "model.vocab_size=64"]).model
 
@@ -26,7 +27,7 @@ def test_selection_follows_the_target_device_not_the_host():
   assert attention.select(m, 128, H100) == ("cudnn", "cuDNN fused attention (causal; segments as packed offsets, "
                                                      "at most 8 per row)")
   assert attention.select(m, 128, A100)[1].endswith("segments as an L x L mask)")  # packed needs Hopper
-  assert attention.select(m, 128, attention.DeviceInfo("cpu"))[0] == "xla"  # what this host is
+  assert attention.select(m, 128, devices.of(jax.devices("cpu")[0]))[0] == "xla"  # what this host is
 
 
 def _mask_from_offsets(lengths, starts, L):
@@ -80,18 +81,18 @@ def test_attention_selection_picks_the_reference_on_cpu():
 
 
 def test_attention_selection_rules_on_a_gpu():
-  """The conditions, with the GPU probe replaced by (is CUDA GPU, max head_dim)."""
+  """The conditions, for an A100 target (head_dim at most 128) and an H100 (256)."""
   bf16 = dataclasses.replace(CFG, dtype="bfloat16", head_dim=64)
-  assert attention.select(bf16, 128, gpu_info=(True, 128))[0] == "cudnn"
+  assert attention.select(bf16, 128, info=devices.of("A100"))[0] == "cudnn"
   for cfg, seq, why in [(dataclasses.replace(bf16, dtype="float32"), 128, "model.dtype=float32"),
                         (dataclasses.replace(bf16, head_dim=60), 128, "model.head_dim=60"),
                         (dataclasses.replace(bf16, head_dim=192), 128, "model.head_dim=192"),
                         (bf16, 127, "train.seq_len=127")]:
-    impl, reason = attention.select(cfg, seq, gpu_info=(True, 128))
+    impl, reason = attention.select(cfg, seq, info=devices.of("A100"))
     assert impl == "xla" and why in reason
     with pytest.raises(UserError, match=why):
-      attention.select(dataclasses.replace(cfg, attention="cudnn"), seq, gpu_info=(True, 128))
-  assert attention.select(dataclasses.replace(bf16, head_dim=192), 128, gpu_info=(True, 256))[0] == "cudnn"
+      attention.select(dataclasses.replace(cfg, attention="cudnn"), seq, info=devices.of("A100"))
+  assert attention.select(dataclasses.replace(bf16, head_dim=192), 128, info=devices.of("H100"))[0] == "cudnn"
 
 
 def test_fused_call_masks_segments_like_the_reference():

@@ -1,0 +1,208 @@
+"""inspect's report: every parameter's sharding, the memory bill and its fit verdict, FLOPs,
+communication, and with `compile` XLA's view of the compiled step; as a dict (`--json`) and text."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from jaxtrain.analysis import comms, fit, gpu_compile, memory
+from jaxtrain.core.errors import UserError
+from jaxtrain.parallel import devices
+from jaxtrain.parallel import mesh as mesh_lib
+
+human = memory.human
+
+
+def target_mesh(device: str, spec: str, compile: bool, device_memory: str | None):
+  """(mesh, --device-memory value). --device KIND sets the verdict's memory to the kind's
+  unless --device-memory says otherwise. With a TargetConfig for it and the CUDA plugin:
+  compile-only devices (the host backend pinned to CPU); else simulated CPU devices, and
+  --compile says so on stderr (for a kind without a TargetConfig, --compile is an error)."""
+  key = devices.of(device).key
+  if key is None:
+    raise UserError(f"--device {device!r} is not a known device; known: {', '.join(devices.TABLE)}")
+  name = gpu_compile.target(device)
+  if compile and name is None:
+    raise UserError(f"--compile --device {device}: XLA:GPU compile targets exist for "
+                    f"{', '.join(gpu_compile.TARGETS.values())} only; drop --compile for the analytic bill of this device")
+  device_memory = device_memory or key
+  if name is not None and gpu_compile.plugin_installed():
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    return gpu_compile.mesh(device, spec), device_memory
+  if compile:
+    print(f"jaxtrain.inspect: no CUDA plugin installed (pip install 'jaxtrain[gpu-aot]'), so --compile uses XLA:CPU "
+          f"on simulated CPU devices, not XLA:GPU for {name}", file=sys.stderr)
+  sizes, _ = mesh_lib.parse_full(spec)  # dcn factors only order devices: the bill does not depend on them
+  if -1 not in sizes.values():
+    mesh_lib.provide_cpu_devices(math.prod(sizes.values()))
+  return mesh_lib.build(sizes), device_memory
+
+
+def compiled_memory(setup) -> dict:
+  """Compiles the real train step (XLA:GPU for compile-only GPUs): XLA's per-device memory
+  analysis and what the program shows."""
+  print("compiling the train step (this can take a minute for large models)...", file=sys.stderr, flush=True)
+  compiled, seconds = gpu_compile.compile_step(setup)
+  print(f"compiled in {seconds:.1f}s", file=sys.stderr, flush=True)
+  shows = gpu_compile.analyse(compiled, setup.mesh, setup.cfg.train.seq_len, setup.plan)
+  m = gpu_compile.CompiledMemory.of(compiled)
+  return {"seconds": seconds, "available": m is not None, **(m.fields() if m else {}), **shows}
+
+
+def replication_warnings(rows, mesh, threshold: int) -> list[str]:
+  """A parameter of >= threshold bytes per device left fully replicated on a multi-device mesh."""
+  from jaxtrain.parallel import sharding
+  out = []
+  for r in rows:
+    if mesh.size == 1 or r.bytes < threshold or any(r.spec):
+      continue
+    would = sorted({a for name in r.axes if name for a in sharding.RULES.get(name, ())}, key=mesh_lib.AXES.index)
+    hint = (f"a mesh with {' or '.join(would)} > 1 would shard it" if would else
+            f"no rule in sharding.RULES splits its logical axes {r.axes}")
+    times = f" (x{r.count})" if r.count > 1 else ""
+    out.append(f"{r.path}{times}: {r.bytes / 2**20:.1f} MiB per device, fully replicated on all {mesh.size} "
+               f"devices; {hint}")
+  return out
+
+
+def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory: str | None = None,
+           margin: float = 0.10, warn_replicated: int = 16 * 2**20, device: str | None = None) -> dict:
+  """`device`: a device-table name; the bill is then for that device's kernels (its plan),
+  whatever devices the mesh here holds."""
+  from jaxtrain.model import flops
+  from jaxtrain.parallel import plan as plan_lib
+  from jaxtrain.run import step as step_lib
+  setup = step_lib.Setup(cfg, mesh)
+  rows = memory.grouped(memory.param_rows(setup))
+  target = plan_lib.build(cfg, mesh, device=device) if device else setup.plan
+  b = memory.bill(setup, rows, margin, plan=target)
+  dev = mesh.devices.flat[0]
+  capacity, source = memory.device_memory(device_memory, dev.device_kind)
+  fits, verdict = fit.verdict(b.total, capacity, b.items)
+  t = cfg.train
+  per_token = flops.flops_per_token(cfg.model, t.seq_len)
+  per_step = per_token * t.batch_size * t.seq_len
+  rep = {
+      "config": config_name, "mesh": mesh_lib.describe(dict(mesh.shape)), "devices": mesh.size,
+      "device_kind": dev.device_kind, "batch_size": t.batch_size, "seq_len": t.seq_len,
+      "microbatches": t.microbatches, "compute_dtype": cfg.model.dtype,
+      "params": [dict(path=r.path, count=r.count, axes=list(r.axes),
+                      spec=[list(e) if isinstance(e, tuple) else e for e in r.spec],
+                      shape=list(r.shape), device_shape=list(r.device_shape), dtype=r.dtype, bytes=r.bytes)
+                 for r in rows],
+      "param_count": setup.n_params,
+      "param_bytes_per_device": sum(r.bytes * r.count for r in rows),
+      "memory": {"items": b.items, "notes": b.notes, "total": b.total, "remat": cfg.model.remat,
+                 "attention": target.attention, "for_device": device or dev.device_kind,
+                 "activations_full_remat": b.full_remat_activations,
+                 "device_memory": capacity, "device_memory_source": source, "fits": fits, "verdict": verdict},
+      "flops": {"per_token": per_token, "per_step": per_step, "per_device_per_step": per_step / mesh.size},
+      "comms": comms.traffic(cfg, mesh, rows),
+      "notes": list(setup.notes),
+      "warnings": replication_warnings(rows, mesh, warn_replicated),
+  }
+  if mesh.shape.get("pipeline", 1) > 1:
+    from jaxtrain.parallel import pipeline
+    rep["pipeline"] = pipeline.report(cfg, mesh)
+  if compile:
+    c = rep["compiled"] = compiled_memory(setup)
+    if c["available"]:
+      i = b.items
+      state = i["params"] + i["adam_m"] + i["adam_v"] + i["counters"]
+      c["analytic"] = {"arguments": state + i["batch"], "outputs": state,
+                       "temporaries": b.total - state - i["batch"], "total": b.total}
+      c["ratio"] = c["total"] / b.total
+      c["ratio_without_margin"] = c["total"] / (b.total - i["margin"])
+      if capacity is not None:  # the compiled total, when there is one, decides the fit
+        rep["memory"]["fits"], rep["memory"]["verdict"] = fit.verdict(c["total"], capacity, compiler=c["compiler"])
+  return rep
+
+
+def render(rep: dict) -> str:
+  L = [f"jaxtrain.inspect: {rep['config']} ({rep['param_count']:,} params) on mesh {rep['mesh']} "
+       f"({rep['devices']} x {rep['device_kind']}); batch {rep['batch_size']} x {rep['seq_len']} tokens, "
+       f"{rep['microbatches']} microbatch(es), compute {rep['compute_dtype']}", "",
+       "Parameters (per device; layers/* = repeated layers, shown once with their count)"]
+  spec = lambda s: "(" + ", ".join("+".join(e) if isinstance(e, list) else str(e) for e in s) + ")"  # noqa: E731
+  cols = [(p["path"], str(p["count"]), "(" + ", ".join(map(str, p["axes"])) + ")", spec(p["spec"]),
+           str(tuple(p["shape"])), str(tuple(p["device_shape"])), p["dtype"], f"{p['bytes']:,}")
+          for p in rep["params"]]
+  head = ("path", "count", "logical axes", "PartitionSpec", "global shape", "per device", "dtype", "bytes/device")
+  widths = [max(len(r[i]) for r in [head, *cols]) for i in range(len(head))]
+  for r in [head, *cols]:
+    L.append("  " + "  ".join(c.rjust(w) if i in (1, 7) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+  L += [f"  total: {rep['param_count']:,} parameters; {rep['param_bytes_per_device']:,} bytes per device "
+        f"({human(rep['param_bytes_per_device'])})", ""]
+  mem = rep["memory"]
+  L.append(f"Memory per device (analytic, for {mem['for_device']}: attention {mem['attention']}, "
+           f"remat {mem['remat']})")
+  for k, v in mem["items"].items():
+    L.append(f"  {k:<17} {human(v):>11} {v:>17,}  {mem['notes'][k]}")
+  L.append(f"  {'total':<17} {human(mem['total']):>11} {mem['total']:>17,}")
+  L.append(f"  (activations with full remat per block would be {human(mem['activations_full_remat'])}; "
+           f"model.remat is {mem['remat']})")
+  src = f" [{mem['device_memory_source']}]" if mem["device_memory"] else ""
+  L.append(f"  verdict{src}: {mem['verdict']}")
+  if "compiled" in rep:
+    c = rep["compiled"]
+    L += ["", f"Compiled train step by {c['compiler']} for {c['device_kind']} (XLA memory analysis per device; "
+              f"compiled in {c['seconds']:.1f}s)"]
+    if not c["available"]:
+      L.append("  this backend gives no memory analysis")
+    else:
+      L.append(f"  {'':<15} {'compiled':>12} {'analytic':>12}")
+      for k in ("arguments", "outputs", "aliased", "temporaries", "generated_code", "total"):
+        a = c["analytic"].get(k)
+        L.append(f"  {k:<15} {human(c[k]):>12} {'' if a is None else human(a):>12}")
+      L.append(f"  ratio compiled/analytic total: {c['ratio']:.2f} ({c['ratio_without_margin']:.2f} without the margin)")
+    L.extend(render_compiled(c))
+  if "pipeline" in rep:
+    from jaxtrain.parallel import pipeline
+    L += ["", *pipeline.render(rep["pipeline"])]
+  f = rep["flops"]
+  L += ["", f"Model FLOPs (as for MFU): {f['per_token']:.4g} per token, {f['per_step']:.4g} per step, "
+            f"{f['per_device_per_step']:.4g} per device per step", "", "Communication per device per step (analytic)"]
+  if not rep["comms"]:
+    L.append("  none (single device)")
+  for axis, parts in rep["comms"].items():
+    L.append(f"  {axis:<9} {human(sum(parts.values())):>12}  " + "; ".join(f"{k} {human(v)}" for k, v in parts.items()))
+  if rep["notes"] or rep["warnings"]:
+    L.append("")
+  notes: dict[str, int] = {}  # identical notes about repeated layers, once with a count
+  for line in rep["notes"]:
+    notes[memory.generic_path(line)] = notes.get(memory.generic_path(line), 0) + 1
+  L += [f"note: {n}" + (f" (x{count})" if count > 1 else "") for n, count in notes.items()]
+  L += [f"warning: {w}" for w in rep["warnings"]]
+  return "\n".join(L)
+
+
+def render_compiled(c: dict) -> list[str]:
+  """Lines for what the compiled program shows: kernel, cuDNN calls, collectives, cost, roofline."""
+  L = []
+  att = c.get("cudnn_attention", {})
+  if "attention" in c:
+    L.append(f"  attention: {c['attention']['kernel']} ({c['attention']['reason']})")
+  L.append(f"  cuDNN fused attention: {att.get('ops', 0)} custom call(s) in the program, {att.get('per_step', 0)} "
+           "executed per step")
+  if c.get("square_buffers"):
+    L.append(f"  L x L buffers: {', '.join(c['square_buffers'][:4])}")
+  L.append("  collectives (per device; bytes = larger side of each op, times executions per step):")
+  ops = [(name, r) for name, r in c.get("collectives", {}).items() if r["ops"]]
+  L += [f"    {name:<19} {r['ops']:>4} op(s), {r['per_step']:>5} per step, {human(r['bytes_per_step']):>11} "
+        f"per step, largest {human(r['largest_bytes'])}; {r['async']} async, {r['sync']} sync" for name, r in ops]
+  if not ops:
+    L.append("    none")
+  cost = c.get("cost") or {}
+  if "flops" in cost:
+    L.append(f"  XLA cost analysis (loop bodies x trip count): {cost['flops']:.4g} FLOPs, "
+             f"{human(cost['bytes_accessed'])} accessed per device per step")
+  elif "error" in cost:
+    L.append(f"  XLA cost analysis unavailable: {cost['error']}")
+  roof = c.get("roofline")
+  if roof:
+    secs = lambda t: f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms" if t >= 1e-3 else f"{t * 1e6:.3g} us"  # noqa: E731
+    L.append(f"  roofline: step time >= {secs(roof['seconds'])} ({roof['bound']}-bound; compute "
+             f"{secs(roof['compute_seconds'])}, memory {secs(roof['memory_seconds'])}); a {roof['label']}")
+  return L
