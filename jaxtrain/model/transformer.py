@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.core.config import ModelConfig
 from jaxtrain.model import rope as rope_scaling
-from jaxtrain.model.attention import attention, cached_attention  # noqa: F401 (attention: the reference kernel)
+from jaxtrain.model.attention import cached_attention
 from jaxtrain.parallel import plan as plan_lib
 
 NAMED = ("q", "k", "v", "attn_out", "mlp_hidden")

@@ -4,7 +4,7 @@ packed-offsets layout on Hopper) against the float32 reference: outputs and dQ/d
 same `fused` call with the XLA implementation is a control.
 
 Error: max |x - truth| / max |truth| per tensor, truth being
-jaxtrain.model.transformer.attention in float32 on the same bf16 inputs. A kernel passes when
+jaxtrain.model.attention.attention in float32 on the same bf16 inputs. A kernel passes when
 every error is within max(2 x the bf16 reference's own error, 1e-2)."""
 
 import functools

@@ -103,7 +103,7 @@ def test_fused_call_masks_segments_like_the_reference():
   q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in [(B, L, H, E), (B, L, K, E), (B, L, K, E)])
   for seg in (jnp.asarray([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12]), jnp.ones((B, L), jnp.int32)):
     f = lambda q, k, v: attention.fused(q, k, v, seg, implementation="xla")
-    r = lambda q, k, v: model_lib.attention(q, k, v, seg)
+    r = lambda q, k, v: attention.attention(q, k, v, seg)
     np.testing.assert_allclose(f(q, k, v), r(q, k, v), rtol=1e-5, atol=1e-5)
     gf = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
     gr = jax.grad(lambda *a: jnp.sum(r(*a) ** 2), argnums=(0, 1, 2))(q, k, v)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtrain.model import attention as attention_lib
 from jaxtrain.core import config
 from jaxtrain.model import transformer as model_lib
 from jaxtrain.parallel import ring
@@ -37,10 +38,10 @@ def test_ring_matches_plain_attention(spec, zigzag):
   assert plan.attention == "ring"
   q, k, v, seg = _inputs()
   ring_fn = lambda q, k, v, seg: ring.ring_attention(q, k, v, seg, plan, zigzag=zigzag)  # noqa: E731
-  want = model_lib.attention(q, k, v, seg)
+  want = attention_lib.attention(q, k, v, seg)
   got = jax.jit(ring_fn)(q, k, v, seg)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  g_want = jax.grad(_loss(model_lib.attention), argnums=(0, 1, 2))(q, k, v, seg)
+  g_want = jax.grad(_loss(attention_lib.attention), argnums=(0, 1, 2))(q, k, v, seg)
   g_got = jax.jit(jax.grad(_loss(ring_fn), argnums=(0, 1, 2)))(q, k, v, seg)
   for name, a, b in zip("qkv", g_got, g_want):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
