@@ -12,7 +12,6 @@ from jaxtrain.model import attention
 from jaxtrain.core import config
 from jaxtrain.parallel import plan as plan_lib
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import transformer as model_lib
 from tests.helpers import trajectory
 
 from jaxtrain.parallel import devices

@@ -9,7 +9,6 @@ import pytest
 
 from jaxtrain.model import attention as attention_lib
 from jaxtrain.core import config
-from jaxtrain.model import transformer as model_lib
 from jaxtrain.parallel import ring
 from jaxtrain.run import step
 from tests.helpers import mesh_of, plan_of
