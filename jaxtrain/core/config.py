@@ -75,7 +75,7 @@ class ModelConfig:
   moe_z_weight: float = key(0.001, "Weight of the router z-loss added to the training loss.", math=True, min=0.0)
   moe_group_size: int = key(
       0, "Capacity group: this many tokens of consecutive positions (0 = one sequence, train.seq_len); the same "
-      "tokens drop on every mesh. Must fit the tokens each device holds (see README, Mixture of experts).",
+      "tokens drop on every mesh. Must fit the tokens each device holds (see docs/moe.md).",
       math=True, min=0)
   moe_dropless: bool = key(
       False, "Dropless experts: tokens sorted by expert, grouped matmuls, no capacity (moe_capacity_factor and "
@@ -102,7 +102,7 @@ class ModelConfig:
       math=True)
   attention_logits_dtype: Literal["float32", "bfloat16"] = key(
       "float32", "Dtype of the reference attention's L x L scores and softmax (bfloat16 halves their memory and "
-      "traffic; see README for its accuracy). cuDNN and ring attention keep their own float32 statistics.",
+      "traffic; see docs/gpu-compile.md for its accuracy). cuDNN and ring attention keep their own float32 statistics.",
       math=True)
   attention: Literal["auto", "xla", "cudnn"] = key(
       "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if "
