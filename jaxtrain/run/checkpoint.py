@@ -242,7 +242,8 @@ class Checkpoints:
 
   def _failed(self, key: str, step: int, e: BaseException) -> CheckpointError:
     self._abandon(key, e)
-    return CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; {_last_good(self.last_committed)}")
+    return CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
+                           f"{_last_good(self.last_committed)}")
 
   def _abandon(self, key: str, e: BaseException) -> None:
     """This save has failed here: on process 0, release the processes waiting for their share."""
@@ -278,25 +279,20 @@ class Checkpoints:
       raise
     if listing is None and not shared:
       return None
-    if self.verify != "full":
-      return {name: {"size": size} for name, size in listing.items()}
-    digests = filecheck.hash_to_first(step_dir, key, listing)
-    if digests is None or not self.is_writer:
+    digests = filecheck.hash_to_first(step_dir, key, listing) if self.verify == "full" else {}
+    if digests is None or (self.verify == "full" and not self.is_writer):
       return None
-    return {name: {"size": size, "sha256": digests[name]} for name, size in listing.items()}
+    return {name: {"size": size, **({"sha256": digests[name]} if digests else {})} for name, size in listing.items()}
 
   def _raise_if_failed(self) -> None:
-    if self._error is not None:
-      err, self._error = self._error, None
+    err, self._error = self._error, None
+    if err is not None:
       raise err
 
   def _rotate(self) -> None:
     steps = committed_steps(self.dir)
-    keep = set(steps[-self.keep:])
-    if self.keep_every:
-      keep |= {s for s in steps if s % self.keep_every == 0}
-    for s in steps:
-      if s not in keep:
+    for s in steps[:-self.keep]:
+      if not (self.keep_every and s % self.keep_every == 0):
         shutil.rmtree(self.dir / str(s), ignore_errors=True)
 
   def close(self) -> None:
@@ -344,9 +340,8 @@ def _reason(e: BaseException) -> str:
 
 
 def _last_good(step: int | None) -> str:
-  if step is None:
-    return "no checkpoint has been committed yet"
-  return f"the last good checkpoint is {step}"
+  return "no checkpoint has been committed yet" if step is None else f"the last good checkpoint is {step}"
+
 
 def _problem(step_dir: Path, mode: str = "full") -> str | None:
   """None if the checkpoint verifies, else the one-line reason (a collective, as `verify`)."""
@@ -379,8 +374,7 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
   `problem(step_dir)` verifies (one-line reason or None)."""
   directory = Path(directory)
   steps = committed_steps(directory)
-  notes: list[str] = []
-  warnings: list[str] = []
+  notes, warnings = [], []
   if resume_from is None:
     damaged, chosen = [], None
     for s in reversed(steps):
@@ -406,15 +400,11 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
       return None, notes, warnings
     step_dir = directory / str(chosen)
   else:
-    if resume_from.isdigit():
-      step_dir = directory / str(int(resume_from))
-      if not (step_dir / MANIFEST).is_file():
-        raise UserError(f"--resume-from {resume_from}: no committed checkpoint at that step; "
-                        f"committed steps: {steps or 'none'}")
-    else:
-      step_dir = Path(resume_from)
-      if not (step_dir / MANIFEST).is_file():
-        raise UserError(f"--resume-from {resume_from}: not a committed checkpoint directory (no {MANIFEST})")
+    step_dir = directory / str(int(resume_from)) if resume_from.isdigit() else Path(resume_from)
+    if not (step_dir / MANIFEST).is_file():
+      raise UserError(f"--resume-from {resume_from}: " + (
+          f"no committed checkpoint at that step; committed steps: {steps or 'none'}" if resume_from.isdigit()
+          else f"not a committed checkpoint directory (no {MANIFEST})"))
     reason = problem(step_dir)
     if reason is not None:
       good = [s for s in steps if directory / str(s) != step_dir and problem(directory / str(s)) is None]
@@ -423,9 +413,9 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
                                else "none (pass --fresh to start over)"))
   chosen = read_manifest(step_dir)["step"]
   later = [s for s in committed_steps(directory) if s > chosen]
+  for s in later:
+    move_aside(directory / str(s), aside, "rollback")
   if later:
-    for s in later:
-      move_aside(directory / str(s), aside, "rollback")
     notes.append(f"rolling back to step {chosen}: later checkpoint(s) {', '.join(map(str, later))} moved to {aside} "
                  "(not deleted); their metrics records are kept in the metrics.<time>.jsonl copy")
   return step_dir, notes, warnings
@@ -445,23 +435,16 @@ def resume_point(directory: Path, resume_from: str | None, on_damaged: str, asid
   if me == 0:
     try:
       step_dir, notes, warnings = choose_resume_point(directory, resume_from, on_damaged, aside, problem)
-    except UserError as e:
-      _command(_USER_ERROR, str(e))
-      raise
-    except CheckpointError as e:
-      _command(_FAILED, str(e))
-      raise
-    except BaseException:
-      _command(_FAILED, "process 0 could not choose a checkpoint to resume from (see its message)")
+    except BaseException as e:
+      known = isinstance(e, (UserError, CheckpointError))
+      _command(_USER_ERROR if isinstance(e, UserError) else _FAILED,
+               str(e) if known else "process 0 could not choose a checkpoint to resume from (see its message)")
       raise
     for line in notes:
       print(line, flush=True)
     for line in warnings:
       print(f"jaxtrain: warning: {line}", file=sys.stderr, flush=True)
-    if step_dir is None:
-      _command(_NONE)
-    else:
-      _command(_CHOSEN, str(read_manifest(step_dir)["step"]))
+    _command(*((_NONE,) if step_dir is None else (_CHOSEN, str(read_manifest(step_dir)["step"]))))
     return step_dir
   while True:
     code, text = _command()

@@ -29,7 +29,7 @@ def record(step: int, fetched: dict, step_time: float, data_wait: float, progres
   return rec
 
 
-def JsonlSink(path: Path, resumed_at: int | None, carried: list | None = None) -> runfiles.JsonlWriter:  # noqa: N802
+def jsonl_sink(path: Path, resumed_at: int | None, carried: list | None = None) -> runfiles.JsonlWriter:
   """<workdir>/metrics.jsonl, prepared for a fresh or resumed run (`runfiles.prepare_metrics`)."""
   runfiles.prepare_metrics(path, resumed_at, carried)
   return runfiles.JsonlWriter(path)
