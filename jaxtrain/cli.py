@@ -1,10 +1,5 @@
-"""The one start-up path of every command (`train`, `inspect`, `bench`, `data`, ...).
-
-Order matters and is the same everywhere: parse the flags; read the config; put the XLA
-flags in place (XLA reads them once, when the backend starts); start the distributed
-runtime (it must precede any backend use) and provide simulated CPU devices; build the
-mesh. User mistakes end in one line and exit 2 (`main`), never a traceback.
-"""
+"""The one start-up path of every command: flags, config, XLA flags (read once, when the
+backend starts), distributed runtime (before any backend use), mesh; user mistakes exit 2."""
 
 from __future__ import annotations
 
@@ -50,8 +45,7 @@ class Started:
 
 
 def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: list[str] = (), cfg=None) -> Started:
-  """Config, XLA flags, distributed runtime, mesh: in that order (see the module doc).
-  `cfg`: a config the command already has (e.g. from a checkpoint's manifest)."""
+  """Config (or `cfg`, e.g. a checkpoint's), XLA flags, distributed runtime, mesh, in that order."""
   from jaxtrain.core import config
   from jaxtrain.parallel import distributed
   from jaxtrain.parallel import mesh as mesh_lib
@@ -81,9 +75,8 @@ def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: 
 
 
 def main(prog: str, body: Callable[[Callable[[str], None]], int | None], interrupted: str = "interrupted") -> int:
-  """Runs `body(set_prog)` with the one error epilogue: a UserError exits 2 and a RunAborted
-  exits 1, each with one line on stderr; Ctrl-C exits 130. `set_prog` renames the
-  command in error lines once the process index is known."""
+  """Runs `body(set_prog)`: UserError exits 2, RunAborted 1 (one line each), Ctrl-C 130;
+  `set_prog` renames the command in error lines once the process index is known."""
   name = [prog]
   try:
     return body(lambda p: name.__setitem__(0, p)) or 0

@@ -2,8 +2,6 @@
 
     python -m jaxtrain.train --mesh dp=8,tp=8 [--config tiny] [--set optim.lr=1e-3] [--steps N] [--workdir DIR]
 
-Writes one JSON record per optimizer step to <workdir>/metrics.jsonl and a progress line
-to the console. Metrics are fetched one step late so the host never stalls the device.
 Running the same command again resumes from the latest committed checkpoint.
 """
 

@@ -1,14 +1,5 @@
 """Typed configuration: dataclasses, TOML presets, `--set section.key=value` overrides.
-
-Every key is declared once below with its type, default, meaning, bounds, and whether it
-changes the math of the run (`math=True`: the model function, the optimizer and schedule,
-the data order or content) or only how it runs (`math=False`: logging, cadences, the
-microbatch split, kernels, remat, flags). Checkpoints fingerprint exactly the math keys,
-so a resume with another value of a math key is a different run, and any other key may
-change freely. Unknown keys, ill-typed and non-finite values are user errors that name
-the key and what is allowed. Keys renamed when `[train]` was split keep working
-(`RENAMED`), with a one-line note.
-"""
+Each key declares type, default, doc, bounds and `math` (part of the checkpoint fingerprint)."""
 
 from __future__ import annotations
 
@@ -30,10 +21,8 @@ SECTION_CATEGORY = {"model": "model", "optim": "train", "train": "train", "loss_
 
 def key(default: Any, doc: str, *, math: bool, min: float | None = None, max: float | None = None,  # noqa: A002
         open_min: bool = False, open_max: bool = False, content: bool = False, category: str | None = None):
-  """A config field. `math`: does a different value make a different run (see the module
-  doc)? `min`/`max`: bounds, excluded themselves with `open_min`/`open_max`. `content`: the
-  value names files whose content, not the text, is fingerprinted. `category`: fingerprint
-  category when not the section's."""
+  """A config field. `math`: another value is another run; `open_*`: the bound is excluded;
+  `content`: the files it names are fingerprinted; `category`: when not the section's."""
   return dataclasses.field(default=default, metadata={
       "doc": doc, "math": math, "min": min, "max": max, "open_min": open_min, "open_max": open_max,
       "content": content, "category": category})
@@ -75,12 +64,11 @@ class ModelConfig:
   moe_z_weight: float = key(0.001, "Weight of the router z-loss added to the training loss.", math=True, min=0.0)
   moe_group_size: int = key(
       0, "Capacity group: this many tokens of consecutive positions (0 = one sequence, train.seq_len); the same "
-      "tokens drop on every mesh. Must fit the tokens each device holds (see README, Mixture of experts).",
+      "tokens drop on every mesh. Must fit the tokens each device holds (see docs/moe.md).",
       math=True, min=0)
   moe_dropless: bool = key(
       False, "Dropless experts: tokens sorted by expert, grouped matmuls, no capacity (moe_capacity_factor and "
       "moe_group_size are then unused).", math=True)
-  # Not the math: both kernels compute the same products (equal within float32 rounding, tested).
   moe_grouped_matmul: Literal["auto", "ragged_dot", "blocks"] = key(
       "auto", "Dropless kernel: ragged_dot (jax.lax.ragged_dot); blocks (batched matmuls over blocks of rows of one "
       "expert); auto = ragged_dot on GPU/TPU, blocks on CPU (whose ragged_dot multiplies by every expert).",
@@ -102,7 +90,7 @@ class ModelConfig:
       math=True)
   attention_logits_dtype: Literal["float32", "bfloat16"] = key(
       "float32", "Dtype of the reference attention's L x L scores and softmax (bfloat16 halves their memory and "
-      "traffic; see README for its accuracy). cuDNN and ring attention keep their own float32 statistics.",
+      "traffic; see docs/gpu-compile.md for its accuracy). cuDNN and ring attention keep their own float32 statistics.",
       math=True)
   attention: Literal["auto", "xla", "cudnn"] = key(
       "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if "
@@ -111,7 +99,7 @@ class ModelConfig:
       0, "cuDNN on Hopper+: most documents (segments) one row may hold, passed as O(L) offsets (no L x L mask); "
       "costs 4*M*heads*seq_len bytes of softmax statistics per row and layer; a row with more is an error. "
       "0 = pass segments as an L x L mask.", math=False, min=0)
-  # Not the math, but the checkpoint's layout (stacked vs per-layer params): resuming across it cannot work.
+  # math: not the math, but the checkpoint's layout
   scan_layers: bool = key(
       False, "Stack the blocks' params on a leading `layers` axis and run them with one jax.lax.scan (faster "
       "compiles).", math=True)
@@ -295,35 +283,33 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(where: str, tp: Any, value: Any, *, from_text: bool) -> Any:
   """Checks (and for CLI text, parses) `value` against the field type `tp`."""
+  text = from_text and isinstance(value, str)
   if get_origin(tp) is Literal:
-    choices = get_args(tp)
-    if value not in choices:
-      raise UserError(f"{where}={value!r} is not allowed; choose one of: {', '.join(choices)}")
+    if value not in get_args(tp):
+      raise UserError(f"{where}={value!r} is not allowed; choose one of: {', '.join(get_args(tp))}")
     return value
   if tp is bool:
-    if from_text and isinstance(value, str) and value.lower() in ("true", "false"):
+    if text and value.lower() in ("true", "false"):
       return value.lower() == "true"
-    if isinstance(value, bool):
-      return value
-    raise UserError(f"{where}={value!r} is not a bool; use true or false")
+    if not isinstance(value, bool):
+      raise UserError(f"{where}={value!r} is not a bool; use true or false")
+    return value
   if tp is int:
-    if from_text and isinstance(value, str):
-      text = value.replace("_", "")
-      if not (text.isascii() and text.lstrip("+-").isdigit()):  # int() would take full-width digits
+    if text:
+      digits = value.replace("_", "")
+      if not (digits.isascii() and digits.lstrip("+-").isdigit()):  # int() would take full-width digits
         raise UserError(f"{where}={value!r} is not an integer")
-      value = int(text)
+      value = int(digits)
     if isinstance(value, bool) or not isinstance(value, int):
       raise UserError(f"{where}={value!r} is not an integer")
     return value
   if tp is float:
-    if from_text and isinstance(value, str):
+    if text and value.isascii():
       try:
-        value = float(value) if value.isascii() else value
+        value = float(value)
       except ValueError:
         pass
-      if isinstance(value, str):
-        raise UserError(f"{where}={value!r} is not a number")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, (bool, str)) or not isinstance(value, (int, float)):
       raise UserError(f"{where}={value!r} is not a number")
     if not _math.isfinite(value):
       raise UserError(f"{where}={value} is not a finite number")

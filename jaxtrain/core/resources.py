@@ -1,10 +1,4 @@
-"""Where the shipped presets live: the top-level `configs/` and `meshes/` folders.
-
-In a source checkout (editable install, or the repo on PYTHONPATH) they are read where
-they are, so an edit shows at once. In a wheel they are package data (`jaxtrain.configs`,
-`jaxtrain.meshes`, mapped onto those folders by pyproject.toml) and are found with
-importlib.resources.
-"""
+"""Where the shipped presets live: `configs/` and `meshes/` of a source checkout, else package data."""
 
 from __future__ import annotations
 
@@ -15,7 +9,6 @@ _SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def folder(kind: str):
-  """The folder (a Path or an importlib Traversable) holding the `kind` presets."""
   here = _SOURCE_ROOT / kind
   if (_SOURCE_ROOT / "pyproject.toml").is_file() and here.is_dir():
     return here
@@ -33,7 +26,7 @@ def names(kind: str) -> list[str]:
 
 
 def find(kind: str, name: str) -> Path | None:
-  """The preset file `name`.toml of `kind`, as a real path (copied out of a zip if need be)."""
+  """The preset file `name`.toml of `kind`, as a real path."""
   base = folder(kind)
   entry = base / f"{name}.toml"
   if not entry.is_file():

@@ -1,28 +1,10 @@
-"""Atomic, async, sharded checkpoints with a manifest; exact resume.
-
-Layout: <workdir>/checkpoints/<step>/ is an orbax step directory (the train state, each
-process writing its own shards) plus our manifest.json. A checkpoint is a recovery
-point only when orbax has committed it (its temporary directory renamed) AND the
-manifest is written. The manifest is written after the commit, from the files on disk
-(size and sha256 of each), so restore can verify every byte. A step directory without a
-manifest is a save that never finished: it is ignored and removed.
-
-Hashing is shared out over the processes (filecheck.py): at save each hashes its share of
-the files and process 0 writes the manifest from all the digests; at resume each checks
-its share and all agree on the verdict. `checkpoint.verify` = full | sizes | off.
-
-The manifest also holds what is not an array: the step, both token clocks, the skip
-counters, the data iterator state, the mesh, config/tokenizer/data fingerprints and
-library versions. Rotation runs only after a new manifest is written, so the last good
-checkpoint is never deleted before its successor is committed and verified.
-"""
+"""Atomic, async, sharded checkpoints with a manifest; exact resume. A step directory is a
+recovery point once orbax committed it AND our manifest.json (sizes, sha256) is written."""
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import os
 import re
 import shutil
 import threading
@@ -34,7 +16,6 @@ from jaxtrain.core import config
 from jaxtrain.run import filecheck
 from jaxtrain.core import files
 from jaxtrain.core.errors import RunAborted, UserError
-from jaxtrain.core.files import write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -47,9 +28,8 @@ class CheckpointError(RunAborted):
 
 
 def fingerprint(cfg, tokenizer_digest: str, data_digest: str) -> dict[str, Any]:
-  """What must match for a resume to be the same run: {category: {"section.key": value}}
-  over exactly the keys declared `math=True` (config.py). A key naming files (`content`)
-  is recorded as its text and the digest of what it names; the digest is what counts."""
+  """{category: {"section.key": value}} over the `math=True` keys; a `content` key is
+  {"spec": text, "digest": digest of what it names}, and the digest is what counts."""
   digests = {"data.tokenizer": tokenizer_digest, "data.source": data_digest}
   values = _flat(cfg.to_dict())
   out: dict[str, dict] = {c: {} for c in config.MISMATCH_CATEGORIES}
@@ -66,8 +46,7 @@ def _flat(sections: dict) -> dict[str, Any]:
 
 
 def _migrate(cat: str, saved) -> dict[str, Any]:
-  """A fingerprint category as written before keys declared their role (bare names, and
-  a bare digest for tokenizer/data) -> the current form."""
+  """A category as written before keys declared their role (bare names, bare digests)."""
   if isinstance(saved, str):
     return {{"tokenizer": "data.tokenizer", "data": "data.source"}[cat]: {"spec": None, "digest": saved}}
   out = {}
@@ -85,8 +64,8 @@ def _content(v) -> str:
 
 
 def mismatches(saved: dict, current: dict) -> dict[str, str]:
-  """{category: 'what changed'} for every fingerprint category that differs. A key the
-  checkpoint predates is compared with its default (what that run used)."""
+  """{category: 'what changed'} per differing category; a key the checkpoint predates is
+  compared with its default (what that run used)."""
   defaults = _flat(config.Config().to_dict())
   out = {}
   for cat in config.MISMATCH_CATEGORIES:
@@ -137,9 +116,8 @@ def read_manifest(step_dir: Path) -> dict:
 
 
 def verify(step_dir: Path, manifest: dict, mode: str = "full") -> None:
-  """Every file the manifest lists exists with the recorded size and (`full`) digest;
-  `sizes`: no digest; `off`: nothing beyond the manifest. With several processes each
-  checks its share and all raise the same error: every process must call it."""
+  """Every listed file has its recorded size and (`full`) digest; `off`: manifest only.
+  A collective with several processes (each checks its share)."""
   problem = _files_problem(step_dir, manifest, mode)
   if problem is not None:
     raise CheckpointError(problem)
@@ -160,7 +138,6 @@ def _files_problem(step_dir: Path, manifest: dict | None, mode: str, before: str
       size = p.stat().st_size
       if size != rec["size"]:
         return f"{damaged} has {size} bytes, the manifest recorded {rec['size']}"
-      # A manifest saved with checkpoint.verify=sizes|off has no digests: its sizes are all there is.
       if mode == "full" and rec.get("sha256") is not None and files.sha256_file(p) != rec["sha256"]:
         return f"{damaged} does not match its recorded sha256"
     except OSError as e:
@@ -171,17 +148,15 @@ def _files_problem(step_dir: Path, manifest: dict | None, mode: str, before: str
 
 
 def _write_each_shard_once() -> None:
-  """Orbax's default "replica-parallel" save splits every replicated shard among its
-  replicas with eager per-shard slices, each compiled on first use: on tiny at dp=8,tp=8
-  the first save blocked 22.2 s (0.21 s without it). Each shard is written once, by its
-  first replica, instead."""
+  """Each shard written once, by its first replica: orbax's replica-parallel save compiled an
+  eager slice per shard (first save 22.2 s instead of 0.21 s on tiny at dp=8,tp=8)."""
   import jax
   import orbax.checkpoint as ocp
   global _HANDLER_SET
   if _HANDLER_SET:
     return
-  # Overriding is the point here; orbax's warning about it is noise our own call causes.
-  quiet = _DropMessages("Type handler registry type")
+  def quiet(record):  # orbax warns about the override we ask for
+    return not str(record.msg).startswith("Type handler registry type")
   logging.getLogger("absl").addFilter(quiet)
   try:
     ocp.type_handlers.register_type_handler(
@@ -192,15 +167,6 @@ def _write_each_shard_once() -> None:
 
 
 _HANDLER_SET = False
-
-
-class _DropMessages(logging.Filter):
-  def __init__(self, prefix: str):
-    super().__init__()
-    self.prefix = prefix
-
-  def filter(self, record):
-    return not str(record.msg).startswith(self.prefix)
 
 
 class Checkpoints:
@@ -230,8 +196,6 @@ class Checkpoints:
         print(f"checkpoint: removing unfinished save {p.name} (no manifest: it never committed)")
         shutil.rmtree(p, ignore_errors=True)
 
-  # -- saving ----------------------------------------------------------------------------
-
   def save(self, step: int, state, manifest_body: dict) -> None:
     """Starts an async save of `state` at `step`; at most one save is in flight."""
     import orbax.checkpoint as ocp
@@ -259,9 +223,7 @@ class Checkpoints:
       except Exception as e:  # noqa: BLE001
         step, _, key = self._pending
         self._pending = None
-        self._abandon(key, e)
-        raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
-                              f"{_last_good(self.last_committed)}") from e
+        raise self._failed(key, step, e) from e
       self._start_finalizer()
     if self._finalizer is not None:
       self._finalizer.join()
@@ -274,11 +236,14 @@ class Checkpoints:
     try:
       self.mgr.check_for_errors()
     except Exception as e:  # noqa: BLE001
-      self._abandon(key, e)
-      raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
-                            f"{_last_good(self.last_committed)}") from e
+      raise self._failed(key, step, e) from e
     self._finalizer = threading.Thread(target=self._finalize, args=(step, body, key), daemon=True)
     self._finalizer.start()
+
+  def _failed(self, key: str, step: int, e: BaseException) -> CheckpointError:
+    self._abandon(key, e)
+    return CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
+                           f"{_last_good(self.last_committed)}")
 
   def _abandon(self, key: str, e: BaseException) -> None:
     """This save has failed here: on process 0, release the processes waiting for their share."""
@@ -292,7 +257,7 @@ class Checkpoints:
       if self.is_writer:
         manifest = {"format": FORMAT, "step": step, "written_at": time.time(), "versions": _versions(),
                     **body, "files": recorded}
-        write_json_atomic(step_dir / MANIFEST, manifest)
+        files.write_json_atomic(step_dir / MANIFEST, manifest)
         self._rotate()
       self.last_committed = step
     except BaseException as e:  # noqa: BLE001 (surfaced to the main thread by _raise_if_failed)
@@ -314,25 +279,20 @@ class Checkpoints:
       raise
     if listing is None and not shared:
       return None
-    if self.verify != "full":
-      return {name: {"size": size} for name, size in listing.items()}
-    digests = filecheck.hash_to_first(step_dir, key, listing)
-    if digests is None or not self.is_writer:
+    digests = filecheck.hash_to_first(step_dir, key, listing) if self.verify == "full" else {}
+    if digests is None or (self.verify == "full" and not self.is_writer):
       return None
-    return {name: {"size": size, "sha256": digests[name]} for name, size in listing.items()}
+    return {name: {"size": size, **({"sha256": digests[name]} if digests else {})} for name, size in listing.items()}
 
   def _raise_if_failed(self) -> None:
-    if self._error is not None:
-      err, self._error = self._error, None
+    err, self._error = self._error, None
+    if err is not None:
       raise err
 
   def _rotate(self) -> None:
     steps = committed_steps(self.dir)
-    keep = set(steps[-self.keep:])
-    if self.keep_every:
-      keep |= {s for s in steps if s % self.keep_every == 0}
-    for s in steps:
-      if s not in keep:
+    for s in steps[:-self.keep]:
+      if not (self.keep_every and s % self.keep_every == 0):
         shutil.rmtree(self.dir / str(s), ignore_errors=True)
 
   def close(self) -> None:
@@ -340,8 +300,6 @@ class Checkpoints:
       self.wait()
     finally:
       self.mgr.close()
-
-  # -- restoring -------------------------------------------------------------------------
 
   def restore(self, step_dir: Path, abstract_state, verified: bool = False):
     """Verified restore onto the shardings carried by `abstract_state` (any mesh);
@@ -369,30 +327,24 @@ class Checkpoints:
 
 
 def _reason(e: BaseException) -> str:
-  """The innermost cause of an exception, in one line."""
+  """The innermost cause of an exception in one line; its OS error when there is one."""
   while e.__cause__ is not None or e.__context__ is not None:
     e = e.__cause__ or e.__context__
   text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-  # Storage errors arrive wrapped in long tensorstore texts; the OS error is what to act on.
   code = getattr(e, "errno", None) or next((int(m) for m in re.findall(r"os_error_code='?(\d+)", text)), None)
   if code:
-    return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+    return files.errno_text(code)
   if len(text) > 300:
     text = text[:300] + "..."
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _last_good(step: int | None) -> str:
-  if step is None:
-    return "no checkpoint has been committed yet"
-  return f"the last good checkpoint is {step}"
+  return "no checkpoint has been committed yet" if step is None else f"the last good checkpoint is {step}"
 
-
-# -- choosing where to resume (rollback, damaged checkpoints) -------------------------------
 
 def _problem(step_dir: Path, mode: str = "full") -> str | None:
-  """None if the checkpoint verifies, else the one-line reason it does not. With several
-  processes, a collective: each checks its share and all return the same verdict."""
+  """None if the checkpoint verifies, else the one-line reason (a collective, as `verify`)."""
   manifest, before = None, None
   try:
     manifest = read_manifest(step_dir)
@@ -406,11 +358,9 @@ def _problem(step_dir: Path, mode: str = "full") -> str | None:
 
 
 def move_aside(step_dir: Path, aside: Path, reason: str) -> Path:
-  """Renames a step directory to <aside>/<step>.<reason>.<time>: never deleted, out of
-  orbax's sight, so a later save of the same step cannot collide with it."""
+  """Renames a step directory to <aside>/<step>.<reason>.<time>: kept, out of orbax's sight."""
   aside.mkdir(parents=True, exist_ok=True)
-  dest = aside / f"{step_dir.name}.{reason}.{time.strftime('%Y%m%dT%H%M%S')}"
-  n = 1
+  dest, n = aside / f"{step_dir.name}.{reason}.{time.strftime('%Y%m%dT%H%M%S')}", 1
   while dest.exists():
     dest, n = dest.with_name(f"{step_dir.name}.{reason}.{time.strftime('%Y%m%dT%H%M%S')}.{n}"), n + 1
   step_dir.rename(dest)
@@ -419,19 +369,12 @@ def move_aside(step_dir: Path, aside: Path, reason: str) -> Path:
 
 def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: str, aside: Path,
                         problem=_problem) -> tuple[Path | None, list[str], list[str]]:
-  """(step dir to resume from or None, notes, warnings), each note/warning one line.
-
-  Latest (no --resume-from): the newest checkpoint that verifies. Newer ones that do not
-  are moved aside with a warning (`on_damaged="fallback"`), or the run stops naming the
-  good steps and the --resume-from to use ("stop"). If none verifies, the run stops and
-  nothing is moved. An explicit step or path must verify. Either way, every committed
-  step after the chosen one is moved aside (a rollback), so the resumed run saves its
-  own steps without colliding and the old ones stay on disk. `problem(step_dir)` is the
-  verification (one-line reason or None)."""
+  """(step dir to resume from or None, notes, warnings): the newest (or the named) checkpoint
+  that verifies; damaged newer ones per `on_damaged`, and later steps moved aside (rollback).
+  `problem(step_dir)` verifies (one-line reason or None)."""
   directory = Path(directory)
   steps = committed_steps(directory)
-  notes: list[str] = []
-  warnings: list[str] = []
+  notes, warnings = [], []
   if resume_from is None:
     damaged, chosen = [], None
     for s in reversed(steps):
@@ -457,15 +400,11 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
       return None, notes, warnings
     step_dir = directory / str(chosen)
   else:
-    if resume_from.isdigit():
-      step_dir = directory / str(int(resume_from))
-      if not (step_dir / MANIFEST).is_file():
-        raise UserError(f"--resume-from {resume_from}: no committed checkpoint at that step; "
-                        f"committed steps: {steps or 'none'}")
-    else:
-      step_dir = Path(resume_from)
-      if not (step_dir / MANIFEST).is_file():
-        raise UserError(f"--resume-from {resume_from}: not a committed checkpoint directory (no {MANIFEST})")
+    step_dir = directory / str(int(resume_from)) if resume_from.isdigit() else Path(resume_from)
+    if not (step_dir / MANIFEST).is_file():
+      raise UserError(f"--resume-from {resume_from}: " + (
+          f"no committed checkpoint at that step; committed steps: {steps or 'none'}" if resume_from.isdigit()
+          else f"not a committed checkpoint directory (no {MANIFEST})"))
     reason = problem(step_dir)
     if reason is not None:
       good = [s for s in steps if directory / str(s) != step_dir and problem(directory / str(s)) is None]
@@ -474,9 +413,9 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
                                else "none (pass --fresh to start over)"))
   chosen = read_manifest(step_dir)["step"]
   later = [s for s in committed_steps(directory) if s > chosen]
+  for s in later:
+    move_aside(directory / str(s), aside, "rollback")
   if later:
-    for s in later:
-      move_aside(directory / str(s), aside, "rollback")
     notes.append(f"rolling back to step {chosen}: later checkpoint(s) {', '.join(map(str, later))} moved to {aside} "
                  "(not deleted); their metrics records are kept in the metrics.<time>.jsonl copy")
   return step_dir, notes, warnings
@@ -484,10 +423,8 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
 
 def resume_point(directory: Path, resume_from: str | None, on_damaged: str, aside: Path,
                  mode: str = "full") -> Path | None:
-  """`choose_resume_point` on process 0 (the only one that moves files and prints), its
-  choice shared with every other process. Each verification it makes is joint: process 0
-  names the step directory, every process checks its share of the files, all agree. A
-  failure stops every process with process 0's message (a damaged file named on each)."""
+  """`choose_resume_point` on process 0 (which alone moves files and prints), its choice and
+  each joint verification broadcast to the others; a failure stops all with its message."""
   import sys
   me = filecheck.processes()[1]
 
@@ -498,23 +435,16 @@ def resume_point(directory: Path, resume_from: str | None, on_damaged: str, asid
   if me == 0:
     try:
       step_dir, notes, warnings = choose_resume_point(directory, resume_from, on_damaged, aside, problem)
-    except UserError as e:
-      _command(_USER_ERROR, str(e))
-      raise
-    except CheckpointError as e:
-      _command(_FAILED, str(e))
-      raise
-    except BaseException:
-      _command(_FAILED, "process 0 could not choose a checkpoint to resume from (see its message)")
+    except BaseException as e:
+      known = isinstance(e, (UserError, CheckpointError))
+      _command(_USER_ERROR if isinstance(e, UserError) else _FAILED,
+               str(e) if known else "process 0 could not choose a checkpoint to resume from (see its message)")
       raise
     for line in notes:
       print(line, flush=True)
     for line in warnings:
       print(f"jaxtrain: warning: {line}", file=sys.stderr, flush=True)
-    if step_dir is None:
-      _command(_NONE)
-    else:
-      _command(_CHOSEN, str(read_manifest(step_dir)["step"]))
+    _command(*((_NONE,) if step_dir is None else (_CHOSEN, str(read_manifest(step_dir)["step"]))))
     return step_dir
   while True:
     code, text = _command()
@@ -540,8 +470,6 @@ def _command(code: int = 0, text: str = "") -> tuple[int, str]:
     return code, text
   import numpy as np
   from jax.experimental import multihost_utils
-  raw = text.encode()[:_COMMAND_BYTES]
-  buf = np.zeros((_COMMAND_BYTES,), np.uint8)
-  buf[:len(raw)] = np.frombuffer(raw, np.uint8)
-  got = multihost_utils.broadcast_one_to_all({"code": np.array([code], np.int32), "text": buf})
-  return int(np.asarray(got["code"])[0]), bytes(np.asarray(got["text"])).rstrip(b"\0").decode(errors="replace")
+  got = multihost_utils.broadcast_one_to_all({"code": np.array([code], np.int32),
+                                              "text": filecheck.pack(text, _COMMAND_BYTES)})
+  return int(np.asarray(got["code"])[0]), filecheck.unpack(got["text"])

@@ -1,14 +1,5 @@
-"""Fault-injection hooks for the failure rehearsals (tests), off unless asked for.
-
-JAXTRAIN_FAULTS="hold_manifest=STEP:SECONDS" makes the save of STEP wait SECONDS after
-orbax's commit and before the manifest is written, so a test can kill the process
-while that save is still in flight.
-JAXTRAIN_FAULTS="enospc_at=STEP" makes the save of STEP fail as a full disk would (for
-machines where a test cannot mount a small tmpfs).
-JAXTRAIN_FAULTS="metrics_enospc_at=STEP" makes the metrics.jsonl write of STEP (and every
-later one) fail as a full disk would.
-`hold_manifest=STEP:PATH` (a path instead of seconds) holds until PATH exists (at most 10 min).
-"""
+"""Fault injection for the failure rehearsals (tests), off unless JAXTRAIN_FAULTS names one:
+hold_manifest=STEP:SECONDS|PATH, enospc_at=STEP, metrics_enospc_at=STEP."""
 
 import errno
 import os
@@ -16,11 +7,8 @@ import time
 
 
 def _spec(name: str) -> str | None:
-  for item in os.environ.get("JAXTRAIN_FAULTS", "").split(","):
-    key, _, value = item.partition("=")
-    if key.strip() == name:
-      return value
-  return None
+  return next((v for k, _, v in (i.partition("=") for i in os.environ.get("JAXTRAIN_FAULTS", "").split(","))
+               if k.strip() == name), None)
 
 
 def before_manifest(step: int) -> None:

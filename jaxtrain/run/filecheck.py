@@ -1,19 +1,5 @@
-"""Checking and hashing a list of files with the work shared out over the processes.
-
-On one process every file is checked in order, as before. On several, each process takes
-a disjoint share of the files (`owners`: the same on every process, balanced by bytes), so
-what one process reads is about (total bytes / processes), not the total; the shared
-filesystem every process already writes its checkpoint shards to is assumed.
-
-- `first_problem` (a collective, main thread): each process checks its share and the
-  processes agree on the verdict: the problem of the first faulty file in list order, the
-  same text on every process, so each one stops or falls back the same way.
-- `hash_to_first`: each process hashes its share of a listing that process 0 made, and
-  process 0 receives every digest. It runs in the checkpoint's background thread beside
-  training steps, so it goes through the coordination service's key-value store (as
-  orbax's own background commits do), never a device collective that could interleave
-  with a step's collectives in a different order on different processes.
-"""
+"""Checking and hashing a list of files with the work shared out over the processes, each
+taking a disjoint share balanced by bytes (`owners`); one process checks all in order."""
 
 from __future__ import annotations
 
@@ -26,9 +12,7 @@ from jaxtrain.core import files
 
 TEXT_BYTES = 2048  # a problem's one-line text, as exchanged between processes
 NO_PROBLEM = 2**31 - 1  # int32: JAX gathers without 64-bit types
-# Bounds only an exchange that has stalled: a process that dies ends the run through the
-# runtime's heartbeats well before this; a slow peer is one hashing its own share.
-EXCHANGE_TIMEOUT_S = 4 * 3600
+EXCHANGE_TIMEOUT_S = 4 * 3600  # bounds only a stalled exchange; a dead process ends the run by heartbeats
 
 
 def processes() -> tuple[int, int]:
@@ -40,9 +24,8 @@ def processes() -> tuple[int, int]:
 
 
 def owners(sizes: Sequence[int], n: int) -> list[int]:
-  """The process that handles each file: largest first, each to the process with the fewest
-  bytes so far (lowest index on a tie). Deterministic, so every process computes the same;
-  no process gets more than (total / n + the largest file) bytes."""
+  """The process of each file: largest first, each to the least loaded process (lowest on a
+  tie); deterministic, and no process gets more than total / n + the largest file."""
   heap = [(0, p) for p in range(n)]
   out = [0] * len(sizes)
   for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
@@ -53,37 +36,38 @@ def owners(sizes: Sequence[int], n: int) -> list[int]:
 
 
 def first_problem(sizes: Sequence[int], check: Callable[[int], str | None], before: str | None = None) -> str | None:
-  """The text `check(i)` returns for the first file i (in list order) that has a problem, or
-  None. `sizes[i]` is file i's expected size (it balances the shares). An OSError while
-  checking is that file's problem. `before`: a problem this process found before the files
-  (e.g. an unreadable manifest); it comes first. With several processes this is a
-  collective: every process calls it, with the same list, in the same order."""
+  """The text `check(i)` returns for the first file i (list order) with a problem, or None;
+  `sizes[i]` balances the shares; an OSError is that file's problem; `before` (a problem
+  found before the files) comes first. With several processes, a collective."""
   n, me = processes()
-  if n == 1:
-    if before is not None:
-      return before
-    for i in range(len(sizes)):
-      problem = _checked(check, i)
-      if problem is not None:
-        return problem
-    return None
+  own = owners(sizes, n) if n > 1 else [0] * len(sizes)
   local = (-1, before) if before is not None else None
-  if local is None:
-    own = owners(sizes, n)
-    for i in range(len(sizes)):
-      if own[i] == me:
-        problem = _checked(check, i)
-        if problem is not None:
-          local = (i, problem)
-          break
+  for i in range(len(sizes)):
+    if local is not None:
+      break
+    if own[i] == me:
+      try:
+        problem = check(i)
+      except OSError as e:
+        problem = str(e)
+      if problem is not None:
+        local = (i, problem)
+  if n == 1:
+    return None if local is None else local[1]
   return agree(local)
 
 
-def _checked(check: Callable[[int], str | None], i: int) -> str | None:
-  try:
-    return check(i)
-  except OSError as e:  # unreadable is a problem of that file, not a crash of one process
-    return str(e)
+def pack(text: str, size: int):
+  import numpy as np
+  raw = text.encode()[:size]
+  buf = np.zeros((size,), np.uint8)
+  buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+  return buf
+
+
+def unpack(buf) -> str:
+  import numpy as np
+  return bytes(np.asarray(buf)).rstrip(b"\0").decode(errors="replace")
 
 
 def agree(local: tuple[int, str] | None) -> str | None:
@@ -91,21 +75,12 @@ def agree(local: tuple[int, str] | None) -> str | None:
   index (lowest process on a tie), the same on every process."""
   import numpy as np
   from jax.experimental import multihost_utils
-  index = np.full((1,), NO_PROBLEM, np.int32)
-  text = np.zeros((TEXT_BYTES,), np.uint8)
-  if local is not None:
-    index[0] = local[0]
-    raw = local[1].encode()[:TEXT_BYTES]
-    text[:len(raw)] = np.frombuffer(raw, np.uint8)
-  got = multihost_utils.process_allgather({"index": index, "text": text})
+  index = np.array([NO_PROBLEM if local is None else local[0]], np.int32)
+  got = multihost_utils.process_allgather({"index": index, "text": pack(local[1] if local else "", TEXT_BYTES)})
   indices = np.asarray(got["index"]).reshape(-1)
   first = int(np.argmin(indices))
-  if indices[first] == NO_PROBLEM:
-    return None
-  return bytes(np.asarray(got["text"])[first]).rstrip(b"\0").decode(errors="replace")
+  return None if indices[first] == NO_PROBLEM else unpack(np.asarray(got["text"])[first])
 
-
-# -- hashing a listing at save, digests to process 0 ---------------------------------------
 
 def _client():
   from jax._src import distributed  # the coordination service's client: no public API exposes it
@@ -113,17 +88,22 @@ def _client():
 
 
 def hash_to_first(directory: Path, key: str, listing: dict[str, int] | None = None) -> dict[str, str] | None:
-  """Every process calls this for the same save, `key` naming it uniquely in this job.
-  Process 0 passes `listing` {name: size} (names relative to `directory`) and gets
-  {name: sha256} of every file; the others hash the share process 0 sends them and get
-  None. A process that cannot read a file of its share reports it; process 0 raises it."""
+  """Every process calls this for the same save (`key` unique in the job), in a background
+  thread: through the key-value store, never a device collective. Process 0 passes
+  `listing` {name: size} and gets {name: sha256}; the others hash the share it sends them
+  and get None. A process that cannot read its share reports it; process 0 raises it."""
   n, me = processes()
   if n == 1:
     return {name: files.sha256_file(directory / name) for name in sorted(listing)}
   client, timeout_ms = _client(), EXCHANGE_TIMEOUT_S * 1000
+
+  def take(k: str):
+    value = json.loads(client.blocking_key_value_get(k, timeout_ms))
+    client.key_value_delete(k)
+    return value
+
   if me != 0:
-    share = json.loads(client.blocking_key_value_get(f"{key}/share/{me}", timeout_ms))
-    client.key_value_delete(f"{key}/share/{me}")
+    share = take(f"{key}/share/{me}")
     if isinstance(share, dict):  # process 0 failed before sharing; it reports why
       return None
     try:
@@ -139,8 +119,7 @@ def hash_to_first(directory: Path, key: str, listing: dict[str, int] | None = No
   digests = {nm: files.sha256_file(directory / nm) for nm, o in zip(names, own) if o == 0}
   errors = []
   for p in range(1, n):
-    reply = json.loads(client.blocking_key_value_get(f"{key}/digests/{p}", timeout_ms))
-    client.key_value_delete(f"{key}/digests/{p}")
+    reply = take(f"{key}/digests/{p}")
     if "error" in reply:
       errors.append(f"process {p}: {reply['error']}")
     else:
@@ -155,6 +134,5 @@ def hash_to_first(directory: Path, key: str, listing: dict[str, int] | None = No
 def cancel(key: str, reason: str) -> None:
   """Process 0 could not list the files: the others stop waiting for their share."""
   n, _ = processes()
-  client = _client() if n > 1 else None
   for p in range(1, n):
-    client.key_value_set(f"{key}/share/{p}", json.dumps({"error": reason}))
+    _client().key_value_set(f"{key}/share/{p}", json.dumps({"error": reason}))

@@ -1,5 +1,4 @@
-"""The training loop: set-up, resume, steps with metrics one step late, checkpoints, eval,
-preemption. `jaxtrain.train` parses the command line and calls `run`."""
+"""The training loop: set-up, resume, steps with metrics one step late, checkpoints, eval, preemption."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ from jaxtrain.run import step as step_lib
 
 @dataclasses.dataclass
 class Summary:
-  """What one invocation did: steps run (and skipped), its last loss, wall time."""
   steps: int = 0
   skipped: int = 0
   final_loss: float | None = None
@@ -32,16 +30,13 @@ class Summary:
 
 
 class Evaluator:
-  """params -> {eval_loss, eval_ppl} over the fixed held-out batches (token-normalized over
-  all of them), as device scalars read with the step's metrics; due every
-  train.eval_interval steps."""
+  """params -> {eval_loss, eval_ppl} (device scalars) over the fixed held-out batches."""
 
   def __init__(self, cfg, setup):
     self.cadence = progress_lib.Every(cfg.train.eval_interval)
     if not self.cadence.n:
       return
     held = [setup.device_batch(b) for b in data.eval_batches(cfg, *setup.placement.rows())]
-    # Compiled now, so the first evaluation does not stall a training step with a compile.
     self.compiled = setup.eval_step.lower(jax.eval_shape(setup.init)["params"], held[0]).compile()
     self.held = held
 
@@ -55,10 +50,8 @@ class Evaluator:
 
 
 class Preemption:
-  """SIGTERM: the loop checkpoints at the current step and exits 0.
-
-  One process: our own SIGTERM flag. Several: JAX's coordination service catches the
-  signal and all processes agree on the step to stop at (else they would deadlock)."""
+  """SIGTERM: checkpoint at the current step and exit 0. With several processes JAX's
+  coordination service catches it and all agree on the step (else they would deadlock)."""
 
   def __init__(self, multi_process: bool):
     self.multi, self.requested, self._old = multi_process, False, None
@@ -91,11 +84,10 @@ def allowed_mismatches(text: str) -> set[str]:
 
 
 def _sinks(cfg, workdir: Path, stop_at: int, resumed_at: int | None, carried: list | None):
-  """metrics.jsonl, console and TensorBoard on process 0; nothing elsewhere. `carried`:
-  records the last run could not write (a full disk), restored from its checkpoint."""
+  """metrics.jsonl (plus `carried` records), console and TensorBoard on process 0 only."""
   if jax.process_index() != 0:
     return metrics.Sinks([])
-  sinks = [metrics.JsonlSink(workdir / "metrics.jsonl", resumed_at, carried),
+  sinks = [metrics.jsonl_sink(workdir / "metrics.jsonl", resumed_at, carried),
            metrics.ConsoleSink(stop_at, cfg.run.log_every)]
   if cfg.run.tensorboard:
     sinks.append(metrics.TensorBoardSink(workdir / "tb"))
@@ -103,7 +95,6 @@ def _sinks(cfg, workdir: Path, stop_at: int, resumed_at: int | None, carried: li
 
 
 def _announce(setup, config_name: str, mesh_text: str, workdir: Path) -> None:
-  """What runs, said once: model, mesh, devices, the execution plan, replicated dimensions."""
   mesh = setup.mesh
   dev = mesh.devices.flat[0]
   print(f"jaxtrain: {config_name} ({setup.n_params:,} params), mesh {mesh_text} "
@@ -117,9 +108,8 @@ def _announce(setup, config_name: str, mesh_text: str, workdir: Path) -> None:
 
 
 def _resume(ckpts, step_dir, current: dict, allowed: set[str], setup, batches, mesh_text: str):
-  """(state, Progress, manifest) from the checkpoint `step_dir` (chosen and verified by
-  `checkpoint.resume_point`), with the data iterator moved to it; (None, Progress(), {})
-  when there is none. A different run is refused, naming what changed."""
+  """(state, Progress, manifest) from the verified `step_dir`, data iterator moved to it
+  ((None, Progress(), {}) without one); a different run is refused, naming what changed."""
   if step_dir is None:
     return None, progress_lib.Progress(), {}
   manifest = checkpoint.read_manifest(step_dir)
@@ -127,7 +117,6 @@ def _resume(ckpts, step_dir, current: dict, allowed: set[str], setup, batches, m
   if changed:
     raise UserError(f"checkpoint {step_dir} was written by a different run: {'; '.join(changed.values())}; "
                     f"pass --allow-mismatch {','.join(changed)} to resume anyway, or --fresh")
-  # resume_point verified it, every process its share
   state, manifest = ckpts.restore(step_dir, setup.abstract_state(), verified=True)
   batches.set_state(manifest["data_state"])
   moved = "" if manifest["mesh"] == mesh_text else f" (written on mesh {manifest['mesh']}, resharded)"
@@ -138,7 +127,6 @@ def _resume(ckpts, step_dir, current: dict, allowed: set[str], setup, batches, m
 def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = None, fresh: bool = False,
         resume_from: str | None = None, allow_mismatch: str = "") -> Summary:
   """Trains until `stop_at` (default train.steps) total steps."""
-
   allowed = allowed_mismatches(allow_mismatch)
   stop_at = stop_at or cfg.train.steps
   setup = step_lib.Setup(cfg, mesh)
@@ -191,7 +179,6 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
               "process_count": jax.process_count(), "unwritten_metrics": list(out.unwritten) if out else []}
 
     def log_step(s, device_metrics, wait, since):
-      """Fetches step s's metrics (waiting for s), records them; returns when s was done."""
       fetched = jax.device_get(device_metrics)
       done = time.perf_counter()
       progress.count(s, int(fetched["tokens"]), bool(fetched["skipped"]))

@@ -1,9 +1,5 @@
-"""Per-step metrics records and the sinks that receive them (metrics.jsonl, console, TensorBoard).
-
-A record is built once per step (`record`) and handed to every sink's `write(step, record)`.
-Only process 0 has sinks. metrics.jsonl is strict JSON: a non-finite number is written as
-null (the `skipped` flag says why).
-"""
+"""Per-step metrics records and their sinks (metrics.jsonl, console, TensorBoard), on
+process 0 only; metrics.jsonl writes a non-finite number as null (`skipped` says why)."""
 
 from __future__ import annotations
 
@@ -33,20 +29,10 @@ def record(step: int, fetched: dict, step_time: float, data_wait: float, progres
   return rec
 
 
-class JsonlSink:
-  """<workdir>/metrics.jsonl (`runfiles`: a fresh run keeps an old file aside; a resumed
-  one drops the records past its checkpoint and a torn last line; strict JSON; a failed
-  write is remembered, not raised, so the run can save before it stops)."""
-
-  def __init__(self, path: Path, resumed_at: int | None, carried: list | None = None):
-    runfiles.prepare_metrics(path, resumed_at, carried)
-    self.writer = runfiles.JsonlWriter(path)
-
-  def write(self, step: int, rec: dict) -> None:
-    self.writer.write(step, rec)
-
-  def close(self) -> None:
-    self.writer.close()
+def jsonl_sink(path: Path, resumed_at: int | None, carried: list | None = None) -> runfiles.JsonlWriter:
+  """<workdir>/metrics.jsonl, prepared for a fresh or resumed run (`runfiles.prepare_metrics`)."""
+  runfiles.prepare_metrics(path, resumed_at, carried)
+  return runfiles.JsonlWriter(path)
 
 
 class ConsoleSink:
@@ -71,8 +57,7 @@ class ConsoleSink:
 
 
 class TensorBoardSink:
-  """The numeric fields of each record (not None or booleans) as scalars of the same name,
-  in <workdir>/tb/ (tensorboardX writes the event files)."""
+  """The finite numeric fields of each record as scalars of the same name, in <workdir>/tb/."""
 
   def __init__(self, logdir: Path):
     from tensorboardX import SummaryWriter
@@ -102,9 +87,9 @@ class Sinks:
   def __init__(self, sinks: list):
     self.sinks = sinks
 
-  def writer(self):
+  def writer(self) -> runfiles.JsonlWriter | None:
     """metrics.jsonl's writer (its failure state drives the run's stop), or None."""
-    return next((s.writer for s in self.sinks if isinstance(s, JsonlSink)), None)
+    return next((s for s in self.sinks if isinstance(s, runfiles.JsonlWriter)), None)
 
   def write(self, step: int, rec: dict) -> None:
     for s in self.sinks:

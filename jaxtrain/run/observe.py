@@ -1,7 +1,4 @@
-"""jax.profiler traces of chosen steps (`run.profile_steps`, "5-7" or "5") into <workdir>/profile/
-(open with TensorBoard's profile plugin or Perfetto). TensorBoard scalars are a metrics sink
-(`jaxtrain.run.metrics.TensorBoardSink`).
-"""
+"""jax.profiler traces of chosen steps (`run.profile_steps`) into <workdir>/profile/."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ def parse_steps(text: str) -> tuple[int, int] | None:
 
 
 class Profiler:
-  """Starts a jax.profiler trace before step `first` is dispatched and stops it once step
-  `last` has finished (its outputs are waited for, so the trace holds the whole step)."""
+  """Traces from before step `first` is dispatched until step `last` has finished."""
 
   def __init__(self, steps: str, logdir: Path, enabled: bool = True):
     self.window = parse_steps(steps) if enabled else None

@@ -1,10 +1,5 @@
-"""Dynamic loss scaling: a small jit-friendly state next to the optimizer.
-
-float16 has 5 exponent bits: gradients below ~6e-8 flush to zero. Scaling the loss by S
-before the backward pass lifts them into range; the gradients are divided by S before
-clipping. A step with non-finite gradients is skipped and S shrinks; after
-`growth_interval` finite steps in a row S grows. With the scale off S stays 1.0.
-"""
+"""Dynamic loss scaling: a small jit-friendly state next to the optimizer (float16 gradients
+scaled into range; a non-finite step is skipped and the scale backs off)."""
 
 from __future__ import annotations
 

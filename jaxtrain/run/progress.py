@@ -1,9 +1,4 @@
-"""The host-side run state: step, both token clocks and the skip counters, and the abort rule.
-
-`tokens_seen` counts valid tokens consumed, `tokens_updated` those of steps that moved
-the params. They are Python ints (a device int32 would overflow at 2^31 tokens) and are
-saved in every checkpoint's manifest.
-"""
+"""The host-side run state: step, both token clocks (Python ints: no int32 overflow), skip counters."""
 
 from __future__ import annotations
 
@@ -21,7 +16,6 @@ class Progress:
   skipped_in_a_row: int = 0
 
   def count(self, step: int, tokens: int, skipped: bool) -> None:
-    """Accounts for one finished step."""
     self.step = step
     self.tokens_seen += tokens
     self.tokens_updated += 0 if skipped else tokens
@@ -29,7 +23,6 @@ class Progress:
     self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
 
   def check(self, max_in_a_row: int, loss_scale: float) -> None:
-    """Aborts the run once `max_in_a_row` steps in a row moved nothing."""
     n, s = self.skipped_in_a_row, self.step
     if n >= max_in_a_row:
       raise RunAborted(f"aborting at step {s}: {n} steps in a row (steps {s - n + 1}-{s}) had non-finite gradients "

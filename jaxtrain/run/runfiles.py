@@ -1,21 +1,8 @@
-"""The run's own files in the workdir: the directory itself, `metrics.jsonl`, and the log.
-
-- `prepare_workdir`: a workdir that is a file or cannot be written is a one-line user error.
-- `prepare_metrics`: on resume, records past the checkpoint are dropped (the full old file
-  is kept as `metrics.<time>.jsonl`); a torn last record (the process died mid-write) is
-  dropped with a note; any other unreadable line is a one-line error naming file and line.
-- `JsonlWriter`: strict JSON records (non-finite floats become `null`), one per line. A
-  failed write (disk full, ...) does not raise: the writer remembers the first failure and
-  goes quiet, so the loop can still save a checkpoint (`must_stop`) and then end with one
-  line (`report_write_failure`). Usable from any metrics sink.
-- `RunLog`: `<workdir>/jaxtrain.log` receives library logging (absl/orbax), Python
-  warnings, exceptions of background threads and the traceback of a fatal error, so the
-  terminal only shows our own lines.
-"""
+"""The run's own files in the workdir: the directory itself, `metrics.jsonl` (strict JSON;
+a failed write is remembered, not raised, so the run can save first) and `jaxtrain.log`."""
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
@@ -26,6 +13,7 @@ import time
 import traceback
 from pathlib import Path
 
+from jaxtrain.core import files
 from jaxtrain.core.errors import RunAborted, UserError
 
 LOG_NAME = "jaxtrain.log"
@@ -36,13 +24,11 @@ class RunFileError(RunAborted):
 
 
 def _why(e: OSError) -> str:
-  code = e.errno
-  return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})" if code else str(e)
+  return files.errno_text(e.errno) if e.errno else str(e)
 
 
 def prepare_workdir(workdir: Path) -> None:
-  """Creates the workdir; a path that is (or runs through) a file, or cannot be written,
-  is a user error in one line."""
+  """Creates the workdir; a file in the way or no write access is a one-line user error."""
   given = str(workdir)
   if workdir.exists() and not workdir.is_dir():
     raise UserError(f"--workdir {given}: is a file, not a directory; give a directory (created if missing)")
@@ -62,25 +48,20 @@ def prepare_workdir(workdir: Path) -> None:
 
 def write_json(path: Path, obj) -> None:
   """A small run file (config.json), written atomically; a failure is one line."""
-  from jaxtrain.core.files import write_json_atomic
   try:
-    write_json_atomic(path, obj, indent=2)
+    files.write_json_atomic(path, obj, indent=2)
   except OSError as e:
     raise RunFileError(f"cannot write {path}: {_why(e)}") from None
 
 
-# -- metrics.jsonl -------------------------------------------------------------------------
-
 def strict_json(record: dict) -> str:
-  """One line of strict JSON (RFC 8259 has no NaN/Infinity): non-finite floats -> null.
-  The record's own flags (e.g. `skipped`) still say why a value is missing."""
+  """One line of strict JSON (RFC 8259): non-finite floats -> null."""
   clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
   return json.dumps(clean, allow_nan=False)
 
 
 def read_metrics(path: Path) -> tuple[list[tuple[str, dict]], str | None]:
-  """[(line, record)] of a metrics file, and a note if a torn last record was dropped.
-  Older files may hold bare NaN: Python's parser reads it."""
+  """[(line, record)] of a metrics file, and a note if a torn last record was dropped."""
   try:
     text = path.read_bytes().decode("utf-8", errors="replace")
   except OSError as e:
@@ -106,9 +87,8 @@ def read_metrics(path: Path) -> tuple[list[tuple[str, dict]], str | None]:
 
 
 def prepare_metrics(path: Path, resumed_at: int | None, carried: list[dict] | None = None) -> None:
-  """Fresh run: keep an old file aside. Resume: drop records past the checkpoint (they
-  will be recomputed) and a torn last record, keeping the full old file aside; add the
-  checkpoint's `carried` records (those this file could not take when they were made)."""
+  """Fresh run: keep an old file aside. Resume: drop records past the checkpoint and a torn
+  last record (old file kept aside); add the checkpoint's `carried` unwritten records."""
   if not path.exists() and not (resumed_at is not None and carried):
     return
   backup = path.with_name(f"metrics.{int(time.time())}.jsonl")
@@ -126,9 +106,7 @@ def prepare_metrics(path: Path, resumed_at: int | None, carried: list[dict] | No
     if note or dropped or extra:
       if path.exists():
         path.rename(backup)
-      tmp = path.with_name(path.name + ".tmp")
-      tmp.write_text("".join(line + "\n" for _, line in sorted(kept + extra, key=lambda x: x[0])))
-      os.replace(tmp, path)
+      files.write_atomic(path, "".join(line + "\n" for _, line in sorted(kept + extra, key=lambda x: x[0])))
     if note:
       print(f"metrics: {note} (old file kept as {backup.name})")
     if dropped:
@@ -145,7 +123,7 @@ class JsonlWriter:
   """Appends strict-JSON records to a file; `path=None` writes nothing (other processes)."""
 
   def __init__(self, path: Path | None):
-    self.path, self.failure, self.failed_at = path, None, None
+    self.path, self.failure = path, None
     self.unwritten: list[dict] = []  # records after a failure: the next checkpoint carries them
     self.file = None
     if path is not None:
@@ -158,19 +136,15 @@ class JsonlWriter:
     if self.file is None:
       return
     from jaxtrain.run import faults
-    self.guard(step, str(self.path), lambda: (faults.metrics_write(step), self.file.write(strict_json(record) + "\n"),
-                                             self.file.flush()))
+    if self.failure is None:
+      try:
+        faults.metrics_write(step)
+        self.file.write(strict_json(record) + "\n")
+        self.file.flush()
+      except OSError as e:
+        self.failure = f"cannot write {self.path} at step {step}: {_why(e)}"
     if self.failure is not None:
       self.unwritten.append(json.loads(strict_json(record)))
-
-  def guard(self, step: int, what: str, fn) -> None:
-    """Runs `fn` (a write of a run file); its OSError becomes the writer's failure."""
-    if self.failure is not None:
-      return
-    try:
-      fn()
-    except OSError as e:
-      self.failure, self.failed_at = f"cannot write {what} at step {step}: {_why(e)}", step
 
   def close(self) -> None:
     if self.file is not None:
@@ -181,8 +155,8 @@ class JsonlWriter:
 
 
 def must_stop(writer: JsonlWriter) -> bool:
-  """After a write failure, stop at this step (the loop then saves it). Several processes
-  must agree on the step to save at, and only process 0 writes: stop them all right away."""
+  """After a write failure, stop at this step (the loop then saves it); with several
+  processes (only process 0 writes, none can agree on a save step) stop right away."""
   if writer.failure is None:
     return False
   import jax
@@ -206,12 +180,8 @@ def combine(writer: JsonlWriter | None, err: Exception) -> Exception:
   return RunFileError(f"{writer.failure}; the checkpoint attempted after it failed too: {err}")
 
 
-# -- the log file ----------------------------------------------------------------------------
-
 class _QuietFileHandler(logging.FileHandler):
-  """A log file that may itself be on a full disk: losing a log line is not worth a report."""
-
-  def handleError(self, record):  # noqa: N802 (logging's name)
+  def handleError(self, record):  # noqa: N802: a log on a full disk; losing a line is not worth a report
     pass
 
 
@@ -239,33 +209,23 @@ class RunLog:
     self._log.error("unraisable exception in %r: %s", u.object, u.err_msg or "",
                     exc_info=(u.exc_type, u.exc_value, u.exc_traceback) if u.exc_value else None)
 
-  def failed(self, err: BaseException) -> None:
-    """The run ends with `err`: its traceback goes to the log, the terminal gets one line."""
+  def ending(self, err: Exception, writer: JsonlWriter | None) -> Exception:
+    """What the run raises for `err`: a run failure in one line (with an earlier write failure
+    and the log, if it holds details); anything else (a bug) as it is, traceback in the log."""
+    try:  # only when libraries logged details, before our own traceback lands there
+      pointer = f" (details in {self.path})" if self.path.stat().st_size else ""
+    except OSError:
+      pointer = ""
     self._log.error("run ended: %s\n%s", err, "".join(traceback.format_exception(err)))
     self.handler.flush()
-
-  def pointer(self) -> str:
-    try:
-      return f" (details in {self.path})" if self.path.stat().st_size else ""
-    except OSError:
-      return ""
-
-  def ending(self, err: Exception, writer: JsonlWriter | None) -> Exception:
-    """What the run raises for `err`: a run failure becomes one line (naming an earlier
-    write failure too, and the log when it holds details); anything else (a bug) is left
-    as it is, traceback and all."""
-    pointer = self.pointer()  # only when libraries logged details, before our own traceback lands there
-    self.failed(err)
     if isinstance(err, UserError) or not isinstance(err, RunAborted):
       return err
     err = combine(writer, err)
     return type(err)(f"{err}{pointer}")
 
   def close(self) -> None:
-    """The run is over, but not its noise: orbax's failed tasks and event loops report when
-    they are garbage-collected, after the run. So the log stays the destination (the
-    handlers present before, minus those writing to the terminal, plus this file) and the
-    thread hooks stay ours, until another RunLog or the process ends."""
+    """The log stays the destination (orbax reports when garbage-collected, after the run):
+    the handlers present before minus the terminal ones, plus this file; hooks stay ours."""
     global _after_run
     root = logging.getLogger()
     terminal = (sys.stderr, sys.__stderr__, sys.stdout, sys.__stdout__)
