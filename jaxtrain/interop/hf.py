@@ -147,10 +147,9 @@ def _block(cfg, moe: bool) -> list[tuple]:
            (("mlp_norm", "scale"), "post_attention_layernorm.weight", (D,), None)]
   if moe:
     rows.append((("mlp", "router"), "block_sparse_moe.gate.weight", (cfg.moe_experts, D), (D, cfg.moe_experts)))
-  for ours, dense, expert, shape in (("gate", "gate", "w1", (F, D)), ("up", "up", "w3", (F, D)),
-                                     ("down", "down", "w2", (D, F))):
-    suffix = f"block_sparse_moe.experts.{{x}}.{expert}.weight" if moe else f"mlp.{dense}_proj.weight"
-    rows.append((("mlp", f"w_{ours}"), suffix, shape, shape[::-1]))
+  for p, expert, shape in (("gate", "w1", (F, D)), ("up", "w3", (F, D)), ("down", "w2", (D, F))):
+    suffix = f"block_sparse_moe.experts.{{x}}.{expert}.weight" if moe else f"mlp.{p}_proj.weight"
+    rows.append((("mlp", f"w_{p}"), suffix, shape, shape[::-1]))
   return rows
 
 
