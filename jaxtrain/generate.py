@@ -1,24 +1,14 @@
-"""`python -m jaxtrain.generate`: text from a checkpoint, with a KV cache.
+"""`python -m jaxtrain.generate`: text from a checkpoint, with a KV cache (docs/huggingface.md).
 
     python -m jaxtrain.generate --workdir W [--step N] (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F)
         [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--mesh M] [--ignore-eos]
-
-The decoder is the training model itself (`Transformer.decode`: the same blocks, with an
-optional KV cache in attention) on the same parameter shardings. The prompt goes through
-in one pass that fills the cache, then one token per step. Prompts of different lengths
-are left-padded: padding has segment id 0, so no real token attends to it, and positions
-count from each prompt's first real token. Temperature 0 is greedy; otherwise the
-logits are divided by the temperature and sampled from the smallest set of tokens whose
-probability reaches top-p, with a key derived from --seed and the step.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
-
 
 from jaxtrain import cli
 from jaxtrain.core.errors import UserError
@@ -50,7 +40,8 @@ def check_args(args) -> None:
     raise UserError(f"--top-p {args.top_p}: must lie in (0, 1]")
 
 
-def prompts_of(args, tok, vocab_size: int) -> list[list[int]]:
+def prompts_of(args, tok, vocab_size: int) -> tuple[list[str] | None, list[list[int]]]:
+  """(prompt texts, or None for --prompt-ids; token ids of each prompt)."""
   if args.prompt_ids is not None:
     try:
       ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
@@ -58,7 +49,8 @@ def prompts_of(args, tok, vocab_size: int) -> list[list[int]]:
       raise UserError(f"--prompt-ids {args.prompt_ids!r}: must be comma-separated integers") from None
     if not ids or not all(0 <= i < vocab_size for i in ids):
       raise UserError(f"--prompt-ids {args.prompt_ids!r}: needs at least one id, each in [0, {vocab_size})")
-    return [ids]
+    return None, [ids]
+  texts = [args.prompt]
   if args.prompts_file is not None:
     path = Path(args.prompts_file)
     if not path.is_file():
@@ -66,37 +58,8 @@ def prompts_of(args, tok, vocab_size: int) -> list[list[int]]:
     texts = [line for line in path.read_text().splitlines() if line.strip()]
     if not texts:
       raise UserError(f"--prompts-file {path}: no non-empty line")
-  else:
-    texts = [args.prompt]
   head = [] if tok.bos_id is None else [tok.bos_id]
-  return [head + tok.encode_batch([t])[0].tolist() for t in texts]
-
-
-def run(cfg, mesh, args, step_dir: Path) -> list[list[int]]:
-  from jaxtrain.data import tokenizer as tokenizer_lib
-  from jaxtrain.interop import decode
-  from jaxtrain.run import runs
-  tok = tokenizer_lib.load(cfg.data.tokenizer)
-  prompts = prompts_of(args, tok, cfg.model.vocab_size)
-  t0 = time.perf_counter()
-  setup, params = runs.restore_params(cfg, mesh, step_dir)
-  t1 = time.perf_counter()
-  eos = None if args.ignore_eos else tok.eos_id
-  timing: dict = {}
-  out = decode.generate(cfg, mesh, setup.graphdef, params, prompts, args.max_new_tokens, temperature=args.temperature,
-                        top_p=args.top_p, seed=args.seed, eos_id=eos, timing=timing)
-  dt = time.perf_counter() - t1
-  texts = ([args.prompt] if args.prompt is not None else
-           [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
-           if args.prompts_file is not None else None)
-  for i, ids in enumerate(out):
-    print(",".join(map(str, ids)) if texts is None else texts[i] + tok.decode(ids))
-  n = sum(len(o) for o in out)
-  rate = (f"; decoding {timing['batch'] * timing['decode_steps'] / timing['decode_s']:.1f} tokens/s once compiled"
-          if timing else "")
-  print(f"generated {n} tokens for {len(out)} prompt(s) in {dt:.2f}s (compiles included{rate}; "
-        f"loaded step {step_dir.name} in {t1 - t0:.1f}s)", file=sys.stderr)
-  return out
+  return texts, [head + tok.encode_batch([t])[0].tolist() for t in texts]
 
 
 def main(argv=None) -> int:
@@ -104,11 +67,20 @@ def main(argv=None) -> int:
 
   def body(set_prog):
     check_args(args)
-    from jaxtrain.run import checkpoint
-    from jaxtrain.run import runs
+    from jaxtrain.data import tokenizer as tokenizer_lib
+    from jaxtrain.interop import decode
+    from jaxtrain.run import checkpoint, runs
     step_dir = runs.locate(args.workdir, args.step)
     started = cli.start(args, "jaxtrain.generate", cfg=runs.config_of(checkpoint.read_manifest(step_dir)))
-    run(started.cfg, started.mesh, args, step_dir)
+    cfg = started.cfg
+    tok = tokenizer_lib.load(cfg.data.tokenizer)
+    texts, prompts = prompts_of(args, tok, cfg.model.vocab_size)
+    out, summary = decode.from_checkpoint(cfg, started.mesh, step_dir, prompts, args.max_new_tokens,
+                                          temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                          eos_id=None if args.ignore_eos else tok.eos_id)
+    for i, ids in enumerate(out):
+      print(",".join(map(str, ids)) if texts is None else texts[i] + tok.decode(ids))
+    print(summary, file=sys.stderr)
   return cli.main("jaxtrain.generate", body)
 
 

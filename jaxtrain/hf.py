@@ -1,4 +1,4 @@
-"""`python -m jaxtrain.hf import|export`: Hugging Face checkpoints in and out.
+"""`python -m jaxtrain.hf import|export`: Hugging Face checkpoints in and out (docs/huggingface.md).
 
     python -m jaxtrain.hf import HF_DIR --workdir W [--mesh M] [--set section.key=value ...]
     python -m jaxtrain.hf export --workdir W [--step N] --out HF_DIR [--dtype bfloat16] [--mesh M]
@@ -18,21 +18,19 @@ from jaxtrain.interop import hf
 def parse_args(argv=None) -> argparse.Namespace:
   p = cli.Parser(prog="jaxtrain.hf", description="Hugging Face checkpoints in and out.")
   sub = p.add_subparsers(dest="command", required=True, parser_class=cli.Parser)
-  for name, helptext in (("import", "HF checkpoint dir -> jaxtrain config + step-0 checkpoint"),
-                         ("export", "jaxtrain checkpoint -> HF checkpoint dir")):
-    s = sub.add_parser(name, help=helptext)
-    if name == "import":
-      s.add_argument("hf_dir", help="local directory with config.json and *.safetensors (and tokenizer.json)")
-      s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                     help="override a config key of the written config (repeatable)")
-      s.add_argument("--name", help="config name: writes WORKDIR/NAME.toml (default: the HF directory's name)")
-    else:
-      s.add_argument("--step", type=int, help="committed step to export (default: the latest)")
-      s.add_argument("--out", required=True, help="output directory for the HF checkpoint")
-      s.add_argument("--dtype", default="bfloat16", choices=sorted(hf.DTYPES), help="tensor dtype (default: bfloat16)")
-      s.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, GB (default: 5)")
-    s.add_argument("--workdir", required=True, help="jaxtrain run directory")
-    cli.add_mesh_args(s, cluster=True)
+  s = sub.add_parser("import", help="HF checkpoint dir -> jaxtrain config + step-0 checkpoint")
+  s.add_argument("hf_dir", help="local directory with config.json and *.safetensors (and tokenizer.json)")
+  s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                 help="override a config key of the written config (repeatable)")
+  s.add_argument("--name", help="config name: writes WORKDIR/NAME.toml (default: the HF directory's name)")
+  e = sub.add_parser("export", help="jaxtrain checkpoint -> HF checkpoint dir")
+  e.add_argument("--step", type=int, help="committed step to export (default: the latest)")
+  e.add_argument("--out", required=True, help="output directory for the HF checkpoint")
+  e.add_argument("--dtype", default="bfloat16", choices=sorted(hf.DTYPES), help="tensor dtype (default: bfloat16)")
+  e.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, GB (default: 5)")
+  for q in (s, e):
+    q.add_argument("--workdir", required=True, help="jaxtrain run directory")
+    cli.add_mesh_args(q, cluster=True)
   return p.parse_args(argv)
 
 
@@ -55,7 +53,7 @@ def main(argv=None) -> int:
       started = cli.start(args, prog, cfg=runs.config_of(checkpoint.read_manifest(step_dir)))
       set_prog(started.prog)
       hf.run_export(started.cfg, started.mesh, step_dir, Path(args.out), args.dtype, int(args.max_shard_gb * 1e9),
-                 Path(args.workdir))
+                    Path(args.workdir))
   return cli.main(prog, body)
 
 

@@ -30,34 +30,16 @@ def sample(logits_BxV, key, temperature, top_p):
   return jnp.where(temperature > 0, sampled, greedy)
 
 
-def _cache_shardings(cfg, mesh, B: int, S: int, cache):
-  """KV caches split like the activations they hold: batch over the batch axes, kv heads over tensor."""
-  lead = ("layers",) if cfg.model.scan_layers else ()
-
-  def one(x):
-    if x.ndim == 0:
-      return NamedSharding(mesh, P())
-    if x.ndim == 2:
-      return sharding.logical_sharding(mesh, ("batch", None), x.shape)
-    return sharding.logical_sharding(mesh, (*lead, "batch", None, "act_kv_heads", None), x.shape)
-  return jax.tree.map(one, cache)
-
-
 def generate(cfg, mesh, graphdef, params, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, timing: dict | None = None) -> list[list[int]]:
   """New token ids for each prompt (cut after EOS when `eos_id` is given). `timing`, if
   given, receives the decode rate once both steps are compiled."""
   B, P = len(prompts), max(len(p) for p in prompts)
-  S = P + max_new_tokens
-  tokens = np.zeros((B, P), np.int32)
-  seg = np.zeros((B, P), np.int32)
-  pos = np.zeros((B, P), np.int32)
-  for b, p in enumerate(prompts):
-    tokens[b, P - len(p):] = p
-    seg[b, P - len(p):] = 1
-    pos[b, P - len(p):] = np.arange(len(p))
+  tokens, seg, pos = (np.zeros((B, P), np.int32) for _ in range(3))
+  for b, p in enumerate(prompts):  # left-padded: padding has segment 0, positions count from the first real token
+    tokens[b, P - len(p):], seg[b, P - len(p):], pos[b, P - len(p):] = p, 1, np.arange(len(p))
   lengths = np.array([len(p) for p in prompts], np.int32)
-  new_cache, first, next_ = _functions(cfg, mesh, graphdef, B, S)
+  new_cache, first, next_ = _functions(cfg, mesh, graphdef, B, P + max_new_tokens)
   key, knobs = jax.random.key(seed), (np.float32(temperature), np.float32(top_p))
   tok, cache = first(params, tokens, pos, seg, new_cache(), jax.random.fold_in(key, 0), *knobs)
   out = [np.asarray(tok)]
@@ -68,38 +50,50 @@ def generate(cfg, mesh, graphdef, params, prompts: list[list[int]], max_new_toke
       break
     tok, cache = next_(params, tok, jnp.asarray(lengths + t - 1), cache, jax.random.fold_in(key, t), *knobs)
     out.append(np.asarray(tok))
-    if t == 1:
-      warm = time.perf_counter()  # both functions compiled
+    warm = warm or time.perf_counter()  # from t == 1: both functions compiled
     if eos_id is not None:
       done |= out[-1] == eos_id
   if timing is not None and warm is not None and len(out) > 2:
     timing.update(decode_steps=len(out) - 2, decode_s=time.perf_counter() - warm, batch=B)
-  ids = np.stack(out, 1)
-  result = []
-  for row in ids.tolist():
-    if eos_id is not None and eos_id in row:
-      row = row[:row.index(eos_id) + 1]
-    result.append(row)
-  return result
+  rows = np.stack(out, 1).tolist()
+  return [r[:r.index(eos_id) + 1] if eos_id is not None and eos_id in r else r for r in rows]
+
+
+def from_checkpoint(cfg, mesh, step_dir, prompts: list[list[int]], max_new_tokens: int, **kw):
+  """(new ids per prompt, a one-line summary) with the parameters of `step_dir`, as `generate`."""
+  from jaxtrain.run import runs
+  t0 = time.perf_counter()
+  setup, params = runs.restore_params(cfg, mesh, step_dir)
+  t1, timing = time.perf_counter(), {}
+  out = generate(cfg, mesh, setup.graphdef, params, prompts, max_new_tokens, timing=timing, **kw)
+  dt = time.perf_counter() - t1
+  rate = (f"; decoding {timing['batch'] * timing['decode_steps'] / timing['decode_s']:.1f} tokens/s once compiled"
+          if timing else "")
+  return out, (f"generated {sum(map(len, out))} tokens for {len(out)} prompt(s) in {dt:.2f}s (compiles included"
+               f"{rate}; loaded step {step_dir.name} in {t1 - t0:.1f}s)")
 
 
 @functools.lru_cache(maxsize=8)
 def _functions(cfg, mesh, graphdef, B: int, S: int):
-  """(empty cache, prompt pass, one-token step), jitted once per shape."""
-  cache_sh = _cache_shardings(cfg, mesh, B, S, jax.eval_shape(lambda: model_lib.init_cache(cfg.model, B, S)))
+  """(empty cache, prompt pass, one-token step), jitted once per shape; caches are split like the
+  activations they hold (batch over the batch axes, kv heads over tensor)."""
+  lead = ("layers",) if cfg.model.scan_layers else ()
+
+  def spec(x):
+    if x.ndim == 0:
+      return NamedSharding(mesh, P())
+    return sharding.logical_sharding(mesh, ("batch", None) if x.ndim == 2 else
+                                     (*lead, "batch", None, "act_kv_heads", None), x.shape)
+  cache_sh = jax.tree.map(spec, jax.eval_shape(lambda: model_lib.init_cache(cfg.model, B, S)))
   plan = plan_lib.build(cfg, mesh)
 
-  def run(params, tokens, pos, seg, cache):
-    return nnx.merge(graphdef, params).decode(tokens, pos, seg, cache, plan)
-
-  def first(params, tokens, pos, seg, cache, key, temperature, top_p):
-    logits, cache = run(params, tokens, pos, seg, cache)
+  def step(params, tokens, pos, seg, cache, key, temperature, top_p):
+    logits, cache = nnx.merge(graphdef, params).decode(tokens, pos, seg, cache, plan)
     return sample(logits[:, -1], key, temperature, top_p), cache
 
   def next_(params, tok_B, pos_B, cache, key, temperature, top_p):
-    logits, cache = run(params, tok_B[:, None], pos_B[:, None], jnp.ones_like(tok_B)[:, None], cache)
-    return sample(logits[:, -1], key, temperature, top_p), cache
+    return step(params, tok_B[:, None], pos_B[:, None], jnp.ones_like(tok_B)[:, None], cache, key, temperature, top_p)
 
   return (jax.jit(lambda: model_lib.init_cache(cfg.model, B, S), out_shardings=cache_sh),
-          jax.jit(first, out_shardings=(None, cache_sh), donate_argnums=4),
+          jax.jit(step, out_shardings=(None, cache_sh), donate_argnums=4),
           jax.jit(next_, out_shardings=(None, cache_sh), donate_argnums=3))
