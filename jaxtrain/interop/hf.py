@@ -187,7 +187,7 @@ def read_headers(hf_dir: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
   if index.is_file():
     try:
       files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (json.JSONDecodeError, KeyError, AttributeError) as e:
+    except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
       raise UserError(f"{index}: not a valid safetensors index ({e})") from None
     for f in files:
       if not (hf_dir / f).is_file():

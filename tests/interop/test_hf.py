@@ -181,6 +181,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, sharded_hf):
   (missing / "model-00002-of-00002.safetensors").unlink()
   err = _one_line_exit_2(capsys, ["import", str(missing), "--workdir", w])
   assert "model-00002-of-00002.safetensors is missing" in err
+  # an index that is JSON but not an object,
+  (missing / "model.safetensors.index.json").write_text("[]")
+  err = _one_line_exit_2(capsys, ["import", str(missing), "--workdir", w])
+  assert "not a valid safetensors index" in err
   # a shape that config.json does not imply,
   err = _one_line_exit_2(capsys, ["import", str(_edited(sharded_hf, tmp_path / "shape", intermediate_size=48)),
                                   "--workdir", w])
