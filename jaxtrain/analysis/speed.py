@@ -63,13 +63,11 @@ def measure_peak(device, size: int | None = None, reps: int = 5) -> dict:
   import jax
   import jax.numpy as jnp
   n = size or PEAK_SIZE.get(device.platform, 1024)
-  k1, k2 = jax.random.split(jax.random.key(0))
-  a = jax.device_put(jax.random.normal(k1, (n, n), jnp.bfloat16), device)
-  b = jax.device_put(jax.random.normal(k2, (n, n), jnp.bfloat16), device)
+  a, b = (jax.device_put(jax.random.normal(k, (n, n), jnp.bfloat16), device)
+          for k in jax.random.split(jax.random.key(0)))
   mm = jax.jit(lambda x, y: x @ y)
   mm(a, b).block_until_ready()
-  inner = 10 if device.platform != "cpu" else 2
-  best = 0.0
+  inner, best = (10 if device.platform != "cpu" else 2), 0.0
   for _ in range(reps):
     t = time.perf_counter()
     outs = [mm(a, b) for _ in range(inner)]
@@ -90,16 +88,18 @@ class _Side:
 
   def __init__(self, name, step, state, batches, sync, devices, compile_s=0.0, compiled=None, pipelined=True):
     self.name, self.step, self.batches, self.sync, self.devices = name, step, batches, sync, devices
-    self.compile_s, self.pipelined = compile_s, pipelined
-    self.box = {"state": state, "i": 0, "compiled": compiled}
-    self.times: list[float] = []
-    self.timed: list[int] = []  # the step index (box["i"]) of each timed step
+    self.compile_s, self.pipelined, self.box = compile_s, pipelined, {"state": state, "i": 0, "compiled": compiled}
+    self.times, self.timed = [], []  # seconds and step index (box["i"]) of each timed step
     self.peak_memory, self.memory_note = None, ""
 
   def run(self):
     self.box["state"], loss = self.step(self.box["state"], self.batches[self.box["i"] % len(self.batches)])
     self.box["i"] += 1
     return loss
+
+  def untimed(self, n: int) -> None:
+    for _ in range(n):
+      self.sync(self.run())
 
 
 def _jit_side(name, jitted, state, batches, devices) -> _Side:
@@ -127,8 +127,8 @@ def minimal_side(cfg, params, batches, device) -> _Side:
   from jaxtrain.analysis.baselines import minimal
   b = minimal.Minimal(cfg)
   state = b.init(params, device)
-  dev = [{k: jax.device_put(jnp.asarray(v), device) for k, v in x.items()} for x in batches]
-  return _jit_side("minimal", b.step, state, dev, [device])
+  return _jit_side("minimal", b.step, state, [{k: jax.device_put(jnp.asarray(v), device) for k, v in x.items()}
+                                              for x in batches], [device])
 
 
 def torch_side(cfg, params, batches, platform) -> _Side:
@@ -150,8 +150,7 @@ def alternate(sides, *, steps: int, warmup: int, rounds: int, on_round=None, on_
   in turn (a machine's drift hits every side alike); {side name: median step time of each round}."""
   import numpy as np
   for side in sides:
-    for _ in range(warmup):
-      side.sync(side.run())
+    side.untimed(warmup)
   medians = {side.name: [] for side in sides}
   for r in range(rounds):
     if on_round:
@@ -182,16 +181,11 @@ def summarize(side: _Side, valid: list[int], flops_per_step: float, n_devices: i
   }
 
 
-def _progress(text: str) -> None:
-  print(f"bench: {text}", flush=True)  # long work gets a line, not a silent minute
-
-
 def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list[str], rounds: int,
         measure: bool, breakdown: int = 0, trace_dir: Path | None = None, batches: list[dict] | None = None) -> dict:
   """`batches`: numpy batches to cycle instead of jaxtrain.data's (e.g. synthetic tokens, tests/gpu)."""
   import jax
-  from jaxtrain.analysis import baselines as baselines_lib
-  from jaxtrain.analysis import costs, fit, memory
+  from jaxtrain.analysis import baselines as baselines_lib, costs, fit, memory
   from jaxtrain.model import flops
   from jaxtrain.parallel import mesh as mesh_lib
   from jaxtrain.run import step as step_lib
@@ -209,14 +203,14 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
   peak = flops.peak_flops(dev0.device_kind)
   measured = measure_peak(dev0) if measure else None
   n_rounds = rounds if baselines else 1
-
-  _progress(f"compiling the jaxtrain step ({config_name}, mesh {mesh_lib.describe(dict(mesh.shape))})")
+  progress = lambda text: print(f"bench: {text}", flush=True)  # noqa: E731 (long work gets a line, not a silent minute)
+  progress(f"compiling the jaxtrain step ({config_name}, mesh {mesh_lib.describe(dict(mesh.shape))})")
   sides = [jaxtrain_side(cfg, setup, batches)]
   if baselines:
     # The baselines start from jaxtrain's initial weights (fetched before any step donates them).
     params0 = baselines_lib.layer_list(jax.device_get(setup.init()["params"]), cfg.model.n_layers)
     for name in baselines:
-      _progress(f"compiling the {name} baseline")
+      progress(f"compiling the {name} baseline")
       sides.append(minimal_side(cfg, params0, batches, dev0) if name == "minimal"
                    else torch_side(cfg, params0, batches, dev0.platform))
 
@@ -226,7 +220,7 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
       side.memory_note = ("device.memory_stats() peak_bytes_in_use, max over devices" if side.peak_memory is not None
                           else f"not reported by the {dev0.platform} backend")
   medians = alternate(sides, steps=steps, warmup=warmup, rounds=n_rounds, on_timed=on_timed,
-                      on_round=lambda r: _progress(f"timing round {r + 1}/{n_rounds}: {steps} steps per side"))
+                      on_round=lambda r: progress(f"timing round {r + 1}/{n_rounds}: {steps} steps per side"))
   # same batches: step-time ratio = tokens/s ratio
   per_round = {name: [b / j for b, j in zip(medians[name], medians["jaxtrain"])] for name in baselines}
   for side in sides[1:]:
@@ -239,12 +233,7 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
 
   compiled = sides[0].box["compiled"]
   eff = costs.efficiency(compiled, flops_per_step / mesh.size, sum(memory.state_bytes(setup).values()))
-  top = None
-  if breakdown:
-    def run_steps(n):
-      for _ in range(n):
-        sides[0].sync(sides[0].run())
-    top = costs.breakdown(run_steps, min(steps, 3), compiled.as_text(), breakdown, trace_dir)
+  top = costs.breakdown(sides[0].untimed, min(steps, 3), compiled.as_text(), breakdown, trace_dir) if breakdown else None
   mflops = measured and measured["flops"]
   return {
       "config": config_name, "mesh": mesh_lib.describe(dict(mesh.shape)), "devices": mesh.size,

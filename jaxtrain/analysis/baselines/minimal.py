@@ -1,9 +1,5 @@
-"""A hand-written `jax.jit` train step of jaxtrain's dense model, on one device.
-
-What a user would write instead of jaxtrain: a plain forward over a dict of arrays, the
-token-averaged cross-entropy, global-norm clipping and optax AdamW, one jit with the
-state donated. No mesh, no microbatches, no skipped-step guard, no loss scaling.
-"""
+"""A hand-written `jax.jit` train step of jaxtrain's dense model on one device, as a user would
+write it: no mesh, no microbatches, no skipped-step guard, no loss scaling."""
 
 from __future__ import annotations
 
@@ -11,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-DECAYED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+from jaxtrain.run.step import decay_mask
 
 
 def rms_norm(x, scale, eps):
@@ -72,10 +68,7 @@ def make_optimizer(t, steps: int):
     cosine = t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * progress)))
     return jnp.where(s < t.warmup_steps, t.lr * (s + 1) / max(t.warmup_steps, 1), cosine)
 
-  def mask(params):
-    return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) in DECAYED, params)
-
-  adamw = optax.adamw(lr, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=mask)
+  adamw = optax.adamw(lr, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=decay_mask)
   return optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip > 0 else adamw
 
 
