@@ -90,9 +90,8 @@ def _compare(args, mesh, out: Path, baselines) -> int:
   from jaxtrain.analysis import compare as bench_compare
   if baselines:
     raise UserError("--compare and --baseline do not mix; give one")
-  variants = bench_compare.parse(args.compare)
-  rep = bench_compare.run(args.config, args.set, variants, mesh, steps=args.steps, warmup=args.warmup,
-                          rounds=args.rounds)
+  rep = bench_compare.run(args.config, args.set, bench_compare.parse(args.compare), mesh, steps=args.steps,
+                          warmup=args.warmup, rounds=args.rounds)
   _write(args, out, rep, bench_compare.table)
   return 0
 

@@ -1,9 +1,6 @@
-"""`python -m jaxtrain.bench --compare NAME:k=v,k=v ...`: variants of one config (the base
-config, --config and --set, plus each variant's overrides) on the same mesh and batches, timed
-in one process alternating round by round, --steps pipelined steps each per round. Reported per
-variant: step time over all rounds, each round's median, compile time, and XLA's compiled
-memory per device (`compiled.memory_analysis()`: temporaries, arguments, outputs, aliased, code).
-"""
+"""`python -m jaxtrain.bench --compare NAME:k=v,k=v ...`: variants of one config (--config, --set, plus
+each variant's overrides) on the same mesh and batches, timed in one process, alternating round by
+round; per variant: step times, round medians, compile time and XLA's compiled memory per device."""
 
 from __future__ import annotations
 
@@ -32,10 +29,8 @@ def _variant(name, cfg, mesh, batches, first: dict):
   from jaxtrain.analysis import gpu_compile, speed
   from jaxtrain.run import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
-  like = lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype)  # noqa: E731
-  shapes = jax.eval_shape(setup.init)
-  if "state" in first and jax.tree.structure(first["state"]) == jax.tree.structure(shapes) and all(
-      map(like, jax.tree.leaves(first["state"]), jax.tree.leaves(shapes))):
+  sig = lambda tree: (jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)])  # noqa: E731
+  if "state" in first and sig(first["state"]) == sig(jax.eval_shape(setup.init)):
     state = jax.device_put(first["state"], setup.state_shardings)
   else:
     state = setup.init()
@@ -43,9 +38,8 @@ def _variant(name, cfg, mesh, batches, first: dict):
   side = speed.jaxtrain_side(cfg, setup, batches, state)
   side.name = name
   m = gpu_compile.CompiledMemory.of(side.box["compiled"])
-  return side, None if m is None else {"temp_bytes": m.temporaries, "argument_bytes": m.arguments,
-                                       "output_bytes": m.outputs, "alias_bytes": m.aliased,
-                                       "code_bytes": m.generated_code}
+  return side, m and {"temp_bytes": m.temporaries, "argument_bytes": m.arguments, "output_bytes": m.outputs,
+                      "alias_bytes": m.aliased, "code_bytes": m.generated_code}
 
 
 def run(base_name: str, base_sets: list[str], variants: list[tuple[str, list[str]]], mesh, *, steps: int,

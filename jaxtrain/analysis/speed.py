@@ -10,7 +10,6 @@ from pathlib import Path
 from jaxtrain.core.errors import UserError
 
 BASELINES = ("minimal", "torch")
-PEAK_SIZE = {"gpu": 8192, "tpu": 8192, "cpu": 1024}  # bf16 n x n x n matmul for --measure-peak
 
 
 def stats(xs) -> dict:
@@ -44,13 +43,11 @@ def time_steps(run, sync, n: int, pipelined: bool = True) -> list[float]:
 def first_batches(cfg, setup, n: int, unpacked: bool) -> list[dict]:
   """The first n numpy batches of this process from jaxtrain's data path; `unpacked`: the same
   tokens with each row one document (one segment, positions 0..L-1)."""
+  import contextlib
   import numpy as np
   from jaxtrain import data
-  it = data.batches(cfg, *setup.placement.rows())
-  try:
+  with contextlib.closing(data.batches(cfg, *setup.placement.rows())) as it:
     out = [next(it) for _ in range(n)]
-  finally:
-    it.close()
   if not unpacked:
     return out
   B, L = out[0]["inputs"].shape
@@ -59,10 +56,10 @@ def first_batches(cfg, setup, n: int, unpacked: bool) -> list[dict]:
 
 
 def measure_peak(device, size: int | None = None, reps: int = 5) -> dict:
-  """Best bf16 matmul throughput of one device over a few timed repeats, FLOP/s."""
+  """Best bf16 n x n x n matmul throughput of one device over a few timed repeats, FLOP/s."""
   import jax
   import jax.numpy as jnp
-  n = size or PEAK_SIZE.get(device.platform, 1024)
+  n = size or {"gpu": 8192, "tpu": 8192}.get(device.platform, 1024)
   a, b = (jax.device_put(jax.random.normal(k, (n, n), jnp.bfloat16), device)
           for k in jax.random.split(jax.random.key(0)))
   mm = jax.jit(lambda x, y: x @ y)
@@ -115,10 +112,9 @@ def _jit_side(name, jitted, state, batches, devices) -> _Side:
   return _Side(name, step, state, batches, jax.block_until_ready, devices, compile_s, compiled)
 
 
-def jaxtrain_side(cfg, setup, batches, state=None) -> _Side:
-  state = setup.init() if state is None else state
-  return _jit_side("jaxtrain", setup.step, state, [setup.device_batch(b) for b in batches],
-                   list(setup.mesh.devices.flat))
+def jaxtrain_side(cfg, setup, batches, state=None) -> _Side:  # the state, then the batches, on the devices
+  return _jit_side("jaxtrain", setup.step, setup.init() if state is None else state,
+                   [setup.device_batch(b) for b in batches], list(setup.mesh.devices.flat))
 
 
 def minimal_side(cfg, params, batches, device) -> _Side:
@@ -126,9 +122,8 @@ def minimal_side(cfg, params, batches, device) -> _Side:
   import jax.numpy as jnp
   from jaxtrain.analysis.baselines import minimal
   b = minimal.Minimal(cfg)
-  state = b.init(params, device)
-  return _jit_side("minimal", b.step, state, [{k: jax.device_put(jnp.asarray(v), device) for k, v in x.items()}
-                                              for x in batches], [device])
+  return _jit_side("minimal", b.step, b.init(params, device),
+                   [{k: jax.device_put(jnp.asarray(v), device) for k, v in x.items()} for x in batches], [device])
 
 
 def torch_side(cfg, params, batches, platform) -> _Side:
@@ -145,7 +140,8 @@ def torch_side(cfg, params, batches, platform) -> _Side:
   return side
 
 
-def alternate(sides, *, steps: int, warmup: int, rounds: int, on_round=None, on_timed=None) -> dict:
+def alternate(sides, *, steps: int, warmup: int, rounds: int, on_round=lambda r: None,
+              on_timed=lambda side, r: None) -> dict:
   """`warmup` untimed steps of each side, then `rounds` rounds of `steps` timed steps of each side
   in turn (a machine's drift hits every side alike); {side name: median step time of each round}."""
   import numpy as np
@@ -153,16 +149,14 @@ def alternate(sides, *, steps: int, warmup: int, rounds: int, on_round=None, on_
     side.untimed(warmup)
   medians = {side.name: [] for side in sides}
   for r in range(rounds):
-    if on_round:
-      on_round(r)
+    on_round(r)
     for side in sides:
       first = side.box["i"]
       times = time_steps(side.run, side.sync, steps, side.pipelined)
       side.times += times
       side.timed += range(first, first + steps)
       medians[side.name].append(float(np.median(times)))
-      if on_timed:
-        on_timed(side, r)
+      on_timed(side, r)
   return medians
 
 
@@ -170,15 +164,12 @@ def summarize(side: _Side, valid: list[int], flops_per_step: float, n_devices: i
               measured: float | None) -> dict:
   per_dev = [flops_per_step / s / n_devices for s in side.times]
   tokens = [valid[i % len(valid)] for i in side.timed]
-  return {
-      "compile_s": side.compile_s,
-      "step_time_s": stats(side.times),
-      "tokens_per_s": stats([n / s for n, s in zip(tokens, side.times)]),
-      "tflops_per_device": stats([f / 1e12 for f in per_dev]),
-      "mfu": stats([f / peak for f in per_dev]) if peak else None,
-      "mfu_vs_measured_peak": stats([f / measured for f in per_dev]) if measured else None,
-      "peak_memory_bytes": side.peak_memory, "memory_note": side.memory_note, "devices": n_devices,
-  }
+  return {"compile_s": side.compile_s, "step_time_s": stats(side.times),
+          "tokens_per_s": stats([n / s for n, s in zip(tokens, side.times)]),
+          "tflops_per_device": stats([f / 1e12 for f in per_dev]),
+          "mfu": stats([f / peak for f in per_dev]) if peak else None,
+          "mfu_vs_measured_peak": stats([f / measured for f in per_dev]) if measured else None,
+          "peak_memory_bytes": side.peak_memory, "memory_note": side.memory_note, "devices": n_devices}
 
 
 def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list[str], rounds: int,
@@ -191,8 +182,7 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
   from jaxtrain.run import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
   fit.check(setup, cfg.run.fit_check)
-  dev0 = mesh.devices.flat[0]
-  t = cfg.train
+  dev0, t = mesh.devices.flat[0], cfg.train
   unpacked = "torch" in baselines  # SDPA's flash path masks causally only: every side gets unpacked rows
   if batches is None:
     batches = first_batches(cfg, setup, min(steps, 4), unpacked)
@@ -214,22 +204,21 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
       sides.append(minimal_side(cfg, params0, batches, dev0) if name == "minimal"
                    else torch_side(cfg, params0, batches, dev0.platform))
 
-  def on_timed(side, r):
-    if side.name == "jaxtrain" and r == 0:  # before any baseline's timed step
+  def on_timed(side, r):  # peak memory: jaxtrain's before any baseline's timed step, torch's after its last
+    if side.name == "jaxtrain" and r == 0:
       side.peak_memory = device_peak_memory(side.devices)
       side.memory_note = ("device.memory_stats() peak_bytes_in_use, max over devices" if side.peak_memory is not None
                           else f"not reported by the {dev0.platform} backend")
+    elif side.name == "torch" and r == n_rounds - 1:
+      side.peak_memory = side.torch_baseline.peak_memory()
+      side.memory_note = ("torch.cuda.max_memory_allocated()" if side.peak_memory is not None
+                          else "not reported for torch on CPU")
+    elif side.name == "minimal":
+      side.memory_note = "not separable: shares the device (and its peak counter) with jaxtrain"
   medians = alternate(sides, steps=steps, warmup=warmup, rounds=n_rounds, on_timed=on_timed,
                       on_round=lambda r: progress(f"timing round {r + 1}/{n_rounds}: {steps} steps per side"))
   # same batches: step-time ratio = tokens/s ratio
   per_round = {name: [b / j for b, j in zip(medians[name], medians["jaxtrain"])] for name in baselines}
-  for side in sides[1:]:
-    if side.name == "torch":
-      side.peak_memory = side.torch_baseline.peak_memory()
-      side.memory_note = ("torch.cuda.max_memory_allocated()" if side.peak_memory is not None
-                          else "not reported for torch on CPU")
-    else:
-      side.memory_note = "not separable: shares the device (and its peak counter) with jaxtrain"
 
   compiled = sides[0].box["compiled"]
   eff = costs.efficiency(compiled, flops_per_step / mesh.size, sum(memory.state_bytes(setup).values()))
@@ -246,9 +235,7 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
       "peak_flops_per_device": peak, "peak_source": "jaxtrain.parallel.devices.TABLE" if peak else
       f"unknown for device kind {dev0.device_kind!r}: MFU is null",
-      "measured_peak": measured,
-      "efficiency": eff,
-      "breakdown": top,
+      "measured_peak": measured, "efficiency": eff, "breakdown": top,
       "jaxtrain": summarize(sides[0], valid, flops_per_step, mesh.size, peak, mflops),
       "baseline_results": {s.name: summarize(s, valid, flops_per_step, 1, peak, mflops) for s in sides[1:]},
       "ratios": {name: {**stats(q), "per_round": q,
@@ -269,9 +256,7 @@ def table(rep: dict) -> str:
        f"{'':<9} {'step ms: median [min..max]':<28} {'tokens/s':>11} {'TFLOP/s/dev':>11} {'MFU':>6} "
        f"{'compile s':>9} {'peak mem':>10}"]
   for name, r in rows:
-    st = r["step_time_s"]
-    mfu = r["mfu"]["median"] if r["mfu"] else None
-    mem = r["peak_memory_bytes"]
+    st, mfu, mem = r["step_time_s"], r["mfu"] and r["mfu"]["median"], r["peak_memory_bytes"]
     steps = f"{st['median'] * 1e3:.2f} [{st['min'] * 1e3:.2f}..{st['max'] * 1e3:.2f}]"
     L.append(f"{name:<9} {steps:<28} {r['tokens_per_s']['median']:>11,.0f} {r['tflops_per_device']['median']:>11.4g} "
              f"{_fmt(mfu, '.1%'):>6} {r['compile_s']:>9.1f} {'n/a' if mem is None else f'{mem / 2**30:.2f} GiB':>10}")
@@ -287,8 +272,7 @@ def table(rep: dict) -> str:
   b = rep["breakdown"]
   if b and b["available"]:
     L.append(f"top ops of {b['steps']} traced step(s), {b['ops_ms_per_step']:.2f} ms of ops per step:")
-    for row in b["top"]:
-      L.append(f"  {row['share']:6.1%} {row['ms_per_step']:9.3f} ms  {row['op']:<28} {row['jax_op'][-90:]}")
+    L += [f"  {row['share']:6.1%} {row['ms_per_step']:9.3f} ms  {row['op']:<28} {row['jax_op'][-90:]}" for row in b["top"]]
   elif b:
     L.append(f"breakdown: not available ({b['why']})")
   for name, q in rep["ratios"].items():

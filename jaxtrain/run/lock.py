@@ -65,10 +65,9 @@ class WorkdirLock:
           if here else "it did not release the lock cleanly (crashed?)"
       self.note = f"lock: taking over the stale lock of a previous run ({_describe(old)}): {state}"
       print(self.note, flush=True)
-    body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}).encode()
     try:  # the record only serves messages: a full disk must not stop the run here
       os.ftruncate(fd, 0)
-      os.pwrite(fd, body, 0)
+      os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}).encode(), 0)
     except OSError:
       pass
     self._claimed = True

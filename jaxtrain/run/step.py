@@ -90,9 +90,7 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   (loss_sum, grad_sum, moe), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros, moe0),
                                               placement_lib.split_microbatches(batch, microbatches, plan or plan_lib.local()))
   out = loss_sum / denom, jax.tree.map(lambda g: g / loss_scale, grad_sum), n_valid
-  if not moe_metrics:
-    return out
-  return *out, moe_balance.update_metrics(moe, microbatches)
+  return (*out, moe_balance.update_metrics(moe, microbatches)) if moe_metrics else out
 
 
 def eval_loss(graphdef, params, batch, microbatches: int, plan):
@@ -149,9 +147,8 @@ class Setup:
     check_fits_mesh(cfg, mesh)
     self.plan = plan or plan_lib.build(cfg, mesh)  # decided once; the model only follows it
     self.graphdef, abstract_state = model_lib.abstract(cfg.model, cfg.train.seed)
-    self.n_params = model_lib.param_count(abstract_state)
+    self.n_params, self.notes = model_lib.param_count(abstract_state), []
     self.abstract_params = abstract_state  # nnx.State of ShapeDtypeStructs with `axes` metadata
-    self.notes: list[str] = []
     param_sh = sharding.param_shardings(abstract_state, mesh, self.notes)
     self.opt = optimizer(cfg)
     replicated = NamedSharding(mesh, P())
@@ -200,9 +197,8 @@ def check_fits_mesh(cfg: Config, mesh) -> None:
   if per_micro % batch_ways:
     raise UserError(f"train.batch_size={t.batch_size} / train.microbatches={t.microbatches} = {per_micro} sequences "
                     f"per microbatch must divide over data*fsdp*expert={batch_ways} devices")
-  m = cfg.model
-  if m.moe_experts and m.moe_experts % mesh.shape["expert"]:
-    raise UserError(f"model.moe_experts={m.moe_experts} must divide over expert={mesh.shape['expert']} devices")
+  if (x := cfg.model.moe_experts) and x % mesh.shape["expert"]:
+    raise UserError(f"model.moe_experts={x} must divide over expert={mesh.shape['expert']} devices")
   pipeline.check(cfg, mesh)
   if t.seq_len % mesh.shape["sequence"]:
     raise UserError(f"train.seq_len={t.seq_len} must divide over sequence={mesh.shape['sequence']} devices")

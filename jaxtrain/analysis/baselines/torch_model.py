@@ -76,9 +76,7 @@ class Transformer(nn.Module):
     x = self.embed(tokens)
     for block in self.layers:
       x = block(x, pos)
-    x = self.final_norm(x)
-    w = self.embed.weight if self.m.tie_embeddings else self.lm_head.weight
-    return F.linear(x, w)
+    return F.linear(self.final_norm(x), self.embed.weight if self.m.tie_embeddings else self.lm_head.weight)
 
 
 def load_jax_params(model: Transformer, params) -> None:
@@ -114,8 +112,7 @@ def loss_fn(model, batch, dtype):
 
 
 def lr_lambda(t, steps: int):
-  """jaxtrain's schedule as a multiplier of t.lr ([optim]): linear warmup, then cosine to
-  min_lr_ratio at `steps`."""
+  """jaxtrain's schedule as a multiplier of t.lr: linear warmup, then cosine to min_lr_ratio at `steps`."""
   def f(s):
     if s < t.warmup_steps:
       return (s + 1) / max(t.warmup_steps, 1)
