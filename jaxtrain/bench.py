@@ -1,16 +1,5 @@
-"""`python -m jaxtrain.bench`: the real train step's speed, with baselines side by side.
-
-    python -m jaxtrain.bench --config llama3-1b --mesh fsdp=1 [--steps 20] [--warmup 3]
-        [--baseline minimal,torch|minimal|torch|none] [--rounds 3] [--measure-peak] [--out bench.json] [--set k=v ...]
-
-Times `Setup.step` (compiled ahead of time, state donated, batches from jaxtrain.data
-staged on the device before timing) over N steps after W warm-up steps. A step's time
-runs from the end of the previous step to the end of this one, with the next step
-already queued (as the trainer measures). With baselines, R rounds alternate N
-jaxtrain steps and N steps of each baseline, and each ratio is taken round by round.
-The GPU checks (attention kernels, matmul peak, remat policies, XLA flags, baselines at
-the ~1B shape) are a pytest suite in a source checkout: `python -m pytest -m gpu tests/gpu`.
-"""
+"""`python -m jaxtrain.bench`: the real train step's speed, with baselines side by side
+(docs/performance.md); the work is in analysis/speed.py and analysis/compare.py."""
 
 from __future__ import annotations
 
@@ -21,10 +10,8 @@ from pathlib import Path
 
 from jaxtrain import cli
 from jaxtrain.analysis import speed
-from jaxtrain.analysis.speed import BASELINES
 from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
-
 
 
 def parse_args(argv=None):
@@ -52,9 +39,9 @@ def parse_baselines(text: str) -> list[str]:
   names = [n.strip() for n in text.split(",") if n.strip()]
   if names == ["none"]:
     return []
-  bad = [n for n in names if n not in BASELINES]
-  if bad or not names or len(set(names)) != len(names):
-    raise UserError(f"--baseline {text!r}: use none, or one or more of {', '.join(BASELINES)} separated by commas")
+  if not names or len(set(names)) != len(names) or not set(names) <= set(speed.BASELINES):
+    raise UserError(f"--baseline {text!r}: use none, or one or more of {', '.join(speed.BASELINES)} "
+                    "separated by commas")
   return names
 
 
@@ -95,12 +82,7 @@ def main(argv=None) -> int:
     rep = speed.run(started.cfg, started.mesh, Path(args.config).stem, steps=args.steps, warmup=args.warmup,
                     baselines=baselines, rounds=args.rounds, measure=args.measure_peak,
                     breakdown=args.breakdown, trace_dir=out.parent / (out.stem + "-trace"))
-    try:
-      files.write_json_atomic(out, rep)
-    except OSError as e:
-      raise UserError(f"--out {args.out}: cannot write ({e.strerror})") from None
-    print(f"wrote {out}")
-    print(speed.table(rep))
+    _write(args, out, rep, speed.table)
   return cli.main("jaxtrain.bench", body)
 
 
@@ -108,16 +90,19 @@ def _compare(args, mesh, out: Path, baselines) -> int:
   from jaxtrain.analysis import compare as bench_compare
   if baselines:
     raise UserError("--compare and --baseline do not mix; give one")
-  variants = bench_compare.parse(args.compare)
-  rep = bench_compare.run(args.config, args.set, variants, mesh, steps=args.steps, warmup=args.warmup,
-                          rounds=args.rounds)
+  rep = bench_compare.run(args.config, args.set, bench_compare.parse(args.compare), mesh, steps=args.steps,
+                          warmup=args.warmup, rounds=args.rounds)
+  _write(args, out, rep, bench_compare.table)
+  return 0
+
+
+def _write(args, out: Path, rep: dict, table) -> None:
   try:
     files.write_json_atomic(out, rep)
   except OSError as e:
     raise UserError(f"--out {args.out}: cannot write ({e.strerror})") from None
   print(f"wrote {out}")
-  print(bench_compare.table(rep))
-  return 0
+  print(table(rep))
 
 
 def _check_one_device(baselines: list[str], spec: str, devices: int) -> None:

@@ -1,18 +1,8 @@
-"""`python -m jaxtrain.bench --compare NAME:k=v,k=v ...`: variants of one config timed in
-one process, alternating round by round (so a machine's drift hits every variant alike),
-each with XLA's compiled memory per device.
-
-Every variant is the base config (--config, --set) plus its own overrides, on the same
-mesh and the same batches (jaxtrain's data path, staged on the device before timing).
-Per round, each variant runs --steps timed steps (pipelined, as the trainer measures);
-reported per variant: step time statistics over all rounds, the median of each round,
-compile time, and `compiled.memory_analysis()` (per device: temporaries, arguments,
-outputs, aliased, generated code).
-"""
+"""`python -m jaxtrain.bench --compare NAME:k=v,k=v ...`: variants of one config (--config, --set, plus
+each variant's overrides) on the same mesh and batches, timed in one process, alternating round by
+round; per variant: step times, round medians, compile time and XLA's compiled memory per device."""
 
 from __future__ import annotations
-
-import time
 
 from jaxtrain.core.errors import UserError
 
@@ -31,69 +21,45 @@ def parse(items: list[str]) -> list[tuple[str, list[str]]]:
   return out
 
 
-def _same_shapes(a, b) -> bool:
+def _variant(name, cfg, mesh, batches, first: dict):
+  """A timed side and its compiled memory. `first` holds the first variant's initial state on
+  the host: a variant whose state has the same shapes starts from it (same weights, one
+  initializer compile fewer)."""
   import jax
-  sa, sb = jax.tree.structure(a), jax.tree.structure(b)
-  return sa == sb and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(jax.tree.leaves(a),
-                                                                                    jax.tree.leaves(b)))
-
-
-def _variant(cfg, mesh, batches, first: dict):
-  """`first` holds the first variant's initial state on the host: a variant whose state has
-  the same shapes starts from it (same weights, and one initializer compile fewer)."""
-  import jax
+  from jaxtrain.analysis import gpu_compile, speed
   from jaxtrain.run import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
-  if "state" in first and _same_shapes(first["state"], jax.eval_shape(setup.init)):
+  sig = lambda tree: (jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)])  # noqa: E731
+  if "state" in first and sig(first["state"]) == sig(jax.eval_shape(setup.init)):
     state = jax.device_put(first["state"], setup.state_shardings)
   else:
     state = setup.init()
     first.setdefault("state", jax.device_get(state))
-  dev = [setup.device_batch(b) for b in batches]
-  t = time.perf_counter()
-  compiled = setup.step.lower(state, dev[0]).compile()
-  compile_s = time.perf_counter() - t
-  from jaxtrain.analysis import gpu_compile
-  m = gpu_compile.CompiledMemory.of(compiled)
-  memory = None if m is None else {"temp_bytes": m.temporaries, "argument_bytes": m.arguments,
-                                   "output_bytes": m.outputs, "alias_bytes": m.aliased, "code_bytes": m.generated_code}
-  box = {"state": state, "i": 0}
-
-  def run():
-    box["state"], metrics = compiled(box["state"], dev[box["i"] % len(dev)])
-    box["i"] += 1
-    return metrics["loss"]
-  return run, jax.block_until_ready, compile_s, memory
+  side = speed.jaxtrain_side(cfg, setup, batches, state)
+  side.name = name
+  m = gpu_compile.CompiledMemory.of(side.box["compiled"])
+  return side, m and {"temp_bytes": m.temporaries, "argument_bytes": m.arguments, "output_bytes": m.outputs,
+                      "alias_bytes": m.aliased, "code_bytes": m.generated_code}
 
 
 def run(base_name: str, base_sets: list[str], variants: list[tuple[str, list[str]]], mesh, *, steps: int,
         warmup: int, rounds: int) -> dict:
-  import numpy as np
-  from jaxtrain.analysis import timing
+  from jaxtrain.analysis import speed
   from jaxtrain.core import config
   from jaxtrain.parallel import mesh as mesh_lib
   from jaxtrain.run import step as step_lib
   cfgs = {name: config.load(base_name, base_sets + sets) for name, sets in variants}
-  first = next(iter(cfgs.values()))
-  batches = timing.first_batches(first, step_lib.Setup(first, mesh), min(steps, 4), unpacked=False)
+  cfg0 = next(iter(cfgs.values()))
+  batches = speed.first_batches(cfg0, step_lib.Setup(cfg0, mesh), min(steps, 4), unpacked=False)
   first: dict = {}
-  sides = {name: _variant(cfg, mesh, batches, first) for name, cfg in cfgs.items()}
-  for run_fn, sync, _, _ in sides.values():
-    for _ in range(warmup):
-      sync(run_fn())
-  times = {name: [] for name in sides}
-  per_round = {name: [] for name in sides}
-  for _ in range(rounds):
-    for name, (run_fn, sync, _, _) in sides.items():
-      ts = timing.time_steps(run_fn, sync, steps)
-      times[name] += ts
-      per_round[name].append(float(np.median(ts)))
+  sides = {name: _variant(name, cfg, mesh, batches, first) for name, cfg in cfgs.items()}
+  medians = speed.alternate([s for s, _ in sides.values()], steps=steps, warmup=warmup, rounds=rounds)
   return {
       "config": base_name, "set": base_sets, "mesh": mesh_lib.describe(dict(mesh.shape)), "devices": mesh.size,
       "device_kind": mesh.devices.flat[0].device_kind, "steps": steps, "warmup": warmup, "rounds": rounds,
-      "variants": {name: {"set": sets, "compile_s": sides[name][2], "step_time_s": timing.stats(times[name]),
-                          "round_medians_s": per_round[name], "compiled_memory_per_device": sides[name][3]}
-                   for name, sets in variants},
+      "variants": {name: {"set": sets, "compile_s": sides[name][0].compile_s,
+                          "step_time_s": speed.stats(sides[name][0].times), "round_medians_s": medians[name],
+                          "compiled_memory_per_device": sides[name][1]} for name, sets in variants},
   }
 
 

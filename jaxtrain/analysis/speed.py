@@ -1,6 +1,5 @@
-"""The train step's speed beside baselines, for `python -m jaxtrain.bench`: `Setup.step`
-compiled ahead of time, state donated, batches staged before timing; with baselines, R
-rounds alternate N steps of each side and each ratio is taken round by round."""
+"""The train step's speed beside baselines for `python -m jaxtrain.bench` (docs/performance.md),
+and the step timer and alternating rounds that `bench --compare` shares."""
 
 from __future__ import annotations
 
@@ -8,25 +7,64 @@ import os
 import time
 from pathlib import Path
 
-from jaxtrain.analysis.timing import first_batches, stats, time_steps
 from jaxtrain.core.errors import UserError
 
 BASELINES = ("minimal", "torch")
-PEAK_SIZE = {"gpu": 8192, "tpu": 8192, "cpu": 1024}  # bf16 n x n x n matmul for --measure-peak
+
+
+def stats(xs) -> dict:
+  import numpy as np
+  a = np.asarray(xs, float)
+  return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max()),
+          "p25": float(np.percentile(a, 25)), "p75": float(np.percentile(a, 75)), "n": int(a.size)}
+
+
+def time_steps(run, sync, n: int, pipelined: bool = True) -> list[float]:
+  """Seconds of each of n steps: `run()` dispatches one and returns a handle, `sync(handle)` waits.
+  Pipelined: step s's end is awaited with s+1 already queued (the trainer's clock); otherwise
+  (`run` returns when the step is done: torch on CPU) each step is timed alone."""
+  times = []
+  if not pipelined:
+    for _ in range(n):
+      t = time.perf_counter()
+      sync(run())
+      times.append(time.perf_counter() - t)
+    return times
+  last, pending = time.perf_counter(), run()
+  for k in range(n):
+    queued = run() if k < n - 1 else None
+    sync(pending)
+    now = time.perf_counter()
+    times.append(now - last)
+    last, pending = now, queued
+  return times
+
+
+def first_batches(cfg, setup, n: int, unpacked: bool) -> list[dict]:
+  """The first n numpy batches of this process from jaxtrain's data path; `unpacked`: the same
+  tokens with each row one document (one segment, positions 0..L-1)."""
+  import contextlib
+  import numpy as np
+  from jaxtrain import data
+  with contextlib.closing(data.batches(cfg, *setup.placement.rows())) as it:
+    out = [next(it) for _ in range(n)]
+  if not unpacked:
+    return out
+  B, L = out[0]["inputs"].shape
+  return [{**b, "segment_ids": np.ones((B, L), np.int32),
+           "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy()} for b in out]
 
 
 def measure_peak(device, size: int | None = None, reps: int = 5) -> dict:
-  """Best bf16 matmul throughput of one device over a few timed repeats, FLOP/s."""
+  """Best bf16 n x n x n matmul throughput of one device over a few timed repeats, FLOP/s."""
   import jax
   import jax.numpy as jnp
-  n = size or PEAK_SIZE.get(device.platform, 1024)
-  k1, k2 = jax.random.split(jax.random.key(0))
-  a = jax.device_put(jax.random.normal(k1, (n, n), jnp.bfloat16), device)
-  b = jax.device_put(jax.random.normal(k2, (n, n), jnp.bfloat16), device)
+  n = size or {"gpu": 8192, "tpu": 8192}.get(device.platform, 1024)
+  a, b = (jax.device_put(jax.random.normal(k, (n, n), jnp.bfloat16), device)
+          for k in jax.random.split(jax.random.key(0)))
   mm = jax.jit(lambda x, y: x @ y)
   mm(a, b).block_until_ready()
-  inner = 10 if device.platform != "cpu" else 2
-  best = 0.0
+  inner, best = (10 if device.platform != "cpu" else 2), 0.0
   for _ in range(reps):
     t = time.perf_counter()
     outs = [mm(a, b) for _ in range(inner)]
@@ -42,106 +80,109 @@ def device_peak_memory(devices) -> int | None:
 
 
 class _Side:
-  """One trainer under test: dispatch/sync callables, compile time, timings."""
+  """One trainer under test: `run()` dispatches step i on batch i % len(batches) and returns
+  its loss, `sync(loss)` waits for it. box: {"state", "i": steps dispatched, "compiled"}."""
 
-  def __init__(self, name, run, sync, compile_s, devices, box):
-    self.name, self.run, self.sync, self.compile_s, self.devices = name, run, sync, compile_s, devices
-    self.box = box  # box["i"]: steps dispatched so far; step i trains on batch i % len(batches)
-    self.times: list[float] = []
-    self.tokens: list[int] = []
+  def __init__(self, name, step, state, batches, sync, devices, compile_s=0.0, compiled=None, pipelined=True):
+    self.name, self.step, self.batches, self.sync, self.devices = name, step, batches, sync, devices
+    self.compile_s, self.pipelined, self.box = compile_s, pipelined, {"state": state, "i": 0, "compiled": compiled}
+    self.times, self.timed = [], []  # seconds and step index (box["i"]) of each timed step
     self.peak_memory, self.memory_note = None, ""
-    self.pipelined = True
+
+  def run(self):
+    self.box["state"], loss = self.step(self.box["state"], self.batches[self.box["i"] % len(self.batches)])
+    self.box["i"] += 1
+    return loss
+
+  def untimed(self, n: int) -> None:
+    for _ in range(n):
+      self.sync(self.run())
 
 
-def jaxtrain_side(cfg, setup, batches):
+def _jit_side(name, jitted, state, batches, devices) -> _Side:
+  """`jitted(state, batch)` compiled ahead of time (the compile timed), state donated."""
   import jax
-  state = setup.init()
-  dev = [setup.device_batch(b) for b in batches]
   t = time.perf_counter()
-  compiled = setup.step.lower(state, dev[0]).compile()
+  compiled = jitted.lower(state, batches[0]).compile()
   compile_s = time.perf_counter() - t
-  box = {"state": state, "i": 0, "compiled": compiled}
 
-  def run():
-    box["state"], metrics = compiled(box["state"], dev[box["i"] % len(dev)])
-    box["i"] += 1
-    return metrics["loss"]
-  return _Side("jaxtrain", run, jax.block_until_ready, compile_s, list(setup.mesh.devices.flat), box)
+  def step(s, batch):
+    s, out = compiled(s, batch)
+    return s, out["loss"] if isinstance(out, dict) else out
+  return _Side(name, step, state, batches, jax.block_until_ready, devices, compile_s, compiled)
 
 
-def minimal_side(cfg, params, batches, device):
+def jaxtrain_side(cfg, setup, batches, state=None) -> _Side:  # the state, then the batches, on the devices
+  return _jit_side("jaxtrain", setup.step, setup.init() if state is None else state,
+                   [setup.device_batch(b) for b in batches], list(setup.mesh.devices.flat))
+
+
+def minimal_side(cfg, params, batches, device) -> _Side:
   import jax
   import jax.numpy as jnp
   from jaxtrain.analysis.baselines import minimal
   b = minimal.Minimal(cfg)
-  state = b.init(params, device)
-  dev = [{k: jax.device_put(jnp.asarray(v), device) for k, v in x.items()} for x in batches]
-  t = time.perf_counter()
-  compiled = b.step.lower(state, dev[0]).compile()
-  compile_s = time.perf_counter() - t
-  box = {"state": state, "i": 0}
-
-  def run():
-    box["state"], loss = compiled(box["state"], dev[box["i"] % len(dev)])
-    box["i"] += 1
-    return loss
-  return _Side("minimal", run, jax.block_until_ready, compile_s, [device], box)
+  return _jit_side("minimal", b.step, b.init(params, device),
+                   [{k: jax.device_put(jnp.asarray(v), device) for k, v in x.items()} for x in batches], [device])
 
 
-def torch_side(cfg, params, batches, platform):
+def torch_side(cfg, params, batches, platform) -> _Side:
   from jaxtrain.analysis.baselines import torch_model  # imports torch; only here
   try:
     b = torch_model.TorchBaseline(cfg, params, "cuda" if platform == "gpu" else "cpu")
   except ValueError as e:
     raise UserError(f"--baseline torch: {e}") from None
-  dev = [b.to_device(x) for x in batches]
-  box = {"i": 0}
-
-  def run():
-    loss = b.step(dev[box["i"] % len(dev)])
-    box["i"] += 1
-    return loss
-  # torch.compile compiles on the first call: that call's time is the compile time.
+  side = _Side("torch", lambda _, batch: (None, b.step(batch)), None, [b.to_device(x) for x in batches],
+               lambda loss: loss.item(), [], pipelined=b.device.type == "cuda")  # CPU torch runs each step eagerly
   t = time.perf_counter()
-  run().item()
-  side = _Side("torch", run, lambda loss: loss.item(), time.perf_counter() - t, [], box)
-  side.torch_baseline, side.pipelined = b, b.device.type == "cuda"  # CPU torch runs each step eagerly
+  side.run().item()  # torch.compile compiles on the first call: that call's time is the compile time
+  side.compile_s, side.torch_baseline = time.perf_counter() - t, b
   return side
 
 
-def summarize(side: _Side, flops_per_step: float, n_devices: int, peak: float | None, measured: float | None) -> dict:
+def alternate(sides, *, steps: int, warmup: int, rounds: int, on_round=lambda r: None,
+              on_timed=lambda side, r: None) -> dict:
+  """`warmup` untimed steps of each side, then `rounds` rounds of `steps` timed steps of each side
+  in turn (a machine's drift hits every side alike); {side name: median step time of each round}."""
+  import numpy as np
+  for side in sides:
+    side.untimed(warmup)
+  medians = {side.name: [] for side in sides}
+  for r in range(rounds):
+    on_round(r)
+    for side in sides:
+      first = side.box["i"]
+      times = time_steps(side.run, side.sync, steps, side.pipelined)
+      side.times += times
+      side.timed += range(first, first + steps)
+      medians[side.name].append(float(np.median(times)))
+      on_timed(side, r)
+  return medians
+
+
+def summarize(side: _Side, valid: list[int], flops_per_step: float, n_devices: int, peak: float | None,
+              measured: float | None) -> dict:
   per_dev = [flops_per_step / s / n_devices for s in side.times]
-  return {
-      "compile_s": side.compile_s,
-      "step_time_s": stats(side.times),
-      "tokens_per_s": stats([n / s for n, s in zip(side.tokens, side.times)]),
-      "tflops_per_device": stats([f / 1e12 for f in per_dev]),
-      "mfu": stats([f / peak for f in per_dev]) if peak else None,
-      "mfu_vs_measured_peak": stats([f / measured for f in per_dev]) if measured else None,
-      "peak_memory_bytes": side.peak_memory, "memory_note": side.memory_note, "devices": n_devices,
-  }
-
-
-def _progress(text: str) -> None:
-  print(f"bench: {text}", flush=True)  # long work gets a line, not a silent minute
+  tokens = [valid[i % len(valid)] for i in side.timed]
+  return {"compile_s": side.compile_s, "step_time_s": stats(side.times),
+          "tokens_per_s": stats([n / s for n, s in zip(tokens, side.times)]),
+          "tflops_per_device": stats([f / 1e12 for f in per_dev]),
+          "mfu": stats([f / peak for f in per_dev]) if peak else None,
+          "mfu_vs_measured_peak": stats([f / measured for f in per_dev]) if measured else None,
+          "peak_memory_bytes": side.peak_memory, "memory_note": side.memory_note, "devices": n_devices}
 
 
 def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list[str], rounds: int,
         measure: bool, breakdown: int = 0, trace_dir: Path | None = None, batches: list[dict] | None = None) -> dict:
   """`batches`: numpy batches to cycle instead of jaxtrain.data's (e.g. synthetic tokens, tests/gpu)."""
   import jax
-  import numpy as np
-  from jaxtrain.analysis import baselines as baselines_lib
-  from jaxtrain.analysis import costs
-  from jaxtrain.analysis import fit
+  from jaxtrain.analysis import baselines as baselines_lib, costs, fit, memory
   from jaxtrain.model import flops
-  from jaxtrain.analysis import memory
   from jaxtrain.parallel import mesh as mesh_lib
   from jaxtrain.run import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
   fit.check(setup, cfg.run.fit_check)
-  dev0 = mesh.devices.flat[0]
-  t = cfg.train
+  dev0, t = mesh.devices.flat[0], cfg.train
   unpacked = "torch" in baselines  # SDPA's flash path masks causally only: every side gets unpacked rows
   if batches is None:
     batches = first_batches(cfg, setup, min(steps, 4), unpacked)
@@ -151,69 +192,52 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
   flops_per_step = flops.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
   peak = flops.peak_flops(dev0.device_kind)
   measured = measure_peak(dev0) if measure else None
-
-  _progress(f"compiling the jaxtrain step ({config_name}, mesh {mesh_lib.describe(dict(mesh.shape))})")
+  n_rounds = rounds if baselines else 1
+  progress = lambda text: print(f"bench: {text}", flush=True)  # noqa: E731 (long work gets a line, not a silent minute)
+  progress(f"compiling the jaxtrain step ({config_name}, mesh {mesh_lib.describe(dict(mesh.shape))})")
   sides = [jaxtrain_side(cfg, setup, batches)]
   if baselines:
     # The baselines start from jaxtrain's initial weights (fetched before any step donates them).
     params0 = baselines_lib.layer_list(jax.device_get(setup.init()["params"]), cfg.model.n_layers)
     for name in baselines:
-      _progress(f"compiling the {name} baseline")
+      progress(f"compiling the {name} baseline")
       sides.append(minimal_side(cfg, params0, batches, dev0) if name == "minimal"
                    else torch_side(cfg, params0, batches, dev0.platform))
-  for side in sides:
-    for _ in range(warmup):
-      side.sync(side.run())
-  per_round: dict[str, list[float]] = {name: [] for name in baselines}
-  for r in range(rounds if baselines else 1):
-    _progress(f"timing round {r + 1}/{rounds if baselines else 1}: {steps} steps per side")
-    medians = {}
-    for side in sides:
-      first = side.box["i"]
-      times = time_steps(side.run, side.sync, steps, side.pipelined)
-      side.tokens += [valid[(first + i) % len(valid)] for i in range(steps)]
-      side.times += times
-      medians[side.name] = float(np.median(times))
-      if side.name == "jaxtrain" and r == 0:
-        # Before any baseline step: the device peak is jaxtrain's own.
-        side.peak_memory = device_peak_memory(side.devices)
-        side.memory_note = ("device.memory_stats() peak_bytes_in_use, max over devices" if side.peak_memory is not None
-                            else f"not reported by the {dev0.platform} backend")
-    for name in baselines:  # same batches: step-time ratio = tokens/s ratio
-      per_round[name].append(medians[name] / medians["jaxtrain"])
-  for side in sides[1:]:
-    if side.name == "torch":
+
+  def on_timed(side, r):  # peak memory: jaxtrain's before any baseline's timed step, torch's after its last
+    if side.name == "jaxtrain" and r == 0:
+      side.peak_memory = device_peak_memory(side.devices)
+      side.memory_note = ("device.memory_stats() peak_bytes_in_use, max over devices" if side.peak_memory is not None
+                          else f"not reported by the {dev0.platform} backend")
+    elif side.name == "torch" and r == n_rounds - 1:
       side.peak_memory = side.torch_baseline.peak_memory()
       side.memory_note = ("torch.cuda.max_memory_allocated()" if side.peak_memory is not None
                           else "not reported for torch on CPU")
-    else:
+    elif side.name == "minimal":
       side.memory_note = "not separable: shares the device (and its peak counter) with jaxtrain"
+  medians = alternate(sides, steps=steps, warmup=warmup, rounds=n_rounds, on_timed=on_timed,
+                      on_round=lambda r: progress(f"timing round {r + 1}/{n_rounds}: {steps} steps per side"))
+  # same batches: step-time ratio = tokens/s ratio
+  per_round = {name: [b / j for b, j in zip(medians[name], medians["jaxtrain"])] for name in baselines}
 
   compiled = sides[0].box["compiled"]
   eff = costs.efficiency(compiled, flops_per_step / mesh.size, sum(memory.state_bytes(setup).values()))
-  top = None
-  if breakdown:
-    def run_steps(n):
-      for _ in range(n):
-        sides[0].sync(sides[0].run())
-    top = costs.breakdown(run_steps, min(steps, 3), compiled.as_text(), breakdown, trace_dir)
+  top = costs.breakdown(sides[0].untimed, min(steps, 3), compiled.as_text(), breakdown, trace_dir) if breakdown else None
   mflops = measured and measured["flops"]
   return {
       "config": config_name, "mesh": mesh_lib.describe(dict(mesh.shape)), "devices": mesh.size,
       "platform": dev0.platform, "device_kind": dev0.device_kind, "batch_size": t.batch_size, "seq_len": t.seq_len,
       "compute_dtype": cfg.model.dtype, "batch": "one document per row" if unpacked else "packed",
-      "steps": steps, "warmup": warmup, "rounds": rounds if baselines else 1, "baselines": baselines,
+      "steps": steps, "warmup": warmup, "rounds": n_rounds, "baselines": baselines,
       "valid_tokens_per_step": stats(valid),
       "flops_per_token": flops_per_step / (t.batch_size * t.seq_len), "flops_per_step": flops_per_step,
       "flops_formula": "jaxtrain.model.flops.flops_per_token (as in jaxtrain.inspect)",
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
       "peak_flops_per_device": peak, "peak_source": "jaxtrain.parallel.devices.TABLE" if peak else
       f"unknown for device kind {dev0.device_kind!r}: MFU is null",
-      "measured_peak": measured,
-      "efficiency": eff,
-      "breakdown": top,
-      "jaxtrain": summarize(sides[0], flops_per_step, mesh.size, peak, mflops),
-      "baseline_results": {s.name: summarize(s, flops_per_step, 1, peak, mflops) for s in sides[1:]},
+      "measured_peak": measured, "efficiency": eff, "breakdown": top,
+      "jaxtrain": summarize(sides[0], valid, flops_per_step, mesh.size, peak, mflops),
+      "baseline_results": {s.name: summarize(s, valid, flops_per_step, 1, peak, mflops) for s in sides[1:]},
       "ratios": {name: {**stats(q), "per_round": q,
                         "meaning": f"jaxtrain tokens/s / {name} tokens/s, from the median step time of each round"}
                  for name, q in per_round.items()},
@@ -232,9 +256,7 @@ def table(rep: dict) -> str:
        f"{'':<9} {'step ms: median [min..max]':<28} {'tokens/s':>11} {'TFLOP/s/dev':>11} {'MFU':>6} "
        f"{'compile s':>9} {'peak mem':>10}"]
   for name, r in rows:
-    st = r["step_time_s"]
-    mfu = r["mfu"]["median"] if r["mfu"] else None
-    mem = r["peak_memory_bytes"]
+    st, mfu, mem = r["step_time_s"], r["mfu"] and r["mfu"]["median"], r["peak_memory_bytes"]
     steps = f"{st['median'] * 1e3:.2f} [{st['min'] * 1e3:.2f}..{st['max'] * 1e3:.2f}]"
     L.append(f"{name:<9} {steps:<28} {r['tokens_per_s']['median']:>11,.0f} {r['tflops_per_device']['median']:>11.4g} "
              f"{_fmt(mfu, '.1%'):>6} {r['compile_s']:>9.1f} {'n/a' if mem is None else f'{mem / 2**30:.2f} GiB':>10}")
@@ -250,8 +272,7 @@ def table(rep: dict) -> str:
   b = rep["breakdown"]
   if b and b["available"]:
     L.append(f"top ops of {b['steps']} traced step(s), {b['ops_ms_per_step']:.2f} ms of ops per step:")
-    for row in b["top"]:
-      L.append(f"  {row['share']:6.1%} {row['ms_per_step']:9.3f} ms  {row['op']:<28} {row['jax_op'][-90:]}")
+    L += [f"  {row['share']:6.1%} {row['ms_per_step']:9.3f} ms  {row['op']:<28} {row['jax_op'][-90:]}" for row in b["top"]]
   elif b:
     L.append(f"breakdown: not available ({b['why']})")
   for name, q in rep["ratios"].items():

@@ -1,19 +1,7 @@
-"""One trainer per workdir: an OS file lock on <workdir>/jaxtrain.run.lock, held by process 0.
-
-The lock is `filelock`'s native Unix lock, `flock(LOCK_EX | LOCK_NB)` on an open file,
-tried once (no waiting): the kernel drops it when the process exits in any way (SIGKILL
-included), so a crashed run never leaves a lock that blocks its requeued successor. The
-file also records the holder (host, pid, since) for the message a second trainer prints;
-a clean exit empties it, so a record found under a free lock is a run that died, and the
-taker says so (the "stale lock" note).
-
-What it guarantees: on one host, always. Across hosts on a shared filesystem, only where
-that filesystem implements locks (NFS with a working lock manager, NFSv4, Lustre mounted
-with `flock`, most parallel filesystems); on filesystems without them (e.g. object-store
-FUSE mounts) `flock` either fails, which we report as a warning and run unlocked, or is
-local to each host, so two hosts could both train: there the scheduler must keep one job
-per workdir.
-"""
+"""One trainer per workdir: `flock(LOCK_EX | LOCK_NB)` (filelock's Unix lock, tried once) on
+<workdir>/jaxtrain.run.lock, held by process 0; the kernel drops it when the process dies. The file
+records the holder (host, pid, since) and a clean exit empties it, so a record under a free lock
+is a run that died. Guarantees across hosts: docs/checkpoints.md."""
 
 from __future__ import annotations
 
@@ -38,7 +26,7 @@ def _alive(pid: int) -> bool:
   except ProcessLookupError:
     return False
   except PermissionError:  # exists, owned by someone else
-    return True
+    pass
   return True
 
 
@@ -48,11 +36,12 @@ def _describe(rec: dict) -> str:
   return f"host {rec.get('host', '?')}, pid {rec.get('pid', '?')}, since {when}"
 
 
-def _record(raw: bytes) -> dict:
+def _record(read) -> dict:
+  """The holder's record from `read()` (its first 4096 bytes); {} when unreadable or not a record."""
   try:
-    rec = json.loads(raw.decode() or "{}")
+    rec = json.loads(read()[:4096].decode() or "{}")
     return rec if isinstance(rec, dict) else {}
-  except ValueError:
+  except (OSError, ValueError):
     return {}
 
 
@@ -69,20 +58,16 @@ class WorkdirLock:
 
   def _claim(self, fd: int) -> None:
     """Under the lock: note a record left by a run that did not exit cleanly, write ours."""
-    try:
-      old = _record(os.pread(fd, 4096, 0))
-    except OSError:
-      old = {}
+    old = _record(lambda: os.pread(fd, 4096, 0))
     if old.get("pid"):
       here = old.get("host") == socket.gethostname()
       state = ("that process is gone" if not _alive(int(old["pid"])) else "that pid now belongs to another process") \
           if here else "it did not release the lock cleanly (crashed?)"
       self.note = f"lock: taking over the stale lock of a previous run ({_describe(old)}): {state}"
       print(self.note, flush=True)
-    body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}).encode()
     try:  # the record only serves messages: a full disk must not stop the run here
       os.ftruncate(fd, 0)
-      os.pwrite(fd, body, 0)
+      os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}).encode(), 0)
     except OSError:
       pass
     self._claimed = True
@@ -91,11 +76,8 @@ class WorkdirLock:
     try:
       self._lock.acquire()
     except filelock.Timeout:
-      try:
-        holder = _record(self.path.read_bytes()[:4096])
-      except OSError:
-        holder = {}
-      raise UserError(f"workdir {self.path.parent} is in use by another trainer ({_describe(holder)}; lock file "
+      holder = _describe(_record(self.path.read_bytes))
+      raise UserError(f"workdir {self.path.parent} is in use by another trainer ({holder}; lock file "
                       f"{self.path}); wait for it to finish or stop it, or use another --workdir") from None
     except OSError as e:
       if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):

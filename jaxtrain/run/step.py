@@ -1,14 +1,9 @@
-"""The train step, readable top to bottom, and the sharded setup around it.
-
-Train state: {"params": pure dict of fp32 arrays, "opt": optax state, "step": int32 count
-of applied updates (the schedule position), "loss_scale": see `precision`}.
-Loss contract: sum of per-token cross-entropy over valid tokens, divided by the number
-of valid tokens in the WHOLE update (all microbatches, all data-parallel ranks). The
-global view of jit makes "all ranks" automatic: the batch is one global array.
-"""
+"""The train step, readable top to bottom, and the sharded setup around it (docs/training.md).
+State: {"params": fp32 pure dict, "opt": optax state, "step": int32 applied updates, "loss_scale"}."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -17,29 +12,20 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain.model import transformer as model_lib
-from jaxtrain.model import moe_balance
-from jaxtrain.parallel import expert_layout as moe_layout
-from jaxtrain.parallel import pipeline
-from jaxtrain.parallel import placement as placement_lib
-from jaxtrain.parallel import plan as plan_lib
-from jaxtrain.run import precision
-from jaxtrain.parallel import sharding
-from jaxtrain.model import loss as xent
 from jaxtrain.core.config import Config, OptimConfig
 from jaxtrain.core.errors import UserError
-# Weight decay applies to the projection matrices only: not to norm scales (they set a
-# scale, not a direction) and not to the embedding table (rows of rare tokens would be
-# pulled to zero between their rare updates).
+from jaxtrain.model import loss as xent, moe_balance, transformer as model_lib
+from jaxtrain.parallel import expert_layout as moe_layout, pipeline, placement as placement_lib, plan as plan_lib
+from jaxtrain.parallel import sharding
+from jaxtrain.run import precision
+
+# Decayed: projections only; not norm scales (a scale, not a direction) nor the embedding (rare rows would shrink).
 DECAYED = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"})
 
 
 def lr_schedule(o: OptimConfig, steps: int) -> optax.Schedule:
-  """Linear warmup (lr/warmup, 2*lr/warmup, .., lr at update warmup-1), then cosine from lr at
-  update `warmup` to lr*min_lr_ratio at update `steps`, held there after.
-
-  Its argument is the number of optimizer updates already applied.
-  """
+  """By optimizer updates applied: linear warmup (lr/warmup, 2*lr/warmup, .., lr at update warmup-1),
+  then cosine from lr at update `warmup` to lr*min_lr_ratio at update `steps`, held there after."""
   cosine = optax.cosine_decay_schedule(o.lr, max(steps - o.warmup_steps, 1), alpha=o.min_lr_ratio)
   if o.warmup_steps == 0:
     return cosine
@@ -52,11 +38,8 @@ def decay_mask(params):
 
 
 def optimizer(cfg: Config) -> optax.GradientTransformation:
-  """AdamW on the global-norm-clipped gradient (clipping off when optim.grad_clip is 0).
-
-  The clip is stateless, so the state is AdamW's alone: the same pytree, hence the same
-  checkpoint layout, with and without clipping (`optax.chain` would nest it one level down,
-  and checkpoints written before could no longer be restored)."""
+  """AdamW on the global-norm-clipped gradient (no clip when optim.grad_clip is 0). The state is AdamW's
+  alone, the checkpoint layout the same either way (`optax.chain` would nest it one level down)."""
   o = cfg.optim
   adamw = optax.adamw(lr_schedule(o, cfg.train.steps), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                       mask=decay_mask)
@@ -76,9 +59,7 @@ def token_loss_sum(graphdef, params, mb, plan=None):
 
 
 def token_loss_and_moe(graphdef, params, mb, plan=None):
-  """(token_loss_sum, MoE totals of the microbatch (`moe_balance.totals`): aux loss,
-  dropped and assigned token-to-expert assignments, per-layer expert load; zeros for a
-  dense model)."""
+  """(token_loss_sum, the microbatch's MoE totals `moe_balance.totals`; zeros for a dense model)."""
   model = nnx.merge(graphdef, params)
   plan = plan or plan_lib.local(model.cfg)
   h_BxLxD, moe_stats = model.hidden(mb["inputs"], mb["positions"], mb["segment_ids"], plan)
@@ -87,20 +68,11 @@ def token_loss_and_moe(graphdef, params, mb, plan=None):
 
 
 def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metrics: bool = False, plan=None):
-  """Token-normalized loss and (unscaled) gradient of one update, accumulated over microbatches.
-
-  The valid-token count of the whole update is known before any microbatch runs, so
-  each microbatch's backward pass runs on loss_sum * loss_scale / n_valid: per-token
-  gradients are O(loss_scale / n_valid), in float16 range, and the summed gradient is
-  already the token average. Dividing by loss_scale at the end unscales it.
-
-  MoE: the objective differentiated is loss + (mean over microbatches of the
-  microbatch's aux loss, itself the mean over MoE layers); the returned loss is the
-  cross-entropy alone. With moe_metrics=True a 4th value holds `moe_aux_loss`,
-  `moe_dropped_frac` (dropped / all token-to-expert assignments of the update),
-  `moe_load_imbalance` and `moe_load` (per MoE layer and expert: assignments chosen in the
-  update, for the aux-free bias; not a logged metric).
-  """
+  """(loss, unscaled gradient, n_valid[, MoE metrics]) of one update, accumulated over microbatches.
+  Each microbatch's backward runs on (loss_sum + its share of the MoE aux) * loss_scale / n_valid
+  (n_valid of the whole update): per-token gradients stay in float16 range and the summed gradient
+  is already the token average. The loss returned is the cross-entropy alone; with moe_metrics
+  `moe_balance.update_metrics` (moe_load: per layer and expert, for the aux-free bias) comes 4th."""
   n_valid = jnp.sum(batch["loss_mask"] > 0)
   denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
   zeros = jax.tree.map(jnp.zeros_like, params)
@@ -118,14 +90,12 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   (loss_sum, grad_sum, moe), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros, moe0),
                                               placement_lib.split_microbatches(batch, microbatches, plan or plan_lib.local()))
   out = loss_sum / denom, jax.tree.map(lambda g: g / loss_scale, grad_sum), n_valid
-  if not moe_metrics:
-    return out
-  return *out, moe_balance.update_metrics(moe, microbatches)
+  return (*out, moe_balance.update_metrics(moe, microbatches)) if moe_metrics else out
 
 
 def eval_loss(graphdef, params, batch, microbatches: int, plan):
-  """Loss-only pass: summed per-token loss and valid-token count of one batch (microbatched
-  like the train step, so it fits wherever training fits). Sums, so batches add up exactly."""
+  """Loss-only pass: summed per-token loss and valid-token count of one batch, microbatched like
+  the train step (it fits wherever training fits); sums, so batches add up exactly."""
   def accumulate(total, mb):
     return total + token_loss_sum(graphdef, params, mb, plan), None
   loss_sum, _ = jax.lax.scan(accumulate, jnp.float32(0), placement_lib.split_microbatches(batch, microbatches, plan))
@@ -139,9 +109,8 @@ def init_state(cfg: Config, opt: optax.GradientTransformation, params) -> dict:
 
 
 def guarded_update(opt: optax.GradientTransformation, params, opt_state, g, ok):
-  """(params, opt_state, applied): the update of `opt` (clipping included) when `ok` and the
-  new params are finite, else the old values untouched. The choice is one `lax.cond` between the two
-  states, not an elementwise select over every array."""
+  """(params, opt_state, applied): the update of `opt` when `ok` and the new params are finite, else
+  the old values; one `lax.cond` between the two states, not an elementwise select per array."""
   updates, new_opt = opt.update(g, opt_state, params)
   new_params = optax.apply_updates(params, updates)
   # e.g. a huge lr: finite gradients, overflowing params
@@ -150,27 +119,19 @@ def guarded_update(opt: optax.GradientTransformation, params, opt_state, g, ok):
 
 
 def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, plan, state, batch, grads_fn=None):
-  """One update. A step whose gradients or update are not all finite (or that has no valid
-  token) moves nothing: params, Adam state and the schedule position (`step`) stay as they were.
-  `grads_fn` (same contract as `grads`) replaces it: the pipeline executor."""
+  """One update; a step with non-finite gradients or update, or no valid token, moves nothing.
+  `grads_fn` (the contract of `grads`; the pipeline executor) replaces `grads`."""
   t = cfg.train
   scale = state["loss_scale"]["scale"]
-  if grads_fn is None:
-    loss, g, n_valid, moe_metrics = grads(graphdef, state["params"], batch, t.microbatches, scale, moe_metrics=True,
-                                          plan=plan)
-  else:
-    loss, g, n_valid, moe_metrics = grads_fn(graphdef, state["params"], batch, t.microbatches, scale, moe_metrics=True)
+  grads_fn = grads_fn or functools.partial(grads, plan=plan)
+  loss, g, n_valid, moe_metrics = grads_fn(graphdef, state["params"], batch, t.microbatches, scale, moe_metrics=True)
   grad_norm = optax.tree.norm(g)  # unscaled, before the optimizer clips it: as logged
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)  # a non-finite element makes the norm non-finite
   params, opt_state, apply = guarded_update(opt, state["params"], state["opt"], g, finite & (n_valid > 0))
   # aux-loss-free balancing: the routing bias moves after an applied update only (no-op when off)
   params = moe_balance.nudge(cfg.model, params, moe_metrics.pop("moe_load"), apply)
-  new_state = {
-      "params": params,
-      "opt": opt_state,
-      "step": state["step"] + apply.astype(jnp.int32),
-      "loss_scale": precision.update(cfg, state["loss_scale"], finite),
-  }
+  new_state = {"params": params, "opt": opt_state, "step": state["step"] + apply.astype(jnp.int32),
+               "loss_scale": precision.update(cfg, state["loss_scale"], finite)}
   metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(cfg.optim, t.steps)(state["step"]), "tokens": n_valid,
              "skipped": ~apply, "loss_scale": scale}
   if cfg.model.moe_experts:
@@ -186,9 +147,8 @@ class Setup:
     check_fits_mesh(cfg, mesh)
     self.plan = plan or plan_lib.build(cfg, mesh)  # decided once; the model only follows it
     self.graphdef, abstract_state = model_lib.abstract(cfg.model, cfg.train.seed)
-    self.n_params = model_lib.param_count(abstract_state)
+    self.n_params, self.notes = model_lib.param_count(abstract_state), []
     self.abstract_params = abstract_state  # nnx.State of ShapeDtypeStructs with `axes` metadata
-    self.notes: list[str] = []
     param_sh = sharding.param_shardings(abstract_state, mesh, self.notes)
     self.opt = optimizer(cfg)
     replicated = NamedSharding(mesh, P())
@@ -237,9 +197,8 @@ def check_fits_mesh(cfg: Config, mesh) -> None:
   if per_micro % batch_ways:
     raise UserError(f"train.batch_size={t.batch_size} / train.microbatches={t.microbatches} = {per_micro} sequences "
                     f"per microbatch must divide over data*fsdp*expert={batch_ways} devices")
-  m = cfg.model
-  if m.moe_experts and m.moe_experts % mesh.shape["expert"]:
-    raise UserError(f"model.moe_experts={m.moe_experts} must divide over expert={mesh.shape['expert']} devices")
+  if (x := cfg.model.moe_experts) and x % mesh.shape["expert"]:
+    raise UserError(f"model.moe_experts={x} must divide over expert={mesh.shape['expert']} devices")
   pipeline.check(cfg, mesh)
   if t.seq_len % mesh.shape["sequence"]:
     raise UserError(f"train.seq_len={t.seq_len} must divide over sequence={mesh.shape['sequence']} devices")

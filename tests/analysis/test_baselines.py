@@ -9,7 +9,7 @@ import pytest
 
 from jaxtrain.core import config
 from jaxtrain.run import step
-from jaxtrain.analysis import timing
+from jaxtrain.analysis import speed
 from jaxtrain.analysis.baselines import minimal
 from tests.helpers import mesh_of
 
@@ -30,7 +30,7 @@ def _jaxtrain(tied, unpacked):
   setup = step.Setup(cfg, mesh_of("fsdp=1"))
   state = setup.init()
   params0 = jax.device_get(state["params"])
-  batch = timing.first_batches(cfg, setup, 1, unpacked)[0]
+  batch = speed.first_batches(cfg, setup, 1, unpacked)[0]
   if not unpacked:  # two documents per row (the bundled ones are longer than a row)
     L = batch["inputs"].shape[1]
     second = np.arange(L) >= 20

@@ -9,7 +9,6 @@ import pytest
 
 from jaxtrain import bench
 from jaxtrain.analysis import speed
-from jaxtrain.analysis import timing
 from jaxtrain.model import flops
 
 TINY = ["--set", "train.batch_size=4", "--set", "train.seq_len=64"]
@@ -78,9 +77,9 @@ def test_pipelined_timer_attributes_each_step_its_own_time():
   def sync(i):
     while time.perf_counter() < ends[i]:
       time.sleep(0.001)
-  times = timing.time_steps(run, sync, len(durations))
+  times = speed.time_steps(run, sync, len(durations))
   np.testing.assert_allclose(times, durations, atol=0.01)
-  sync_times = timing.time_steps(lambda: time.sleep(0.02), lambda _: None, 3, pipelined=False)
+  sync_times = speed.time_steps(lambda: time.sleep(0.02), lambda _: None, 3, pipelined=False)
   np.testing.assert_allclose(sync_times, [0.02] * 3, atol=0.01)
 
 

@@ -65,7 +65,7 @@ def measure_step(tiny: bool, device, remat: str) -> dict:
   import jax
   import numpy as np
   from jaxtrain.analysis import speed as bench
-  from jaxtrain.analysis import gpu_compile, timing
+  from jaxtrain.analysis import gpu_compile
   from jaxtrain.model import flops
   from jaxtrain.run import step as step_lib
   cfg = load_config(tiny, [f"model.remat={remat}"])
@@ -74,7 +74,7 @@ def measure_step(tiny: bool, device, remat: str) -> dict:
   side = bench.jaxtrain_side(cfg, setup, synthetic_batches(cfg, min(s["steps"], 4)))
   for _ in range(s["warmup"]):
     side.sync(side.run())
-  times = timing.time_steps(side.run, side.sync, s["steps"])
+  times = bench.time_steps(side.run, side.sync, s["steps"])
   loss = float(jax.device_get(side.sync(side.run())))
   peak = bench.device_peak_memory(side.devices)
   ma = gpu_compile.CompiledMemory.of(side.box["compiled"])
@@ -83,7 +83,7 @@ def measure_step(tiny: bool, device, remat: str) -> dict:
   fl = flops.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
   table = flops.peak_flops(device.device_kind)
   return {"config": s["config"], "remat": remat, "attention": setup.plan.attention, "batch_size": t.batch_size,
-          "seq_len": t.seq_len, "compile_s": side.compile_s, "step_time_s": timing.stats(times),
+          "seq_len": t.seq_len, "compile_s": side.compile_s, "step_time_s": bench.stats(times),
           "tokens_per_s": t.batch_size * t.seq_len / median, "mfu": fl / median / table if table else None,
           "peak_memory_bytes": peak, "compiled_memory_bytes":
           {"argument": ma.arguments, "output": ma.outputs, "alias": ma.aliased, "temp": ma.temporaries} if ma else None,

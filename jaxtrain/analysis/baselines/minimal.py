@@ -1,9 +1,5 @@
-"""A hand-written `jax.jit` train step of jaxtrain's dense model, on one device.
-
-What a user would write instead of jaxtrain: a plain forward over a dict of arrays, the
-token-averaged cross-entropy, global-norm clipping and optax AdamW, one jit with the
-state donated. No mesh, no microbatches, no skipped-step guard, no loss scaling.
-"""
+"""A hand-written `jax.jit` train step of jaxtrain's dense model on one device, as a user would
+write it: no mesh, no microbatches, no skipped-step guard, no loss scaling."""
 
 from __future__ import annotations
 
@@ -11,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-DECAYED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+from jaxtrain.run.step import decay_mask
 
 
 def rms_norm(x, scale, eps):
@@ -37,7 +33,7 @@ def forward(p, m, tokens, pos, seg):
   x = p["embed"][tokens].astype(dt)
   for i in range(m.n_layers):
     lp = p["layers"][i]
-    a = lp["attn"]
+    a, f = lp["attn"], lp["mlp"]
     h = rms_norm(x, lp["attn_norm"]["scale"], m.norm_eps)
     q = rope(jnp.einsum("bld,dhe->blhe", h, a["wq"].astype(dt)), pos, m.rope_theta)
     k = rope(jnp.einsum("bld,dke->blke", h, a["wk"].astype(dt)), pos, m.rope_theta)
@@ -47,7 +43,6 @@ def forward(p, m, tokens, pos, seg):
     s = jnp.where(mask[:, None, None], s, -1e30)
     o = jnp.einsum("bkglm,bmke->blkge", jax.nn.softmax(s, -1).astype(dt), v).reshape(B, L, m.n_heads, m.head_dim)
     x = x + jnp.einsum("blhe,hed->bld", o, a["wo"].astype(dt))
-    f = lp["mlp"]
     h = rms_norm(x, lp["mlp_norm"]["scale"], m.norm_eps)
     x = x + (jax.nn.silu(h @ f["w_gate"].astype(dt)) * (h @ f["w_up"].astype(dt))) @ f["w_down"].astype(dt)
   x = rms_norm(x, p["final_norm"]["scale"], m.norm_eps)
@@ -64,18 +59,14 @@ def loss_fn(p, m, batch):
 
 
 def make_optimizer(t, steps: int):
-  """Global-norm clipping, then AdamW on the projection matrices' decay, warmup + cosine LR
-  reaching its floor at `steps` (`t`: the [optim] section)."""
+  """Global-norm clipping, then AdamW (decay on projections), warmup + cosine LR to its floor at `steps`."""
   def lr(s):
     s = jnp.asarray(s, jnp.float32)
     progress = jnp.clip((s - t.warmup_steps) / max(steps - t.warmup_steps, 1), 0.0, 1.0)
     cosine = t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * progress)))
     return jnp.where(s < t.warmup_steps, t.lr * (s + 1) / max(t.warmup_steps, 1), cosine)
 
-  def mask(params):
-    return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) in DECAYED, params)
-
-  adamw = optax.adamw(lr, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=mask)
+  adamw = optax.adamw(lr, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=decay_mask)
   return optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip > 0 else adamw
 
 
@@ -83,8 +74,7 @@ class Minimal:
   """`init(params)` -> state; `step(state, batch)` -> (state, loss), jitted, state donated."""
 
   def __init__(self, cfg):
-    self.m = cfg.model
-    self.opt = make_optimizer(cfg.optim, cfg.train.steps)
+    self.m, self.opt = cfg.model, make_optimizer(cfg.optim, cfg.train.steps)
 
     def step(state, batch):
       params, opt_state = state

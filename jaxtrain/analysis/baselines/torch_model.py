@@ -1,11 +1,5 @@
-"""jaxtrain's dense model in PyTorch: torch.compile, SDPA attention, fused AdamW on CUDA.
-
-What a user would pick instead of jaxtrain, written the usual PyTorch way (nn.Linear
-weights are (out, in)); `load_jax_params` copies jaxtrain's pure-dict parameters across
-so both start from the same weights. One document per row: attention is plain causal
-(`is_causal=True`, the flash path on GPU), so the batch must not be packed; the segment
-ids are checked. Imported only by `--baseline torch`: torch is the optional `bench` extra.
-"""
+"""jaxtrain's dense model the usual PyTorch way: torch.compile, SDPA attention (plain causal, so
+one document per row), fused AdamW on CUDA. Imported only by `--baseline torch` (the `bench` extra)."""
 
 from __future__ import annotations
 
@@ -16,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-DECAYED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+from jaxtrain.run.step import DECAYED
 
 
 class RMSNorm(nn.Module):
@@ -45,12 +39,12 @@ class Block(nn.Module):
 
   def __init__(self, m):
     super().__init__()
-    D, H, K, E, F_ = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
+    D, H, K, F_ = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.d_ff
     self.m = m
     self.attn_norm, self.mlp_norm = RMSNorm(D, m.norm_eps), RMSNorm(D, m.norm_eps)
-    self.wq, self.wk, self.wv = nn.Linear(D, H * E, bias=False), nn.Linear(D, K * E, bias=False), nn.Linear(D, K * E, bias=False)
-    self.wo = nn.Linear(H * E, D, bias=False)
-    self.w_gate, self.w_up, self.w_down = nn.Linear(D, F_, bias=False), nn.Linear(D, F_, bias=False), nn.Linear(F_, D, bias=False)
+    for name, n_in, n_out in (("wq", D, H), ("wk", D, K), ("wv", D, K), ("wo", H, D), ("w_gate", D, F_),
+                              ("w_up", D, F_), ("w_down", F_, D)):
+      setattr(self, name, nn.Linear(n_in, n_out, bias=False))
 
   def forward(self, x, pos):
     m = self.m
@@ -82,32 +76,30 @@ class Transformer(nn.Module):
     x = self.embed(tokens)
     for block in self.layers:
       x = block(x, pos)
-    x = self.final_norm(x)
-    w = self.embed.weight if self.m.tie_embeddings else self.lm_head.weight
-    return F.linear(x, w)
+    return F.linear(self.final_norm(x), self.embed.weight if self.m.tie_embeddings else self.lm_head.weight)
 
 
 def load_jax_params(model: Transformer, params) -> None:
-  """Copies jaxtrain's pure dict (numpy-convertible leaves) into the torch model."""
-  def put(dst, src, to_out_in):
+  """Copies jaxtrain's pure dict (numpy-convertible leaves) into the torch model. jaxtrain's
+  projections are (in..., out...): (D, N, E), (H, E, D), (D, F); nn.Linear's are (out, in)."""
+  def put(dst, src, linear=False, in_first=False):
     a = np.asarray(src, np.float32)
-    a = a.reshape(-1, a.shape[-1]).T if to_out_in == "in_first" else a.reshape(a.shape[0], -1).T if to_out_in == "out_last" else a
+    if linear:  # wo (H, E, D) -> (D, H*E); the others (D, ...) -> (..., D)
+      a = a.reshape(-1, a.shape[-1]).T if in_first else a.reshape(a.shape[0], -1).T
     with torch.no_grad():
       dst.copy_(torch.from_numpy(np.array(a, copy=True, order="C")))
 
-  put(model.embed.weight, params["embed"], None)
-  put(model.final_norm.scale, params["final_norm"]["scale"], None)
+  put(model.embed.weight, params["embed"])
+  put(model.final_norm.scale, params["final_norm"]["scale"])
   if not model.m.tie_embeddings:
-    put(model.lm_head.weight, params["lm_head"], "out_last")  # (D, V) -> (V, D)
+    put(model.lm_head.weight, params["lm_head"], linear=True)
   for i, block in enumerate(model.layers):
     p = params["layers"][i]
-    for name in ("wq", "wk", "wv"):  # (D, N, E) -> (N*E, D)
-      put(getattr(block, name).weight, p["attn"][name], "out_last")
-    put(block.wo.weight, p["attn"]["wo"], "in_first")  # (H, E, D) -> (D, H*E)
-    for name in ("w_gate", "w_up", "w_down"):  # (in, out) -> (out, in)
-      put(getattr(block, name).weight, p["mlp"][name], "out_last")
-    put(block.attn_norm.scale, p["attn_norm"]["scale"], None)
-    put(block.mlp_norm.scale, p["mlp_norm"]["scale"], None)
+    for group, names in (("attn", ("wq", "wk", "wv", "wo")), ("mlp", ("w_gate", "w_up", "w_down"))):
+      for name in names:
+        put(getattr(block, name).weight, p[group][name], linear=True, in_first=name == "wo")
+    for name in ("attn_norm", "mlp_norm"):
+      put(getattr(block, name).scale, p[name]["scale"])
 
 
 def loss_fn(model, batch, dtype):
@@ -120,8 +112,7 @@ def loss_fn(model, batch, dtype):
 
 
 def lr_lambda(t, steps: int):
-  """jaxtrain's schedule as a multiplier of t.lr ([optim]): linear warmup, then cosine to
-  min_lr_ratio at `steps`."""
+  """jaxtrain's schedule as a multiplier of t.lr: linear warmup, then cosine to min_lr_ratio at `steps`."""
   def f(s):
     if s < t.warmup_steps:
       return (s + 1) / max(t.warmup_steps, 1)
@@ -134,8 +125,6 @@ class TorchBaseline:
   """`step(batch)` -> loss tensor (one optimizer update); the model and optimizer live inside."""
 
   def __init__(self, cfg, params, device: str = "cpu", compile: bool = True):  # noqa: A002
-    if cfg.model.dtype not in ("bfloat16", "float32"):
-      raise ValueError(f"the torch baseline supports bfloat16 or float32 compute, not {cfg.model.dtype}")
     if device == "cuda" and not torch.cuda.is_available():
       raise ValueError("the torch baseline was asked to run on a GPU, but this torch build has no CUDA")
     t = cfg.optim
