@@ -37,7 +37,7 @@ def _reference(tiny: bool, layout: str):
   """Inputs, segment ids, the float32 truth, and the bf16 reference's outputs and errors."""
   import jax.numpy as jnp
   import numpy as np
-  from jaxtrain.model import transformer as model
+  from jaxtrain.model import attention
   B, L, H, K, E = checks.shape(tiny)["attention"]
   rng = np.random.default_rng(0)
   inputs = tuple(jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
@@ -45,8 +45,8 @@ def _reference(tiny: bool, layout: str):
   seg = (np.ones((B, L), np.int32) if layout == "unpacked" else
          np.repeat(np.arange(1, B * SEGMENTS + 1).reshape(B, SEGMENTS), L // SEGMENTS, axis=1))
   seg = jnp.asarray(seg)
-  truth = _run(model.attention, inputs, jnp.float32, seg)
-  ref = _run(model.attention, inputs, jnp.bfloat16, seg)
+  truth = _run(attention.attention, inputs, jnp.float32, seg)
+  ref = _run(attention.attention, inputs, jnp.bfloat16, seg)
   return inputs, seg, truth, ref, _rel_errors(ref, truth)
 
 
