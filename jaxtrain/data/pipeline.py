@@ -164,8 +164,6 @@ class Mixture:
     self._counts, self._lock = {0: np.zeros(len(sets), np.int64)}, threading.Lock()  # step -> rows taken before
 
   def choices(self, step: int) -> np.ndarray:
-    if len(self.packers) == 1:
-      return np.zeros(self.B, np.int64)
     u = np.random.default_rng([self.seed, MIX_TAG, step]).random(self.B)
     return np.minimum(np.searchsorted(self.cum_weights, u, side="right"), len(self.packers) - 1)
 
@@ -245,8 +243,7 @@ def _slice(cfg: Config, block: int, blocks: int) -> tuple[int, int]:
 
 
 def batches(cfg: Config, block: int = 0, blocks: int = 1, *, check_tokenizer: bool = True):
-  """An iterator of rows block `block` of `blocks` of each global batch (numpy dicts), with
-  get_state()/set_state()/close(). `placement.Placement.rows()` says which block a process feeds."""
+  """Rows block `block` of `blocks` of each global batch (numpy dicts), with get_state()/set_state()/close()."""
   lo, hi = _slice(cfg, block, blocks)
   train, _, pad = open_sources(cfg, check_tokenizer)
   return DataIterator(Mixture(cfg, train, cfg.train.seed, pad), lo, hi, cfg.data.workers, cfg.data.prefetch)
@@ -280,8 +277,7 @@ def _digest_one(spec: str) -> str:
 
 
 def source_digest(cfg: Config) -> str:
-  """A short stable hash of the training data (manifest of prepared data, bytes of a raw file;
-  for a mixture, a hash of the parts' hashes)."""
+  """A short stable hash of the training data (manifest, raw bytes, or for a mixture the parts' hashes)."""
   parts = [_digest_one(s) for s in source_specs(cfg.data.source)]
   return parts[0] if len(parts) == 1 else hashlib.sha256(",".join(parts).encode()).hexdigest()[:16]
 

@@ -17,10 +17,6 @@ FORMAT = "jaxtrain-tokens-v1"
 MANIFEST = "manifest.json"
 
 
-def shard_files(n: int) -> dict[str, str]:
-  return {"tokens": f"shard-{n:05d}.tokens.npy", "index": f"shard-{n:05d}.index.npy"}
-
-
 class TokenSet:
   """Documents as slices of token arrays. index: int64 (docs, 4) = shard, start, length, first
   trainable token (1 for plain text: the first token is never a target; after the prompt if supervised)."""

@@ -1,6 +1,5 @@
-"""Next-token cross-entropy from the final hidden states: a scan over chunks of each device's
-tokens under jax.checkpoint (no (B, L, V) logits kept), vocabulary-parallel by the `act_vocab`
-annotation alone. Imports parallel.{sharding, plan}."""
+"""Next-token cross-entropy from the final hidden states: a scan over chunks of each device's tokens under
+jax.checkpoint (no (B, L, V) logits kept), vocabulary-parallel by the `act_vocab` annotation alone."""
 
 from __future__ import annotations
 

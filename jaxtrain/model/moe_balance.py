@@ -1,6 +1,5 @@
-"""MoE balance: the auxiliary loss (jaxtrain's or Hugging Face's convention), the load imbalance
-metric, and the aux-loss-free routing bias update (DeepSeek-V3; the bias is a parameter that gets
-no gradient). Imports core."""
+"""MoE balance: the auxiliary loss (jaxtrain's or Hugging Face's convention), the load imbalance metric, and
+the aux-loss-free routing bias update (DeepSeek-V3; the bias is a parameter that gets no gradient)."""
 
 from __future__ import annotations
 

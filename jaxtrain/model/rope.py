@@ -1,5 +1,4 @@
-"""RoPE inverse frequencies with the `llama3` long-context scaling of Llama 3.1/3.2, on the host
-in float32 as the reference does. Imports nothing of jaxtrain."""
+"""RoPE inverse frequencies with Llama 3.1/3.2's `llama3` scaling, on the host in float32 as the reference does."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""A Llama-shaped decoder-only transformer in Flax NNX: plain math, logical axes only (parameters
-carry them as `axes` metadata); attention, MoE dispatch and annotations go through the execution
-plan passed in. Shapes: B batch, L length, D d_model, H heads, K kv heads, E head_dim, F d_ff, V vocab.
-Imports model.{attention, rope}, parallel.plan, core."""
+"""A Llama-shaped decoder-only transformer in Flax NNX: plain math, logical axes only (`axes` metadata); attention,
+MoE and annotations go through the plan. B batch, L length, D d_model, H heads, K kv heads, E head_dim, F d_ff,
+V vocab."""
 
 from __future__ import annotations
 

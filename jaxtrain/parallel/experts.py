@@ -1,7 +1,5 @@
-"""Mixture-of-experts routing (float32 router, top-k, balance and z-loss stats), per-group
-capacity, and the expert-parallel dispatch/combine (shard_map + all_to_all over `expert`);
-dropless runs in experts_dropless. The plan decides which (`plan.moe`, `plan.moe_kernel`).
-Imports parallel.{sharding, expert_layout, experts_dropless}."""
+"""MoE routing (float32 router, top-k, balance and z-loss stats), per-group capacity and the expert-parallel
+dispatch/combine (all_to_all over `expert`); dropless runs in experts_dropless, as `plan.moe_kernel` says."""
 
 from __future__ import annotations
 
@@ -81,8 +79,7 @@ def experts_ffn(buf_XxNxD, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, plan, slot_ax
 
 def moe_ffn(x_BxLxD, router_DxX, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, *, top_k: int,
             capacity_factor: float, plan, group_size: int = 0, score: str = "softmax", bias_X=None):
-  """The MoE feed-forward, dispatched as the plan says. Returns (y_BxLxD, stats): `route`'s
-  stats plus dropped and assigned counts (float32). group_size 0 = one sequence."""
+  """The MoE feed-forward as the plan says: (y_BxLxD, `route`'s stats + dropped and assigned counts)."""
   B, L, D = x_BxLxD.shape
   idx, w, stats = route(x_BxLxD, router_DxX, top_k, score, bias_X)
   weights = tuple(a.astype(x_BxLxD.dtype) for a in (w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD))

@@ -16,11 +16,8 @@ ALIASES = {"pp": "pipeline", "dp": "data", "fsdp": "fsdp", "ep": "expert", "sp":
 
 
 def _axis(name: str) -> str:
-  name = name.strip()
-  if name in AXES:
-    return name
-  if name in ALIASES:
-    return ALIASES[name]
+  if (axis := ALIASES.get(name.strip(), name.strip())) in AXES:
+    return axis
   valid = ", ".join(f"{a} ({k})" if k != a else a for k, a in ALIASES.items())
   raise UserError(f"unknown mesh axis {name!r}; valid axes: {valid}")
 
@@ -57,8 +54,7 @@ def parse_full(spec: str) -> tuple[dict[str, int], dict[str, int]]:
     if path is None or not path.is_file():
       raise UserError(f"mesh {spec!r} is neither axis=size pairs (e.g. dp=8,tp=8) nor a preset; presets: {', '.join(preset_names())}")
     spec = _from_preset(path)
-  sizes: dict[str, int] = {}
-  dcn: dict[str, int] = {}
+  sizes, dcn = {}, {}  # axis -> size; axis -> cross-host factor
   for part in spec.split(","):
     name, eq, value = part.partition("=")
     if not eq:
@@ -95,8 +91,7 @@ def fill(sizes: dict[str, int], device_count: int) -> dict[str, int]:
 
 
 def describe(sizes: dict[str, int]) -> str:
-  parts = [f"{a}={s}" for a, s in sizes.items() if s != 1]
-  return ",".join(parts) or "single device"
+  return ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "single device"
 
 
 def has_accelerator_plugin() -> bool:
@@ -133,10 +128,10 @@ def build(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None
   sizes = fill(sizes, len(devices))
   shape = tuple(sizes[a] for a in AXES)
   types = (AxisType.Auto,) * len(AXES)
-  if not dcn or all(k == 1 for k in dcn.values()):
+  dcn_shape = tuple((dcn or {}).get(a, 1) for a in AXES)
+  if math.prod(dcn_shape) == 1:
     return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
   hosts = len({d.process_index for d in devices})
-  dcn_shape = tuple(dcn[a] for a in AXES)
   if math.prod(dcn_shape) != hosts:
     raise UserError(f"mesh dcn factors multiply to {math.prod(dcn_shape)} but the run has {hosts} host(s) (processes)")
   ici_shape = tuple(s // k for s, k in zip(shape, dcn_shape))

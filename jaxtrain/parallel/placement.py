@@ -19,8 +19,7 @@ class Placement:
     self.block, self.blocks = self._rows()
 
   def _rows(self) -> tuple[int, int]:
-    """(block, blocks): this process feeds rows [block*B/blocks, (block+1)*B/blocks), exactly
-    the rows its devices hold."""
+    """(block, blocks): this process feeds rows [block*B/blocks, (block+1)*B/blocks), those its devices hold."""
     B = self.shape[0]
     spans = {(ix[0].start or 0, B if ix[0].stop is None else ix[0].stop)
              for ix in self.sharding.addressable_devices_indices_map(self.shape).values()}

@@ -48,8 +48,7 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh, notes: 
   """PartitionSpec for logical `axes` of an array of `shape` on `mesh`: a mesh axis splits a
   dimension it divides; a smaller dimension dividing it is replicated (noted); else Indivisible.
   An unknown logical name is a KeyError (a typo must not silently replicate)."""
-  used: set[str] = set()
-  out = []
+  used, out = set(), []
   for name, dim in zip(axes, shape, strict=True):
     if name is not None and name not in rules:
       raise KeyError(f"logical axis {name!r} (at {where or axes}) is not in sharding.RULES: {', '.join(rules)}")
@@ -88,8 +87,7 @@ class Indivisible(UserError):
 
 
 def param_shardings(abstract_state, mesh, notes: list[str] | None = None):
-  """NamedShardings (a pure dict) for every parameter of an abstract nnx.State, from its `axes`
-  metadata; what the mesh cannot split is reported in one UserError naming sizes that fit all."""
+  """NamedShardings (a pure dict) of an abstract nnx.State from its `axes`; one UserError for what cannot split."""
   from flax import nnx
   failed: list[Indivisible] = []
   dims: dict[str, list[int]] = {}  # mesh axis -> every dimension the rules split over it
