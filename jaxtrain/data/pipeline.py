@@ -1,6 +1,5 @@
-"""The loader: sources -> packed rows -> a weighted mixture -> this process's slice of each batch.
-Rows are addressable by number and the global batch of step s is a pure function of (train.seed, the
-data config, s), so the iterator state is the step (plus per-source row counts) on any process count."""
+"""The loader: sources -> packed rows -> a weighted mixture -> this process's slice of each batch. The global
+batch of step s is a pure function of (train.seed, data config, s): the iterator state is the step."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def open_source(spec: str, cfg: Config, check_tokenizer: bool = True) -> tuple[s
 
 
 def fields_from_rows(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """Packed (N, seq_len+1) rows -> model inputs, targets, loss mask, segment ids, positions.
-  A target counts only within one document (never padding) and where trainable (not a prompt)."""
+  """Packed (N, seq_len+1) rows -> inputs, targets, loss mask (within one document, trainable), segments, positions."""
   tok, seg, pos = rows["tokens"], rows["tokens_segment_ids"], rows["tokens_positions"]
   valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
   if "tokens_trainable" in rows:
@@ -250,8 +248,7 @@ def batches(cfg: Config, block: int = 0, blocks: int = 1, *, check_tokenizer: bo
 
 
 def eval_batches(cfg: Config, block: int = 0, blocks: int = 1) -> list[dict[str, np.ndarray]]:
-  """The fixed held-out batches (rows block `block` of `blocks`, as for training): the first
-  data.eval_batches global batches of the held-out split, the same at every evaluation."""
+  """The first data.eval_batches held-out global batches (rows block `block` of `blocks`), fixed across evals."""
   lo, hi = _slice(cfg, block, blocks)
   _, held, pad = open_sources(cfg)
   if held is None:

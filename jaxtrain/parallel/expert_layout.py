@@ -31,8 +31,7 @@ def local_shape(cfg, mesh) -> tuple[int, int]:
 
 
 def group_fits(G: int, L: int, b: int, n: int) -> bool:
-  """A group lies on one device holding b rows x n positions: G divides n, or n = L and G is a
-  multiple of L dividing b*L."""
+  """A group lies on one device of b rows x n positions: G divides n, or n = L and G is a multiple of L dividing b*L."""
   return n % G == 0 or (n == L and G % L == 0 and (b * L) % G == 0)
 
 
@@ -60,8 +59,7 @@ def check(cfg, mesh) -> None:
 
 
 def buffer_rows(cfg, mesh) -> dict:
-  """Per device, microbatch and MoE layer: tokens, and the rows each of the dispatch's
-  all-to-alls moves (capacity: X * groups * C; dropless: ep * bound)."""
+  """Per device, microbatch and MoE layer: tokens, and the rows each dispatch all-to-all moves."""
   m = cfg.model
   b, n = local_shape(cfg, mesh)
   T, X, k = b * n, m.moe_experts, m.moe_top_k

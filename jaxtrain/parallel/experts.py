@@ -13,8 +13,7 @@ capacity = moe_layout.capacity  # analysis.memory reads it here
 
 
 def route(x_BxLxD, router_DxX, top_k: int, score: str = "softmax", bias_X=None):
-  """-> expert ids (B,L,k) int32, weights (B,L,k) f32 summing to 1, and stats: `balance`,
-  `z`, `share` (X,) f_e, `prob` (X,) P_e, `load` (X,) assignments per expert (float32)."""
+  """-> ids (B,L,k) int32, weights (B,L,k) f32 summing to 1, stats: balance, z, share f_e, prob P_e, load (X,)."""
   B, L, _ = x_BxLxD.shape
   X = router_DxX.shape[1]
   logits_BxLxX = jnp.einsum("bld,dx->blx", x_BxLxD.astype(jnp.float32), router_DxX.astype(jnp.float32))
@@ -63,8 +62,7 @@ def combine(out_XxCxD, idx_Txk, slot_Txk, keep_Txk, w_Txk):
 
 
 def experts_ffn(buf_XxNxD, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, plan, slot_axes=None):
-  """SwiGLU of every expert on its buffer. The hidden keeps the slots' split (`slot_axes`), else XLA
-  may gather it over fsdp instead of the weights (mixtral-8x7b, fsdp=8 x ep=8: 4.4 GiB a layer)."""
+  """SwiGLU of every expert on its buffer; the hidden keeps the slots' split (`slot_axes`)."""
   g = jnp.einsum("xnd,xdf->xnf", buf_XxNxD, w_gate_XxDxF)
   u = jnp.einsum("xnd,xdf->xnf", buf_XxNxD, w_up_XxDxF)
   h_XxNxF = jax.nn.silu(g) * u

@@ -11,8 +11,7 @@ from jaxtrain.parallel import expert_layout as moe_layout, sharding
 
 
 def kernel(name: str, platform: str) -> str:
-  """model.moe_grouped_matmul on the target platform -> the kernel: `auto` is ragged_dot on GPU/TPU,
-  else blocks (XLA:CPU lowers ragged_dot to a dense product with every expert)."""
+  """model.moe_grouped_matmul -> the kernel: `auto` is ragged_dot on GPU/TPU, else blocks."""
   if name == "auto":
     return "ragged_dot" if platform in ("gpu", "cuda", "rocm", "tpu") else "blocks"
   return name
@@ -38,9 +37,8 @@ def grouped_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_do
 
 
 def blocked_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, skip_empty: bool = False):
-  """`grouped_ffn` over blocks of b rows of one expert each (each expert's run padded to whole
-  blocks): one batched matmul with weights gathered per block, or (skip_empty: the exchange's
-  rows, mostly padding) a loop skipping the blocks past the rows in use."""
+  """`grouped_ffn` over blocks of b rows of one expert each: one batched matmul, or (skip_empty) a loop that
+  skips the blocks past the rows in use."""
   N, D = rows_NxD.shape
   b = max(8, 1 << max(0, (N // (4 * experts)).bit_length() - 1))  # power of two near N / 4X: padding ~N/4
   nb = -(-(N + experts * (b - 1)) // b)

@@ -1,5 +1,4 @@
-"""The device mesh: `--mesh` parsing, simulated CPU devices, the six-axis Mesh (size 1
-where not asked for); `tensor` innermost, `pipeline` then `data` outermost. Imports core."""
+"""The device mesh: `--mesh` parsing, simulated CPU devices, the Mesh (`tensor` innermost, `pipeline` outermost)."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ def _from_preset(path: Path) -> str:
 
 
 def parse_full(spec: str) -> tuple[dict[str, int], dict[str, int]]:
-  """`dp=8,tp=8[,dcn.dp=4]` or a preset -> (sizes of all six axes, cross-host factor of each:
-  `dcn.AXIS=K` puts K of AXIS's size across hosts, the rest within a host)."""
+  """`dp=8,tp=8[,dcn.dp=4]` or a preset -> (sizes of the six axes, cross-host factor of each: dcn.AXIS=K)."""
   if "=" not in (spec := spec.strip()):
     path = Path(spec) if spec.endswith(".toml") else resources.find("meshes", spec)
     if path is None or not path.is_file():
@@ -105,8 +103,7 @@ def has_accelerator_plugin() -> bool:
 
 
 def provide_cpu_devices(count: int) -> None:
-  """Asks JAX for `count` simulated CPU devices, before the backend starts; not with an
-  accelerator, nor when the user chose a count (XLA_FLAGS or JAX_NUM_CPU_DEVICES)."""
+  """Asks JAX for `count` CPU devices before the backend starts (not with an accelerator or a user-chosen count)."""
   import jax
   if (has_accelerator_plugin() or count <= 1 or os.environ.get("JAX_NUM_CPU_DEVICES")
       or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")):
@@ -118,8 +115,7 @@ def provide_cpu_devices(count: int) -> None:
 
 
 def build(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None):
-  """A Mesh with all six axes; with `dcn`, hybrid: each axis is (across processes) x (within one).
-  Auto axis types, not the Explicit default: the model annotates, XLA propagates (orbax/flax assume Auto)."""
+  """A Mesh of the six axes (with `dcn`, each is across x within processes); Auto axis types, as orbax/flax assume."""
   import jax
   import numpy as np
   from jax.experimental import mesh_utils

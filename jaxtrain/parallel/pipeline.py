@@ -66,8 +66,7 @@ def table(cfg, mesh) -> schedule_lib.Table:
 
 
 def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int]:
-  """The table as int32 (ticks, p, 7) columns BRANCH..BWD_IN, and the stash and gradient slot
-  counts; the slot after the last is a discarded 'trash' slot (arrivals with nothing sent)."""
+  """The table as int32 (ticks, p, 7) columns BRANCH..BWD_IN, and the stash and gradient slot counts (+1 trash)."""
   p, last = t.p, t.chunks - 1
   stash = [schedule_lib.assign_slots(iv) for iv in t.stash_intervals()]
   grads = [schedule_lib.assign_slots(iv) for iv in t.grad_intervals()]
@@ -230,8 +229,7 @@ def _act_bytes(cfg, mesh) -> int:
 
 
 def traffic(cfg, mesh, rows) -> dict[str, int]:
-  """Bytes per device per step over `pipeline`: two ppermutes at every tick (SPMD, also when
-  nothing is sent), the rest's gradient all-reduce, and with v > 1 the stack to chunks and back."""
+  """Bytes per device per step over `pipeline`: ppermutes, the rest's gradient all-reduce, the v > 1 restack."""
   p, t, act = stages(mesh), table(cfg, mesh), _act_bytes(cfg, mesh)
   useful = sum(op is not None and ((op.kind == schedule_lib.F and op.chunk * p + s < t.chunks - 1)
                                    or (op.kind == schedule_lib.B and op.chunk * p + s > 0))

@@ -1,5 +1,4 @@
-"""Data placement: which rows of each global batch this process feeds (training and evaluation
-alike) and the global arrays they become; the microbatch split. Imports core."""
+"""Which rows of each global batch this process feeds, the global arrays they become; the microbatch split."""
 
 from __future__ import annotations
 

@@ -18,15 +18,13 @@ class Op:
 
 
 def _fwd_order(p: int, v: int, k: int) -> tuple[int, int]:
-  """(microbatch, local chunk) of a device's k-th forward in depth-first looped order
-  (microbatches in groups of p, each group through chunk 0, then chunk 1, ...)."""
+  """(microbatch, local chunk) of a device's k-th forward, microbatches in groups of p through chunk 0, 1, ..."""
   group, within = divmod(k, p * v)
   return group * p + within % p, within // p
 
 
 def device_order(name: str, p: int, m: int, v: int, s: int) -> list[Op]:
-  """The ops of device `s`, in order: gpipe / looped-bfs all forwards then all backwards; 1f1b and
-  interleaved warm-up forwards, then one forward / one backward alternately."""
+  """The ops of device `s`: all forwards then all backwards, or (1f1b, interleaved) warm-up then alternating."""
   if name in ("gpipe", "looped-bfs"):
     fwd = [Op(F, i, j) for j in range(v) for i in range(m)]
     return fwd + [Op(B, i, j) for j in reversed(range(v)) for i in range(m)]
@@ -75,8 +73,7 @@ class Table:
             for t, row in enumerate(self.grid) for s, op in enumerate(row) if op is not None}
 
   def stash_intervals(self) -> list[list[tuple[int, int, int, int]]]:
-    """Per device: (arrival tick, last tick used, microbatch, global chunk) of every stashed chunk
-    input, kept until its backward; chunk 0 stashes nothing (it re-embeds the tokens)."""
+    """Per device: (arrival, last use, microbatch, global chunk) of each stashed chunk input (none for chunk 0)."""
     done, out = self.done(), [[] for _ in range(self.p)]
     for (kind, mb, c), t in done.items():
       if kind == F and c > 0:

@@ -88,8 +88,7 @@ def validate(flags: list[str], cache: Path | None = None) -> tuple[list[str], li
 
 
 def apply(preset: str, extra: str = "", environ=os.environ, cache: Path | None = None) -> list[str]:
-  """Adds the preset's and `extra`'s known flags to environ["XLA_FLAGS"] (the user's win), warns on
-  one line about dropped ones; returns the flags added."""
+  """Adds the known flags of preset and `extra` to environ["XLA_FLAGS"] (the user's win); returns the flags added."""
   candidates = PRESETS[preset] + parse(extra)
   if not candidates:
     return []
