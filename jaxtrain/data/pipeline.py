@@ -1,6 +1,5 @@
-"""The loader: sources -> packed rows -> a weighted mixture -> this process's slice of each batch.
-Rows are addressable by number and the global batch of step s is a pure function of (train.seed, the
-data config, s), so the iterator state is the step (plus per-source row counts) on any process count."""
+"""The loader: sources -> packed rows -> a weighted mixture -> this process's slice of each batch. The global
+batch of step s is a pure function of (train.seed, data config, s): the iterator state is the step."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def open_source(spec: str, cfg: Config, check_tokenizer: bool = True) -> tuple[s
 
 
 def fields_from_rows(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """Packed (N, seq_len+1) rows -> model inputs, targets, loss mask, segment ids, positions.
-  A target counts only within one document (never padding) and where trainable (not a prompt)."""
+  """Packed (N, seq_len+1) rows -> inputs, targets, loss mask (within one document, trainable), segments, positions."""
   tok, seg, pos = rows["tokens"], rows["tokens_segment_ids"], rows["tokens_positions"]
   valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
   if "tokens_trainable" in rows:
@@ -164,8 +162,6 @@ class Mixture:
     self._counts, self._lock = {0: np.zeros(len(sets), np.int64)}, threading.Lock()  # step -> rows taken before
 
   def choices(self, step: int) -> np.ndarray:
-    if len(self.packers) == 1:
-      return np.zeros(self.B, np.int64)
     u = np.random.default_rng([self.seed, MIX_TAG, step]).random(self.B)
     return np.minimum(np.searchsorted(self.cum_weights, u, side="right"), len(self.packers) - 1)
 
@@ -245,16 +241,14 @@ def _slice(cfg: Config, block: int, blocks: int) -> tuple[int, int]:
 
 
 def batches(cfg: Config, block: int = 0, blocks: int = 1, *, check_tokenizer: bool = True):
-  """An iterator of rows block `block` of `blocks` of each global batch (numpy dicts), with
-  get_state()/set_state()/close(). `placement.Placement.rows()` says which block a process feeds."""
+  """Rows block `block` of `blocks` of each global batch (numpy dicts), with get_state()/set_state()/close()."""
   lo, hi = _slice(cfg, block, blocks)
   train, _, pad = open_sources(cfg, check_tokenizer)
   return DataIterator(Mixture(cfg, train, cfg.train.seed, pad), lo, hi, cfg.data.workers, cfg.data.prefetch)
 
 
 def eval_batches(cfg: Config, block: int = 0, blocks: int = 1) -> list[dict[str, np.ndarray]]:
-  """The fixed held-out batches (rows block `block` of `blocks`, as for training): the first
-  data.eval_batches global batches of the held-out split, the same at every evaluation."""
+  """The first data.eval_batches held-out global batches (rows block `block` of `blocks`), fixed across evals."""
   lo, hi = _slice(cfg, block, blocks)
   _, held, pad = open_sources(cfg)
   if held is None:
@@ -280,8 +274,7 @@ def _digest_one(spec: str) -> str:
 
 
 def source_digest(cfg: Config) -> str:
-  """A short stable hash of the training data (manifest of prepared data, bytes of a raw file;
-  for a mixture, a hash of the parts' hashes)."""
+  """A short stable hash of the training data (manifest, raw bytes, or for a mixture the parts' hashes)."""
   parts = [_digest_one(s) for s in source_specs(cfg.data.source)]
   return parts[0] if len(parts) == 1 else hashlib.sha256(",".join(parts).encode()).hexdigest()[:16]
 

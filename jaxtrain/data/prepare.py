@@ -52,7 +52,7 @@ def run_unit(job: dict, n: int, output: str, tok=None) -> dict:
   docs = [tokenizer_lib.frame(tok, p, c) for p, c in zip(prompts, tok.encode_batch([c for _, c in nonempty]))]
   train_from = [max(1, len(p) + (tok.bos_id is not None)) for p in prompts]  # BOS is never a target
   tokens, index = shards.concat(docs, train_from)
-  lengths, names = index[:, 1], shards.shard_files(n)
+  lengths, names = index[:, 1], {"tokens": f"shard-{n:05d}.tokens.npy", "index": f"shard-{n:05d}.index.npy"}
   meta = {
       "unit": unit, "documents": len(docs), "tokens": int(lengths.sum()),
       "trainable_tokens": int((lengths - index[:, 2]).sum()), "empty_documents": len(records) - len(nonempty),

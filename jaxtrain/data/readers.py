@@ -1,5 +1,4 @@
-"""Raw corpora (.txt, .jsonl, .parquet) read in work units: byte ranges cut at record
-boundaries, or ranges of Parquet row groups. Bad records are reported with file and line or row."""
+"""Raw .txt/.jsonl/.parquet read in work units (byte ranges cut at record boundaries, or Parquet row groups)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The prepared-data format: a directory of memory-mapped .npy token shards plus manifest.json
-(layout in README, Data: Prepared format). A TokenSet indexes documents as slices of token arrays."""
+"""The prepared-data format: memory-mapped .npy token shards plus manifest.json (README, Data: Prepared format)."""
 
 from __future__ import annotations
 
@@ -17,13 +16,8 @@ FORMAT = "jaxtrain-tokens-v1"
 MANIFEST = "manifest.json"
 
 
-def shard_files(n: int) -> dict[str, str]:
-  return {"tokens": f"shard-{n:05d}.tokens.npy", "index": f"shard-{n:05d}.index.npy"}
-
-
 class TokenSet:
-  """Documents as slices of token arrays. index: int64 (docs, 4) = shard, start, length, first
-  trainable token (1 for plain text: the first token is never a target; after the prompt if supervised)."""
+  """Documents as slices of token arrays. index: int64 (docs, 4) = shard, start, length, first trainable token."""
 
   def __init__(self, arrays: list[np.ndarray], index: np.ndarray, name: str):
     self.arrays, self.index, self.name = arrays, index, name
@@ -78,8 +72,7 @@ _opened, _lock = {}, threading.Lock()  # verified datasets, by manifest and shar
 
 
 def open_prepared(directory: Path, verify: bool = True) -> tuple[TokenSet, dict]:
-  """Memory-maps a prepared dataset after checking its shards against the manifest.
-  Verified once per process while the manifest and the shard files' stat are unchanged."""
+  """Memory-maps a prepared dataset checked against its manifest (once while manifest and shard stats hold)."""
   manifest = read_manifest(directory)
   entries = [entry for shard in manifest["shards"] for entry in shard["files"].values()]
   stats = [(p.stat().st_mtime_ns, p.stat().st_size) if p.exists() else None

@@ -1,5 +1,4 @@
-"""Tokenizers named by a spec: "byte" (built in) or a path to a local Hugging Face tokenizer.json.
-A digest (16 hex chars) identifies the tokenizer in manifests and checkpoints."""
+"""Tokenizers: "byte" (built in) or a local tokenizer.json; a 16-hex digest names one in manifests and checkpoints."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Next-token cross-entropy from the final hidden states: a scan over chunks of each device's
-tokens under jax.checkpoint (no (B, L, V) logits kept), vocabulary-parallel by the `act_vocab`
-annotation alone. Imports parallel.{sharding, plan}."""
+"""Next-token cross-entropy from the final hidden states: a scan over chunks of each device's tokens under
+jax.checkpoint (no (B, L, V) logits kept), vocabulary-parallel by the `act_vocab` annotation alone."""
 
 from __future__ import annotations
 
@@ -11,9 +10,8 @@ from jaxtrain.parallel import sharding
 
 
 def nll_sum(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens: int, gather: bool = True):
-  """sum of weight * (logsumexp(logits) - logits[target]), logits = h @ w (w cast to h's dtype)
-  in float32, in chunks of `chunk_tokens` per device; 0 = the plain loss, whose target logit is a
-  gather unless `gather=False` (the pipeline's partial-manual region: a one-hot product)."""
+  """sum of weight * (logsumexp(logits) - logits[target]) in float32, in chunks of `chunk_tokens` per device;
+  0 = the plain loss (the target logit a gather unless `gather=False`: a one-hot product)."""
   weights_BxL = weights_BxL.astype(jnp.float32)
   if chunk_tokens <= 0:
     return _plain(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, gather)
@@ -32,16 +30,14 @@ def _plain(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, gather):
 
 
 def _token_nll(logits, targets, axes, plan):
-  """logsumexp - target logit per token; the target logit is sum(logits * one_hot), a reduction over
-  the vocab split where a gather would all-gather the logits (and abort in the pipeline region)."""
+  """logsumexp - target logit per token, the target logit as sum(logits * one_hot): no gather over the vocab split."""
   logits = plan.constrain(logits, axes)
   hot = plan.constrain(jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axes)
   return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * hot, axis=-1)
 
 
 def chunk_layout(B: int, L: int, plan, chunk_tokens: int) -> tuple[int, int, int]:
-  """(sw, n, c): the length axis as sw (split over the mesh) x n chunks x c positions, c the largest
-  divisor of the local length with local rows * c <= chunk_tokens (at least 1)."""
+  """(sw, n, c): length = sw (mesh split) x n chunks x c, c the largest divisor with local rows * c <= chunk_tokens."""
   spec = plan.spec(("batch", "length"), (B, L)) if plan.mesh is not None else (None, None)
   bw, sw = sharding.ways(spec[0], plan.mesh), sharding.ways(spec[1], plan.mesh)
   local_len = L // sw
@@ -57,8 +53,7 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens):
   h_BxLxD = plan.constrain(h_BxLxD, ("batch", "length", "act_embed"))
 
   def split(x_BxL_):
-    """(B, L, ...) -> (n, B, sw, c, ...): chunk i holds positions i*c .. i*c+c-1 of every
-    device's slice of L."""
+    """(B, L, ...) -> (n, B, sw, c, ...): chunk i is positions i*c .. i*c+c-1 of each device's slice."""
     rest = x_BxL_.shape[2:]
     x = jnp.moveaxis(x_BxL_.reshape(B, sw, n, c, *rest), 2, 0)
     return plan.constrain(x, (None, "batch", "length", None, *(("act_embed",) if rest else ())))
@@ -77,8 +72,7 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens):
 
 def temp_bytes(vocab: int, d_model: int, batch: int, seq: int, chunk_tokens: int, dtype: str = "bfloat16",
                device=None) -> int:
-  """XLA's temporary bytes of the compiled loss + gradient (w.r.t. h and the float32 weight) on one
-  `device` (default: the local backend), compiled only: the figure README quotes."""
+  """XLA's temporary bytes of the compiled loss + gradient on one `device` (default: local backend)."""
   from jax.sharding import SingleDeviceSharding
   from jaxtrain.parallel import plan as plan_lib
   sh = SingleDeviceSharding(device) if device is not None else None

@@ -1,6 +1,5 @@
-"""MoE balance: the auxiliary loss (jaxtrain's or Hugging Face's convention), the load imbalance
-metric, and the aux-loss-free routing bias update (DeepSeek-V3; the bias is a parameter that gets
-no gradient). Imports core."""
+"""MoE balance: the auxiliary loss (jaxtrain's or Hugging Face's convention), the load imbalance metric, and
+the aux-loss-free routing bias update (DeepSeek-V3; the bias is a parameter that gets no gradient)."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ def totals(m: ModelConfig, stats: list[dict]) -> dict:
 
 
 def nudge(m: ModelConfig, params: dict, load_LxX, applied) -> dict:
-  """params with every MoE layer's router_bias moved by rate * sign(mean load - load_e) if the update
-  was `applied`; a no-op when off."""
+  """params with each router_bias moved by rate * sign(mean load - load_e) if `applied`; a no-op when off."""
   if m.moe_bias_rate <= 0 or not m.moe_experts:
     return params
   rate = jnp.where(applied, jnp.float32(m.moe_bias_rate), jnp.float32(0))
@@ -59,8 +57,7 @@ def nudge(m: ModelConfig, params: dict, load_LxX, applied) -> dict:
 
 
 def update_metrics(moe: dict, microbatches: int) -> dict:
-  """The update's MoE metrics from its summed per-microbatch totals (the step and the pipeline);
-  imbalance: mean over MoE layers of max_e load_e / mean_e load_e."""
+  """The update's MoE metrics from its summed totals; imbalance: mean over layers of max_e load / mean_e load."""
   load = moe["load"]
   imbalance = jnp.mean(jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9))
   return {"moe_aux_loss": moe["aux"] / microbatches, "moe_dropped_frac": moe["dropped"] / jnp.maximum(moe["assigned"], 1.0),

@@ -1,5 +1,4 @@
-"""RoPE inverse frequencies with the `llama3` long-context scaling of Llama 3.1/3.2, on the host
-in float32 as the reference does. Imports nothing of jaxtrain."""
+"""RoPE inverse frequencies with Llama 3.1/3.2's `llama3` scaling, on the host in float32 as the reference does."""
 
 from __future__ import annotations
 
@@ -7,8 +6,7 @@ import numpy as np
 
 
 def inv_freq(cfg) -> np.ndarray | None:
-  """(head_dim/2,) float32 frequencies for model.rope_scaling, or None for the plain ones: high
-  frequencies kept, low ones divided by `factor`, blended linearly in between."""
+  """(head_dim/2,) float32 for model.rope_scaling (None: plain): high kept, low / factor, blended between."""
   if cfg.rope_scaling == "none":
     return None
   half = cfg.head_dim // 2

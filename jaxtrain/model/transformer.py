@@ -1,7 +1,6 @@
-"""A Llama-shaped decoder-only transformer in Flax NNX: plain math, logical axes only (parameters
-carry them as `axes` metadata); attention, MoE dispatch and annotations go through the execution
-plan passed in. Shapes: B batch, L length, D d_model, H heads, K kv heads, E head_dim, F d_ff, V vocab.
-Imports model.{attention, rope}, parallel.plan, core."""
+"""A Llama-shaped decoder-only transformer in Flax NNX: plain math, logical axes only (`axes` metadata); attention,
+MoE and annotations go through the plan. B batch, L length, D d_model, H heads, K kv heads, E head_dim, F d_ff,
+V vocab."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ class RMSNorm(nnx.Module):
 
 
 def rope_tables(pos_BxL, cfg: ModelConfig):
-  """(sin, cos) of the rotary angles, each (B, L, 1, E/2) float32, with model.rope_scaling: once
-  per forward pass, shared by every layer (neither the layers nor remat recompute them)."""
+  """(sin, cos) of the rotary angles, (B, L, 1, E/2) float32 with model.rope_scaling, once per forward pass."""
   half = cfg.head_dim // 2
   freq_E2 = rope_scaling.inv_freq(cfg)
   freq_E2 = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half) if freq_E2 is None else jnp.asarray(freq_E2)
@@ -113,8 +111,7 @@ class MLP(nnx.Module):
 
 
 class MoE(nnx.Module):
-  """X routed SwiGLU experts (routing in parallel.experts), optional shared experts, and a routing
-  bias without gradient that `moe_balance.nudge` moves. Returns (y, this layer's stats)."""
+  """X routed SwiGLU experts, optional shared experts, and a gradient-free routing bias; returns (y, stats)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     D, X, std = cfg.d_model, cfg.moe_experts, cfg.init_std
@@ -149,8 +146,7 @@ class Block(nnx.Module):
     self.mlp = MoE(cfg, rngs) if moe_layer else MLP(cfg, rngs)
 
   def __call__(self, x_BxLxD, rope_tables, seg_BxL, plan, cache=None):
-    """Returns (x, MoE stats or None), and the updated KV cache when given one. The residual
-    stream is `act_length`; each norm's output enters a tensor-parallel region whole along `length`."""
+    """(x, MoE stats or None)[, updated KV cache]; each norm's output enters a TP region whole along `length`."""
     h_BxLxD = plan.constrain(self.attn_norm(x_BxLxD), ("batch", "length", "act_embed"))
     if cache is None:
       x_BxLxD = x_BxLxD + self.attn(h_BxLxD, rope_tables, seg_BxL, plan)
@@ -194,8 +190,7 @@ class Transformer(nnx.Module):
     return plan.constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
 
   def hidden(self, tokens_BxL, pos_BxL, seg_BxL, plan=None):
-    """(final-normed hidden states (B, L, D), compute dtype; list of the MoE layers' stats): the
-    forward pass without the head, for a loss that applies it itself (model.loss)."""
+    """(final-normed hidden states (B, L, D), list of MoE layers' stats): the forward pass without the head."""
     plan = plan or plan_lib.local(self.cfg)
     x_BxLxD = self._embed(tokens_BxL, plan)
     tables = rope_tables(pos_BxL, self.cfg)
@@ -214,8 +209,7 @@ class Transformer(nnx.Module):
     return self.final_norm(x_BxLxD), moe_stats
 
   def decode(self, tokens_BxT, pos_BxT, seg_BxT, cache, plan=None):
-    """KV-cached forward of T new tokens per row through the same blocks; the `init_cache` slots
-    [start, start+T) receive them. Returns (float32 logits (B, T, V), updated cache)."""
+    """KV-cached forward of T new tokens into cache slots [start, start+T): (float32 logits (B, T, V), cache)."""
     plan = plan or plan_lib.local(self.cfg)
     x_BxTxD = self._embed(tokens_BxT, plan)
     tables = rope_tables(pos_BxT, self.cfg)
@@ -248,8 +242,7 @@ def init_cache(cfg: ModelConfig, batch: int, length: int):
 
 
 def stack_blocks(blocks: list[Block]) -> Block:
-  """One Block whose every parameter has a leading `layers` axis (model.scan_layers);
-  layer i of the stack holds exactly `blocks[i]`'s parameters."""
+  """One Block whose every parameter has a leading `layers` axis: layer i holds `blocks[i]`'s parameters."""
   graphdef = nnx.split(blocks[0])[0]
   states = [nnx.split(b)[1] for b in blocks]
   stacked = jax.tree.map(lambda *vs: jnp.stack(vs), *states)

@@ -1,5 +1,5 @@
-"""Multi-process start-up on JAX's multi-controller runtime (NCCL on GPUs, gloo on CPUs): the
-cluster from explicit flags or JAX's own detection, else one process. Imports parallel.mesh, core."""
+"""Multi-process start-up on JAX's multi-controller runtime (NCCL on GPUs, gloo on CPUs): the cluster from
+explicit flags or JAX's own detection, else one process."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Mixture-of-experts routing (float32 router, top-k, balance and z-loss stats), per-group
-capacity, and the expert-parallel dispatch/combine (shard_map + all_to_all over `expert`);
-dropless runs in experts_dropless. The plan decides which (`plan.moe`, `plan.moe_kernel`).
-Imports parallel.{sharding, expert_layout, experts_dropless}."""
+"""MoE routing (float32 router, top-k, balance and z-loss stats), per-group capacity and the expert-parallel
+dispatch/combine (all_to_all over `expert`); dropless runs in experts_dropless, as `plan.moe_kernel` says."""
 
 from __future__ import annotations
 
@@ -15,8 +13,7 @@ capacity = moe_layout.capacity  # analysis.memory reads it here
 
 
 def route(x_BxLxD, router_DxX, top_k: int, score: str = "softmax", bias_X=None):
-  """-> expert ids (B,L,k) int32, weights (B,L,k) f32 summing to 1, and stats: `balance`,
-  `z`, `share` (X,) f_e, `prob` (X,) P_e, `load` (X,) assignments per expert (float32)."""
+  """-> ids (B,L,k) int32, weights (B,L,k) f32 summing to 1, stats: balance, z, share f_e, prob P_e, load (X,)."""
   B, L, _ = x_BxLxD.shape
   X = router_DxX.shape[1]
   logits_BxLxX = jnp.einsum("bld,dx->blx", x_BxLxD.astype(jnp.float32), router_DxX.astype(jnp.float32))
@@ -65,8 +62,7 @@ def combine(out_XxCxD, idx_Txk, slot_Txk, keep_Txk, w_Txk):
 
 
 def experts_ffn(buf_XxNxD, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, plan, slot_axes=None):
-  """SwiGLU of every expert on its buffer. The hidden keeps the slots' split (`slot_axes`), else XLA
-  may gather it over fsdp instead of the weights (mixtral-8x7b, fsdp=8 x ep=8: 4.4 GiB a layer)."""
+  """SwiGLU of every expert on its buffer; the hidden keeps the slots' split (`slot_axes`)."""
   g = jnp.einsum("xnd,xdf->xnf", buf_XxNxD, w_gate_XxDxF)
   u = jnp.einsum("xnd,xdf->xnf", buf_XxNxD, w_up_XxDxF)
   h_XxNxF = jax.nn.silu(g) * u
@@ -81,8 +77,7 @@ def experts_ffn(buf_XxNxD, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, plan, slot_ax
 
 def moe_ffn(x_BxLxD, router_DxX, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, *, top_k: int,
             capacity_factor: float, plan, group_size: int = 0, score: str = "softmax", bias_X=None):
-  """The MoE feed-forward, dispatched as the plan says. Returns (y_BxLxD, stats): `route`'s
-  stats plus dropped and assigned counts (float32). group_size 0 = one sequence."""
+  """The MoE feed-forward as the plan says: (y_BxLxD, `route`'s stats + dropped and assigned counts)."""
   B, L, D = x_BxLxD.shape
   idx, w, stats = route(x_BxLxD, router_DxX, top_k, score, bias_X)
   weights = tuple(a.astype(x_BxLxD.dtype) for a in (w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD))

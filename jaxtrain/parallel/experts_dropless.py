@@ -1,7 +1,5 @@
-"""Dropless experts: every assignment computed by grouped matmuls (ragged_dot, or blocks of one
-expert each), and the expert-parallel exchange: a static exact bound of rows per peer through
-two all_to_alls (XLA:CPU of jax 0.10 has no ragged_all_to_all). Imports parallel.{sharding,
-expert_layout}."""
+"""Dropless experts: grouped matmuls (ragged_dot, or blocks of one expert each), and the expert-parallel
+exchange: a static exact bound of rows per peer through two all_to_alls (no ragged_all_to_all on XLA:CPU)."""
 
 from __future__ import annotations
 
@@ -13,11 +11,10 @@ from jaxtrain.parallel import expert_layout as moe_layout, sharding
 
 
 def kernel(name: str, platform: str) -> str:
-  """model.moe_grouped_matmul on the target platform -> the kernel: `auto` is ragged_dot on GPU/TPU,
-  else blocks (XLA:CPU lowers ragged_dot to a dense product with every expert)."""
-  if name != "auto":
-    return name
-  return "ragged_dot" if platform in ("gpu", "cuda", "rocm", "tpu") else "blocks"
+  """model.moe_grouped_matmul -> the kernel: `auto` is ragged_dot on GPU/TPU, else blocks."""
+  if name == "auto":
+    return "ragged_dot" if platform in ("gpu", "cuda", "rocm", "tpu") else "blocks"
+  return name
 
 
 def grouped_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, impl: str = "ragged_dot",
@@ -40,9 +37,8 @@ def grouped_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_do
 
 
 def blocked_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, skip_empty: bool = False):
-  """`grouped_ffn` over blocks of b rows of one expert each (each expert's run padded to whole
-  blocks): one batched matmul with weights gathered per block, or (skip_empty: the exchange's
-  rows, mostly padding) a loop skipping the blocks past the rows in use."""
+  """`grouped_ffn` over blocks of b rows of one expert each: one batched matmul, or (skip_empty) a loop that
+  skips the blocks past the rows in use."""
   N, D = rows_NxD.shape
   b = max(8, 1 << max(0, (N // (4 * experts)).bit_length() - 1))  # power of two near N / 4X: padding ~N/4
   nb = -(-(N + experts * (b - 1)) // b)
@@ -99,8 +95,7 @@ def _local(x_TxD, idx_Txk, w_Txk, weights, ep: int, impl: str, axis: str = "expe
 
 
 def ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, plan):
-  """Dropless MoE output (B, L, D) float32 of routed tokens; weights (X,D,F),(X,D,F),(X,F,D) in
-  the compute dtype; kernel and mesh are the plan's."""
+  """Dropless MoE output (B, L, D) float32; weights (X,D,F),(X,D,F),(X,F,D); kernel and mesh are the plan's."""
   impl, axis, mesh = plan.moe_kernel, plan.expert_axis, moe_layout.dispatch_mesh(plan)
   ep = 1 if mesh is None else mesh.shape[axis]
 

@@ -1,5 +1,4 @@
-"""The device mesh: `--mesh` parsing, simulated CPU devices, the six-axis Mesh (size 1
-where not asked for); `tensor` innermost, `pipeline` then `data` outermost. Imports core."""
+"""The device mesh: `--mesh` parsing, simulated CPU devices, the Mesh (`tensor` innermost, `pipeline` outermost)."""
 
 from __future__ import annotations
 
@@ -16,11 +15,8 @@ ALIASES = {"pp": "pipeline", "dp": "data", "fsdp": "fsdp", "ep": "expert", "sp":
 
 
 def _axis(name: str) -> str:
-  name = name.strip()
-  if name in AXES:
-    return name
-  if name in ALIASES:
-    return ALIASES[name]
+  if (axis := ALIASES.get(name.strip(), name.strip())) in AXES:
+    return axis
   valid = ", ".join(f"{a} ({k})" if k != a else a for k, a in ALIASES.items())
   raise UserError(f"unknown mesh axis {name!r}; valid axes: {valid}")
 
@@ -50,15 +46,13 @@ def _from_preset(path: Path) -> str:
 
 
 def parse_full(spec: str) -> tuple[dict[str, int], dict[str, int]]:
-  """`dp=8,tp=8[,dcn.dp=4]` or a preset -> (sizes of all six axes, cross-host factor of each:
-  `dcn.AXIS=K` puts K of AXIS's size across hosts, the rest within a host)."""
+  """`dp=8,tp=8[,dcn.dp=4]` or a preset -> (sizes of the six axes, cross-host factor of each: dcn.AXIS=K)."""
   if "=" not in (spec := spec.strip()):
     path = Path(spec) if spec.endswith(".toml") else resources.find("meshes", spec)
     if path is None or not path.is_file():
       raise UserError(f"mesh {spec!r} is neither axis=size pairs (e.g. dp=8,tp=8) nor a preset; presets: {', '.join(preset_names())}")
     spec = _from_preset(path)
-  sizes: dict[str, int] = {}
-  dcn: dict[str, int] = {}
+  sizes, dcn = {}, {}  # axis -> size; axis -> cross-host factor
   for part in spec.split(","):
     name, eq, value = part.partition("=")
     if not eq:
@@ -95,8 +89,7 @@ def fill(sizes: dict[str, int], device_count: int) -> dict[str, int]:
 
 
 def describe(sizes: dict[str, int]) -> str:
-  parts = [f"{a}={s}" for a, s in sizes.items() if s != 1]
-  return ",".join(parts) or "single device"
+  return ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "single device"
 
 
 def has_accelerator_plugin() -> bool:
@@ -110,8 +103,7 @@ def has_accelerator_plugin() -> bool:
 
 
 def provide_cpu_devices(count: int) -> None:
-  """Asks JAX for `count` simulated CPU devices, before the backend starts; not with an
-  accelerator, nor when the user chose a count (XLA_FLAGS or JAX_NUM_CPU_DEVICES)."""
+  """Asks JAX for `count` CPU devices before the backend starts (not with an accelerator or a user-chosen count)."""
   import jax
   if (has_accelerator_plugin() or count <= 1 or os.environ.get("JAX_NUM_CPU_DEVICES")
       or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")):
@@ -123,8 +115,7 @@ def provide_cpu_devices(count: int) -> None:
 
 
 def build(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None):
-  """A Mesh with all six axes; with `dcn`, hybrid: each axis is (across processes) x (within one).
-  Auto axis types, not the Explicit default: the model annotates, XLA propagates (orbax/flax assume Auto)."""
+  """A Mesh of the six axes (with `dcn`, each is across x within processes); Auto axis types, as orbax/flax assume."""
   import jax
   import numpy as np
   from jax.experimental import mesh_utils
@@ -133,10 +124,10 @@ def build(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None
   sizes = fill(sizes, len(devices))
   shape = tuple(sizes[a] for a in AXES)
   types = (AxisType.Auto,) * len(AXES)
-  if not dcn or all(k == 1 for k in dcn.values()):
+  dcn_shape = tuple((dcn or {}).get(a, 1) for a in AXES)
+  if math.prod(dcn_shape) == 1:
     return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
   hosts = len({d.process_index for d in devices})
-  dcn_shape = tuple(dcn[a] for a in AXES)
   if math.prod(dcn_shape) != hosts:
     raise UserError(f"mesh dcn factors multiply to {math.prod(dcn_shape)} but the run has {hosts} host(s) (processes)")
   ici_shape = tuple(s // k for s, k in zip(shape, dcn_shape))

@@ -1,7 +1,5 @@
-"""Pipeline parallelism: one SPMD program, manual over `pipeline` only, that scans a static
-schedule (parallel.schedule) and switches per tick to idle, forward or backward (recomputing the
-chunk from its stashed input) of one microbatch on one chunk; two ppermutes per tick. Same math
-as `step.grads`. Imports model.{transformer, loss, moe_balance}, parallel, core."""
+"""Pipeline parallelism: one SPMD program, manual over `pipeline` only, that scans a static schedule and runs
+per tick idle, forward or backward (recomputing from the stashed input) of one chunk; same math as `step.grads`."""
 
 from __future__ import annotations
 
@@ -45,8 +43,7 @@ def check(cfg, mesh) -> None:
   if m.n_layers % (p * pc.virtual_stages):
     raise UserError(f"model.n_layers={m.n_layers} must divide into pipeline={p} x pipeline.virtual_stages="
                     f"{pc.virtual_stages} = {p * pc.virtual_stages} stages of equal depth")
-  why = schedule_lib.check(pc.schedule, p, cfg.train.microbatches, pc.virtual_stages)
-  if why:
+  if why := schedule_lib.check(pc.schedule, p, cfg.train.microbatches, pc.virtual_stages):
     raise UserError(why)
   if mesh.shape.get("sequence", 1) > 1:
     raise UserError(f"mesh pipeline={p} with sequence={mesh.shape['sequence']} is not supported; "
@@ -58,8 +55,7 @@ def check(cfg, mesh) -> None:
 
 def describe(cfg, mesh) -> str:
   """The start-up line of a pipelined run."""
-  pc, p = cfg.pipeline, stages(mesh)
-  t = table(cfg, mesh)
+  pc, p, t = cfg.pipeline, stages(mesh), table(cfg, mesh)
   return (f"pipeline: {pc.schedule}, {p} stages x {pc.virtual_stages} virtual = {p * pc.virtual_stages} chunks of "
           f"{cfg.model.n_layers // (p * pc.virtual_stages)} layer(s), {cfg.train.microbatches} microbatches, "
           f"{t.ticks} ticks, bubble {t.bubble():.1%} (formula {t.bubble_formula():.1%})")
@@ -70,8 +66,7 @@ def table(cfg, mesh) -> schedule_lib.Table:
 
 
 def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int]:
-  """The table as int32 (ticks, p, 7) columns BRANCH..BWD_IN, and the stash and gradient slot
-  counts; the slot after the last is a discarded 'trash' slot (arrivals with nothing sent)."""
+  """The table as int32 (ticks, p, 7) columns BRANCH..BWD_IN, and the stash and gradient slot counts (+1 trash)."""
   p, last = t.p, t.chunks - 1
   stash = [schedule_lib.assign_slots(iv) for iv in t.stash_intervals()]
   grads = [schedule_lib.assign_slots(iv) for iv in t.grad_intervals()]
@@ -82,23 +77,16 @@ def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int]:
     for s, op in enumerate(row):
       if op is None:
         continue
-      c = op.chunk * p + s
-      first, final = c == 0, c == last
-      r = out[tick, s]
-      r[MB], r[CHUNK] = op.mb, op.chunk
-      if op.kind == schedule_lib.F:
-        r[BRANCH] = FWD
-        if not first:
-          r[SLOT] = stash[s][0][(op.mb, c)]
-        if not final:  # the activation goes to chunk c + 1 on the next device
-          out[tick, (s + 1) % p, FWD_IN] = stash[(s + 1) % p][0][(op.mb, c + 1)]
-      else:
-        r[BRANCH] = BWD
-        if not first:
-          r[SLOT] = stash[s][0][(op.mb, c)]
-          out[tick, (s - 1) % p, BWD_IN] = grads[(s - 1) % p][0][(op.mb, c - 1)]
-        if not final:
-          r[GSLOT] = grads[s][0][(op.mb, c)]
+      c, r = op.chunk * p + s, out[tick, s]
+      r[BRANCH], r[MB], r[CHUNK] = FWD if op.kind == schedule_lib.F else BWD, op.mb, op.chunk
+      if c > 0:  # the chunk's stashed input (chunk 0 re-embeds the tokens)
+        r[SLOT] = stash[s][0][(op.mb, c)]
+      if op.kind == schedule_lib.F and c < last:  # the activation goes to chunk c + 1 on the next device
+        out[tick, (s + 1) % p, FWD_IN] = stash[(s + 1) % p][0][(op.mb, c + 1)]
+      if op.kind == schedule_lib.B and c > 0:
+        out[tick, (s - 1) % p, BWD_IN] = grads[(s - 1) % p][0][(op.mb, c - 1)]
+      if op.kind == schedule_lib.B and c < last:
+        r[GSLOT] = grads[s][0][(op.mb, c)]
   return out, S, G
 
 
@@ -109,14 +97,12 @@ def grads_fn(cfg, mesh, plan):
 
 def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metrics: bool = False, *, cfg, mesh,
           plan):
-  """Token-normalized loss and unscaled gradient of one update, run as a pipeline: (loss, grads,
-  n_valid[, moe metrics]) like `step.grads`. Each microbatch's backward is seeded with
+  """`step.grads` run as a pipeline: (loss, grads, n_valid[, moe metrics]). Backwards are seeded with
   loss_scale / n_valid; each layer's aux loss enters with loss_scale / (microbatches * MoE layers)."""
   p, v, m = stages(mesh), cfg.pipeline.virtual_stages, microbatches
   mc = cfg.model
   n_moe = mc.n_layers if mc.moe_experts else 0
-  t = table(cfg, mesh)
-  prog, S, G = program_table(t)
+  prog, S, G = program_table(table(cfg, mesh))
   # Only the branches this table uses are compiled (a table may have no idle tick).
   used = sorted(set(prog[..., BRANCH].flat))
   prog[..., BRANCH] = np.searchsorted(used, prog[..., BRANCH])
@@ -129,10 +115,7 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   lc = mc.n_layers // (p * v)
   layers = jax.tree.map(lambda a: a.reshape(v, p, lc, *a.shape[1:]), params["layers"])
   rest = {k: x for k, x in params.items() if k != "layers"}
-  dt = jnp.dtype(mc.dtype)
-  prog_j = jnp.asarray(prog)
-
-  body = functools.partial(_run, graphdef, mc, plan, prog_j, used, S, G, p, v, m, n_moe, dt)
+  body = functools.partial(_run, graphdef, mc, plan, jnp.asarray(prog), used, S, G, p, v, m, n_moe, jnp.dtype(mc.dtype))
   out = sharding.manual(body, mesh, (P(None, AXIS), P(), P(), P(), P()), (P(None, AXIS), P(), P(), P(), P(None, AXIS)),
                         axis_names={AXIS})(layers, rest, mbs, denom, jnp.asarray(loss_scale, jnp.float32))
   g_layers, g_rest, loss_sum, moe, load = out
@@ -196,9 +179,6 @@ def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest,
 
   # Branches: (chunk params, stashed input, output gradient, microbatch, first, last); the
   # model's first chunk embeds, its last runs head and loss (lax.conds: one copy of the layers).
-  def idle(chunk, x, dy, mb, first, last):
-    return result()
-
   def forward(chunk, x, dy, mb, first, last):
     y, tot, load = stage(chunk, jax.lax.cond(first, lambda: embed(rest, mb["inputs"]), lambda: x), mb)
     loss = jax.lax.cond(last, lambda: head_loss(rest, y, mb), lambda: f32)
@@ -214,7 +194,7 @@ def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest,
     g_chunk, g_rest, dx = jax.grad(objective, argnums=(0, 1, 2))(chunk, rest, x)
     return result(dx=act(dx.astype(dt)), g_chunk=f32_tree(g_chunk), g_rest=f32_tree(g_rest))
 
-  branches = [(idle, forward, backward)[k] for k in used]
+  branches = [(lambda *_: result(), forward, backward)[k] for k in used]  # idle, forward, backward
   # Activations flow s -> s+1; with v > 1 the last device feeds chunk j+1 on the first.
   down = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
   up = [(j, i) for i, j in down]
@@ -249,8 +229,7 @@ def _act_bytes(cfg, mesh) -> int:
 
 
 def traffic(cfg, mesh, rows) -> dict[str, int]:
-  """Bytes per device per step over `pipeline`: two ppermutes at every tick (SPMD, also when
-  nothing is sent), the rest's gradient all-reduce, and with v > 1 the stack to chunks and back."""
+  """Bytes per device per step over `pipeline`: ppermutes, the rest's gradient all-reduce, the v > 1 restack."""
   p, t, act = stages(mesh), table(cfg, mesh), _act_bytes(cfg, mesh)
   useful = sum(op is not None and ((op.kind == schedule_lib.F and op.chunk * p + s < t.chunks - 1)
                                    or (op.kind == schedule_lib.B and op.chunk * p + s > 0))
@@ -270,10 +249,9 @@ def report(cfg, mesh) -> dict:
   """The schedule for `inspect`: timeline, bubble (table and formula), stash per stage."""
   t = table(cfg, mesh)
   _, S, G = program_table(t)
-  act = _act_bytes(cfg, mesh)
   return {"schedule": t.name, "stages": t.p, "virtual_stages": t.v, "microbatches": t.m, "ticks": t.ticks,
           "bubble": t.bubble(), "bubble_formula": t.bubble_formula(), "in_flight": t.in_flight(),
-          "stash_slots": S, "grad_slots": G, "stash_bytes": (S + G) * act, "timeline": t.timeline()}
+          "stash_slots": S, "grad_slots": G, "stash_bytes": (S + G) * _act_bytes(cfg, mesh), "timeline": t.timeline()}
 
 
 def render(rep: dict) -> list[str]:

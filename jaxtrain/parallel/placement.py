@@ -1,5 +1,4 @@
-"""Data placement: which rows of each global batch this process feeds (training and evaluation
-alike) and the global arrays they become; the microbatch split. Imports core."""
+"""Which rows of each global batch this process feeds, the global arrays they become; the microbatch split."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ class Placement:
     self.block, self.blocks = self._rows()
 
   def _rows(self) -> tuple[int, int]:
-    """(block, blocks): this process feeds rows [block*B/blocks, (block+1)*B/blocks), exactly
-    the rows its devices hold."""
+    """(block, blocks): this process feeds rows [block*B/blocks, (block+1)*B/blocks), those its devices hold."""
     B = self.shape[0]
     spans = {(ix[0].start or 0, B if ix[0].stop is None else ix[0].stop)
              for ix in self.sharding.addressable_devices_indices_map(self.shape).values()}

@@ -1,8 +1,5 @@
-"""Ring attention over the `sequence` mesh axis: a shard_map whose K/V blocks travel the ring by
-`ppermute`, folded by an online softmax; a custom VJP rotates them again with their gradients.
-Zig-zag layout: device j holds chunks j and 2sp-1-j, so each ring step computes the visible half.
-Local shapes: b batch, n local length, K kv heads, G queries per kv head, E head dim. Imports
-parallel.sharding."""
+"""Ring attention over the `sequence` axis: K/V blocks travel the ring by `ppermute`, folded by an online
+softmax; a custom VJP rotates them again with their gradients. Zig-zag: device j holds chunks j and 2sp-1-j."""
 
 from __future__ import annotations
 
@@ -18,8 +15,7 @@ NEG_INF = -1e30
 
 
 def ring_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, plan, zigzag: bool = True):
-  """Causal GQA with segment masking, sharded over the plan's sequence axis (and batch/heads
-  as the plan's rules say)."""
+  """Causal GQA with segment masking, sharded over the plan's sequence axis (batch/heads as its rules say)."""
   mesh, AXIS = plan.mesh, plan.sequence_axis
   sp = mesh.shape[AXIS]
   zigzag = zigzag and q_BxLxHxE.shape[1] % (2 * sp) == 0
@@ -47,13 +43,11 @@ def _to_zigzag(x, axis: str, sp: int):
 def _from_zigzag(y, axis: str, sp: int):
   """Inverse of `_to_zigzag`."""
   c = y.shape[1] // 2
-  even_j = (jax.lax.axis_index(axis) % 2) == 0
-  send_even = jnp.where(even_j, y[:, :c], y[:, c:])
-  send_odd = jnp.where(even_j, y[:, c:], y[:, :c])
+  even_j = (jax.lax.axis_index(axis) % 2) == 0  # device j holds chunks j and 2sp-1-j: one even, one odd
   even_chunk = lambda i: i if i % 2 == 0 else 2 * sp - 1 - i  # noqa: E731
-  odd_chunk = lambda i: 2 * sp - 1 - i if i % 2 == 0 else i  # noqa: E731
-  half0 = jax.lax.ppermute(send_even, axis, [(i, even_chunk(i) // 2) for i in range(sp)])
-  half1 = jax.lax.ppermute(send_odd, axis, [(i, odd_chunk(i) // 2) for i in range(sp)])
+  half0 = jax.lax.ppermute(jnp.where(even_j, y[:, :c], y[:, c:]), axis, [(i, even_chunk(i) // 2) for i in range(sp)])
+  half1 = jax.lax.ppermute(jnp.where(even_j, y[:, c:], y[:, :c]), axis,
+                           [(i, (2 * sp - 1 - even_chunk(i)) // 2) for i in range(sp)])
   return jnp.concatenate([half0, half1], axis=1)
 
 
@@ -111,10 +105,8 @@ def _grad_block(q, k, v, do, lse, delta, mask):
 
 
 def _steps(acc, blk, fold, n: int, axis: str, sp: int, zigzag: bool):
-  """Ring steps 1..sp-1: `blk` moves one device on, then `fold(acc, blk, q rows, k rows) ->
-  (acc, blk)` adds its causally visible part. At step t it comes from device j - t: if earlier,
-  all its keys (zig-zag: all queries x its first chunk) are visible; else none (zig-zag: our
-  second chunk x all its keys)."""
+  """Ring steps 1..sp-1: `blk` moves one device on, then `fold(acc, blk, q rows, k rows) -> (acc, blk)`
+  adds its causally visible part (the block at step t comes from device j - t)."""
   j = jax.lax.axis_index(axis)
   every, first, second = slice(None), slice(0, n // 2), slice(n // 2, n)
   for t in range(1, sp):

@@ -1,7 +1,5 @@
-"""Pipeline schedules as static tables: which device runs what at every tick. Pure Python.
-Chunk c of the p*v chunks lives on device c % p as its local chunk c // p; a tick is a forward,
-a backward (recomputing from the stashed input) or idle; a simulator places each device's ops at
-the first tick their inputs have arrived. Imports nothing of jaxtrain."""
+"""Pipeline schedules as static tables (pure Python): chunk c of the p*v lives on device c % p as local chunk
+c // p; a simulator places each device's ops at the first tick their inputs have arrived."""
 
 from __future__ import annotations
 
@@ -19,16 +17,14 @@ class Op:
   chunk: int  # local chunk index j on its device (global chunk j*p + device)
 
 
-def _fwd_order(p: int, m: int, v: int, k: int) -> tuple[int, int]:
-  """(microbatch, local chunk) of a device's k-th forward in depth-first looped order
-  (microbatches in groups of p, each group through chunk 0, then chunk 1, ...)."""
+def _fwd_order(p: int, v: int, k: int) -> tuple[int, int]:
+  """(microbatch, local chunk) of a device's k-th forward, microbatches in groups of p through chunk 0, 1, ..."""
   group, within = divmod(k, p * v)
   return group * p + within % p, within // p
 
 
 def device_order(name: str, p: int, m: int, v: int, s: int) -> list[Op]:
-  """The ops of device `s`, in order: gpipe / looped-bfs all forwards then all backwards; 1f1b and
-  interleaved warm-up forwards, then one forward / one backward alternately."""
+  """The ops of device `s`: all forwards then all backwards, or (1f1b, interleaved) warm-up then alternating."""
   if name in ("gpipe", "looped-bfs"):
     fwd = [Op(F, i, j) for j in range(v) for i in range(m)]
     return fwd + [Op(B, i, j) for j in reversed(range(v)) for i in range(m)]
@@ -36,12 +32,10 @@ def device_order(name: str, p: int, m: int, v: int, s: int) -> list[Op]:
     fwd = [Op(F, i, 0) for i in range(m)]
     bwd = [Op(B, i, 0) for i in range(m)]
     warm = min(p - 1 - s, m)
-  elif name == "interleaved":
-    fwd = [Op(F, *_fwd_order(p, m, v, k)) for k in range(m * v)]
-    bwd = [Op(B, mb, v - 1 - j) for mb, j in (_fwd_order(p, m, v, k) for k in range(m * v))]
+  else:  # interleaved (`check` admits no other name)
+    fwd = [Op(F, *_fwd_order(p, v, k)) for k in range(m * v)]
+    bwd = [Op(B, mb, v - 1 - j) for mb, j in (_fwd_order(p, v, k) for k in range(m * v))]
     warm = min(2 * (p - 1 - s) + (v - 1) * p, m * v)
-  else:
-    raise ValueError(name)
   out = fwd[:warm]
   for k in range(len(fwd) - warm):
     out += [fwd[warm + k], bwd[k]]
@@ -79,8 +73,7 @@ class Table:
             for t, row in enumerate(self.grid) for s, op in enumerate(row) if op is not None}
 
   def stash_intervals(self) -> list[list[tuple[int, int, int, int]]]:
-    """Per device: (arrival tick, last tick used, microbatch, global chunk) of every stashed chunk
-    input, kept until its backward; chunk 0 stashes nothing (it re-embeds the tokens)."""
+    """Per device: (arrival, last use, microbatch, global chunk) of each stashed chunk input (none for chunk 0)."""
     done, out = self.done(), [[] for _ in range(self.p)]
     for (kind, mb, c), t in done.items():
       if kind == F and c > 0:
@@ -102,33 +95,24 @@ class Table:
   def timeline(self) -> str:
     """One row per device, one cell per tick: F3 / B3 (microbatch 3), a/b/.. = local chunk, '.' idle."""
     def cell(op):
-      if op is None:
-        return "."
-      return ("F" if op.kind == F else "B") + str(op.mb) + (chr(ord("a") + op.chunk) if self.v > 1 else "")
+      return "." if op is None else (("F" if op.kind == F else "B") + str(op.mb)
+                                     + (chr(ord("a") + op.chunk) if self.v > 1 else ""))
     cells = [[cell(self.grid[t][s]) for t in range(self.ticks)] for s in range(self.p)]
     w = max(len(c) for row in cells for c in row)
     return "\n".join(f"stage {s}: " + " ".join(c.ljust(w) for c in row) for s, row in enumerate(cells))
 
 
 def _max_overlap(intervals) -> int:
-  events = sorted([(a, 1) for a, _, _, _ in intervals] + [(b + 1, -1) for _, b, _, _ in intervals],
-                  key=lambda e: (e[0], e[1]))
-  best = cur = 0
-  for _, d in events:
-    cur += d
-    best = max(best, cur)
-  return best
+  """The most intervals [a, b] in use at one tick (the peak is at some interval's start)."""
+  return max((sum(a <= t <= b for a, b, _, _ in intervals) for t, _, _, _ in intervals), default=0)
 
 
 def assign_slots(intervals) -> tuple[dict[tuple[int, int], int], int]:
   """({(mb, chunk): slot}, slot count): overlapping intervals never share a slot (lowest free first)."""
   slot_of, busy_until = {}, []  # busy_until[k]: last tick slot k is in use
   for a, b, mb, c in sorted(intervals):
-    free = [k for k, until in enumerate(busy_until) if until < a]
-    k = free[0] if free else len(busy_until)
-    if k == len(busy_until):
-      busy_until.append(b)
-    busy_until[k] = b
+    k = next((k for k, until in enumerate(busy_until) if until < a), len(busy_until))
+    busy_until[k:k + 1] = [b]  # takes a free slot, or appends one
     slot_of[(mb, c)] = k
   return slot_of, len(busy_until)
 
@@ -151,8 +135,7 @@ def check(name: str, p: int, m: int, v: int) -> str | None:
 @functools.lru_cache(maxsize=64)
 def build(name: str, p: int, m: int, v: int = 1) -> Table:
   """Places every device's ops at the earliest tick their inputs are there."""
-  why = check(name, p, m, v)
-  if why:
+  if why := check(name, p, m, v):
     raise ValueError(why)
   orders = [device_order(name, p, m, v, s) for s in range(p)]
   nxt, done, last, grid = [0] * p, {}, p * v - 1, []

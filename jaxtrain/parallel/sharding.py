@@ -1,5 +1,4 @@
-"""The rules table (logical axis -> mesh axes) and the code that applies it: specs, parameter
-shardings, split counts, and the one shard_map wrapper of the hand-written collectives. Imports core."""
+"""The rules table (logical axis -> mesh axes) and its use: specs, parameter shardings, split counts, shard_map."""
 
 from __future__ import annotations
 
@@ -45,11 +44,9 @@ def rules_for(sequence_parallel: bool) -> dict[str, tuple[str, ...]]:
 
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh, notes: list[str] | None = None,
              where: str = "", rules: dict[str, tuple[str, ...]] = RULES) -> P:
-  """PartitionSpec for logical `axes` of an array of `shape` on `mesh`: a mesh axis splits a
-  dimension it divides; a smaller dimension dividing it is replicated (noted); else Indivisible.
-  An unknown logical name is a KeyError (a typo must not silently replicate)."""
-  used: set[str] = set()
-  out = []
+  """PartitionSpec of logical `axes` on `mesh`: a mesh axis splits a dimension it divides; a smaller one dividing it
+  is replicated (noted); else Indivisible. An unknown logical name is a KeyError."""
+  used, out = set(), []
   for name, dim in zip(axes, shape, strict=True):
     if name is not None and name not in rules:
       raise KeyError(f"logical axis {name!r} (at {where or axes}) is not in sharding.RULES: {', '.join(rules)}")
@@ -88,8 +85,7 @@ class Indivisible(UserError):
 
 
 def param_shardings(abstract_state, mesh, notes: list[str] | None = None):
-  """NamedShardings (a pure dict) for every parameter of an abstract nnx.State, from its `axes`
-  metadata; what the mesh cannot split is reported in one UserError naming sizes that fit all."""
+  """NamedShardings (a pure dict) of an abstract nnx.State from its `axes`; one UserError for what cannot split."""
   from flax import nnx
   failed: list[Indivisible] = []
   dims: dict[str, list[int]] = {}  # mesh axis -> every dimension the rules split over it
@@ -150,6 +146,5 @@ def tokens_per_device(cfg, mesh) -> int:
 
 
 def manual(fn, mesh, in_specs, out_specs, **kw):
-  """jax.shard_map with check_vma=False: values replicated over some axes (e.g. `tensor`) meet
-  varying ones; every replica does the same work, which the transpose accounts for untyped."""
+  """jax.shard_map with check_vma=False: replicated values meet varying ones; the transpose accounts for it untyped."""
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False, **kw)

@@ -1,6 +1,5 @@
-"""XLA flag presets, validated against this jaxlib (XLA aborts on an unknown flag) by a probing
-subprocess, verdicts cached per jaxlib version; applied before the backend starts, the user's own
-XLA_FLAGS winning. Imports core."""
+"""XLA flag presets, validated against this jaxlib by a probing subprocess (XLA aborts on an unknown flag),
+verdicts cached per jaxlib; applied before the backend starts, the user's own XLA_FLAGS winning."""
 
 from __future__ import annotations
 
@@ -47,12 +46,6 @@ def parse(text: str) -> list[str]:
   return flags
 
 
-def _cache_path() -> Path:
-  import jaxlib
-  base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-  return base / "jaxtrain" / f"xla_flags-jaxlib-{jaxlib.__version__}.json"
-
-
 def _probe(flags: list[str]) -> set[str]:
   """Names XLA rejects among `flags`, found by starting the CPU backend in subprocesses."""
   unknown: set[str] = set()
@@ -74,7 +67,10 @@ def _probe(flags: list[str]) -> set[str]:
 
 def validate(flags: list[str], cache: Path | None = None) -> tuple[list[str], list[str]]:
   """(kept, dropped): drops flags this jaxlib does not know. Verdicts are cached per flag name."""
-  cache = cache or _cache_path()
+  if cache is None:
+    import jaxlib
+    cache = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxtrain"
+             / f"xla_flags-jaxlib-{jaxlib.__version__}.json")
   try:
     known = json.loads(cache.read_text())
   except (OSError, ValueError):
@@ -92,8 +88,7 @@ def validate(flags: list[str], cache: Path | None = None) -> tuple[list[str], li
 
 
 def apply(preset: str, extra: str = "", environ=os.environ, cache: Path | None = None) -> list[str]:
-  """Adds the preset's and `extra`'s known flags to environ["XLA_FLAGS"] (the user's win), warns on
-  one line about dropped ones; returns the flags added."""
+  """Adds the known flags of preset and `extra` to environ["XLA_FLAGS"] (the user's win); returns the flags added."""
   candidates = PRESETS[preset] + parse(extra)
   if not candidates:
     return []
