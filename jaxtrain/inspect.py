@@ -3,10 +3,9 @@
     python -m jaxtrain.inspect --mesh fsdp=8,tp=8 --config llama3-8b [--set ...] [--compile]
         [--device-memory 80GiB|H100] [--margin 0.1] [--warn-replicated 16MiB] [--json]
 
-Prints every parameter's sharding, the memory bill per device, model FLOPs and the bytes
-each mesh axis moves per step; nothing of the model is allocated. `--compile` also lowers
-and compiles the real train step from abstract inputs and prints XLA's memory analysis
-beside the analytic bill. Simulated CPU devices stand in for the mesh, as in the trainer.
+Prints every parameter's sharding, the memory bill per device, model FLOPs and the bytes each
+mesh axis moves per step, allocating nothing; `--compile` also compiles the real train step from
+abstract inputs and prints XLA's memory analysis beside the bill. Simulated CPU devices stand in.
 """
 
 from __future__ import annotations
@@ -50,9 +49,8 @@ def main(argv=None) -> int:
       raise UserError(f"--margin {args.margin}: must be a fraction >= 0 (e.g. 0.1)")
     threshold = memory.parse_size(args.warn_replicated, "--warn-replicated")
     started = cli.start(args, "jaxtrain.inspect", mesh=args.device is None)
-    mesh, device_memory = started.mesh, args.device_memory
-    if args.device is not None:
-      mesh, device_memory = report.target_mesh(args.device, args.mesh, args.compile, args.device_memory)
+    mesh, device_memory = (started.mesh, args.device_memory) if args.device is None else report.target_mesh(
+        args.device, args.mesh, args.compile, args.device_memory)
     rep = report.report(started.cfg, mesh, Path(args.config).stem, compile=args.compile,
                         device_memory=device_memory, margin=args.margin, warn_replicated=threshold, device=args.device)
     print(json.dumps(rep, indent=1) if args.json else report.render(rep))

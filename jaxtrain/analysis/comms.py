@@ -5,6 +5,7 @@ Ring collectives; formulas in README ("Communication"). XLA's schedule may diffe
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -26,12 +27,7 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
   m, k = cfg.model, cfg.train.microbatches
   s = np.dtype(m.dtype).itemsize
   T = sharding.tokens_per_device(cfg, mesh)
-  out: dict[str, dict[str, int]] = {}
-
-  def add(axis, what, nbytes):
-    out.setdefault(axis, {}).setdefault(what, 0)
-    out[axis][what] += int(nbytes)
-
+  out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
   for axis in BATCH_LIKE:
     n = mesh.shape[axis]
     if n == 1:
@@ -41,37 +37,34 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
       if axis == "expert" and "experts" in r.axes:
         continue  # expert parallelism: each device keeps and updates its own experts
       if axis in _axes_of(r.spec):
-        add(axis, "param all-gather (fwd+bwd)", 2 * k * (n - 1) * e * s)
-        add(axis, "grad reduce-scatter", k * (n - 1) * e * GRAD_BYTES)
+        out[axis]["param all-gather (fwd+bwd)"] += 2 * k * (n - 1) * e * s
+        out[axis]["grad reduce-scatter"] += k * (n - 1) * e * GRAD_BYTES
       else:
-        add(axis, "grad all-reduce", k * 2 * (n - 1) / n * e * GRAD_BYTES)
+        out[axis]["grad all-reduce"] += int(k * 2 * (n - 1) / n * e * GRAD_BYTES)
 
   t = mesh.shape["tensor"]
   if t > 1:
     ring = 2 * (t - 1) / t
-    split = sharding.axis_ways("act_heads", m.n_heads, mesh) > 1 or sharding.axis_ways("act_mlp", m.d_ff, mesh) > 1
-    if split:
-      add("tensor", "activation all-reduce (4 per layer)", k * ring * 4 * m.n_layers * T * m.d_model * s)
+    if max(sharding.axis_ways("act_heads", m.n_heads, mesh), sharding.axis_ways("act_mlp", m.d_ff, mesh)) > 1:
+      out["tensor"]["activation all-reduce (4 per layer)"] += int(k * ring * 4 * m.n_layers * T * m.d_model * s)
     if sharding.axis_ways("vocab", m.vocab_size, mesh) > 1:
-      add("tensor", "embedding + LM head all-reduce", k * ring * T * m.d_model * (4 + s))
+      out["tensor"]["embedding + LM head all-reduce"] += int(k * ring * T * m.d_model * (4 + s))
     for r in rows:
       if len(r.shape) >= 2 and "tensor" not in _axes_of(r.spec) and r.path != "embed":
-        add("tensor", "grad all-reduce (weights replicated over tensor)",
+        out["tensor"]["grad all-reduce (weights replicated over tensor)"] += int(
             k * ring * math.prod(r.device_shape) * r.count * GRAD_BYTES)
 
   n = mesh.shape["sequence"]
   if n > 1:
     K = m.n_kv_heads // sharding.axis_ways("act_kv_heads", m.n_kv_heads, mesh)
-    add("sequence", "ring K/V transfers (fwd+bwd)", 3 * k * (n - 1) * m.n_layers * T * 2 * K * m.head_dim * s)
+    out["sequence"]["ring K/V transfers (fwd+bwd)"] += 3 * k * (n - 1) * m.n_layers * T * 2 * K * m.head_dim * s
 
   for axis, items in moe_traffic(cfg, mesh).items():
-    for what, nbytes in items.items():
-      add(axis, what, nbytes)
+    out[axis].update(items)
   if mesh.shape.get("pipeline", 1) > 1:
     from jaxtrain.parallel import pipeline
-    for what, nbytes in pipeline.traffic(cfg, mesh, rows).items():
-      add("pipeline", what, nbytes)
-  return out
+    out["pipeline"].update(pipeline.traffic(cfg, mesh, rows))
+  return {axis: dict(items) for axis, items in out.items()}
 
 
 def moe_traffic(cfg, mesh) -> dict[str, dict[str, int]]:

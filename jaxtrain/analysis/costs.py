@@ -1,12 +1,7 @@
-"""What the compiled train step costs beyond the model's math.
-
-- `efficiency`: XLA's cost analysis of the compiled (per-device) program against the model
-  FLOPs of the MFU formula (how much recompute and waste the program does), and its bytes
-  accessed against the per-device train state.
-- `breakdown`: where the time of a few real steps goes, per XLA operation, from a
-  jax.profiler trace (the thunks/kernels the runtime records), each op named by the HLO
-  metadata of the program (the jax op and its source) where it has one.
-"""
+"""What the compiled train step costs beyond the model's math: `efficiency` (XLA's cost
+analysis of the per-device program against the model FLOPs and the train state) and
+`breakdown` (time per XLA op of a few real steps, from a jax.profiler trace, each op named
+by the jax op in the program's HLO metadata)."""
 
 from __future__ import annotations
 
@@ -14,14 +9,6 @@ import collections
 import re
 import tempfile
 from pathlib import Path
-
-
-def cost_analysis(compiled) -> dict:
-  """XLA's cost analysis as one dict (older jax returned a list with one dict per program)."""
-  ca = compiled.cost_analysis()
-  if isinstance(ca, (list, tuple)):
-    ca = ca[0] if ca else {}
-  return dict(ca or {})
 
 
 def efficiency(compiled, model_flops_per_device: float, state_bytes_per_device: int) -> dict:
@@ -32,7 +19,7 @@ def efficiency(compiled, model_flops_per_device: float, state_bytes_per_device: 
   if "flops" in loops:
     flops, accessed, how = loops["flops"], loops["bytes_accessed"], "loop bodies x trip count"
   else:
-    ca = cost_analysis(compiled)
+    ca = compiled.cost_analysis() or {}
     flops, accessed, how = ca.get("flops"), ca.get("bytes accessed"), "loop bodies counted once"
   return {
       "compiled_flops_per_device": flops,
@@ -51,11 +38,6 @@ def op_names(hlo_text: str) -> dict[str, str]:
   return {m.group(1): m.group(2) for m in _OP.finditer(hlo_text)}
 
 
-def _is_runtime_line(plane: str, line: str) -> bool:
-  """Lines whose events are XLA's executed ops: GPU streams, or XLA:CPU's client threads."""
-  return plane.startswith("/device:") or line.startswith("tf_XLA")
-
-
 def breakdown(run_steps, steps: int, hlo_text: str, top: int = 10, logdir: Path | None = None) -> dict:
   """Traces `run_steps(steps)` and returns the `top` ops by total time per step."""
   import jax
@@ -69,8 +51,8 @@ def breakdown(run_steps, steps: int, hlo_text: str, top: int = 10, logdir: Path 
   total: collections.Counter = collections.Counter()
   for plane in data.planes:
     for line in plane.lines:
-      if not _is_runtime_line(plane.name, line.name):
-        continue
+      if not (plane.name.startswith("/device:") or line.name.startswith("tf_XLA")):
+        continue  # XLA's executed ops are on GPU streams, or XLA:CPU's client threads
       for ev in line.events:
         if not ev.name.startswith(("end:", "ThunkExecutor", "ThreadpoolListener")):
           total[ev.name] += ev.duration_ns

@@ -1,8 +1,5 @@
 """Fit: the one verdict of bytes needed against a device's memory, and the trainer's check
 before any array exists (a one-line error instead of RESOURCE_EXHAUSTED after allocating).
-
-Known memory: GPU/TPU the runtime's limit (`memory_stats()["bytes_limit"]`), else the device
-table's figure; CPU the host's physical memory over the local devices. run.fit_check=false skips.
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ def verdict(need: int, have: int | None, items: dict[str, int] | None = None,
 def capacity(mesh) -> tuple[int | None, str]:
   """(bytes per device, where the figure comes from) for the mesh's local devices."""
   import jax
-  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()] or list(mesh.devices.flat)
-  dev = local[0]
+  dev = next((d for d in mesh.devices.flat if d.process_index == jax.process_index()), mesh.devices.flat[0])
   if dev.platform == "cpu":
     try:
       host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

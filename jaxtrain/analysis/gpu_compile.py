@@ -1,10 +1,9 @@
 """Compile the real train step with XLA's GPU compiler for GPUs that are not here, and read it.
 
-With the CUDA PJRT plugin (the gpu-aot extra) and the host backend on CPU,
-`jax.experimental.topologies` gives compile-only devices described by an XLA GPU
-TargetConfig (jaxtrain/gpu_targets/*.txtpb); the step is lowered from ShapeDtypeStructs
-carrying its shardings and compiled by XLA:GPU as on the pod; nothing runs. Read back:
-memory analysis, collectives, cuDNN attention calls, cost analysis, a roofline bound.
+With the CUDA PJRT plugin (the gpu-aot extra), `jax.experimental.topologies` gives compile-only
+devices of an XLA GPU TargetConfig (jaxtrain/gpu_targets/*.txtpb); the step, lowered from
+ShapeDtypeStructs with its shardings, is compiled by XLA:GPU as on the pod; nothing runs. Read
+back: memory analysis, collectives, cuDNN attention calls, cost analysis, a roofline bound.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import importlib.util
 import math
 import re
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -63,26 +63,19 @@ def plugin_installed() -> bool:
   return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
 
 
-def _installed_versions() -> tuple[tuple[int, int, int], tuple[int, int]] | None:
-  """(cuDNN, CUDA runtime) versions of the installed plugin's libraries, or None."""
+def target_config(name) -> str:
+  """The device's TargetConfig text with the installed plugin's cuDNN/CUDA versions (where
+  they can be read), so XLA plans for the libraries this install would run with on the GPU."""
+  text = importlib.resources.files("jaxtrain.gpu_targets").joinpath(target(name).lower() + ".txtpb").read_text()
   try:
     from jax._src.lib import cuda_versions
     dnn, rt = cuda_versions.cudnn_get_version(), cuda_versions.cuda_runtime_get_version()
   except Exception:  # noqa: BLE001 - any failure just keeps the file's versions
-    return None
-  return (dnn // 10000, dnn // 100 % 100, dnn % 100), (rt // 1000, rt // 10 % 100)
-
-
-def target_config(name) -> str:
-  """The device's TargetConfig text with the installed cuDNN/CUDA versions, so XLA plans
-  for the libraries this install would run with on the GPU."""
-  text = importlib.resources.files("jaxtrain.gpu_targets").joinpath(target(name).lower() + ".txtpb").read_text()
-  versions = _installed_versions()
-  if versions:
-    (a, b, c), (d, e) = versions
-    text = re.sub(r"dnn_version_info \{[^}]*\}", f"dnn_version_info {{ major: {a} minor: {b} patch: {c} }}", text)
-    text = re.sub(r"runtime_version \{[^}]*\}", f"runtime_version {{ major: {d} minor: {e} patch: 0 }}", text)
-  return text
+    return text
+  text = re.sub(r"dnn_version_info \{[^}]*\}",
+                f"dnn_version_info {{ major: {dnn // 10000} minor: {dnn // 100 % 100} patch: {dnn % 100} }}", text)
+  return re.sub(r"runtime_version \{[^}]*\}",
+                f"runtime_version {{ major: {rt // 1000} minor: {rt // 10 % 100} patch: 0 }}", text)
 
 
 def mesh(name, spec: str):
@@ -102,30 +95,20 @@ def mesh(name, spec: str):
   return mesh_lib.build(sizes, list(topo.devices), dcn)
 
 
-@contextlib.contextmanager
 def _capability_of(device):
   """jax's cuDNN attention wrapper checks the HOST backend's compute capability while
   tracing (packed segments need Hopper); for a compile-only target it answers for the target."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
   have = devices.of(device).capability
-  try:
-    from jax._src.cudnn import fused_attention_stablehlo as fa
-  except ImportError:
-    fa = None
-  if fa is None or have == (0, 0):
-    yield
-    return
-  saved = fa.check_compute_capability, fa.is_cuda_compute_capability_equal
-  fa.check_compute_capability = lambda c: have >= tuple(map(int, c.split(".")))
-  fa.is_cuda_compute_capability_equal = lambda c: have == tuple(map(int, c.split(".")))
-  try:
-    yield
-  finally:
-    fa.check_compute_capability, fa.is_cuda_compute_capability_equal = saved
+  if have == (0, 0):
+    return contextlib.nullcontext()
+  version = lambda c: tuple(map(int, c.split(".")))  # noqa: E731
+  return mock.patch.multiple(fa, check_compute_capability=lambda c: have >= version(c),
+                             is_cuda_compute_capability_equal=lambda c: have == version(c))
 
 
 def compiler_options(cfg) -> dict[str, str]:
-  """The config's XLA flags (run.xla_flags preset + run.xla_flags_extra) as compile
-  options, so the compile sees the flags the trainer would put in XLA_FLAGS."""
+  """The config's XLA flags (run.xla_flags preset + extra) as compile options, as the trainer's XLA_FLAGS."""
   from jaxtrain.parallel import xla_flags
   flags = xla_flags.PRESETS[cfg.run.xla_flags] + xla_flags.parse(cfg.run.xla_flags_extra)
   return {f.split("=", 1)[0].removeprefix("--"): (f.split("=", 1) + ["true"])[1] for f in flags}
@@ -147,8 +130,7 @@ def compile_step(setup):
   t0 = time.perf_counter()
   with _capability_of(dev):
     lowered = setup.step.lower(*abstract_inputs(setup))
-  options = compiler_options(setup.cfg) if dev.platform == "gpu" else None
-  compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+  compiled = lowered.compile(compiler_options=compiler_options(setup.cfg) if dev.platform == "gpu" else None)
   return compiled, time.perf_counter() - t0
 
 
@@ -160,7 +142,7 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
 _INSTR = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
-_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_CALLS = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)")  # (attribute, computation)
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
@@ -184,7 +166,6 @@ class Hlo:
   of executions per step (product of the known trip counts of the loops around it)."""
   text: str
   instrs: list[Instr]
-  entry: str
   times: dict[str, int]                 # computation -> executions per step
   loops: list[tuple[str, str, int]]     # (while body, enclosing computation, trip count)
 
@@ -203,16 +184,15 @@ class Hlo:
     edges: dict[str, list[tuple[str, int]]] = {}
     loops = []
     for i in instrs:
-      trip = int(_TRIP.search(i.rest).group(1)) if i.opcode == "while" and _TRIP.search(i.rest) else 1
-      for callee in _CALLS.findall(i.rest):
-        body = i.opcode == "while" and re.search(rf"body=%?{re.escape(callee)}(?![\w.\-])", i.rest) is not None
-        edges.setdefault(i.computation, []).append((callee, trip if body else 1))
-        if body:
-          loops.append((callee, i.computation, trip))
+      trip = _TRIP.search(i.rest)
+      for attr, callee in _CALLS.findall(i.rest):
+        n = int(trip.group(1)) if attr == "body" and trip else 1  # only a while has a body
+        edges.setdefault(i.computation, []).append((callee, n))
+        if attr == "body":
+          loops.append((callee, i.computation, n))
       for branch in re.findall(r"branch_computations=\{([^}]*)\}", i.rest):
         edges.setdefault(i.computation, []).extend((b.strip().lstrip("%"), 1) for b in branch.split(","))
-    times = {entry: 1}
-    todo = [entry]
+    times, todo = {entry: 1}, [entry]
     while todo:
       c = todo.pop()
       for callee, trip in edges.get(c, ()):
@@ -220,7 +200,7 @@ class Hlo:
         if n > times.get(callee, 0):
           times[callee] = n
           todo.append(callee)
-    return cls(text, instrs, entry, times, loops)
+    return cls(text, instrs, times, loops)
 
 
 def collectives(hlo: Hlo) -> dict:
@@ -228,9 +208,7 @@ def collectives(hlo: Hlo) -> dict:
   are asynchronous (a -start/-done pair XLA did not mark is_sync). `bytes` of one op is
   its larger side (the gathered result of an all-gather, the input of a reduce-scatter)."""
   shapes = {i.name: i.shape for i in hlo.instrs}
-  called_root = {}
-  for i in hlo.instrs:
-    called_root[i.computation] = i.opcode  # the last instruction of a computation is its ROOT
+  called_root = {i.computation: i.opcode for i in hlo.instrs}  # a computation's last instruction is its ROOT
   out = {k: {"ops": 0, "per_step": 0, "bytes_per_step": 0, "async": 0, "sync": 0, "largest_bytes": 0}
          for k in COLLECTIVES}
   for i in hlo.instrs:
@@ -238,7 +216,7 @@ def collectives(hlo: Hlo) -> dict:
     is_start = i.opcode.endswith("-start")
     if i.opcode == "async-start":
       callee = _CALLS.search(i.rest)
-      op = called_root.get(callee.group(1), "") if callee else ""
+      op = called_root.get(callee.group(2), "") if callee else ""
     if op not in out:
       continue
     operands = re.findall(r"%([\w.\-]+)", i.rest.split("),", 1)[0])
@@ -263,19 +241,15 @@ def cudnn_attention_calls(hlo: Hlo) -> dict:
 
 def square_buffers(hlo: Hlo, length: int) -> list[str]:
   """Array types in the program with two dimensions equal to `length`: an L x L buffer."""
-  found = {f"{dt}[{dims}]" for dt, dims in _ARRAY.findall(hlo.text)
-           if [int(d) for d in dims.split(",") if d].count(length) >= 2}
-  return sorted(found)
+  return sorted({f"{dt}[{dims}]" for dt, dims in _ARRAY.findall(hlo.text)
+                 if [int(d) for d in dims.split(",") if d].count(length) >= 2})
 
 
 def cost(hlo: Hlo) -> dict | None:
-  """XLA's HloCostAnalysis of the optimized module, loop bodies weighted by trip count.
-
-  The analysis counts each while body once; each body is therefore also analysed as
-  its own module and added (trip - 1) x (executions of the enclosing computation)
-  times. Work inside custom calls (cuDNN attention, cuBLAS is a dot) is invisible to it."""
+  """XLA's HloCostAnalysis of the optimized module, which counts a while body once: each
+  body is also analysed alone and added (trip - 1) x (executions of its enclosing
+  computation) times. Work inside custom calls (cuDNN attention) is invisible to it."""
   try:
-    import jax
     import jaxlib._hlo as hlo_lib
     from jax._src.lib import xla_client
     client = jax.devices("cpu")[0].client

@@ -6,19 +6,17 @@ Formulas: README, "The memory bill"; checked against XLA:GPU's compile there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 import re
 
 import jax
 import numpy as np
 
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from jaxtrain.parallel import devices
 from jaxtrain.parallel import sharding
 from jaxtrain.core.errors import UserError
-
-GiB = 2**30
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -40,14 +38,7 @@ def device_memory(text: str | None, device_kind: str) -> tuple[int | None, str]:
   if text and entry is None:
     raise UserError(f"--device-memory {text!r} is neither a size (e.g. 80GiB) nor a known device kind: "
                     f"{', '.join(devices.TABLE)}")
-  if text:
-    return entry.memory_bytes, text
-  return (entry.memory_bytes, device_kind) if entry else (None, "unknown")
-
-
-def per_device_shape(shape, spec, mesh) -> tuple[int, ...]:
-  """Global shape divided, dimension by dimension, by the mesh axes that split it."""
-  return tuple(NamedSharding(mesh, P(*spec)).shard_shape(tuple(shape)))
+  return (entry.memory_bytes, text or device_kind) if entry else (None, "unknown")
 
 
 def _path(path) -> str:
@@ -74,11 +65,9 @@ def param_rows(setup) -> list[Row]:
   shardings = setup.state_shardings["params"]
   for path, var in jax.tree_util.tree_leaves_with_path(setup.abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
     keys = [getattr(k, "key", k) for k in path]
-    sh = shardings
-    for k in keys:
-      sh = sh[k]
+    sh = functools.reduce(operator.getitem, keys, shardings)
     spec = tuple(sh.spec) + (None,) * (len(var.shape) - len(sh.spec))
-    dshape = per_device_shape(var.shape, spec, setup.mesh)
+    dshape = tuple(sh.shard_shape(var.shape))
     dtype = np.dtype(var.dtype)
     rows.append(Row("/".join(map(str, keys)), tuple(var.get_metadata()["axes"]), spec, tuple(var.shape), dshape,
                     dtype.name, math.prod(dshape) * dtype.itemsize))
@@ -97,22 +86,17 @@ def grouped(rows: list[Row]) -> list[Row]:
   """Repeated layers (layers/0/..., layers/1/...) shown once with a count where identical."""
   groups: dict[tuple, list[Row]] = {}
   for r in rows:
-    key = generic_path(r.path)
-    groups.setdefault((key, r.axes, r.spec, r.shape, r.dtype), []).append(r)
+    groups.setdefault((generic_path(r.path), r.axes, r.spec, r.shape, r.dtype), []).append(r)
   return [dataclasses.replace(g[0], path=k[0] if len(g) > 1 else g[0].path, count=len(g)) for k, g in groups.items()]
 
 
 def state_bytes(setup) -> dict[str, int]:
   """Per-device bytes of the real train state by part: params, adam_m, adam_v, counters."""
-  abstract = jax.eval_shape(setup.init)
   out = {"params": 0, "adam_m": 0, "adam_v": 0, "counters": 0}
-  leaves = jax.tree_util.tree_leaves_with_path(abstract)
   shards = jax.tree.leaves(setup.state_shardings)
-  assert len(leaves) == len(shards)
-  for (path, sds), sh in zip(leaves, shards, strict=True):
+  for (path, sds), sh in zip(jax.tree_util.tree_leaves_with_path(jax.eval_shape(setup.init)), shards, strict=True):
     p = _path(path)
-    spec = tuple(sh.spec) + (None,) * (len(sds.shape) - len(sh.spec))
-    n = math.prod(per_device_shape(sds.shape, spec, setup.mesh)) * np.dtype(sds.dtype).itemsize
+    n = math.prod(sh.shard_shape(sds.shape)) * np.dtype(sds.dtype).itemsize
     part = ("params" if p.startswith("params/") else "adam_m" if "/mu/" in f"/{p}/" else
             "adam_v" if "/nu/" in f"/{p}/" else "counters")
     out[part] += n
@@ -122,41 +106,29 @@ def state_bytes(setup) -> dict[str, int]:
 def _dims(cfg, mesh) -> dict:
   """Per-device sizes the formulas use (see `activations`)."""
   m = cfg.model
-  return dict(
-      s=np.dtype(m.dtype).itemsize, c=np.dtype(m.attention_logits_dtype).itemsize,
-      D=m.d_model // sharding.axis_ways("act_embed", m.d_model, mesh), H=m.n_heads // sharding.axis_ways("act_heads", m.n_heads, mesh),
-      K=m.n_kv_heads // sharding.axis_ways("act_kv_heads", m.n_kv_heads, mesh), F=m.d_ff // sharding.axis_ways("act_mlp", m.d_ff, mesh),
-      V=m.vocab_size // sharding.axis_ways("act_vocab", m.vocab_size, mesh), E=m.head_dim, L=cfg.train.seq_len,
-      T=sharding.tokens_per_device(cfg, mesh))
-
-
-def _moe_slots_per_token(cfg, mesh) -> float:
-  """Expert-buffer rows per routed token of one device: X * C / T (capacity over tokens)."""
-  from jaxtrain.parallel import experts as moe
-  m = cfg.model
-  T = sharding.tokens_per_device(cfg, mesh)
-  return m.moe_experts * moe.capacity(T, m.moe_experts, m.moe_top_k, m.moe_capacity_factor) / T
+  split = {k: n // sharding.axis_ways(axis, n, mesh) for k, axis, n in (
+      ("D", "act_embed", m.d_model), ("H", "act_heads", m.n_heads), ("K", "act_kv_heads", m.n_kv_heads),
+      ("F", "act_mlp", m.d_ff), ("V", "act_vocab", m.vocab_size))}
+  return dict(split, s=np.dtype(m.dtype).itemsize, c=np.dtype(m.attention_logits_dtype).itemsize, E=m.head_dim,
+              L=cfg.train.seq_len, T=sharding.tokens_per_device(cfg, mesh))
 
 
 def layer_residuals(cfg, mesh, kernel: str = "xla", packed_segments: int = 0) -> dict[str, float]:
   """Bytes per token that one layer keeps for its backward pass with remat none, per kernel."""
-  d = _dims(cfg, mesh)
-  s, c, D, H, K, F, E, L = (d[k] for k in "scDHKFEL")
+  d, m = _dims(cfg, mesh), cfg.model
+  s, c, D, H, K, F, E, L, T = (d[k] for k in "scDHKFELT")
   out = {"norms": 2 * (8 + s) * D + 16, "qkvo": s * (2 * H + 2 * K) * E}
   if kernel == "xla":
     out["attention_matrix"] = H * (L * (1 + 2 * c + s) + 2 * c)
-  elif kernel == "cudnn":
-    out["softmax_stats"] = 4 * H * max(packed_segments, 1) + (0 if packed_segments else L)
-  elif kernel == "ring":
-    out["softmax_stats"] = 4 * H
-  else:
-    raise ValueError(kernel)
-  if cfg.model.moe_experts:
-    # router logits/probabilities (f32); dispatched and returned rows and SwiGLU residuals per buffer row
-    m = cfg.model
+  else:  # cudnn: per segment slot, else per row (ring: per row of its blocks)
+    out["softmax_stats"] = 4 * H * max(packed_segments, 1) + (L if kernel == "cudnn" and not packed_segments else 0)
+  if m.moe_experts:
+    # router logits/probabilities (f32); per expert-buffer row (X * C / T of them per routed token):
+    # dispatched and returned rows and SwiGLU residuals
+    from jaxtrain.parallel import experts
+    slots = m.moe_experts * experts.capacity(T, m.moe_experts, m.moe_top_k, m.moe_capacity_factor) / T
     share = m.moe_layers() / m.n_layers
-    moe = 3 * 4 * m.moe_experts + _moe_slots_per_token(cfg, mesh) * (2 * s * D + 6 * s * F)
-    out["mlp"] = share * moe + (1 - share) * 6 * s * F
+    out["mlp"] = share * (3 * 4 * m.moe_experts + slots * (2 * s * D + 6 * s * F)) + (1 - share) * 6 * s * F
   else:
     out["swiglu"] = 6 * s * F
   return out
@@ -172,8 +144,6 @@ def saved_per_token(cfg, mesh, remat: str) -> dict[str, float]:
     out["projections"] = s * (H + 2 * K) * E + s * D + dense_ffn * 2 * s * F
   elif remat == "save_named":
     out["named"] = s * (2 * H + 2 * K) * E + dense_ffn * s * F
-  elif remat not in ("full", "offload_named"):
-    raise ValueError(remat)
   return out
 
 
@@ -183,10 +153,7 @@ def activations(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segm
   `logits_residual`: jax.vjp's float32 exp of the logits (the compiled step's are transient)."""
   d = _dims(cfg, mesh)
   n, T, s, D, E, V = cfg.model.n_layers, d["T"], d["s"], d["D"], d["E"], d["V"]
-  if remat == "none":
-    per = layer_residuals(cfg, mesh, kernel, packed_segments)
-  else:
-    per = saved_per_token(cfg, mesh, remat)
+  per = layer_residuals(cfg, mesh, kernel, packed_segments) if remat == "none" else saved_per_token(cfg, mesh, remat)
   out = {k: int(n * T * v) for k, v in per.items()}
   out["rope_and_final_norm"] = T * (4 * E + (8 + s) * D)
   if logits_residual:  # jax.vjp's view; the compiled step's logits are transient (`workspace`)
@@ -202,9 +169,8 @@ def workspace(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segmen
   chunk = cfg.train.loss_chunk_tokens
   head = cfg.model.d_model * V * (d["s"] + (8 if platform == "cpu" else 0))
   loss = 2 * 4 * V * (min(T, chunk) if chunk else T) + head
-  c = d["c"]
   if remat == "none":  # residuals are kept already; the reference's backward adds L x L score gradients
-    layer = gathered + (T * H * L * (2 * c + 1) if kernel == "xla" else 0)
+    layer = gathered + (T * H * L * (2 * d["c"] + 1) if kernel == "xla" else 0)
   else:  # the layer's residuals recomputed (the reference's whole L x L set, as jax.vjp keeps it)
     layer = gathered + T * sum(layer_residuals(cfg, mesh, kernel, packed_segments).values())
   return {"loss phase": int(loss), "layer phase": int(layer)}
@@ -217,34 +183,22 @@ def _gathered(r: Row, mesh) -> int:
                    for a in (e if isinstance(e, tuple) else (e,)) if a in sharding.RULES["batch"])
 
 
-def _is_matmul(cfg, r: Row) -> bool:
-  return len(r.shape) - ("layers" in r.axes) >= 2 and not (r.path == "embed" and not cfg.model.tie_embeddings)
-
-
 def gathered_weights(cfg, rows: list[Row], mesh) -> dict[str, int]:
-  """Compute-dtype weights gathered over FSDP at once (as comms.py): 2 layers' matmul
-  weights (running + next/re-gathered) and the LM head for the logits."""
+  """Compute-dtype matmul weights per device: `layers`, 2 layers' gathered over FSDP at once
+  (running + next/re-gathered, as comms.py); `lm_head`, gathered for the logits; `stored`,
+  the layers' as stored (sharded), which the backward keeps (the bill's weight_residuals)."""
   s = np.dtype(cfg.model.dtype).itemsize
-  n = cfg.model.n_layers
-  layer = head = 0
+  out = {"layers": 0, "lm_head": 0, "stored": 0}
   for r in rows:
-    if not _is_matmul(cfg, r):
-      continue
+    if len(r.shape) - ("layers" in r.axes) < 2 or (r.path == "embed" and not cfg.model.tie_embeddings):
+      continue  # not a matmul weight
     full = math.prod(r.device_shape) * _gathered(r, mesh) * s * r.count
     if r.path.startswith("layers"):
-      layer += full // n
+      out["layers"] += 2 * (full // cfg.model.n_layers)
+      out["stored"] += math.prod(r.device_shape) * s * r.count
     else:
-      head += full
-  return {"layers": 2 * layer, "lm_head": head}
-
-
-def weight_residuals(cfg, rows: list[Row], remat: str = "none") -> int:
-  """The layers' matmul weights in the compute dtype, as stored (sharded), kept for backward:
-  all with remat none, about half with a policy (measured on XLA:GPU)."""
-  s = np.dtype(cfg.model.dtype).itemsize
-  total = sum(math.prod(r.device_shape) * s * r.count for r in rows
-              if _is_matmul(cfg, r) and r.path.startswith("layers"))
-  return total if remat == "none" else total // 2
+      out["lm_head"] += full
+  return out
 
 
 @dataclasses.dataclass
@@ -253,7 +207,6 @@ class Bill:
   notes: dict[str, str]          # name -> how it is counted
   total: int
   full_remat_activations: int
-  kernel: str = "xla"
 
 
 def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
@@ -263,48 +216,38 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   plan = plan or setup.plan
   kernel, packed = plan.attention, plan.packed_segments
   st = state_bytes(setup)
-  t = cfg.train
-  remat = cfg.model.remat
+  t, remat = cfg.train, cfg.model.remat
   batch = 5 * 4 * (t.batch_size // sharding.axis_ways("batch", t.batch_size, mesh)) * (t.seq_len // sharding.axis_ways("length", t.seq_len, mesh))
   act = activations(cfg, mesh, remat, kernel, packed, logits_residual=False)
   gathered = gathered_weights(cfg, rows, mesh)
   work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
-  peak = max(work.values())
-  items = {
-      "params": st["params"],
-      "gradients": st["params"],
-      "grad_accumulator": st["params"] if t.microbatches > 1 else 0,
-      "adam_m": st["adam_m"],
-      "adam_v": st["adam_v"],
-      "counters": st["counters"],
-      "batch": batch,
-      "weight_residuals": weight_residuals(cfg, rows, remat),
-      "activations": sum(act.values()),
-      "gathered_weights": gathered["layers"],
-      "workspace": peak - gathered["layers"],
-  }
-  notes = {
-      "params": "float32; they are the master copy (no separate one)",
-      "gradients": "float32, sharded like the params",
-      "grad_accumulator": f"float32 sum over {t.microbatches} microbatches" if t.microbatches > 1 else "none (1 microbatch)",
-      "adam_m": "float32, sharded like the params",
-      "adam_v": "float32, sharded like the params",
-      "counters": "step, Adam count, loss scale",
-      "batch": "inputs, targets, positions, segment ids, loss mask (int32)",
-      "weight_residuals": (f"{cfg.model.dtype} casts of the layers' weights, as stored (sharded), kept for backward"
+  sharded = "float32, sharded like the params"
+  lines = {  # name: (bytes per device, how it is counted)
+      "params": (st["params"], "float32; they are the master copy (no separate one)"),
+      "gradients": (st["params"], sharded),
+      "grad_accumulator": (st["params"], f"float32 sum over {t.microbatches} microbatches") if t.microbatches > 1
+                          else (0, "none (1 microbatch)"),
+      "adam_m": (st["adam_m"], sharded),
+      "adam_v": (st["adam_v"], sharded),
+      "counters": (st["counters"], "step, Adam count, loss scale"),
+      "batch": (batch, "inputs, targets, positions, segment ids, loss mask (int32)"),
+      "weight_residuals": (gathered["stored"] if remat == "none" else gathered["stored"] // 2,
+                           f"{cfg.model.dtype} casts of the layers' weights, as stored (sharded), kept for backward"
                            + ("" if remat == "none" else " (about half of them with remat; measured)")),
-      "activations": f"kept for backward: remat {remat}, attention {kernel}, one microbatch: "
-                     + ", ".join(f"{k} {human(v)}" for k, v in act.items()),
-      "gathered_weights": f"{cfg.model.dtype}, gathered over fsdp one layer at a time: 2 layers' matmul weights "
-                          f"(the running one and the next/re-gathered one); lm_head {human(gathered['lm_head'])} "
-                          "is gathered during the loss phase",
-      "workspace": "transient peak beyond the gathered weights, the larger phase of: "
-                   + ", ".join(f"{k} {human(v)}" for k, v in work.items()),
+      "activations": (sum(act.values()), f"kept for backward: remat {remat}, attention {kernel}, one microbatch: "
+                      + ", ".join(f"{k} {human(v)}" for k, v in act.items())),
+      "gathered_weights": (gathered["layers"], f"{cfg.model.dtype}, gathered over fsdp one layer at a time: 2 layers' "
+                           "matmul weights (the running one and the next/re-gathered one); lm_head "
+                           f"{human(gathered['lm_head'])} is gathered during the loss phase"),
+      "workspace": (max(work.values()) - gathered["layers"], "transient peak beyond the gathered weights, the larger "
+                    "phase of: " + ", ".join(f"{k} {human(v)}" for k, v in work.items())),
   }
+  items = {k: v for k, (v, _) in lines.items()}
+  notes = {k: note for k, (_, note) in lines.items()}
   items["margin"] = int(margin * sum(items.values()))
   notes["margin"] = f"temporaries and communication buffers: {margin:.0%} of the items above"
   full = sum(activations(cfg, mesh, "full", kernel, packed, logits_residual=False).values())
-  return Bill(items, notes, sum(items.values()), full, kernel)
+  return Bill(items, notes, sum(items.values()), full)
 
 
 def human(n) -> str:

@@ -3,6 +3,7 @@ communication, and with `compile` XLA's view of the compiled step; as a dict (`-
 
 from __future__ import annotations
 
+import collections
 import math
 import sys
 
@@ -15,10 +16,9 @@ human = memory.human
 
 
 def target_mesh(device: str, spec: str, compile: bool, device_memory: str | None):
-  """(mesh, --device-memory value). --device KIND sets the verdict's memory to the kind's
-  unless --device-memory says otherwise. With a TargetConfig for it and the CUDA plugin:
-  compile-only devices (the host backend pinned to CPU); else simulated CPU devices, and
-  --compile says so on stderr (for a kind without a TargetConfig, --compile is an error)."""
+  """(mesh, --device-memory value, else the kind's) for --device KIND: compile-only devices
+  where it has a TargetConfig and the CUDA plugin is installed (the host backend pinned to
+  CPU), else simulated CPU devices (--compile says so on stderr, or is an error without one)."""
   key = devices.of(device).key
   if key is None:
     raise UserError(f"--device {device!r} is not a known device; known: {', '.join(devices.TABLE)}")
@@ -41,8 +41,7 @@ def target_mesh(device: str, spec: str, compile: bool, device_memory: str | None
 
 
 def compiled_memory(setup) -> dict:
-  """Compiles the real train step (XLA:GPU for compile-only GPUs): XLA's per-device memory
-  analysis and what the program shows."""
+  """Compiles the real train step: XLA's per-device memory analysis and what the program shows."""
   print("compiling the train step (this can take a minute for large models)...", file=sys.stderr, flush=True)
   compiled, seconds = gpu_compile.compile_step(setup)
   print(f"compiled in {seconds:.1f}s", file=sys.stderr, flush=True)
@@ -61,8 +60,7 @@ def replication_warnings(rows, mesh, threshold: int) -> list[str]:
     would = sorted({a for name in r.axes if name for a in sharding.RULES.get(name, ())}, key=mesh_lib.AXES.index)
     hint = (f"a mesh with {' or '.join(would)} > 1 would shard it" if would else
             f"no rule in sharding.RULES splits its logical axes {r.axes}")
-    times = f" (x{r.count})" if r.count > 1 else ""
-    out.append(f"{r.path}{times}: {r.bytes / 2**20:.1f} MiB per device, fully replicated on all {mesh.size} "
+    out.append(f"{r.path}{f' (x{r.count})' if r.count > 1 else ''}: {r.bytes / 2**20:.1f} MiB per device, fully replicated on all {mesh.size} "
                f"devices; {hint}")
   return out
 
@@ -138,9 +136,8 @@ def render(rep: dict) -> str:
   mem = rep["memory"]
   L.append(f"Memory per device (analytic, for {mem['for_device']}: attention {mem['attention']}, "
            f"remat {mem['remat']})")
-  for k, v in mem["items"].items():
-    L.append(f"  {k:<17} {human(v):>11} {v:>17,}  {mem['notes'][k]}")
-  L.append(f"  {'total':<17} {human(mem['total']):>11} {mem['total']:>17,}")
+  for k, v in [*mem["items"].items(), ("total", mem["total"])]:
+    L.append(f"  {k:<17} {human(v):>11} {v:>17,}  {mem['notes'].get(k, '')}".rstrip())
   L.append(f"  (activations with full remat per block would be {human(mem['activations_full_remat'])}; "
            f"model.remat is {mem['remat']})")
   src = f" [{mem['device_memory_source']}]" if mem["device_memory"] else ""
@@ -164,15 +161,11 @@ def render(rep: dict) -> str:
   f = rep["flops"]
   L += ["", f"Model FLOPs (as for MFU): {f['per_token']:.4g} per token, {f['per_step']:.4g} per step, "
             f"{f['per_device_per_step']:.4g} per device per step", "", "Communication per device per step (analytic)"]
-  if not rep["comms"]:
-    L.append("  none (single device)")
-  for axis, parts in rep["comms"].items():
-    L.append(f"  {axis:<9} {human(sum(parts.values())):>12}  " + "; ".join(f"{k} {human(v)}" for k, v in parts.items()))
+  L += [f"  {axis:<9} {human(sum(parts.values())):>12}  " + "; ".join(f"{k} {human(v)}" for k, v in parts.items())
+        for axis, parts in rep["comms"].items()] or ["  none (single device)"]
   if rep["notes"] or rep["warnings"]:
     L.append("")
-  notes: dict[str, int] = {}  # identical notes about repeated layers, once with a count
-  for line in rep["notes"]:
-    notes[memory.generic_path(line)] = notes.get(memory.generic_path(line), 0) + 1
+  notes = collections.Counter(memory.generic_path(n) for n in rep["notes"])  # repeated layers' notes, once
   L += [f"note: {n}" + (f" (x{count})" if count > 1 else "") for n, count in notes.items()]
   L += [f"warning: {w}" for w in rep["warnings"]]
   return "\n".join(L)
@@ -190,10 +183,8 @@ def render_compiled(c: dict) -> list[str]:
     L.append(f"  L x L buffers: {', '.join(c['square_buffers'][:4])}")
   L.append("  collectives (per device; bytes = larger side of each op, times executions per step):")
   ops = [(name, r) for name, r in c.get("collectives", {}).items() if r["ops"]]
-  L += [f"    {name:<19} {r['ops']:>4} op(s), {r['per_step']:>5} per step, {human(r['bytes_per_step']):>11} "
-        f"per step, largest {human(r['largest_bytes'])}; {r['async']} async, {r['sync']} sync" for name, r in ops]
-  if not ops:
-    L.append("    none")
+  L += [f"    {name:<19} {r['ops']:>4} op(s), {r['per_step']:>5} per step, {human(r['bytes_per_step']):>11} per step, "
+        f"largest {human(r['largest_bytes'])}; {r['async']} async, {r['sync']} sync" for name, r in ops] or ["    none"]
   cost = c.get("cost") or {}
   if "flops" in cost:
     L.append(f"  XLA cost analysis (loop bodies x trip count): {cost['flops']:.4g} FLOPs, "

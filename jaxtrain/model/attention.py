@@ -21,15 +21,12 @@ def select(model_cfg, seq_len: int | None = None, info: devices.Info | None = No
     return "xla", "model.attention=xla"
   info = info or devices.of()
   E, dt = model_cfg.head_dim, model_cfg.dtype
-  problem = None
-  if not info.cuda:
-    problem = f"backend is {info.platform}, not a CUDA GPU"
-  elif dt not in ("bfloat16", "float16"):
-    problem = f"model.dtype={dt} (cuDNN needs bfloat16 or float16)"
-  elif E % 8 or E > info.max_head_dim:
-    problem = f"model.head_dim={E} (cuDNN needs a multiple of 8, at most {info.max_head_dim} on this GPU)"
-  elif seq_len is not None and seq_len % 2:
-    problem = f"train.seq_len={seq_len} is odd (cuDNN needs it even)"
+  problem = next((why for failed, why in (  # the first condition cuDNN does not meet
+      (not info.cuda, f"backend is {info.platform}, not a CUDA GPU"),
+      (dt not in ("bfloat16", "float16"), f"model.dtype={dt} (cuDNN needs bfloat16 or float16)"),
+      (E % 8 or E > info.max_head_dim,
+       f"model.head_dim={E} (cuDNN needs a multiple of 8, at most {info.max_head_dim} on this GPU)"),
+      (seq_len is not None and seq_len % 2, f"train.seq_len={seq_len} is odd (cuDNN needs it even)")) if failed), None)
   if problem is None:
     how = (f"segments as packed offsets, at most {model_cfg.attention_max_segments} per row"
            if uses_packed(model_cfg, info) else "segments as an L x L mask")
@@ -40,10 +37,8 @@ def select(model_cfg, seq_len: int | None = None, info: devices.Info | None = No
 
 
 def fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, implementation: str = "cudnn"):
-  """Causal GQA with segment masking through `jax.nn.dot_product_attention`.
-
-  implementation="xla" runs the same call on any backend (the tests check the masking
-  plumbing against the reference on CPU that way)."""
+  """Causal GQA with segment masking through `jax.nn.dot_product_attention` (the tests run
+  it with implementation="xla" on CPU to check the masking plumbing)."""
   mask_Bx1xLxL = (seg_BxL[:, :, None] == seg_BxL[:, None, :])[:, None]
   return jax.nn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask=mask_Bx1xLxL, is_causal=True,
                                       implementation=implementation).astype(q_BxLxHxE.dtype)
@@ -59,10 +54,8 @@ def segments_per_row(seg_BxL):
 
 
 def segment_offsets(seg_BxL, max_segments: int):
-  """Contiguous segments of each row in cuDNN's packed-layout terms: (lengths, starts),
-  int32 (B, M) and (B, M + 1), the k-th segment of row b being tokens starts[b, k] ..
-  starts[b, k] + lengths[b, k] - 1; unused slots are -1. Segments are runs of equal ids,
-  as the packer writes them; a row must hold at most M of them (`plan.Plan.check_rows`)."""
+  """Each row's segments (runs of equal ids, at most M) in cuDNN's packed layout: (lengths,
+  starts), int32 (B, M) and (B, M + 1); unused slots are -1."""
   B, L = seg_BxL.shape
   M = max_segments
   new_BxL = jnp.concatenate([jnp.ones((B, 1), bool), seg_BxL[:, 1:] != seg_BxL[:, :-1]], axis=1)
@@ -76,10 +69,8 @@ def segment_offsets(seg_BxL, max_segments: int):
 
 
 def packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, max_segments: int):
-  """Causal GQA within segments through cuDNN's packed layout (Hopper or later): each
-  segment is its own causal sequence, described by O(L) lengths and offsets, so no
-  L x L mask or bias exists. jax.nn.dot_product_attention does not expose the offsets,
-  hence jax's cuDNN module (private: re-check on a jax upgrade)."""
+  """Causal GQA within segments through cuDNN's packed layout (Hopper or later): O(L)
+  lengths and offsets, no L x L mask. Private jax module: re-check on a jax upgrade."""
   from jax._src.cudnn import fused_attention_stablehlo as cudnn
   lengths_BxM, starts_BxM1 = segment_offsets(seg_BxL, max_segments)
   out = cudnn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, q_seqlen=lengths_BxM, kv_seqlen=lengths_BxM,
@@ -113,9 +104,8 @@ def masked_attention(q_BxLxHxE, k_BxMxKxE, v_BxMxKxE, mask_BxLxM, logits_dtype=j
 
 
 def cached_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, seg_BxT, cache):
-  """Decoding: writes this chunk's k/v into the cache at slot `start`, then attends over
-  the cache. A query at slot start+t sees slots <= start+t of its own segment (cache
-  `seg` already holds this chunk's ids; unwritten and padding slots never match)."""
+  """Decoding: writes this chunk's k/v into the cache at slot `start`, then attends over the
+  cache: a query at slot start+t sees slots <= start+t of its own segment (in cache `seg`)."""
   start = cache["start"]
   k_BxSxKxE = jax.lax.dynamic_update_slice(cache["k"], k_BxTxKxE.astype(cache["k"].dtype), (0, start, 0, 0))
   v_BxSxKxE = jax.lax.dynamic_update_slice(cache["v"], v_BxTxKxE.astype(cache["v"].dtype), (0, start, 0, 0))

@@ -1,13 +1,8 @@
 """Model FLOPs per token and MFU. One formula, shared by the trainer, inspect and bench.
 
-Training FLOPs per token = 3 x forward (backward costs twice the forward):
-  forward matmuls: 2 x (every projection weight: q, k, v, o, gate, up, down, lm_head;
-                   for a MoE layer the router and the top_k routed and the shared
-                   experts' gate/up/down, of their own width)
-  forward attention: 2 x 2 x seq_len x n_heads x head_dim per layer (QK^T and PV),
-                     halved because causal masking skips the upper triangle.
-The embedding lookup is a gather, not a matmul, and is excluded. MFU counts every
-position of the batch (padding too: the device computes it) against the peak.
+Training FLOPs per token = 3 x forward: 2 x every matmul weight a token passes (the
+embedding lookup is a gather: excluded) + 2 x 2 x seq_len x n_heads x head_dim per layer
+for QK^T and PV, halved by causal masking. MFU counts padding too (the device computes it).
 """
 
 from __future__ import annotations

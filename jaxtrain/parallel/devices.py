@@ -60,20 +60,17 @@ def of(device=None) -> Info:
   """A jax device (real or compile-only; None: the first local one), any object with its
   platform/compute_capability/device_kind, or a name the user gives ("H100", "A100-80GB").
   The row is the longest table key the kind contains, case-insensitively; never raises."""
-  if isinstance(device, str):
-    name = device.strip()
-  elif device is None:
+  if device is None:
     import jax
     try:
       device = jax.devices()[0]
     except RuntimeError:
       return Info(jax.default_backend(), None, jax.default_backend())
-  kind = name if isinstance(device, str) else str(getattr(device, "device_kind", ""))
-  hits = [k for k in TABLE if k.lower() in kind.lower()]
-  key = max(hits, key=len) if hits else None
+  kind = device.strip() if isinstance(device, str) else str(getattr(device, "device_kind", ""))
+  key = max((k for k in TABLE if k.lower() in kind.lower()), key=len, default=None)
   if isinstance(device, str):  # a target that is not here: what its row says
     cc = TABLE[key].compute_capability if key else None
-    return Info(key or name, key, "gpu" if cc else "tpu" if (key or "").startswith("TPU") else "cpu", _capability(cc))
+    return Info(key or kind, key, "gpu" if cc else "tpu" if (key or "").startswith("TPU") else "cpu", _capability(cc))
   # CUDA devices report a numeric capability ("9.0"), ROCm a gfx name (not CUDA)
   cap = _capability(getattr(device, "compute_capability", "")) if device.platform == "gpu" else (0, 0)
   return Info(kind, key, device.platform, cap)

@@ -1,16 +1,9 @@
 """The execution plan of one (config, mesh): decided once at set-up, printed once, passed to the model.
 
-It owns every choice about *how* the model's math runs on the mesh:
-- the logical-to-mesh rules (`sharding.RULES`, or its Megatron sequence-parallel variant);
-- the attention kernel: `ring` when the mesh splits `sequence` (ring.py's own blocks),
-  else `cudnn` or the XLA reference `xla`, as `attention.select` decides for the target
-  device (the mesh's devices, which may be abstract GPUs when compiling ahead of time);
-- the MoE dispatch: `local` (no mesh) or `all_to_all` over `expert`, and its kernel:
-  capacity buffers over data-defined groups, or dropless grouped matmuls (`ragged_dot`,
-  or `blocks` where the target's ragged_dot is a dense fallback, as on XLA:CPU);
-- the mesh axis names that the explicit collectives of ring.py and moe.py use.
-The model calls `plan.constrain`, `plan.attend` and `plan.moe_ffn`; it never looks at a
-mesh itself, so what `describe()` prints is what runs.
+It owns every choice about *how* the model's math runs on the mesh: the logical-to-mesh
+rules, the attention kernel (ring / cudnn / xla), the MoE dispatch and its kernel, and the
+mesh axis names of the explicit collectives. The model calls `plan.constrain`, `plan.attend`
+and `plan.moe_ffn`; it never looks at a mesh itself, so what `describe()` prints is what runs.
 """
 
 from __future__ import annotations
@@ -34,7 +27,7 @@ class Plan:
   rules: dict[str, tuple[str, ...]]
   attention: str  # "xla" | "cudnn" | "ring"
   attention_why: str
-  moe: str  # "dense" | "local" | "all_to_all"
+  moe: str = "dense"  # "dense" | "local" | "all_to_all"
   moe_kernel: str = "capacity"  # "capacity" | "ragged_dot" | "blocks" (the last two: dropless)
   moe_group: int = 0  # capacity group in tokens (model.moe_group_size, what the MoE layer runs); 0 = one sequence
   seq_len: int = 0  # train.seq_len, the tokens of "one sequence" in describe() (0: not known)
@@ -70,8 +63,7 @@ class Plan:
     return KERNELS[self.attention](q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
 
   def check_rows(self, seg_BxL) -> None:
-    """Host side, before a batch goes to the devices: a row with more segments than the
-    packed cuDNN layout was compiled for is a one-line error (it would attend nowhere)."""
+    """Host side: a batch row with more segments than the packed cuDNN layout holds is an error."""
     if self.packed_segments:
       most = int(attention_lib.segments_per_row(seg_BxL).max())
       if most > self.packed_segments:
@@ -132,10 +124,8 @@ def moe_kernel(m, platform: str) -> str:
 
 def local(model_cfg=None) -> Plan:
   """One device, reference attention, no annotations: the single-device reference of the tests."""
-  m = model_cfg
+  m, platform = model_cfg, jax.default_backend()
+  own = {} if m is None else dict(moe="local" if m.moe_experts else "dense", moe_kernel=moe_kernel(m, platform),
+                                  moe_group=m.moe_group_size, remat=m.remat, logits_dtype=m.attention_logits_dtype)
   return Plan(mesh=None, rules=dict(sharding.RULES), attention="xla", attention_why="one device, no mesh",
-              moe="local" if m is not None and m.moe_experts else "dense",
-              moe_kernel=moe_kernel(m, jax.default_backend()) if m is not None else "capacity",
-              moe_group=m.moe_group_size if m is not None else 0, remat=m.remat if m is not None else "none",
-              logits_dtype=m.attention_logits_dtype if m is not None else "float32",
-              platform=jax.default_backend())
+              platform=platform, **own)
