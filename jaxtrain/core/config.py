@@ -1,5 +1,4 @@
-"""Typed configuration: dataclasses, TOML presets, `--set section.key=value` overrides.
-Each key declares type, default, doc, bounds and `math` (part of the checkpoint fingerprint)."""
+"""Typed configuration: dataclasses, TOML presets, `--set section.key=value` overrides."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ SECTION_CATEGORY = {"model": "model", "optim": "train", "train": "train", "loss_
 
 def key(default: Any, doc: str, *, math: bool, min: float | None = None, max: float | None = None,  # noqa: A002
         open_min: bool = False, open_max: bool = False, content: bool = False, category: str | None = None):
-  """A config field. `math`: another value is another run; `open_*`: the bound is excluded;
-  `content`: the files it names are fingerprinted; `category`: when not the section's."""
+  """A config field. `math`: part of the run's fingerprint; `content`: the files it names are fingerprinted."""
   return dataclasses.field(default=default, metadata={
       "doc": doc, "math": math, "min": min, "max": max, "open_min": open_min, "open_max": open_max,
       "content": content, "category": category})
@@ -38,9 +36,8 @@ class ModelConfig:
   head_dim: int = key(16, "Width of one attention head.", math=True, min=1)
   d_ff: int = key(256, "Hidden width of the SwiGLU MLP.", math=True, min=1)
   rope_theta: float = key(10000.0, "RoPE base frequency.", math=True, min=1.0)
-  rope_scaling: Literal["none", "llama3"] = key(
-      "none", "RoPE frequency scaling: none, or llama3 (Llama 3.1/3.2 long context; the rope_* keys below).",
-      math=True)
+  rope_scaling: Literal["none", "llama3"] = key("none", "RoPE frequency scaling: none, or llama3 (Llama 3.1/3.2 long "
+                                                "context; the rope_* keys below).", math=True)
   rope_factor: float = key(8.0, "llama3 scaling: low frequencies are divided by this.", math=True, min=1.0)
   rope_low_freq_factor: float = key(1.0, "llama3 scaling: wavelengths above original/this are fully scaled.",
                                     math=True, min=0.0)
@@ -56,23 +53,18 @@ class ModelConfig:
   moe_experts: int = key(0, "Experts per mixture-of-experts layer; 0 = dense MLP in every layer.", math=True, min=0)
   moe_top_k: int = key(2, "Experts each token is routed to (weights renormalized over them).", math=True, min=1)
   moe_every: int = key(1, "Layer i is MoE when (i + 1) % moe_every == 0; 1 = every layer.", math=True, min=1)
-  moe_capacity_factor: float = key(
-      1.25, "Expert capacity ceil(factor * G * top_k / experts) per group of G = moe_group_size tokens; "
-      "0 = C = G (never drop).", math=True, min=0.0)
-  moe_aux_weight: float = key(0.01, "Weight of the load-balancing loss added to the training loss.", math=True,
-                              min=0.0)
+  moe_capacity_factor: float = key(1.25, "Expert capacity ceil(factor * G * top_k / experts) per group of G = "
+                                   "moe_group_size tokens; 0 = C = G (never drop).", math=True, min=0.0)
+  moe_aux_weight: float = key(0.01, "Weight of the load-balancing loss added to the training loss.", math=True, min=0.0)
   moe_z_weight: float = key(0.001, "Weight of the router z-loss added to the training loss.", math=True, min=0.0)
-  moe_group_size: int = key(
-      0, "Capacity group: this many tokens of consecutive positions (0 = one sequence, train.seq_len); the same "
-      "tokens drop on every mesh. Must fit the tokens each device holds (see docs/moe.md).",
-      math=True, min=0)
-  moe_dropless: bool = key(
-      False, "Dropless experts: tokens sorted by expert, grouped matmuls, no capacity (moe_capacity_factor and "
-      "moe_group_size are then unused).", math=True)
+  moe_group_size: int = key(0, "Capacity group: this many tokens of consecutive positions (0 = one sequence, "
+                            "train.seq_len); the same tokens drop on every mesh. Must fit the tokens each device "
+                            "holds (see docs/moe.md).", math=True, min=0)
+  moe_dropless: bool = key(False, "Dropless experts: tokens sorted by expert, grouped matmuls, no capacity "
+                           "(moe_capacity_factor and moe_group_size are then unused).", math=True)
   moe_grouped_matmul: Literal["auto", "ragged_dot", "blocks"] = key(
       "auto", "Dropless kernel: ragged_dot (jax.lax.ragged_dot); blocks (batched matmuls over blocks of rows of one "
-      "expert); auto = ragged_dot on GPU/TPU, blocks on CPU (whose ragged_dot multiplies by every expert).",
-      math=False)
+      "expert); auto = ragged_dot on GPU/TPU, blocks on CPU (whose ragged_dot multiplies by every expert).", math=False)
   moe_expert_d_ff: int = key(0, "Hidden width of each routed expert (fine-grained experts); 0 = d_ff.", math=True,
                              min=0)
   moe_shared_experts: int = key(
@@ -85,9 +77,8 @@ class ModelConfig:
       0.0, "Auxiliary-loss-free balancing: per-expert bias on the routing scores (selection only), moved by this "
       "much toward balance after every update; 0 = off (no bias).", math=True, min=0.0)
   moe_aux_convention: Literal["jaxtrain", "hf"] = key(
-      "jaxtrain", "Load-balance loss: jaxtrain = mean over MoE layers of X*sum f*P; hf = Hugging Face's "
-      "(top_k times that, f and P pooled over all MoE layers), so an HF router_aux_loss_coef carries over.",
-      math=True)
+      "jaxtrain", "Load-balance loss: jaxtrain = mean over MoE layers of X*sum f*P; hf = Hugging Face's (top_k times "
+      "that, f and P pooled over all MoE layers), so an HF router_aux_loss_coef carries over.", math=True)
   attention_logits_dtype: Literal["float32", "bfloat16"] = key(
       "float32", "Dtype of the reference attention's L x L scores and softmax (bfloat16 halves their memory and "
       "traffic; see docs/gpu-compile.md for its accuracy). cuDNN and ring attention keep their own float32 statistics.",
@@ -100,9 +91,8 @@ class ModelConfig:
       "costs 4*M*heads*seq_len bytes of softmax statistics per row and layer; a row with more is an error. "
       "0 = pass segments as an L x L mask.", math=False, min=0)
   # math: not the math, but the checkpoint's layout
-  scan_layers: bool = key(
-      False, "Stack the blocks' params on a leading `layers` axis and run them with one jax.lax.scan (faster "
-      "compiles).", math=True)
+  scan_layers: bool = key(False, "Stack the blocks' params on a leading `layers` axis and run them with one "
+                          "jax.lax.scan (faster compiles).", math=True)
   remat: Literal["none", "full", "save_dots", "save_named", "offload_named"] = key(
       "none", "Per-block rematerialization: none; full; save_dots (keep projection matmuls); save_named "
       "(keep q/k/v, attention output, MLP hidden); offload_named (those to pinned host memory).", math=False)
@@ -150,9 +140,8 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   log_every: int = key(1, "Print a progress line every N steps (metrics.jsonl gets every step).", math=False, min=1)
-  sequence_parallel: bool = key(
-      False, "Megatron sequence parallelism: with tensor > 1, norms and residual adds run split along the sequence.",
-      math=False)
+  sequence_parallel: bool = key(False, "Megatron sequence parallelism: with tensor > 1, norms and residual adds run "
+                                "split along the sequence.", math=False)
   xla_flags: Literal["none", "gpu-default"] = key(
       "none", "XLA/NCCL flag preset applied before the backend starts (jaxtrain.parallel.xla_flags); unknown flags are "
       "dropped.", math=False)
@@ -178,9 +167,8 @@ class PipelineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
-  mode: Literal["auto", "dynamic", "off"] = key(
-      "auto", "Dynamic loss scaling: auto = on for float16 compute only; dynamic = always; off = scale 1.0.",
-      math=True)
+  mode: Literal["auto", "dynamic", "off"] = key("auto", "Dynamic loss scaling: auto = on for float16 compute only; "
+                                                "dynamic = always; off = scale 1.0.", math=True)
   initial: float = key(2.0**15, "Initial loss scale.", math=True, min=1.0)
   growth_interval: int = key(2000, "Finite steps in a row after which the scale grows.", math=True, min=1)
   growth_factor: float = key(2.0, "Multiplier applied when the scale grows.", math=True, min=1.0)
@@ -195,17 +183,14 @@ class CheckpointConfig:
   interval: int = key(10, "Save every N steps (and always at the last step and on SIGTERM); 0 = only those.",
                       math=False, min=0)
   keep: int = key(3, "Committed checkpoints to keep (the newest ones).", math=False, min=1)
-  keep_every: int = key(0, "Also keep every checkpoint whose step is a multiple of this (0 = none).", math=False,
-                        min=0)
+  keep_every: int = key(0, "Also keep every checkpoint whose step is a multiple of this (0 = none).", math=False, min=0)
   async_save: bool = key(True, "Write checkpoints in the background while training continues.", math=False)
   on_damaged: Literal["fallback", "stop"] = key(
-      "fallback", "Latest checkpoint fails verification at resume: fallback = move it aside (warning) and resume "
-      "from the newest one that verifies; stop = exit naming the good steps and the --resume-from to use.",
-      math=False)
+      "fallback", "Latest checkpoint fails verification at resume: fallback = move it aside (warning) and resume from "
+      "the newest one that verifies; stop = exit naming the good steps and the --resume-from to use.", math=False)
   verify: Literal["full", "sizes", "off"] = key(
-      "full", "What a save records and a resume checks: full = every file's size and sha256; sizes = sizes only "
-      "(no file read); off = only that the manifest is there (committed). Several processes share the hashing.",
-      math=False)
+      "full", "What a save records and a resume checks: full = every file's size and sha256; sizes = sizes only (no "
+      "file read); off = only that the manifest is there (committed). Several processes share the hashing.", math=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,10 +207,8 @@ class DataConfig:
   text_field: str = key("text", "Field holding the text in a raw .jsonl/.parquet source.", math=True)
   tokenizer: str = key("byte", "'byte' or a path to a tokenizer.json; must be the one the data was prepared with.",
                        math=True, content=True, category="tokenizer")
-  weights: str = key("", "Mixture weights, comma-separated, one per source; empty = proportional to tokens.",
-                     math=True)
-  eval_source: str = key("", "Held-out data (same forms as source); empty = hold out data.eval_fraction.",
-                         math=False)
+  weights: str = key("", "Mixture weights, comma-separated, one per source; empty = proportional to tokens.", math=True)
+  eval_source: str = key("", "Held-out data (same forms as source); empty = hold out data.eval_fraction.", math=False)
   eval_fraction: float = key(0.0, "Fraction of each source's documents held out for evaluation (fixed split); "
                              "it removes them from training.", math=True, min=0.0, max=1.0, open_max=True)
   eval_batches: int = key(4, "Global batches per evaluation (the same ones every time).", math=False, min=1)
@@ -269,56 +252,40 @@ def all_keys() -> dict[str, dataclasses.Field]:
 
 def category(dotted: str) -> str | None:
   """The fingerprint category of a math key; None for a key that only steers the run."""
-  field = all_keys()[dotted]
-  if not field.metadata["math"]:
-    return None
-  return field.metadata["category"] or SECTION_CATEGORY[dotted.partition(".")[0]]
+  meta = all_keys()[dotted].metadata
+  return (meta["category"] or SECTION_CATEGORY[dotted.partition(".")[0]]) if meta["math"] else None
 
 
-def _type_name(tp: Any) -> str:
-  if get_origin(tp) is Literal:
-    return "one of " + ", ".join(map(str, get_args(tp)))
-  return tp.__name__
+_CHECKS = {bool: (lambda v: isinstance(v, bool), "is not a bool; use true or false"),
+           int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "is not an integer"),
+           float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "is not a number"),
+           str: (lambda v: isinstance(v, str), "is not a string")}
 
 
 def _coerce(where: str, tp: Any, value: Any, *, from_text: bool) -> Any:
   """Checks (and for CLI text, parses) `value` against the field type `tp`."""
-  text = from_text and isinstance(value, str)
   if get_origin(tp) is Literal:
     if value not in get_args(tp):
       raise UserError(f"{where}={value!r} is not allowed; choose one of: {', '.join(get_args(tp))}")
     return value
-  if tp is bool:
-    if text and value.lower() in ("true", "false"):
-      return value.lower() == "true"
-    if not isinstance(value, bool):
-      raise UserError(f"{where}={value!r} is not a bool; use true or false")
-    return value
-  if tp is int:
-    if text:
+  if from_text and isinstance(value, str):
+    if tp is bool and value.lower() in ("true", "false"):
+      value = value.lower() == "true"
+    elif tp is int:
       digits = value.replace("_", "")
-      if not (digits.isascii() and digits.lstrip("+-").isdigit()):  # int() would take full-width digits
-        raise UserError(f"{where}={value!r} is not an integer")
-      value = int(digits)
-    if isinstance(value, bool) or not isinstance(value, int):
-      raise UserError(f"{where}={value!r} is not an integer")
-    return value
-  if tp is float:
-    if text and value.isascii():
+      if digits.isascii() and digits.lstrip("+-").isdigit():  # int() would take full-width digits
+        value = int(digits)
+    elif tp is float and value.isascii():
       try:
         value = float(value)
       except ValueError:
         pass
-    if isinstance(value, (bool, str)) or not isinstance(value, (int, float)):
-      raise UserError(f"{where}={value!r} is not a number")
-    if not _math.isfinite(value):
-      raise UserError(f"{where}={value} is not a finite number")
-    return float(value)
-  if tp is str:
-    if not isinstance(value, str):
-      raise UserError(f"{where}={value!r} is not a string")
-    return value
-  raise TypeError(f"unsupported config type {tp}")
+  ok, what = _CHECKS[tp]
+  if not ok(value):
+    raise UserError(f"{where}={value!r} {what}")
+  if tp is float and not _math.isfinite(value):
+    raise UserError(f"{where}={value} is not a finite number")
+  return float(value) if tp is float else value
 
 
 def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: bool, renamed: set[str]) -> None:
@@ -335,14 +302,12 @@ def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: 
   tp = typing.get_type_hints(SECTIONS[section])[name]
   value = _coerce(dotted, tp, value, from_text=from_text)
   lo, hi = meta["min"], meta["max"]
-  if lo is not None and value < lo:
-    raise UserError(f"{dotted}={value} is below its minimum {lo}")
-  if lo is not None and meta["open_min"] and value == lo:
-    raise UserError(f"{dotted}={value} must be greater than {lo}")
-  if hi is not None and meta["open_max"] and value >= hi:
-    raise UserError(f"{dotted}={value} must be less than {hi}")
-  if hi is not None and value > hi:
-    raise UserError(f"{dotted}={value} is above its maximum {hi}")
+  for broken, what in ((lo is not None and value < lo, f"is below its minimum {lo}"),
+                       (lo is not None and meta["open_min"] and value == lo, f"must be greater than {lo}"),
+                       (hi is not None and meta["open_max"] and value >= hi, f"must be less than {hi}"),
+                       (hi is not None and value > hi, f"is above its maximum {hi}")):
+    if broken:
+      raise UserError(f"{dotted}={value} {what}")
   raw.setdefault(section, {})[name] = value
 
 
@@ -350,22 +315,8 @@ def preset_names() -> list[str]:
   return resources.names("configs")
 
 
-def resolve_preset(name_or_path: str) -> Path:
-  path = Path(name_or_path)
-  if path.suffix == ".toml" or path.exists():
-    if not path.is_file():
-      raise UserError(f"config file {name_or_path!r} does not exist")
-    return path
-  found = resources.find("configs", name_or_path)
-  if found is None:
-    raise UserError(f"unknown config {name_or_path!r}; presets: {', '.join(preset_names())} (or a path to a .toml "
-                    "file)")
-  return found
-
-
 def from_dict(doc: dict[str, Any], overrides: list[str] = (), where: str = "config") -> Config:
-  """A Config from nested {section: {key: value}} (a TOML file, or a stored config.json)
-  plus `section.key=value` overrides."""
+  """A Config from nested {section: {key: value}} (TOML, or a stored config.json) plus overrides."""
   raw: dict[str, dict[str, Any]] = {}
   renamed: set[str] = set()
   for section, table in doc.items():
@@ -388,7 +339,13 @@ def from_dict(doc: dict[str, Any], overrides: list[str] = (), where: str = "conf
 
 def load(name_or_path: str = "tiny", overrides: list[str] = ()) -> Config:
   """Builds a Config from a preset (name in configs/ or a path) plus `section.key=value` overrides."""
-  path = resolve_preset(name_or_path)
+  path = Path(name_or_path)
+  if path.suffix == ".toml" or path.exists():
+    if not path.is_file():
+      raise UserError(f"config file {name_or_path!r} does not exist")
+  elif (path := resources.find("configs", name_or_path)) is None:
+    raise UserError(f"unknown config {name_or_path!r}; presets: {', '.join(preset_names())} (or a path to a .toml "
+                    "file)")
   try:
     doc = tomllib.loads(path.read_text())
   except tomllib.TOMLDecodeError as e:
@@ -405,12 +362,10 @@ def validate(cfg: Config) -> None:
     raise UserError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
   if m.moe_experts and m.moe_top_k > m.moe_experts:
     raise UserError(f"model.moe_top_k={m.moe_top_k} must be at most model.moe_experts={m.moe_experts}")
-  if m.scan_layers and m.moe_experts and m.moe_first_dense:
-    raise UserError(f"model.scan_layers=true needs identical layers; model.moe_first_dense={m.moe_first_dense} "
-                    "mixes dense and MoE layers (use moe_first_dense=0 or scan_layers=false)")
-  if m.scan_layers and m.moe_experts and m.moe_every > 1:
-    raise UserError(f"model.scan_layers=true needs identical layers; model.moe_every={m.moe_every} mixes dense and "
-                    "MoE layers (use moe_every=1 or scan_layers=false)")
+  for name, uniform in (("moe_first_dense", 0), ("moe_every", 1)):  # the values that keep every layer MoE
+    if m.scan_layers and m.moe_experts and getattr(m, name) != uniform:
+      raise UserError(f"model.scan_layers=true needs identical layers; model.{name}={getattr(m, name)} mixes dense "
+                      f"and MoE layers (use {name}={uniform} or scan_layers=false)")
   if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
     raise UserError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
                     f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
@@ -431,11 +386,11 @@ def help_text() -> str:
     lines.append(f"[{section}]")
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-      role = "same-run" if f.metadata["math"] else "free"
-      lines.append(f"  {section}.{f.name} ({_type_name(hints[f.name])}, default {f.default!r}) [{role}]")
+      tp, role = hints[f.name], "same-run" if f.metadata["math"] else "free"
+      kind = "one of " + ", ".join(map(str, get_args(tp))) if get_origin(tp) is Literal else tp.__name__
+      lines.append(f"  {section}.{f.name} ({kind}, default {f.default!r}) [{role}]")
       lines.append(f"      {f.metadata['doc']}")
-  lines.append("")
-  lines.append("same-run: part of the checkpoint's fingerprint (a resume with another value is refused unless "
-               "--allow-mismatch); free: may change on resume.")
-  lines.append("Renamed keys still accepted: " + ", ".join(f"{k} -> {v}" for k, v in RENAMED.items()))
+  lines += ["", "same-run: part of the checkpoint's fingerprint (a resume with another value is refused unless "
+            "--allow-mismatch); free: may change on resume.",
+            "Renamed keys still accepted: " + ", ".join(f"{k} -> {v}" for k, v in RENAMED.items())]
   return "\n".join(lines)

@@ -1,12 +1,13 @@
-"""Atomic, async, sharded checkpoints with a manifest; exact resume. A step directory is a
-recovery point once orbax committed it AND our manifest.json (sizes, sha256) is written."""
+"""Atomic, async, sharded checkpoints: a step is committed once orbax is done and manifest.json is written."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -28,8 +29,7 @@ class CheckpointError(RunAborted):
 
 
 def fingerprint(cfg, tokenizer_digest: str, data_digest: str) -> dict[str, Any]:
-  """{category: {"section.key": value}} over the `math=True` keys; a `content` key is
-  {"spec": text, "digest": digest of what it names}, and the digest is what counts."""
+  """{category: {"section.key": value}} over the `math=True` keys; a `content` key: {"spec", "digest"}."""
   digests = {"data.tokenizer": tokenizer_digest, "data.source": data_digest}
   values = _flat(cfg.to_dict())
   out: dict[str, dict] = {c: {} for c in config.MISMATCH_CATEGORIES}
@@ -64,8 +64,7 @@ def _content(v) -> str:
 
 
 def mismatches(saved: dict, current: dict) -> dict[str, str]:
-  """{category: 'what changed'} per differing category; a key the checkpoint predates is
-  compared with its default (what that run used)."""
+  """{category: 'what changed'}; a key the checkpoint predates counts as its default."""
   defaults = _flat(config.Config().to_dict())
   out = {}
   for cat in config.MISMATCH_CATEGORIES:
@@ -83,18 +82,6 @@ def mismatches(saved: dict, current: dict) -> dict[str, str]:
     if changed:
       out[cat] = ", ".join(changed)
   return out
-
-
-def _listing(step_dir: Path) -> dict[str, int]:
-  return {str(p.relative_to(step_dir)): p.stat().st_size
-          for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
-
-
-def _versions() -> dict[str, str]:
-  import flax
-  import jax
-  import orbax.checkpoint as ocp
-  return {"jax": jax.__version__, "flax": flax.__version__, "orbax": getattr(ocp, "__version__", "?")}
 
 
 def committed_steps(directory: Path) -> list[int]:
@@ -116,16 +103,22 @@ def read_manifest(step_dir: Path) -> dict:
 
 
 def verify(step_dir: Path, manifest: dict, mode: str = "full") -> None:
-  """Every listed file has its recorded size and (`full`) digest; `off`: manifest only.
-  A collective with several processes (each checks its share)."""
-  problem = _files_problem(step_dir, manifest, mode)
-  if problem is not None:
+  """Raises unless every listed file has its size and (`full`) digest; a collective (`_problem`)."""
+  if (problem := _problem(step_dir, mode, manifest)) is not None:
     raise CheckpointError(problem)
 
 
-def _files_problem(step_dir: Path, manifest: dict | None, mode: str, before: str | None = None) -> str | None:
-  """The first file (manifest order) that fails; `before`: this process could not read the
-  manifest (it still takes part, so that the processes agree)."""
+def _problem(step_dir: Path, mode: str = "full", manifest: dict | None = None) -> str | None:
+  """None if the checkpoint verifies, else the one-line reason; every process takes part, manifest or not."""
+  before = None
+  try:
+    manifest = read_manifest(step_dir) if manifest is None else manifest
+    for rec in manifest["files"].values():  # the shape every process's share relies on
+      int(rec["size"])
+  except CheckpointError as e:
+    before = str(e)
+  except (OSError, KeyError, TypeError, ValueError, AttributeError) as e:  # a manifest of the wrong shape is damage too
+    before = f"checkpoint {step_dir} is damaged: {_reason(e)}"
   entries = [] if before is not None or mode == "off" else list(manifest["files"].items())
 
   def check(i: int) -> str | None:
@@ -147,14 +140,12 @@ def _files_problem(step_dir: Path, manifest: dict | None, mode: str, before: str
   return filecheck.first_problem([rec["size"] for _, rec in entries], check, before)
 
 
+@functools.cache
 def _write_each_shard_once() -> None:
-  """Each shard written once, by its first replica: orbax's replica-parallel save compiled an
-  eager slice per shard (first save 22.2 s instead of 0.21 s on tiny at dp=8,tp=8)."""
+  """Each shard written once, by its first replica (orbax's replica-parallel save is slow to compile)."""
   import jax
   import orbax.checkpoint as ocp
-  global _HANDLER_SET
-  if _HANDLER_SET:
-    return
+
   def quiet(record):  # orbax warns about the override we ask for
     return not str(record.msg).startswith("Type handler registry type")
   logging.getLogger("absl").addFilter(quiet)
@@ -163,10 +154,6 @@ def _write_each_shard_once() -> None:
         jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
   finally:
     logging.getLogger("absl").removeFilter(quiet)
-  _HANDLER_SET = True
-
-
-_HANDLER_SET = False
 
 
 class Checkpoints:
@@ -181,20 +168,16 @@ class Checkpoints:
     self._saves = 0  # names each save's digest exchange (every process saves the same steps)
     if is_writer:
       self.dir.mkdir(parents=True, exist_ok=True)
-      self._remove_partial()
-    # Orbax never deletes: rotation is ours, after the new manifest exists.
-    options = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=async_save, create=True)
-    self.mgr = ocp.CheckpointManager(self.dir, options=options)
+      for p in self.dir.iterdir():
+        if p.is_dir() and not (p / MANIFEST).is_file() and (p.name.isdigit() or "tmp" in p.name):
+          print(f"checkpoint: removing unfinished save {p.name} (no manifest: it never committed)")
+          shutil.rmtree(p, ignore_errors=True)
+    self.mgr = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(  # orbax never deletes (we rotate)
+        max_to_keep=None, enable_async_checkpointing=async_save, create=True))
     self._pending: tuple[int, dict, str] | None = None  # orbax save in flight, manifest not yet written
     self._finalizer: threading.Thread | None = None
     self._error: BaseException | None = None
     self.last_committed: int | None = None
-
-  def _remove_partial(self) -> None:
-    for p in self.dir.iterdir():
-      if p.is_dir() and not (p / MANIFEST).is_file() and (p.name.isdigit() or "tmp" in p.name):
-        print(f"checkpoint: removing unfinished save {p.name} (no manifest: it never committed)")
-        shutil.rmtree(p, ignore_errors=True)
 
   def save(self, step: int, state, manifest_body: dict) -> None:
     """Starts an async save of `state` at `step`; at most one save is in flight."""
@@ -218,32 +201,25 @@ class Checkpoints:
   def wait(self) -> None:
     """Blocks until the save in flight (if any) is committed and its manifest written."""
     if self._pending and self._finalizer is None:
-      try:
-        self.mgr.wait_until_finished()
-      except Exception as e:  # noqa: BLE001
-        step, _, key = self._pending
-        self._pending = None
-        raise self._failed(key, step, e) from e
-      self._start_finalizer()
+      self._start_finalizer(block=True)
     if self._finalizer is not None:
       self._finalizer.join()
       self._finalizer = None
     self._raise_if_failed()
 
-  def _start_finalizer(self) -> None:
+  def _start_finalizer(self, block: bool = False) -> None:
     step, body, key = self._pending
     self._pending = None
     try:
+      if block:
+        self.mgr.wait_until_finished()
       self.mgr.check_for_errors()
     except Exception as e:  # noqa: BLE001
-      raise self._failed(key, step, e) from e
+      self._abandon(key, e)
+      raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
+                            f"{_last_good(self.last_committed)}") from e
     self._finalizer = threading.Thread(target=self._finalize, args=(step, body, key), daemon=True)
     self._finalizer.start()
-
-  def _failed(self, key: str, step: int, e: BaseException) -> CheckpointError:
-    self._abandon(key, e)
-    return CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
-                           f"{_last_good(self.last_committed)}")
 
   def _abandon(self, key: str, e: BaseException) -> None:
     """This save has failed here: on process 0, release the processes waiting for their share."""
@@ -251,12 +227,16 @@ class Checkpoints:
       filecheck.cancel(key, _reason(e))
 
   def _finalize(self, step: int, body: dict, key: str) -> None:
+    import flax
+    import jax
+    import orbax.checkpoint as ocp
     try:
       step_dir = self.dir / str(step)
       recorded = self._record(step, step_dir, key)
       if self.is_writer:
-        manifest = {"format": FORMAT, "step": step, "written_at": time.time(), "versions": _versions(),
-                    **body, "files": recorded}
+        versions = {"jax": jax.__version__, "flax": flax.__version__, "orbax": getattr(ocp, "__version__", "?")}
+        manifest = {"format": FORMAT, "step": step, "written_at": time.time(), "versions": versions, **body,
+                    "files": recorded}
         files.write_json_atomic(step_dir / MANIFEST, manifest)
         self._rotate()
       self.last_committed = step
@@ -265,35 +245,34 @@ class Checkpoints:
                                     f"{_last_good(self.last_committed)}")
 
   def _record(self, step: int, step_dir: Path, key: str) -> dict[str, dict] | None:
-    """The manifest's {file: {size, sha256}} on the writer (None elsewhere). With several
-    processes and `full`, process 0 lists the files and each process hashes its share."""
+    """The manifest's {file: {size, sha256}} on the writer (None elsewhere); each process hashes its share."""
     from jaxtrain.run import faults
     n, me = filecheck.processes()
     shared = n > 1 and self.verify == "full"
     lister = me == 0 if shared else self.is_writer
     try:
       faults.before_manifest(step)
-      listing = _listing(step_dir) if lister else None
+      listing = {str(p.relative_to(step_dir)): p.stat().st_size for p in sorted(step_dir.rglob("*"))
+                 if p.is_file() and p.name != MANIFEST} if lister else None
     except BaseException as e:
       self._abandon(key, e)
       raise
     if listing is None and not shared:
       return None
     digests = filecheck.hash_to_first(step_dir, key, listing) if self.verify == "full" else {}
-    if digests is None or (self.verify == "full" and not self.is_writer):
+    if digests is None or not self.is_writer:  # (not `full`: only the writer gets here)
       return None
     return {name: {"size": size, **({"sha256": digests[name]} if digests else {})} for name, size in listing.items()}
+
+  def _rotate(self) -> None:
+    for s in committed_steps(self.dir)[:-self.keep]:
+      if not (self.keep_every and s % self.keep_every == 0):
+        shutil.rmtree(self.dir / str(s), ignore_errors=True)
 
   def _raise_if_failed(self) -> None:
     err, self._error = self._error, None
     if err is not None:
       raise err
-
-  def _rotate(self) -> None:
-    steps = committed_steps(self.dir)
-    for s in steps[:-self.keep]:
-      if not (self.keep_every and s % self.keep_every == 0):
-        shutil.rmtree(self.dir / str(s), ignore_errors=True)
 
   def close(self) -> None:
     try:
@@ -302,8 +281,7 @@ class Checkpoints:
       self.mgr.close()
 
   def restore(self, step_dir: Path, abstract_state, verified: bool = False):
-    """Verified restore onto the shardings carried by `abstract_state` (any mesh);
-    `verified`: `resume_point` has just verified it. Either way every process calls it."""
+    """Restore onto `abstract_state`'s shardings (any mesh), verified unless `verified`; every process calls it."""
     import orbax.checkpoint as ocp
     manifest = read_manifest(step_dir)
     size = sum(f["size"] for f in manifest["files"].values())
@@ -330,31 +308,16 @@ def _reason(e: BaseException) -> str:
   """The innermost cause of an exception in one line; its OS error when there is one."""
   while e.__cause__ is not None or e.__context__ is not None:
     e = e.__cause__ or e.__context__
-  text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+  text = (str(e).strip().splitlines() or [""])[0]
   code = getattr(e, "errno", None) or next((int(m) for m in re.findall(r"os_error_code='?(\d+)", text)), None)
   if code:
     return files.errno_text(code)
-  if len(text) > 300:
-    text = text[:300] + "..."
+  text = text[:300] + "..." if len(text) > 300 else text
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _last_good(step: int | None) -> str:
   return "no checkpoint has been committed yet" if step is None else f"the last good checkpoint is {step}"
-
-
-def _problem(step_dir: Path, mode: str = "full") -> str | None:
-  """None if the checkpoint verifies, else the one-line reason (a collective, as `verify`)."""
-  manifest, before = None, None
-  try:
-    manifest = read_manifest(step_dir)
-    for rec in manifest["files"].values():  # the shape every process's share relies on
-      int(rec["size"])
-  except CheckpointError as e:
-    before = str(e)
-  except (OSError, KeyError, TypeError, ValueError, AttributeError) as e:  # a manifest of the wrong shape is damage too
-    before = f"checkpoint {step_dir} is damaged: {_reason(e)}"
-  return _files_problem(step_dir, manifest, mode, before)
 
 
 def move_aside(step_dir: Path, aside: Path, reason: str) -> Path:
@@ -368,13 +331,10 @@ def move_aside(step_dir: Path, aside: Path, reason: str) -> Path:
 
 
 def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: str, aside: Path,
-                        problem=_problem) -> tuple[Path | None, list[str], list[str]]:
-  """(step dir to resume from or None, notes, warnings): the newest (or the named) checkpoint
-  that verifies; damaged newer ones per `on_damaged`, and later steps moved aside (rollback).
-  `problem(step_dir)` verifies (one-line reason or None)."""
+                        problem=_problem) -> Path | None:
+  """The newest (or the named) step dir that passes `problem` (or None); damaged and later ones moved aside."""
   directory = Path(directory)
   steps = committed_steps(directory)
-  notes, warnings = [], []
   if resume_from is None:
     damaged, chosen = [], None
     for s in reversed(steps):
@@ -394,10 +354,10 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
                             "checkpoint.on_damaged=fallback to do that automatically")
     for s, reason in damaged:
       dest = move_aside(directory / str(s), aside, "damaged")
-      warnings.append(f"{reason}; moved it to {dest} and resuming from step {chosen}, the newest checkpoint "
-                      "that verifies")
+      print(f"jaxtrain: warning: {reason}; moved it to {dest} and resuming from step {chosen}, the newest "
+            "checkpoint that verifies", file=sys.stderr, flush=True)
     if chosen is None:
-      return None, notes, warnings
+      return None
     step_dir = directory / str(chosen)
   else:
     step_dir = directory / str(int(resume_from)) if resume_from.isdigit() else Path(resume_from)
@@ -405,8 +365,7 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
       raise UserError(f"--resume-from {resume_from}: " + (
           f"no committed checkpoint at that step; committed steps: {steps or 'none'}" if resume_from.isdigit()
           else f"not a committed checkpoint directory (no {MANIFEST})"))
-    reason = problem(step_dir)
-    if reason is not None:
+    if (reason := problem(step_dir)) is not None:
       good = [s for s in steps if directory / str(s) != step_dir and problem(directory / str(s)) is None]
       raise CheckpointError(f"{reason}; checkpoints of this run that verify: "
                             + (f"steps {', '.join(map(str, good))} (use --resume-from {good[-1]})" if good
@@ -416,48 +375,36 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
   for s in later:
     move_aside(directory / str(s), aside, "rollback")
   if later:
-    notes.append(f"rolling back to step {chosen}: later checkpoint(s) {', '.join(map(str, later))} moved to {aside} "
-                 "(not deleted); their metrics records are kept in the metrics.<time>.jsonl copy")
-  return step_dir, notes, warnings
+    print(f"rolling back to step {chosen}: later checkpoint(s) {', '.join(map(str, later))} moved to {aside} "
+          "(not deleted); their metrics records are kept in the metrics.<time>.jsonl copy", flush=True)
+  return step_dir
 
 
 def resume_point(directory: Path, resume_from: str | None, on_damaged: str, aside: Path,
                  mode: str = "full") -> Path | None:
-  """`choose_resume_point` on process 0 (which alone moves files and prints), its choice and
-  each joint verification broadcast to the others; a failure stops all with its message."""
-  import sys
-  me = filecheck.processes()[1]
-
+  """`choose_resume_point` on process 0; its choice, verifications and failure broadcast to the others."""
   def problem(step_dir: Path) -> str | None:
     _command(_VERIFY, str(step_dir))  # the others join this verification
     return _problem(step_dir, mode)
 
-  if me == 0:
+  if filecheck.processes()[1] == 0:
     try:
-      step_dir, notes, warnings = choose_resume_point(directory, resume_from, on_damaged, aside, problem)
+      step_dir = choose_resume_point(directory, resume_from, on_damaged, aside, problem)
     except BaseException as e:
       known = isinstance(e, (UserError, CheckpointError))
       _command(_USER_ERROR if isinstance(e, UserError) else _FAILED,
                str(e) if known else "process 0 could not choose a checkpoint to resume from (see its message)")
       raise
-    for line in notes:
-      print(line, flush=True)
-    for line in warnings:
-      print(f"jaxtrain: warning: {line}", file=sys.stderr, flush=True)
     _command(*((_NONE,) if step_dir is None else (_CHOSEN, str(read_manifest(step_dir)["step"]))))
     return step_dir
-  while True:
-    code, text = _command()
-    if code == _VERIFY:
-      _problem(Path(text), mode)
-    elif code == _CHOSEN:
-      return Path(resume_from) if resume_from and not resume_from.isdigit() else Path(directory) / text
-    elif code == _NONE:
-      return None
-    elif code == _USER_ERROR:
-      raise UserError(text)
-    else:
-      raise CheckpointError(text)
+  while (got := _command())[0] == _VERIFY:
+    _problem(Path(got[1]), mode)
+  code, text = got
+  if code == _CHOSEN:
+    return Path(resume_from) if resume_from and not resume_from.isdigit() else Path(directory) / text
+  if code == _NONE:
+    return None
+  raise (UserError if code == _USER_ERROR else CheckpointError)(text)
 
 
 _VERIFY, _CHOSEN, _NONE, _USER_ERROR, _FAILED = range(1, 6)

@@ -1,5 +1,4 @@
-"""Checking and hashing a list of files with the work shared out over the processes, each
-taking a disjoint share balanced by bytes (`owners`); one process checks all in order."""
+"""Checking and hashing a list of files, shared out over the processes by bytes (`owners`)."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ def processes() -> tuple[int, int]:
 
 
 def owners(sizes: Sequence[int], n: int) -> list[int]:
-  """The process of each file: largest first, each to the least loaded process (lowest on a
-  tie); deterministic, and no process gets more than total / n + the largest file."""
+  """The process of each file: largest first, each to the least loaded process (lowest on a tie)."""
   heap = [(0, p) for p in range(n)]
   out = [0] * len(sizes)
   for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
@@ -36,22 +34,20 @@ def owners(sizes: Sequence[int], n: int) -> list[int]:
 
 
 def first_problem(sizes: Sequence[int], check: Callable[[int], str | None], before: str | None = None) -> str | None:
-  """The text `check(i)` returns for the first file i (list order) with a problem, or None;
-  `sizes[i]` balances the shares; an OSError is that file's problem; `before` (a problem
-  found before the files) comes first. With several processes, a collective."""
+  """A collective: `check(i)`'s text for the first file i with a problem (`before` comes first), or None."""
   n, me = processes()
-  own = owners(sizes, n) if n > 1 else [0] * len(sizes)
+  own = owners(sizes, n)
   local = (-1, before) if before is not None else None
-  for i in range(len(sizes)):
-    if local is not None:
+  for i in range(len(sizes)) if local is None else ():
+    if own[i] != me:
+      continue
+    try:
+      problem = check(i)
+    except OSError as e:
+      problem = str(e)
+    if problem is not None:
+      local = (i, problem)
       break
-    if own[i] == me:
-      try:
-        problem = check(i)
-      except OSError as e:
-        problem = str(e)
-      if problem is not None:
-        local = (i, problem)
   if n == 1:
     return None if local is None else local[1]
   return agree(local)
@@ -59,10 +55,7 @@ def first_problem(sizes: Sequence[int], check: Callable[[int], str | None], befo
 
 def pack(text: str, size: int):
   import numpy as np
-  raw = text.encode()[:size]
-  buf = np.zeros((size,), np.uint8)
-  buf[:len(raw)] = np.frombuffer(raw, np.uint8)
-  return buf
+  return np.frombuffer(text.encode()[:size].ljust(size, b"\0"), np.uint8).copy()  # zero-padded to `size` bytes
 
 
 def unpack(buf) -> str:
@@ -71,8 +64,7 @@ def unpack(buf) -> str:
 
 
 def agree(local: tuple[int, str] | None) -> str | None:
-  """Collective: of every process's (index, problem text) or None, the text with the lowest
-  index (lowest process on a tie), the same on every process."""
+  """Collective: of every process's (index, problem text) or None, the text with the lowest index."""
   import numpy as np
   from jax.experimental import multihost_utils
   index = np.array([NO_PROBLEM if local is None else local[0]], np.int32)
@@ -88,10 +80,8 @@ def _client():
 
 
 def hash_to_first(directory: Path, key: str, listing: dict[str, int] | None = None) -> dict[str, str] | None:
-  """Every process calls this for the same save (`key` unique in the job), in a background
-  thread: through the key-value store, never a device collective. Process 0 passes
-  `listing` {name: size} and gets {name: sha256}; the others hash the share it sends them
-  and get None. A process that cannot read its share reports it; process 0 raises it."""
+  """Process 0 passes `listing` {name: size} and gets {name: sha256}; the others hash their share
+  (through the key-value store, never a device collective) and get None."""
   n, me = processes()
   if n == 1:
     return {name: files.sha256_file(directory / name) for name in sorted(listing)}
@@ -126,13 +116,10 @@ def hash_to_first(directory: Path, key: str, listing: dict[str, int] | None = No
       digests.update(reply["digests"])
   if errors:
     raise OSError("; ".join(errors))
-  if sorted(digests) != names:
-    raise RuntimeError(f"digests came back for {len(digests)} of {len(names)} files")
   return digests
 
 
 def cancel(key: str, reason: str) -> None:
   """Process 0 could not list the files: the others stop waiting for their share."""
-  n, _ = processes()
-  for p in range(1, n):
+  for p in range(1, processes()[0]):
     _client().key_value_set(f"{key}/share/{p}", json.dumps({"error": reason}))

@@ -36,12 +36,8 @@ class Evaluator:
     self.cadence = progress_lib.Every(cfg.train.eval_interval)
     if not self.cadence.n:
       return
-    held = [setup.device_batch(b) for b in data.eval_batches(cfg, *setup.placement.rows())]
-    self.compiled = setup.eval_step.lower(jax.eval_shape(setup.init)["params"], held[0]).compile()
-    self.held = held
-
-  def due(self, step: int) -> bool:
-    return self.cadence.due(step)
+    self.held = [setup.device_batch(b) for b in data.eval_batches(cfg, *setup.placement.rows())]
+    self.compiled = setup.eval_step.lower(jax.eval_shape(setup.init)["params"], self.held[0]).compile()
 
   def __call__(self, params):
     outs = [self.compiled(params, b) for b in self.held]
@@ -50,13 +46,11 @@ class Evaluator:
 
 
 class Preemption:
-  """SIGTERM: checkpoint at the current step and exit 0. With several processes JAX's
-  coordination service catches it and all agree on the step (else they would deadlock)."""
+  """SIGTERM: checkpoint at the current step and exit 0 (several processes: agreed by JAX's coordination)."""
 
   def __init__(self, multi_process: bool):
-    self.multi, self.requested, self._old = multi_process, False, None
-    if not multi_process:
-      self._old = signal.signal(signal.SIGTERM, self._handle)
+    self.multi, self.requested = multi_process, False
+    self._old = None if multi_process else signal.signal(signal.SIGTERM, self._handle)
 
   def _handle(self, signum, frame):
     self.requested = True
@@ -77,8 +71,7 @@ def allowed_mismatches(text: str) -> set[str]:
   allowed = {w.strip() for w in text.split(",") if w.strip()}
   if "all" in allowed:
     return set(MISMATCH_CATEGORIES)
-  bad = allowed - set(MISMATCH_CATEGORIES)
-  if bad:
+  if bad := allowed - set(MISMATCH_CATEGORIES):
     raise UserError(f"--allow-mismatch {','.join(sorted(bad))}: unknown; use {', '.join(MISMATCH_CATEGORIES)} or all")
   return allowed
 
@@ -87,34 +80,19 @@ def _sinks(cfg, workdir: Path, stop_at: int, resumed_at: int | None, carried: li
   """metrics.jsonl (plus `carried` records), console and TensorBoard on process 0 only."""
   if jax.process_index() != 0:
     return metrics.Sinks([])
-  sinks = [metrics.jsonl_sink(workdir / "metrics.jsonl", resumed_at, carried),
-           metrics.ConsoleSink(stop_at, cfg.run.log_every)]
+  runfiles.prepare_metrics(workdir / "metrics.jsonl", resumed_at, carried)
+  sinks = [runfiles.JsonlWriter(workdir / "metrics.jsonl"), metrics.ConsoleSink(stop_at, cfg.run.log_every)]
   if cfg.run.tensorboard:
     sinks.append(metrics.TensorBoardSink(workdir / "tb"))
   return metrics.Sinks(sinks)
 
 
-def _announce(setup, config_name: str, mesh_text: str, workdir: Path) -> None:
-  mesh = setup.mesh
-  dev = mesh.devices.flat[0]
-  print(f"jaxtrain: {config_name} ({setup.n_params:,} params), mesh {mesh_text} "
-        f"on {mesh.size} {dev.platform} device(s) [{dev.device_kind}], workdir {workdir}")
-  print(setup.plan.describe())
-  if setup.grads_fn is not None:
-    print(pipeline.describe(setup.cfg, mesh))
-  if setup.notes:
-    print(f"sharding: {len(setup.notes)} dimension(s) replicated where the mesh axis does not divide them, e.g. "
-          f"{setup.notes[0]}")
-
-
 def _resume(ckpts, step_dir, current: dict, allowed: set[str], setup, batches, mesh_text: str):
-  """(state, Progress, manifest) from the verified `step_dir`, data iterator moved to it
-  ((None, Progress(), {}) without one); a different run is refused, naming what changed."""
+  """(state, Progress, manifest) from the verified `step_dir` (data moved to it); a different run is refused."""
   if step_dir is None:
     return None, progress_lib.Progress(), {}
   manifest = checkpoint.read_manifest(step_dir)
-  changed = {k: v for k, v in checkpoint.mismatches(manifest["fingerprint"], current).items() if k not in allowed}
-  if changed:
+  if changed := {k: v for k, v in checkpoint.mismatches(manifest["fingerprint"], current).items() if k not in allowed}:
     raise UserError(f"checkpoint {step_dir} was written by a different run: {'; '.join(changed.values())}; "
                     f"pass --allow-mismatch {','.join(changed)} to resume anyway, or --fresh")
   state, manifest = ckpts.restore(step_dir, setup.abstract_state(), verified=True)
@@ -143,7 +121,14 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     runfiles.write_json(workdir / "config.json", cfg.to_dict())
   dev = mesh.devices.flat[0]
   mesh_text = mesh_lib.describe(dict(mesh.shape))
-  _announce(setup, config_name, mesh_text, workdir)
+  print(f"jaxtrain: {config_name} ({setup.n_params:,} params), mesh {mesh_text} "
+        f"on {mesh.size} {dev.platform} device(s) [{dev.device_kind}], workdir {workdir}")
+  print(setup.plan.describe())
+  if setup.grads_fn is not None:
+    print(pipeline.describe(cfg, mesh))
+  if setup.notes:
+    print(f"sharding: {len(setup.notes)} dimension(s) replicated where the mesh axis does not divide them, e.g. "
+          f"{setup.notes[0]}")
 
   ck = cfg.checkpoint
   # Chosen (and later/damaged steps moved aside) before orbax lists the steps it has.
@@ -166,11 +151,10 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     state, progress, manifest = _resume(ckpts, step_dir, current, allowed, setup, batches, mesh_text)
     resumed_at = progress.step if state is not None else None
     state = setup.init() if state is None else state
-    start = progress.step
     sinks = _sinks(cfg, workdir, stop_at, resumed_at, manifest.get("unwritten_metrics"))
     out = sinks.writer()  # metrics.jsonl's writer (its failures stop the run after a save); None elsewhere
-    if start >= stop_at:
-      print(f"nothing to do: the run is at step {start} and --steps asks for {stop_at}")
+    if progress.step >= stop_at:
+      print(f"nothing to do: the run is at step {progress.step} and --steps asks for {stop_at}")
       return summary
 
     def manifest_body():
@@ -194,11 +178,11 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s", flush=True)
 
     pending, wait, last_done = None, 0.0, time.perf_counter()
-    for s in range(start + 1, stop_at + 1):
+    for s in range(progress.step + 1, stop_at + 1):
       profiler.before(s)
       state, step_metrics = compiled(state, batch)
       profiler.after(s, step_metrics)
-      if evaluate.due(s):  # dispatched before the next step donates state
+      if evaluate.cadence.due(s):  # dispatched before the next step donates state
         step_metrics = {**step_metrics, **evaluate(state["params"])}
       if pending:  # step s-1's metrics: reading them waits for s-1, while s is already queued
         last_done = log_step(*pending, last_done)

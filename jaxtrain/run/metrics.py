@@ -1,8 +1,8 @@
-"""Per-step metrics records and their sinks (metrics.jsonl, console, TensorBoard), on
-process 0 only; metrics.jsonl writes a non-finite number as null (`skipped` says why)."""
+"""Per-step metrics records and their sinks (metrics.jsonl, console, TensorBoard), on process 0 only."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -18,21 +18,14 @@ def record(step: int, fetched: dict, step_time: float, data_wait: float, progres
   """One metrics.jsonl record from a step's fetched device metrics and the run state after it."""
   m = {k: v.item() for k, v in fetched.items()}
   tokens = int(m["tokens"])
-  rec = {
+  return {
       "step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"], "tokens": tokens,
       "tokens_per_sec": tokens / step_time, "step_time_s": step_time, "data_wait_s": data_wait,
       "mfu": flops_per_step / step_time / peak_total if peak_total else None,
       "skipped": bool(m["skipped"]), "loss_scale": m["loss_scale"],
       "tokens_seen": progress.tokens_seen, "tokens_updated": progress.tokens_updated,
+      **{k: m[k] for k in (*EVAL_FIELDS, *MOE_FIELDS) if k in m},  # eval steps / MoE models only
   }
-  rec.update({k: m[k] for k in (*EVAL_FIELDS, *MOE_FIELDS) if k in m})  # eval steps / MoE models only
-  return rec
-
-
-def jsonl_sink(path: Path, resumed_at: int | None, carried: list | None = None) -> runfiles.JsonlWriter:
-  """<workdir>/metrics.jsonl, prepared for a fresh or resumed run (`runfiles.prepare_metrics`)."""
-  runfiles.prepare_metrics(path, resumed_at, carried)
-  return runfiles.JsonlWriter(path)
 
 
 class ConsoleSink:
@@ -76,10 +69,8 @@ class TensorBoardSink:
 
   def close(self) -> None:
     if self.writer is not None:
-      try:
+      with contextlib.suppress(OSError):
         self.writer.close()
-      except OSError:
-        pass
       self.writer = None
 
 

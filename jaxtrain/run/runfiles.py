@@ -1,8 +1,8 @@
-"""The run's own files in the workdir: the directory itself, `metrics.jsonl` (strict JSON;
-a failed write is remembered, not raised, so the run can save first) and `jaxtrain.log`."""
+"""The run's own files in the workdir: the directory itself, `metrics.jsonl` and `jaxtrain.log`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -29,21 +29,20 @@ def _why(e: OSError) -> str:
 
 def prepare_workdir(workdir: Path) -> None:
   """Creates the workdir; a file in the way or no write access is a one-line user error."""
-  given = str(workdir)
   if workdir.exists() and not workdir.is_dir():
-    raise UserError(f"--workdir {given}: is a file, not a directory; give a directory (created if missing)")
+    raise UserError(f"--workdir {workdir}: is a file, not a directory; give a directory (created if missing)")
   try:
     workdir.mkdir(parents=True, exist_ok=True)
   except (FileExistsError, NotADirectoryError):
-    raise UserError(f"--workdir {given}: a part of that path is a file; give a directory path") from None
+    raise UserError(f"--workdir {workdir}: a part of that path is a file; give a directory path") from None
   except OSError as e:
-    raise UserError(f"--workdir {given}: cannot create it: {_why(e)}") from None
+    raise UserError(f"--workdir {workdir}: cannot create it: {_why(e)}") from None
   probe = workdir / f".write-test.{os.getpid()}"
   try:
     probe.write_bytes(b"")
     probe.unlink()
   except OSError as e:
-    raise UserError(f"--workdir {given}: cannot write there: {_why(e)}; give a writable directory") from None
+    raise UserError(f"--workdir {workdir}: cannot write there: {_why(e)}; give a writable directory") from None
 
 
 def write_json(path: Path, obj) -> None:
@@ -63,10 +62,9 @@ def strict_json(record: dict) -> str:
 def read_metrics(path: Path) -> tuple[list[tuple[str, dict]], str | None]:
   """[(line, record)] of a metrics file, and a note if a torn last record was dropped."""
   try:
-    text = path.read_bytes().decode("utf-8", errors="replace")
+    lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
   except OSError as e:
     raise RunFileError(f"cannot read {path}: {_why(e)}") from None
-  lines = text.split("\n")
   last = max((i for i, l in enumerate(lines) if l.strip()), default=-1)
   out, note = [], None
   for i, line in enumerate(lines):
@@ -87,8 +85,7 @@ def read_metrics(path: Path) -> tuple[list[tuple[str, dict]], str | None]:
 
 
 def prepare_metrics(path: Path, resumed_at: int | None, carried: list[dict] | None = None) -> None:
-  """Fresh run: keep an old file aside. Resume: drop records past the checkpoint and a torn
-  last record (old file kept aside); add the checkpoint's `carried` unwritten records."""
+  """Old file kept aside; on resume, records past the checkpoint dropped and `carried` ones added."""
   if not path.exists() and not (resumed_at is not None and carried):
     return
   backup = path.with_name(f"metrics.{int(time.time())}.jsonl")
@@ -120,21 +117,17 @@ def prepare_metrics(path: Path, resumed_at: int | None, carried: list[dict] | No
 
 
 class JsonlWriter:
-  """Appends strict-JSON records to a file; `path=None` writes nothing (other processes)."""
+  """Appends strict-JSON records to a file."""
 
-  def __init__(self, path: Path | None):
+  def __init__(self, path: Path):
     self.path, self.failure = path, None
     self.unwritten: list[dict] = []  # records after a failure: the next checkpoint carries them
-    self.file = None
-    if path is not None:
-      try:
-        self.file = path.open("a")
-      except OSError as e:
-        raise RunFileError(f"cannot open {path} for writing: {_why(e)}") from None
+    try:
+      self.file = path.open("a")
+    except OSError as e:
+      raise RunFileError(f"cannot open {path} for writing: {_why(e)}") from None
 
   def write(self, step: int, record: dict) -> None:
-    if self.file is None:
-      return
     from jaxtrain.run import faults
     if self.failure is None:
       try:
@@ -147,16 +140,12 @@ class JsonlWriter:
       self.unwritten.append(json.loads(strict_json(record)))
 
   def close(self) -> None:
-    if self.file is not None:
-      try:
-        self.file.close()
-      except OSError:  # the failure, if any, was already recorded
-        pass
+    with contextlib.suppress(OSError):  # the failure, if any, was already recorded
+      self.file.close()
 
 
 def must_stop(writer: JsonlWriter) -> bool:
-  """After a write failure, stop at this step (the loop then saves it); with several
-  processes (only process 0 writes, none can agree on a save step) stop right away."""
+  """After a write failure, stop at this step (to save it); with several processes, right away."""
   if writer.failure is None:
     return False
   import jax
@@ -171,13 +160,6 @@ def report_write_failure(writer: JsonlWriter, saved_step: int | None) -> None:
   if writer.failure is not None:
     raise RunFileError(f"{writer.failure}; checkpoint {saved_step} was saved first; "
                        "free space (or fix the file) and run the same command to resume")
-
-
-def combine(writer: JsonlWriter | None, err: Exception) -> Exception:
-  """A save that failed after a write failure: one line that says both."""
-  if writer is None or writer.failure is None or isinstance(err, RunFileError):
-    return err
-  return RunFileError(f"{writer.failure}; the checkpoint attempted after it failed too: {err}")
 
 
 class _QuietFileHandler(logging.FileHandler):
@@ -210,8 +192,7 @@ class RunLog:
                     exc_info=(u.exc_type, u.exc_value, u.exc_traceback) if u.exc_value else None)
 
   def ending(self, err: Exception, writer: JsonlWriter | None) -> Exception:
-    """What the run raises for `err`: a run failure in one line (with an earlier write failure
-    and the log, if it holds details); anything else (a bug) as it is, traceback in the log."""
+    """What the run raises for `err`: a run failure in one line, anything else as it is (traceback logged)."""
     try:  # only when libraries logged details, before our own traceback lands there
       pointer = f" (details in {self.path})" if self.path.stat().st_size else ""
     except OSError:
@@ -220,14 +201,13 @@ class RunLog:
     self.handler.flush()
     if isinstance(err, UserError) or not isinstance(err, RunAborted):
       return err
-    err = combine(writer, err)
+    if writer is not None and writer.failure is not None and not isinstance(err, RunFileError):
+      err = RunFileError(f"{writer.failure}; the checkpoint attempted after it failed too: {err}")
     return type(err)(f"{err}{pointer}")
 
   def close(self) -> None:
-    """The log stays the destination (orbax reports when garbage-collected, after the run):
-    the handlers present before minus the terminal ones, plus this file; hooks stay ours."""
+    """The log stays the destination (orbax reports after the run), beside the earlier non-terminal handlers."""
     global _after_run
-    root = logging.getLogger()
     terminal = (sys.stderr, sys.__stderr__, sys.stdout, sys.__stdout__)
     kept = [h for h in self._before if not (type(h) is logging.StreamHandler and h.stream in terminal)
             and not isinstance(h, _QuietFileHandler)]
@@ -236,7 +216,7 @@ class RunLog:
       _after_run.close()
     _after_run = _QuietFileHandler(self.path, delay=True)
     _after_run.setFormatter(self.handler.formatter)
-    root.handlers = kept + [_after_run]
+    logging.getLogger().handlers = kept + [_after_run]
 
 
 _after_run: _QuietFileHandler | None = None
