@@ -66,7 +66,6 @@ def _kernel(name, info):
 def test_attention_kernel_matches_the_float32_reference(kernel, layout, device, tiny, report):
   import jax.numpy as jnp
   import numpy as np
-  from jaxtrain.model import attention  # noqa: F401
   from jaxtrain.parallel import devices
   B, L, H, K, E = checks.shape(tiny)["attention"]
   entry = report.setdefault("attention", {"shape": {"B": B, "L": L, "H": H, "K": K, "E": E},
