@@ -65,7 +65,7 @@ def test_jaxtrain_against_baseline(name, child, device, tiny, report):
   if name == "torch" and importlib.util.find_spec("torch") is None:
     pytest.skip("torch not installed")
   if name == "torch" and device.platform == "cpu":  # JAXTRAIN_GPU_TESTS=tiny on a CPU
-    pytest.skip("torch.compile on a CPU takes minutes (tests/test_baselines.py checks the torch baseline there)")
+    pytest.skip("torch.compile on a CPU takes minutes (tests/analysis/test_baselines.py checks the torch baseline there)")
   from tests.gpu import checks
   r = child("baseline", name)
   report[f"baseline_{name}"] = r

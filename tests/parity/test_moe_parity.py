@@ -1,4 +1,4 @@
-"""Mixture of experts, issue 16: the same run on every mesh at the default capacity factor
+"""Mixture of experts: the same run on every mesh at the default capacity factor
 (tokens do drop), dropless grouped matmuls against dense references (ours and Hugging
 Face's Mixtral), DeepSeek-style options against plain references, the aux-free bias."""
 
@@ -346,7 +346,7 @@ BIAS_CFG = config.load("moe-deepseek-tiny", SMALL_DS + [f"model.moe_bias_rate={B
 
 @pytest.fixture(scope="module")
 def bias_run(tmp_path_factory):
-  """moe-deepseek-tiny with the aux-free bias on one device (tests/test_pipeline.py runs the
+  """moe-deepseek-tiny with the aux-free bias on one device (tests/parallel/test_pipeline.py runs the
   bias on pp=2,ep=2 against one device), from a skewed router, one compiled
   step: 4 steps straight; steps 3-4 again from the state saved and restored at step 2;
   and one step on a batch without valid tokens (skipped by guarded_update)."""

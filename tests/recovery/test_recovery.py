@@ -1,4 +1,4 @@
-"""Getting out of bad states without a person (issue 13): one test per numbered item.
+"""Getting out of bad states without a person: one test per failure.
 
 Every trainer run here is a subprocess on one device with a one-layer model; the runs
 share a persistent compilation cache, so only the first one compiles.
