@@ -56,12 +56,15 @@ def main(argv=None) -> int:
   def body(set_prog):
     from jaxtrain.core import config
     from jaxtrain.parallel import mesh as mesh_lib
-    for flag, value, lo in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1)):
+    for flag, value, lo in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1),
+                            ("--breakdown", args.breakdown, 0)):
       if value < lo:
         raise UserError(f"{flag} {value}: must be an integer >= {lo}")
     baselines = parse_baselines(args.baseline)
     cfg = config.load(args.config, args.set)
-    out = Path(args.out) if args.out else Path(args.workdir or Path("runs") / Path(args.config).stem) / "bench.json"
+    name = config.run_name(args.config)
+    out = files.user_path(args.out, "--out") if args.out is not None else files.user_path(
+        args.workdir if args.workdir is not None else f"runs/{name}", "--workdir") / "bench.json"
     if not args.out:
       from jaxtrain.run import runfiles
       runfiles.prepare_workdir(out.parent)
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
     if args.compare:
       return _compare(args, started.mesh, out, baselines)
     _check_one_device(baselines, args.mesh, started.mesh.size)
-    rep = speed.run(started.cfg, started.mesh, Path(args.config).stem, steps=args.steps, warmup=args.warmup,
+    rep = speed.run(started.cfg, started.mesh, name, steps=args.steps, warmup=args.warmup,
                     baselines=baselines, rounds=args.rounds, measure=args.measure_peak,
                     breakdown=args.breakdown, trace_dir=out.parent / (out.stem + "-trace"))
     _write(args, out, rep, speed.table)

@@ -29,8 +29,8 @@ def add_config_args(p: argparse.ArgumentParser, *, help_config: bool = True) -> 
 
 def add_mesh_args(p: argparse.ArgumentParser, *, cluster: bool = False) -> None:
   p.add_argument("--mesh", default="fsdp=-1",
-                 help="axis=size pairs over data/fsdp/tensor/sequence/expert (aliases dp/fsdp/tp/sp/ep), one size "
-                      "may be -1 to fill the rest; or a preset name from meshes/ (default: fsdp=-1)")
+                 help="axis=size pairs over pipeline/data/fsdp/expert/sequence/tensor (aliases pp/dp/fsdp/ep/sp/tp), "
+                      "one size may be -1 to fill the rest; or a preset name from meshes/ (default: fsdp=-1)")
   if cluster:
     p.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process run: address of process 0's coordinator")
     p.add_argument("--num-processes", type=int, help="multi-process run: number of processes (one per host)")
@@ -44,15 +44,17 @@ class Started:
   prog: str  # the name errors are reported under (with the process index on multi-process runs)
 
 
-def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: list[str] = (), cfg=None) -> Started:
-  """Config (or `cfg`, e.g. a checkpoint's), XLA flags, distributed runtime, mesh, in that order."""
+def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: list[str] = (), cfg=None,
+          simulate_hosts: bool = False) -> Started:
+  """Config (or `cfg`, e.g. a checkpoint's), XLA flags, distributed runtime, mesh, in that order.
+  `simulate_hosts`: a multi-host mesh on one process simulates its hosts (inspect)."""
   from jaxtrain.core import config
   from jaxtrain.parallel import distributed
   from jaxtrain.parallel import mesh as mesh_lib
   from jaxtrain.run import observe
   from jaxtrain.parallel import xla_flags
   started = Started(cfg if cfg is not None else config.load(args.config, [*args.set, *overrides]), None, prog)
-  cfg = started.cfg
+  cfg_given, cfg = cfg, started.cfg
   observe.parse_steps(cfg.run.profile_steps)  # a bad value fails before any device starts
   added = xla_flags.apply(cfg.run.xla_flags, cfg.run.xla_flags_extra)
   if added:
@@ -60,6 +62,8 @@ def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: 
   if not mesh:
     return started
   sizes, dcn = mesh_lib.parse_full(args.mesh)
+  if cfg_given is None:  # a config to train (not a checkpoint's to read): its batch binds the mesh
+    _check_batch(cfg, sizes)
   cluster = distributed.cluster_from(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
                                      getattr(args, "process_id", None))
   if cluster is not None:
@@ -70,8 +74,20 @@ def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: 
     started.prog = f"{prog}[process {jax.process_index()}]"
     if jax.process_index() != 0:  # process 0 alone reports progress
       sys.stdout = open(os.devnull, "w")
-  started.mesh = mesh_lib.build(sizes, dcn=dcn)
+  started.mesh = mesh_lib.build(sizes, dcn=dcn, simulate_hosts=simulate_hosts)
   return started
+
+
+def _check_batch(cfg, sizes: dict[str, int]) -> None:
+  """The batch's split over the mesh, checked before any simulated device is created (thousands take minutes)."""
+  import math
+  from jaxtrain.parallel import sharding
+  ways = math.prod(sizes[a] for a in sharding.RULES["batch"])
+  per_micro = cfg.train.batch_size // cfg.train.microbatches
+  if -1 not in sizes.values() and per_micro % ways:
+    raise UserError(f"train.batch_size={cfg.train.batch_size} / train.microbatches={cfg.train.microbatches} = "
+                    f"{per_micro} sequences per microbatch must divide over {'*'.join(sharding.RULES['batch'])}="
+                    f"{ways} devices")
 
 
 def main(prog: str, body: Callable[[Callable[[str], None]], int | None], interrupted: str = "interrupted") -> int:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from jaxtrain import cli
+from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
 
 
@@ -27,15 +28,17 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
   p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
   p.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's end-of-sequence token")
-  p.add_argument("--mesh", default="fsdp=-1", help="device mesh, as for jaxtrain.train (default: fsdp=-1)")
+  cli.add_mesh_args(p)
   return p.parse_args(argv)
 
 
 def check_args(args) -> None:
   if args.max_new_tokens < 1:
     raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
-  if args.temperature < 0:
-    raise UserError(f"--temperature {args.temperature}: must be >= 0")
+  if not 0 <= args.temperature < float("inf"):  # also refuses nan
+    raise UserError(f"--temperature {args.temperature}: must be a finite number >= 0")
+  if args.prompt is not None and not args.prompt:
+    raise UserError("--prompt '': give some text (or --prompt-ids with the ids to start from)")
   if not 0 < args.top_p <= 1:
     raise UserError(f"--top-p {args.top_p}: must lie in (0, 1]")
 
@@ -55,7 +58,10 @@ def prompts_of(args, tok, vocab_size: int) -> tuple[list[str] | None, list[list[
     path = Path(args.prompts_file)
     if not path.is_file():
       raise UserError(f"--prompts-file {path}: no such file")
-    texts = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+      texts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as e:
+      raise UserError(f"--prompts-file {path}: not UTF-8 text (byte {e.start}); give one prompt per line") from None
     if not texts:
       raise UserError(f"--prompts-file {path}: no non-empty line")
   head = [] if tok.bos_id is None else [tok.bos_id]
@@ -70,11 +76,17 @@ def main(argv=None) -> int:
     from jaxtrain.data import tokenizer as tokenizer_lib
     from jaxtrain.interop import decode
     from jaxtrain.run import checkpoint, runs
-    step_dir = runs.locate(args.workdir, args.step)
-    started = cli.start(args, "jaxtrain.generate", cfg=runs.config_of(checkpoint.read_manifest(step_dir)))
-    cfg = started.cfg
+    workdir = files.user_path(args.workdir, "--workdir")
+    step_dir = runs.locate(workdir, args.step)
+    cfg = runs.config_of(checkpoint.read_manifest(step_dir))
     tok = tokenizer_lib.load(cfg.data.tokenizer)
     texts, prompts = prompts_of(args, tok, cfg.model.vocab_size)
+    limit, source = decode.context_limit(cfg, workdir)  # before any device or array exists
+    if (longest := max(map(len, prompts))) + args.max_new_tokens > limit:
+      raise UserError(f"--max-new-tokens {args.max_new_tokens}: the longest prompt ({longest} tokens) plus the new "
+                      f"tokens must fit the model's context of {limit} positions ({source})")
+    started = cli.start(args, "jaxtrain.generate", cfg=cfg)
+    set_prog(started.prog)
     out, summary = decode.from_checkpoint(cfg, started.mesh, step_dir, prompts, args.max_new_tokens,
                                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                           eos_id=None if args.ignore_eos else tok.eos_id)

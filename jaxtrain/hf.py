@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
 from jaxtrain import cli
+from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
 from jaxtrain.interop import hf
 
@@ -39,8 +38,9 @@ def main(argv=None) -> int:
   prog = f"jaxtrain.hf {args.command}"
 
   def body(set_prog):
+    workdir = files.user_path(args.workdir, "--workdir")
     if args.command == "import":
-      plan = hf.plan_import(args.hf_dir, args.workdir, args.set, args.name)
+      plan = hf.plan_import(args.hf_dir, str(workdir), args.set, args.name)
       started = cli.start(args, prog, cfg=plan.cfg)
       set_prog(started.prog)
       path = hf.run_import(plan, started.mesh)
@@ -49,11 +49,12 @@ def main(argv=None) -> int:
       from jaxtrain.run import checkpoint, runs
       if args.max_shard_gb <= 0:
         raise UserError(f"--max-shard-gb {args.max_shard_gb}: must be positive")
-      step_dir = runs.locate(args.workdir, args.step)
+      out = files.user_path(args.out, "--out")
+      files.check_output_dir(out, "--out")  # before anything is read or written
+      step_dir = runs.locate(workdir, args.step)
       started = cli.start(args, prog, cfg=runs.config_of(checkpoint.read_manifest(step_dir)))
       set_prog(started.prog)
-      hf.run_export(started.cfg, started.mesh, step_dir, Path(args.out), args.dtype, int(args.max_shard_gb * 1e9),
-                    Path(args.workdir))
+      hf.run_export(started.cfg, started.mesh, step_dir, out, args.dtype, int(args.max_shard_gb * 1e9), workdir)
   return cli.main(prog, body)
 
 

@@ -43,15 +43,18 @@ def main(argv=None) -> int:
   args = parse_args(argv)
 
   def body(set_prog):
-    from pathlib import Path
     from jaxtrain.analysis import memory, report
+    from jaxtrain.core import config
     if not 0 <= args.margin < 10:
       raise UserError(f"--margin {args.margin}: must be a fraction >= 0 (e.g. 0.1)")
     threshold = memory.parse_size(args.warn_replicated, "--warn-replicated")
-    started = cli.start(args, "jaxtrain.inspect", mesh=args.device is None)
+    if args.device_memory and args.device_memory.strip()[:1].isdigit() and memory.parse_size(args.device_memory) < 1:
+      raise UserError(f"--device-memory {args.device_memory!r}: must be a positive size (e.g. 80GiB) or a device kind")
+    # Without --device, a multi-host mesh is looked at from one machine: its hosts are simulated.
+    started = cli.start(args, "jaxtrain.inspect", mesh=args.device is None, simulate_hosts=True)
     mesh, device_memory = (started.mesh, args.device_memory) if args.device is None else report.target_mesh(
         args.device, args.mesh, args.compile, args.device_memory)
-    rep = report.report(started.cfg, mesh, Path(args.config).stem, compile=args.compile,
+    rep = report.report(started.cfg, mesh, config.run_name(args.config), compile=args.compile,
                         device_memory=device_memory, margin=args.margin, warn_replicated=threshold, device=args.device)
     print(json.dumps(rep, indent=1) if args.json else report.render(rep))
   return cli.main("jaxtrain.inspect", body)

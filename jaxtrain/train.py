@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
-
 from jaxtrain import cli
+from jaxtrain.core import files
 from jaxtrain.core.config import MISMATCH_CATEGORIES
 from jaxtrain.core.errors import UserError
 
@@ -47,12 +46,15 @@ def main(argv=None) -> int:
       raise UserError(f"--steps {args.steps}: must be a positive integer")
     if args.fresh and args.resume_from:
       raise UserError("--fresh and --resume-from contradict each other; give one")
+    if args.resume_from and args.resume_from.isdigit() and not args.resume_from.isascii():
+      raise UserError(f"--resume-from {args.resume_from!r}: a step is written in ASCII digits (0-9)")
+    name = config.run_name(args.config)
+    workdir = files.user_path(args.workdir if args.workdir is not None else f"runs/{name}", "--workdir")
     loop.allowed_mismatches(args.allow_mismatch)
     started = cli.start(args, "jaxtrain")
     set_prog(started.prog)
-    workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
     t0 = time.perf_counter()
-    summary = loop.run(started.cfg, started.mesh, workdir, Path(args.config).stem, stop_at=args.steps, fresh=args.fresh,
+    summary = loop.run(started.cfg, started.mesh, workdir, name, stop_at=args.steps, fresh=args.fresh,
                   resume_from=args.resume_from, allow_mismatch=args.allow_mismatch)
     if summary.steps:
       print(f"done: {summary.steps} steps ({summary.skipped} skipped) in {time.perf_counter() - t0:.1f}s, "

@@ -337,6 +337,13 @@ def from_dict(doc: dict[str, Any], overrides: list[str] = (), where: str = "conf
   return cfg
 
 
+def run_name(name_or_path: str) -> str:
+  """The name a run is shown and stored under (runs/<name>): a preset's full name, dots
+  included (llama3.1-8b), or a .toml file's stem; the same test as `load`'s."""
+  path = Path(name_or_path)
+  return path.stem if path.suffix == ".toml" or path.exists() else name_or_path
+
+
 def load(name_or_path: str = "tiny", overrides: list[str] = ()) -> Config:
   """Builds a Config from a preset (name in configs/ or a path) plus `section.key=value` overrides."""
   path = Path(name_or_path)

@@ -25,7 +25,7 @@ def parse_args(argv=None):
                   help="skip (and count) up to N unreadable records instead of stopping (default 0)")
   pr.add_argument("--bos-token", help="tokenizer.json: the BOS token (default: a common one if present)")
   pr.add_argument("--eos-token", help="tokenizer.json: the EOS token (default: a common one)")
-  pr.add_argument("--no-progress", action="store_true", help="no progress bar")
+  pr.add_argument("--no-progress", action="store_true", help="no progress bar (drawn only when stderr is a terminal)")
   be = sub.add_parser("bench", help="tokens/s the loader delivers for a config")
   be.add_argument("source", help="a prepared dir (or anything data.source accepts)")
   cli.add_config_args(be, help_config=False)
@@ -39,6 +39,10 @@ def main(argv=None) -> int:
   def body(set_prog):
     if args.command == "prepare":
       from jaxtrain.data.prepare import prepare
+      for flag, value in (("--bos-token", args.bos_token), ("--eos-token", args.eos_token)):
+        if value is not None and args.tokenizer == "byte":
+          raise UserError(f"{flag} {value!r}: the byte tokenizer's BOS and EOS are fixed (ids 1 and 2); {flag} "
+                          "applies to a tokenizer.json")
       prepare(args.input, args.tokenizer, args.output, text_field=args.text_field,
               prompt_field=args.prompt_field, completion_field=args.completion_field, workers=args.workers,
               shard_mb=args.shard_mb, max_bad_records=args.max_bad_records, bos_token=args.bos_token,

@@ -267,6 +267,7 @@ def eval_batches(cfg: Config, block: int = 0, blocks: int = 1) -> list[dict[str,
 def _digest_one(spec: str) -> str:
   path = _raw_path(spec)
   if path.is_dir():
+    shards.read_manifest(path)  # one line, not a traceback, for a directory that is not a prepared dataset
     return hashlib.sha256((path / shards.MANIFEST).read_bytes()).hexdigest()[:16]
   if not path.is_file():
     raise UserError(f"data source {spec!r} does not exist")

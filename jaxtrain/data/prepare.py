@@ -123,7 +123,7 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
 
   # Progress in shards, with input megabytes beside; finished shards of an earlier run count at once.
   units, metas, todo, done_mb = job["units"], {}, [], [0.0, sum(u[3] for u in job["units"]) / 2**20]
-  bar = tqdm.tqdm(total=len(units), desc="prepare", disable=not progress, file=sys.stderr,
+  bar = tqdm.tqdm(total=len(units), desc="prepare", disable=not progress or not sys.stderr.isatty(), file=sys.stderr,
                   bar_format="{desc} [{bar:30}] {n}/{total} shards  {postfix}  [{elapsed}<{remaining}]")
 
   def done(n, meta):

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
 
 SUPPORTED = ("llama", "mistral", "mixtral")
@@ -278,9 +279,13 @@ def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | Non
   check_tensors(table(cfg.model), headers, src, cfg.model.tie_embeddings)
   if checkpoint.committed_steps(w / "checkpoints"):
     raise UserError(f"--workdir {w} already holds checkpoints; import into a new directory")
+  name = name if name is not None else src.absolute().name
+  if Path(name).name != name or name in (".", ".."):  # WORKDIR/NAME.toml stays inside the workdir
+    raise UserError(f"--name {name!r}: must be a plain file name (no directory part)")
+  files.check_output_dir(w, "--workdir")
   text = toml_text(sections, f"Imported by `python -m jaxtrain.hf import {src}`: {hf['model_type']}, "
                              f"{', '.join(hf.get('architectures') or [])}.")
-  return ImportPlan(src, w, name or src.absolute().name, cfg, text, headers, tok if tok.is_file() else None)
+  return ImportPlan(src, w, name, cfg, text, headers, tok if tok.is_file() else None)
 
 
 def run_import(plan: ImportPlan, mesh) -> Path:

@@ -10,6 +10,7 @@ from pathlib import Path
 from jaxtrain.core import resources
 from jaxtrain.core.errors import UserError
 
+MAX_SIMULATED = 4096  # simulated CPU devices take seconds per thousand to create, and memory
 AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 ALIASES = {"pp": "pipeline", "dp": "data", "fsdp": "fsdp", "ep": "expert", "sp": "sequence", "tp": "tensor"}
 
@@ -105,6 +106,8 @@ def has_accelerator_plugin() -> bool:
 def provide_cpu_devices(count: int) -> None:
   """Asks JAX for `count` CPU devices before the backend starts (not with an accelerator or a user-chosen count)."""
   import jax
+  if count > MAX_SIMULATED and not has_accelerator_plugin():
+    raise UserError(f"the mesh needs {count} devices: at most {MAX_SIMULATED} CPU devices can be simulated")
   if (has_accelerator_plugin() or count <= 1 or os.environ.get("JAX_NUM_CPU_DEVICES")
       or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")):
     return
@@ -114,8 +117,9 @@ def provide_cpu_devices(count: int) -> None:
     pass  # backend already running (e.g. inside tests); `build` reports any shortfall
 
 
-def build(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None):
-  """A Mesh of the six axes (with `dcn`, each is across x within processes); Auto axis types, as orbax/flax assume."""
+def build(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None, simulate_hosts: bool = False):
+  """A Mesh of the six axes (with `dcn`, each is across x within processes); Auto axis types, as orbax/flax assume.
+  `simulate_hosts`: one process stands for all the hosts (inspect), the dcn factors then only order devices."""
   import jax
   import numpy as np
   from jax.experimental import mesh_utils
@@ -128,6 +132,8 @@ def build(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None
   if math.prod(dcn_shape) == 1:
     return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
   hosts = len({d.process_index for d in devices})
+  if hosts == 1 and simulate_hosts:
+    return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
   if math.prod(dcn_shape) != hosts:
     raise UserError(f"mesh dcn factors multiply to {math.prod(dcn_shape)} but the run has {hosts} host(s) (processes)")
   ici_shape = tuple(s // k for s, k in zip(shape, dcn_shape))

@@ -84,6 +84,15 @@ def test_kv_cache_equals_recomputing_the_full_forward(tmp_path, llama, kind):
   np.testing.assert_allclose(np.concatenate(parts, 1), full, rtol=1e-5, atol=1e-5 * float(np.abs(full).max()))
 
 
+def test_a_batch_that_does_not_split_over_the_mesh_is_padded(llama):
+  """3 prompts on fsdp=8: padded to 8 rows, the padding never reaches the output, and each
+  prompt's tokens are those of recomputing the full forward."""
+  prompts = [*PROMPTS, [40, 41, 42, 43]]
+  loaded = H.load(llama[0] / "w", "fsdp=8")
+  ours = _generate(loaded, prompts, "fsdp=8", n=6)
+  assert ours == _full_forward_greedy(loaded[1], prompts, 6)
+
+
 def test_sampling_is_seeded_and_top_p_narrows_to_greedy(llama):
   loaded = llama[2]
   a = _generate(loaded, PROMPTS, temperature=1.0, seed=1)
