@@ -64,7 +64,7 @@ def generate(cfg, mesh, graphdef, params, prompts: list[list[int]], max_new_toke
     if eos_id is not None:
       done |= out[-1] == eos_id
   if shown[1] and sys.stderr.isatty():
-    print(file=sys.stderr)  # the line the progress redrew
+    print("\r\x1b[K", end="", file=sys.stderr)  # erase the progress line
   if timing is not None and warm is not None and len(out) > 2:
     timing.update(decode_steps=len(out) - 2, decode_s=time.perf_counter() - warm, batch=n)
   rows = np.stack(out, 1).tolist()

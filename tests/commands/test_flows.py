@@ -1,5 +1,6 @@
-"""The documented flows across commands, run in-process as a user types them: relative paths
-from import to export, dotted preset names, the generation bound, and bad input as one line."""
+"""The documented flows across commands, through each command's main(argv) as a user types
+them: relative paths from import to export, dotted preset names, the generation bound, a
+multi-host mesh inspected from one machine, and bad input as one line."""
 
 import os
 
@@ -15,6 +16,7 @@ from jaxtrain.data import __main__ as data_command  # noqa: E402
 from jaxtrain.run import loop, runs  # noqa: E402
 from tests import hf_models as H  # noqa: E402
 from tests.helpers import mesh_of  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
@@ -65,6 +67,8 @@ def test_fine_tuning_flow_with_relative_paths(tmp_path):
 
 
 def test_dotted_presets_get_separate_workdirs_and_full_names(tmp_path, monkeypatch, capsys):
+  """llama3.1-8b and llama3.2-1b train into runs/llama3.1-8b and runs/llama3.2-1b (not both
+  into runs/llama3) under their full names, and inspect's header names the preset in full."""
   seen = []
   monkeypatch.chdir(tmp_path)
   monkeypatch.setattr(loop, "run", lambda cfg, mesh, workdir, name, **kw: seen.append((workdir, name)) or loop.Summary())
@@ -173,6 +177,8 @@ CASES = ["source-without-manifest", "import-workdir-is-a-file",
 
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, imported, tmp_path, monkeypatch, capsys, run_cli):
+  """Exit 2, one line on stderr naming the value, no traceback; the imported run, the file given
+  as an output and the working directory are left as they were."""
   monkeypatch.chdir(tmp_path)
   if case in SUBPROCESS:
     module, argv, words = SUBPROCESS[case]
