@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+
 from jaxtrain import cli
 from jaxtrain.core import files
 from jaxtrain.core.errors import UserError

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+
 from jaxtrain import cli
 from jaxtrain.core import files
 from jaxtrain.core.config import MISMATCH_CATEGORIES
@@ -46,8 +47,11 @@ def main(argv=None) -> int:
       raise UserError(f"--steps {args.steps}: must be a positive integer")
     if args.fresh and args.resume_from:
       raise UserError("--fresh and --resume-from contradict each other; give one")
-    if args.resume_from and args.resume_from.isdigit() and not args.resume_from.isascii():
-      raise UserError(f"--resume-from {args.resume_from!r}: a step is written in ASCII digits (0-9)")
+    resume_from = args.resume_from
+    if resume_from and resume_from.isdigit() and not resume_from.isascii():
+      raise UserError(f"--resume-from {resume_from!r}: a step is written in ASCII digits (0-9)")
+    if resume_from is not None and not resume_from.isdigit():
+      resume_from = str(files.user_path(resume_from, "--resume-from"))
     name = config.run_name(args.config)
     workdir = files.user_path(args.workdir if args.workdir is not None else f"runs/{name}", "--workdir")
     loop.allowed_mismatches(args.allow_mismatch)
@@ -55,7 +59,7 @@ def main(argv=None) -> int:
     set_prog(started.prog)
     t0 = time.perf_counter()
     summary = loop.run(started.cfg, started.mesh, workdir, name, stop_at=args.steps, fresh=args.fresh,
-                  resume_from=args.resume_from, allow_mismatch=args.allow_mismatch)
+                  resume_from=resume_from, allow_mismatch=args.allow_mismatch)
     if summary.steps:
       print(f"done: {summary.steps} steps ({summary.skipped} skipped) in {time.perf_counter() - t0:.1f}s, "
             f"final loss {summary.final_loss:.4f}; metrics in {workdir / 'metrics.jsonl'}")

@@ -106,11 +106,11 @@ def has_accelerator_plugin() -> bool:
 def provide_cpu_devices(count: int) -> None:
   """Asks JAX for `count` CPU devices before the backend starts (not with an accelerator or a user-chosen count)."""
   import jax
-  if count > MAX_SIMULATED and not has_accelerator_plugin():
-    raise UserError(f"the mesh needs {count} devices: at most {MAX_SIMULATED} CPU devices can be simulated")
   if (has_accelerator_plugin() or count <= 1 or os.environ.get("JAX_NUM_CPU_DEVICES")
       or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")):
     return
+  if count > MAX_SIMULATED:
+    raise UserError(f"the mesh needs {count} devices: at most {MAX_SIMULATED} CPU devices can be simulated")
   try:
     jax.config.update("jax_num_cpu_devices", count)
   except RuntimeError:
