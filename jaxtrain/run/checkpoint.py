@@ -339,7 +339,7 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
   steps = committed_steps(directory)
   damaged = []
   if resume_from is None:
-    damaged, chosen = [], None
+    chosen = None
     for s in reversed(steps):
       reason = problem(directory / str(s))
       if reason is None:
