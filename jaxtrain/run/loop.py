@@ -120,10 +120,11 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   # Every check that can refuse the run comes before anything in the workdir is written, moved or created.
   current = checkpoint.fingerprint(cfg, data.tokenizer_digest(cfg), data.source_digest(cfg))
   batches = data.batches(cfg, *setup.placement.rows())
-  lock = ckpts = sinks = runlog = profiler = preempt = None
+  lock = ckpts = sinks = runlog = profiler = preempt = created = None
   summary = Summary()
   try:
     evaluate = Evaluator(cfg, setup)
+    created = not workdir.exists()
     runfiles.prepare_workdir(workdir)
     # One trainer per workdir, taken before anything in it is moved or removed.
     lock = lock_lib.WorkdirLock(workdir).acquire() if jax.process_index() == 0 else None
@@ -216,6 +217,9 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     return summary
   except Exception as e:  # noqa: BLE001 (details to the log; the terminal gets one line)
     if runlog is None:  # refused before the run's files: nothing of it is written, the log included
+      if created and lock is not None:  # nor is a workdir it created left behind
+        runfiles.remove_new_workdir(workdir, lock)
+        lock = None  # released there
       raise
     raise runlog.ending(e, sinks.writer() if sinks else None) from None
   finally:

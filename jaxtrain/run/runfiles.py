@@ -47,6 +47,15 @@ def prepare_workdir(workdir: Path) -> None:
     raise UserError(f"--workdir {workdir}: cannot write there: {_why(e)}; give a writable directory") from None
 
 
+def remove_new_workdir(workdir: Path, lock) -> None:
+  """Undoes `prepare_workdir` for a refused run: its lock file goes while still held, then the workdir if empty."""
+  with contextlib.suppress(OSError):
+    lock.path.unlink()
+  lock.release()
+  with contextlib.suppress(OSError):
+    workdir.rmdir()
+
+
 def move_aside(path: Path, dest_dir: Path, reason: str) -> Path:
   """Renames `path` into `dest_dir` as <stem>.<reason>.<time>[.<n>]<suffix>; never over an earlier move.
 

@@ -159,11 +159,12 @@ def test_fresh_relative_workdirs_and_a_metrics_failure_on_process_0(tmp_path):
   w = tmp_path / "w"
   moved = [p for p in w.iterdir() if p.name.startswith("checkpoints.fresh.")]
   assert len(moved) == 1 and (moved[0] / "2").is_dir() and f"moved to w/{moved[0].name}" in logs[0]
-  steps = checkpoint.committed_steps(w / "checkpoints")
-  assert steps[0] == 2 and 3 <= steps[-1] < 100, steps
-  rescue = json.loads((w / "checkpoints" / str(steps[-1]) / "manifest.json").read_text())
-  assert all("sha256" in f for f in rescue["files"].values())  # both processes' digests were exchanged
-  assert [r["step"] for r in rescue["unwritten_metrics"]] == list(range(3, steps[-1] + 1))
+  steps = checkpoint.committed_steps(w / "checkpoints")  # the rescue save at the step both agreed on, and before it
+  assert len(steps) >= 2 and 3 <= steps[-1] < 100, steps
+  for s in steps:  # each save's digests were exchanged between processes that spell the workdir differently
+    manifest = json.loads((w / "checkpoints" / str(s) / "manifest.json").read_text())
+    assert manifest["files"] and all("sha256" in f for f in manifest["files"].values())
+  assert [r["step"] for r in manifest["unwritten_metrics"]] == list(range(3, steps[-1] + 1))
   for log in logs:
     line = next(l for l in log.splitlines() if "error:" in l)  # one line each, naming process 0's failure
     assert "cannot write w/metrics.jsonl at step 3: No space left" in line

@@ -244,6 +244,8 @@ def test_refused_and_idle_reruns_touch_nothing(run_cli, tmp_path, saved):
   assert _files(w) == before  # no empty TensorBoard events file, no metrics copy
   r = run_cli("jaxtrain.train", *RUN, "--workdir", str(tmp_path / "new"), "--set", f"data.source={tmp_path / 'no'}")
   assert r.returncode == 2 and "does not exist" in r.stderr and not (tmp_path / "new").exists()
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(tmp_path / "new"), "--resume-from", "2")
+  assert r.returncode == 2 and "no committed checkpoint" in r.stderr and not (tmp_path / "new").exists()
 
 
 def test_only_saves_orbax_never_committed_are_removed(tmp_path):
