@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.core import config
-from jaxtrain.run import filecheck
+from jaxtrain.run import filecheck, runfiles
 from jaxtrain.core import files
 from jaxtrain.core.errors import RunAborted, UserError
 
@@ -165,12 +165,18 @@ class Checkpoints:
     _write_each_shard_once()
     self.dir = Path(directory).absolute()
     self.keep, self.keep_every, self.is_writer, self.verify = keep, keep_every, is_writer, verify
-    self._saves = 0  # names each save's digest exchange (every process saves the same steps)
+    self._saves = 0  # with the step, names each save's digest exchange: the same on every host, whatever its paths
     if is_writer:
       self.dir.mkdir(parents=True, exist_ok=True)
-      for p in self.dir.iterdir():
-        if p.is_dir() and not (p / MANIFEST).is_file() and (p.name.isdigit() or "tmp" in p.name):
-          print(f"checkpoint: removing unfinished save {p.name} (no manifest: it never committed)")
+      for p in sorted(self.dir.iterdir()):
+        if not p.is_dir() or (p / MANIFEST).is_file():
+          continue
+        if p.name.isdigit() and ocp.step.is_path_finalized(p):  # orbax committed it: only our manifest is missing
+          dest = move_aside(p, self.dir.with_name(self.dir.name + ".aside"), "no-manifest")
+          print(f"checkpoint: step {p.name} has no {MANIFEST} (lost, or the run ended before writing it); "
+                f"moved it to {dest}")
+        elif p.name.isdigit() or ocp.step.is_path_temporary(p):
+          print(f"checkpoint: removing unfinished save {p.name} (orbax never committed it)")
           shutil.rmtree(p, ignore_errors=True)
     self.mgr = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(  # orbax never deletes (we rotate)
         max_to_keep=None, enable_async_checkpointing=async_save, create=True))
@@ -190,7 +196,7 @@ class Checkpoints:
     except Exception as e:  # noqa: BLE001 (any storage error: report it in one line)
       raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}") from e
     self._saves += 1
-    self._pending = (step, manifest_body, f"jaxtrain/manifest/{self.dir}/{step}/{self._saves}")
+    self._pending = (step, manifest_body, f"jaxtrain/manifest/{step}/{self._saves}")
 
   def poll(self) -> None:
     """Cheap, called every step: once orbax has committed, write the manifest in the background."""
@@ -321,22 +327,19 @@ def _last_good(step: int | None) -> str:
 
 
 def move_aside(step_dir: Path, aside: Path, reason: str) -> Path:
-  """Renames a step directory to <aside>/<step>.<reason>.<time>: kept, out of orbax's sight."""
-  aside.mkdir(parents=True, exist_ok=True)
-  dest, n = aside / f"{step_dir.name}.{reason}.{time.strftime('%Y%m%dT%H%M%S')}", 1
-  while dest.exists():
-    dest, n = dest.with_name(f"{step_dir.name}.{reason}.{time.strftime('%Y%m%dT%H%M%S')}.{n}"), n + 1
-  step_dir.rename(dest)
-  return dest
+  """Renames a step directory to <aside>/<step>.<reason>.<time>[.<n>]: kept, out of orbax's sight."""
+  return runfiles.move_aside(step_dir, aside, reason)
 
 
 def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: str, aside: Path,
-                        problem=_problem) -> Path | None:
-  """The newest (or the named) step dir that passes `problem` (or None); damaged and later ones moved aside."""
+                        problem=_problem, accept=None) -> Path | None:
+  """The newest (or the named) step dir that passes `problem` (or None); once `accept(step_dir, manifest)` has not
+  refused it, damaged and later ones are moved aside."""
   directory = Path(directory)
   steps = committed_steps(directory)
+  damaged = []
   if resume_from is None:
-    damaged, chosen = [], None
+    chosen = None
     for s in reversed(steps):
       reason = problem(directory / str(s))
       if reason is None:
@@ -352,10 +355,6 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
       raise CheckpointError(f"{damaged[0][1]}; checkpoints that verify: steps {', '.join(map(str, good))}; "
                             f"resume with --resume-from {chosen} (later steps are moved aside), or set "
                             "checkpoint.on_damaged=fallback to do that automatically")
-    for s, reason in damaged:
-      dest = move_aside(directory / str(s), aside, "damaged")
-      print(f"jaxtrain: warning: {reason}; moved it to {dest} and resuming from step {chosen}, the newest "
-            "checkpoint that verifies", file=sys.stderr, flush=True)
     if chosen is None:
       return None
     step_dir = directory / str(chosen)
@@ -370,26 +369,36 @@ def choose_resume_point(directory: Path, resume_from: str | None, on_damaged: st
       raise CheckpointError(f"{reason}; checkpoints of this run that verify: "
                             + (f"steps {', '.join(map(str, good))} (use --resume-from {good[-1]})" if good
                                else "none (pass --fresh to start over)"))
-  chosen = read_manifest(step_dir)["step"]
+  manifest = read_manifest(step_dir)
+  if accept is not None:
+    accept(step_dir, manifest)
+  chosen = manifest["step"]
+  for s, reason in damaged:
+    dest = move_aside(directory / str(s), aside, "damaged")
+    print(f"jaxtrain: warning: {reason}; moved it to {dest} and resuming from step {chosen}, the newest "
+          "checkpoint that verifies", file=sys.stderr, flush=True)
   later = [s for s in committed_steps(directory) if s > chosen]
   for s in later:
     move_aside(directory / str(s), aside, "rollback")
   if later:
     print(f"rolling back to step {chosen}: later checkpoint(s) {', '.join(map(str, later))} moved to {aside} "
-          "(not deleted); their metrics records are kept in the metrics.<time>.jsonl copy", flush=True)
+          "(not deleted); their metrics records are kept in the metrics.resumed.<time>.jsonl copy", flush=True)
   return step_dir
 
 
 def resume_point(directory: Path, resume_from: str | None, on_damaged: str, aside: Path,
-                 mode: str = "full") -> Path | None:
+                 mode: str = "full", accept=None) -> Path | None:
   """`choose_resume_point` on process 0; its choice, verifications and failure broadcast to the others."""
+  def local(name: str) -> Path:  # each process's own spelling of a step dir: hosts may mount the run elsewhere
+    return Path(directory) / name if name else Path(resume_from)
+
   def problem(step_dir: Path) -> str | None:
-    _command(_VERIFY, str(step_dir))  # the others join this verification
+    _command(_VERIFY, step_dir.name if step_dir.parent == Path(directory) else "")  # the others join in
     return _problem(step_dir, mode)
 
   if filecheck.processes()[1] == 0:
     try:
-      step_dir = choose_resume_point(directory, resume_from, on_damaged, aside, problem)
+      step_dir = choose_resume_point(directory, resume_from, on_damaged, aside, problem, accept)
     except BaseException as e:
       known = isinstance(e, (UserError, CheckpointError))
       _command(_USER_ERROR if isinstance(e, UserError) else _FAILED,
@@ -398,7 +407,7 @@ def resume_point(directory: Path, resume_from: str | None, on_damaged: str, asid
     _command(*((_NONE,) if step_dir is None else (_CHOSEN, str(read_manifest(step_dir)["step"]))))
     return step_dir
   while (got := _command())[0] == _VERIFY:
-    _problem(Path(got[1]), mode)
+    _problem(local(got[1]), mode)
   code, text = got
   if code == _CHOSEN:
     return Path(resume_from) if resume_from and not resume_from.isdigit() else Path(directory) / text

@@ -62,7 +62,7 @@ class Preemption:
       self.requested = multihost_utils.reached_preemption_sync_point(step)
     return self.requested
 
-  def restore(self):
+  def close(self):
     if self._old is not None:
       signal.signal(signal.SIGTERM, self._old)
 
@@ -87,14 +87,21 @@ def _sinks(cfg, workdir: Path, stop_at: int, resumed_at: int | None, carried: li
   return metrics.Sinks(sinks)
 
 
-def _resume(ckpts, step_dir, current: dict, allowed: set[str], setup, batches, mesh_text: str):
-  """(state, Progress, manifest) from the verified `step_dir` (data moved to it); a different run is refused."""
+def _same_run(current: dict, allowed: set[str]):
+  """A check of a checkpoint's manifest: one written by a different run is refused (before anything moves)."""
+  def accept(step_dir: Path, manifest: dict) -> None:
+    changed = {k: v for k, v in checkpoint.mismatches(manifest["fingerprint"], current).items() if k not in allowed}
+    if changed:
+      raise UserError(f"checkpoint {step_dir} was written by a different run: "
+                      f"{'; '.join(changed.values())}; pass --allow-mismatch {','.join(changed)} to resume anyway, "
+                      "or --fresh")
+  return accept
+
+
+def _resume(ckpts, step_dir, setup, batches, mesh_text: str):
+  """(state, Progress, manifest) from the verified, accepted `step_dir` (data moved to it)."""
   if step_dir is None:
     return None, progress_lib.Progress(), {}
-  manifest = checkpoint.read_manifest(step_dir)
-  if changed := {k: v for k, v in checkpoint.mismatches(manifest["fingerprint"], current).items() if k not in allowed}:
-    raise UserError(f"checkpoint {step_dir} was written by a different run: {'; '.join(changed.values())}; "
-                    f"pass --allow-mismatch {','.join(changed)} to resume anyway, or --fresh")
   state, manifest = ckpts.restore(step_dir, setup.abstract_state(), verified=True)
   batches.set_state(manifest["data_state"])
   moved = "" if manifest["mesh"] == mesh_text else f" (written on mesh {manifest['mesh']}, resharded)"
@@ -106,56 +113,58 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
         resume_from: str | None = None, allow_mismatch: str = "") -> Summary:
   """Trains until `stop_at` (default train.steps) total steps."""
   allowed = allowed_mismatches(allow_mismatch)
+  asked = f"--steps asks for {stop_at}" if stop_at else f"train.steps is {cfg.train.steps}"
   stop_at = stop_at or cfg.train.steps
   setup = step_lib.Setup(cfg, mesh)
-  fit.check(setup, cfg.run.fit_check)  # before the workdir or any array is touched
-  runfiles.prepare_workdir(workdir)
-  # One trainer per workdir, taken before anything in it is moved or removed.
-  lock = lock_lib.WorkdirLock(workdir).acquire() if jax.process_index() == 0 else None
-  ckdir = workdir / "checkpoints"
-  if fresh and ckdir.exists():
-    aside = workdir / f"checkpoints.{int(time.time())}"
-    ckdir.rename(aside)
-    print(f"--fresh: previous checkpoints moved to {aside}")
-  if jax.process_index() == 0:
-    runfiles.write_json(workdir / "config.json", cfg.to_dict())
-  dev = mesh.devices.flat[0]
-  mesh_text = mesh_lib.describe(dict(mesh.shape))
-  print(f"jaxtrain: {config_name} ({setup.n_params:,} params), mesh {mesh_text} "
-        f"on {mesh.size} {dev.platform} device(s) [{dev.device_kind}], workdir {workdir}")
-  print(setup.plan.describe())
-  if setup.grads_fn is not None:
-    print(pipeline.describe(cfg, mesh))
-  if setup.notes:
-    print(f"sharding: {len(setup.notes)} dimension(s) replicated where the mesh axis does not divide them, e.g. "
-          f"{setup.notes[0]}")
-
-  ck = cfg.checkpoint
-  # Chosen (and later/damaged steps moved aside) before orbax lists the steps it has.
-  step_dir = checkpoint.resume_point(ckdir, resume_from, ck.on_damaged, workdir / "checkpoints.aside", ck.verify)
-  ckpts = checkpoint.Checkpoints(ckdir, ck.keep, ck.keep_every, ck.async_save, is_writer=jax.process_index() == 0,
-                                 verify=ck.verify)
-  saves = progress_lib.Every(ck.interval)
+  fit.check(setup, cfg.run.fit_check)
+  # Every check that can refuse the run comes before anything in the workdir is written, moved or created.
   current = checkpoint.fingerprint(cfg, data.tokenizer_digest(cfg), data.source_digest(cfg))
   batches = data.batches(cfg, *setup.placement.rows())
-  evaluate = Evaluator(cfg, setup)
-  preempt = Preemption(jax.process_count() > 1)
-  profiler = observe.Profiler(cfg.run.profile_steps, workdir / "profile", enabled=jax.process_index() == 0)
-  flops_per_step = flops.flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
-  peak = flops.peak_flops(dev.device_kind)
-  peak_total = peak * mesh.size if peak else None
-  sinks, summary = None, Summary()
-  runlog = runfiles.RunLog(workdir, jax.process_index())  # library noise -> <workdir>/jaxtrain.log
+  lock = ckpts = sinks = runlog = profiler = preempt = created = None
+  summary = Summary()
   try:
+    evaluate = Evaluator(cfg, setup)
+    created = not workdir.exists()
+    runfiles.prepare_workdir(workdir)
+    # One trainer per workdir, taken before anything in it is moved or removed.
+    lock = lock_lib.WorkdirLock(workdir).acquire() if jax.process_index() == 0 else None
+    dev = mesh.devices.flat[0]
+    mesh_text = mesh_lib.describe(dict(mesh.shape))
+    print(f"jaxtrain: {config_name} ({setup.n_params:,} params), mesh {mesh_text} "
+          f"on {mesh.size} {dev.platform} device(s) [{dev.device_kind}], workdir {workdir}")
+    print(setup.plan.describe())
+    if setup.grads_fn is not None:
+      print(pipeline.describe(cfg, mesh))
+    if setup.notes:
+      print(f"sharding: {len(setup.notes)} dimension(s) replicated where the mesh axis does not divide them, e.g. "
+            f"{setup.notes[0]}")
+    ck, ckdir = cfg.checkpoint, workdir / "checkpoints"
+    if fresh and ckdir.exists() and jax.process_index() == 0:  # the others wait in resume_point's collective
+      print(f"--fresh: previous checkpoints moved to {runfiles.move_aside(ckdir, workdir, 'fresh')}")
+    # Chosen and accepted (then later/damaged steps moved aside) before orbax lists the steps it has.
+    step_dir = checkpoint.resume_point(ckdir, resume_from, ck.on_damaged, workdir / "checkpoints.aside", ck.verify,
+                                       accept=_same_run(current, allowed))
+    at = checkpoint.read_manifest(step_dir)["progress"]["step"] if step_dir is not None else 0
+    if at >= stop_at:
+      print(f"nothing to do: the run is at step {at} and {asked}")
+      return summary
+    if jax.process_index() == 0:
+      runfiles.write_json(workdir / "config.json", cfg.to_dict())
+    ckpts = checkpoint.Checkpoints(ckdir, ck.keep, ck.keep_every, ck.async_save,
+                                   is_writer=jax.process_index() == 0, verify=ck.verify)
+    saves = progress_lib.Every(ck.interval)
+    preempt = Preemption(jax.process_count() > 1)
+    profiler = observe.Profiler(cfg.run.profile_steps, workdir / "profile", enabled=jax.process_index() == 0)
+    flops_per_step = flops.flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
+    peak = flops.peak_flops(dev.device_kind)
+    peak_total = peak * mesh.size if peak else None
+    runlog = runfiles.RunLog(workdir, jax.process_index())  # library noise -> <workdir>/jaxtrain.log
     t0 = time.perf_counter()
-    state, progress, manifest = _resume(ckpts, step_dir, current, allowed, setup, batches, mesh_text)
+    state, progress, manifest = _resume(ckpts, step_dir, setup, batches, mesh_text)
     resumed_at = progress.step if state is not None else None
     state = setup.init() if state is None else state
     sinks = _sinks(cfg, workdir, stop_at, resumed_at, manifest.get("unwritten_metrics"))
     out = sinks.writer()  # metrics.jsonl's writer (its failures stop the run after a save); None elsewhere
-    if progress.step >= stop_at:
-      print(f"nothing to do: the run is at step {progress.step} and --steps asks for {stop_at}")
-      return summary
 
     def manifest_body():
       return {"progress": dataclasses.asdict(progress), "data_state": batches.get_state(), "mesh": mesh_text,
@@ -202,23 +211,30 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       batch = setup.device_batch(next(batches))
       wait = time.perf_counter() - t
     ckpts.wait()
-    if out is not None:
-      runfiles.report_write_failure(out, progress.step)
+    runfiles.report_write_failure(out, progress.step)  # with several processes, a collective
     if preempt.requested:
       print(f"preempted: checkpoint committed at step {progress.step}; run the same command to resume")
     return summary
   except Exception as e:  # noqa: BLE001 (details to the log; the terminal gets one line)
+    if runlog is None:  # refused before the run's files: nothing of it is written, the log included
+      if created and lock is not None:  # nor is a workdir it created left behind
+        runfiles.remove_new_workdir(workdir, lock)
+        lock = None  # released there
+      raise
     raise runlog.ending(e, sinks.writer() if sinks else None) from None
   finally:
-    profiler.close()
-    preempt.restore()
+    for part in (profiler, preempt):
+      if part is not None:
+        part.close()
     if sinks is not None:
       sinks.close()
     batches.close()
     try:  # a save already in flight still gets its manifest, whatever ended the run
-      ckpts.close()
+      if ckpts is not None:
+        ckpts.close()
     except checkpoint.CheckpointError as e:
       print(f"jaxtrain: warning: {e}", file=sys.stderr)
-    runlog.close()
+    if runlog is not None:
+      runlog.close()
     if lock is not None:
       lock.release()

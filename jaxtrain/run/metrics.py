@@ -53,13 +53,15 @@ class TensorBoardSink:
   """The finite numeric fields of each record as scalars of the same name, in <workdir>/tb/."""
 
   def __init__(self, logdir: Path):
-    from tensorboardX import SummaryWriter
-    self.writer = SummaryWriter(logdir=str(logdir), flush_secs=10)
+    self.logdir, self.writer, self.closed = logdir, None, False
 
   def write(self, step: int, rec: dict) -> None:
-    if self.writer is None:
+    if self.closed:
       return
     try:
+      if self.writer is None:  # opened with the first record: a run that writes none leaves no events file
+        from tensorboardX import SummaryWriter
+        self.writer = SummaryWriter(logdir=str(self.logdir), flush_secs=10)
       for k, v in rec.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
           self.writer.add_scalar(k, v, step)
@@ -71,7 +73,7 @@ class TensorBoardSink:
     if self.writer is not None:
       with contextlib.suppress(OSError):
         self.writer.close()
-      self.writer = None
+    self.writer, self.closed = None, True
 
 
 class Sinks:

@@ -1,4 +1,5 @@
-"""The run's own files in the workdir: the directory itself, `metrics.jsonl` and `jaxtrain.log`."""
+"""The run's own files in the workdir: the directory itself, `metrics.jsonl`, `jaxtrain.log`, and the one naming
+scheme for anything moved aside: <stem>.<reason>.<UTC time>[.<n>]<suffix> (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -43,6 +45,29 @@ def prepare_workdir(workdir: Path) -> None:
     probe.unlink()
   except OSError as e:
     raise UserError(f"--workdir {workdir}: cannot write there: {_why(e)}; give a writable directory") from None
+
+
+def remove_new_workdir(workdir: Path, lock) -> None:
+  """Undoes `prepare_workdir` for a refused run: its lock file goes while still held, then the workdir if empty."""
+  with contextlib.suppress(OSError):
+    lock.path.unlink()
+  lock.release()
+  with contextlib.suppress(OSError):
+    workdir.rmdir()
+
+
+def move_aside(path: Path, dest_dir: Path, reason: str) -> Path:
+  """Renames `path` into `dest_dir` as <stem>.<reason>.<time>[.<n>]<suffix>; never over an earlier move.
+
+  Moves are made by process 0 under the workdir lock, so the first free name stays free until the rename."""
+  dest_dir.mkdir(parents=True, exist_ok=True)
+  stem, suffix = (path.stem, path.suffix) if path.is_file() else (path.name, "")
+  base = f"{stem}.{reason}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+  dest, n = dest_dir / f"{base}{suffix}", 1
+  while dest.exists():
+    dest, n = dest_dir / f"{base}.{n}{suffix}", n + 1
+  path.rename(dest)
+  return dest
 
 
 def write_json(path: Path, obj) -> None:
@@ -88,11 +113,9 @@ def prepare_metrics(path: Path, resumed_at: int | None, carried: list[dict] | No
   """Old file kept aside; on resume, records past the checkpoint dropped and `carried` ones added."""
   if not path.exists() and not (resumed_at is not None and carried):
     return
-  backup = path.with_name(f"metrics.{int(time.time())}.jsonl")
   try:
     if resumed_at is None:
-      path.rename(backup)
-      print(f"previous {path.name} kept as {backup.name}")
+      print(f"previous {path.name} kept as {move_aside(path, path.parent, 'previous').name}")
       return
     records, note = read_metrics(path) if path.exists() else ([], None)
     kept = [(rec["step"], line) for line, rec in records if rec["step"] <= resumed_at]
@@ -101,14 +124,12 @@ def prepare_metrics(path: Path, resumed_at: int | None, carried: list[dict] | No
     extra = [(r["step"], strict_json(r)) for r in carried or () if r.get("step") not in have
              and isinstance(r.get("step"), int) and r["step"] <= resumed_at]
     if note or dropped or extra:
-      if path.exists():
-        path.rename(backup)
+      backup = move_aside(path, path.parent, "resumed").name if path.exists() else None
       files.write_atomic(path, "".join(line + "\n" for _, line in sorted(kept + extra, key=lambda x: x[0])))
     if note:
-      print(f"metrics: {note} (old file kept as {backup.name})")
+      print(f"metrics: {note} (old file kept as {backup})")
     if dropped:
-      print(f"metrics: {dropped} record(s) after step {resumed_at} will be recomputed "
-            f"(old file kept as {backup.name})")
+      print(f"metrics: {dropped} record(s) after step {resumed_at} will be recomputed (old file kept as {backup})")
     if extra:
       print(f"metrics: {len(extra)} record(s) that could not be written before (steps "
             f"{', '.join(str(s) for s, _ in extra)}) restored from the checkpoint")
@@ -120,7 +141,7 @@ class JsonlWriter:
   """Appends strict-JSON records to a file."""
 
   def __init__(self, path: Path):
-    self.path, self.failure = path, None
+    self.path, self.failure, self.signalled = path, None, False
     self.unwritten: list[dict] = []  # records after a failure: the next checkpoint carries them
     try:
       self.file = path.open("a")
@@ -145,20 +166,37 @@ class JsonlWriter:
 
 
 def must_stop(writer: JsonlWriter) -> bool:
-  """After a write failure, stop at this step (to save it); with several processes, right away."""
+  """After a write failure, stop at this step (to save it). With several processes, only process 0 knows: it
+  raises a preemption notice (SIGTERM, caught by JAX's preemption service), so that all processes stop and
+  save at the step the service agrees on; `shared_failure` then tells them why."""
   if writer.failure is None:
     return False
   import jax
+  if jax.process_count() == 1:
+    return True
+  if not writer.signalled:
+    writer.signalled = True
+    os.kill(os.getpid(), signal.SIGTERM)
+  return False
+
+
+def shared_failure(writer: JsonlWriter | None) -> str | None:
+  """Collective at a stop every process agreed on: process 0's write failure (or None) on every process."""
+  import jax
+  text = writer.failure if writer is not None and writer.failure else ""
   if jax.process_count() > 1:
-    raise RunFileError(f"{writer.failure}; no checkpoint attempted (multi-process run: the processes cannot agree "
-                       "on a save step from process 0's file error); the last committed checkpoint is kept")
-  return True
+    from jax.experimental import multihost_utils
+
+    from jaxtrain.run import filecheck
+    text = filecheck.unpack(multihost_utils.broadcast_one_to_all(filecheck.pack(text, filecheck.TEXT_BYTES)))
+    text = f"process 0: {text}" if text and jax.process_index() else text
+  return text or None
 
 
-def report_write_failure(writer: JsonlWriter, saved_step: int | None) -> None:
-  """The one line that ends a run stopped by a write failure, once its checkpoint is saved."""
-  if writer.failure is not None:
-    raise RunFileError(f"{writer.failure}; checkpoint {saved_step} was saved first; "
+def report_write_failure(writer: JsonlWriter | None, saved_step: int | None) -> None:
+  """The one line that ends a run stopped by a write failure (process 0's, on every process), once saved."""
+  if (failure := shared_failure(writer)) is not None:
+    raise RunFileError(f"{failure}; checkpoint {saved_step} was saved first; "
                        "free space (or fix the file) and run the same command to resume")
 
 

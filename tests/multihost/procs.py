@@ -20,15 +20,17 @@ def clean_env(extra=None):
   return helpers.clean_env(**{**(extra or {}), "PYTHONUNBUFFERED": "1"})
 
 
-def launch(module_args, n, cwd, env=None):
-  """Starts n processes of `python -m ...module_args --coordinator ... --process-id i`."""
+def launch(module_args, n, cwd, env=None, each=None):
+  """Starts n processes of `python -m ...module_args --coordinator ... --process-id i` (logs in `cwd`);
+  `each(i)` -> (working directory, extra args) of process i, when they differ."""
   port = free_port()
   procs = []
   for i in range(n):
     log = open(os.path.join(cwd, f"process{i}.log"), "w")
+    where, extra = each(i) if each else (cwd, [])
     procs.append(subprocess.Popen(
-        [sys.executable, "-m", *module_args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n),
-         "--process-id", str(i)], cwd=cwd, env=clean_env(env), stdout=log, stderr=subprocess.STDOUT, text=True))
+        [sys.executable, "-m", *module_args, *extra, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n),
+         "--process-id", str(i)], cwd=where, env=clean_env(env), stdout=log, stderr=subprocess.STDOUT, text=True))
   return procs
 
 

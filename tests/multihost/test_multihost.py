@@ -10,6 +10,7 @@ import pytest
 from jaxtrain import data
 from jaxtrain.core import config
 from jaxtrain.core import files
+from jaxtrain.run import checkpoint
 from tests.multihost import procs as multihost
 from tests.conftest import REPO
 
@@ -139,3 +140,32 @@ def test_eval_on_processes_that_share_batch_rows(tmp_path):
   assert codes == [0, 0], multihost.log_of(cwd, 0)[-2000:] + multihost.log_of(cwd, 1)[-2000:]
   recs = _records(cwd / "w")
   assert "eval_loss" in recs[2] and np.isfinite(recs[2]["eval_loss"])
+
+
+def test_fresh_relative_workdirs_and_a_metrics_failure_on_process_0(tmp_path):
+  """Process 1 spells the shared workdir from another directory; --fresh moves the old checkpoints once, for
+  both; a metrics write failure on process 0 stops both after one rescue checkpoint, each with one line."""
+  (tmp_path / "w" / "checkpoints" / "2").mkdir(parents=True)  # a previous run's checkpoints
+  (tmp_path / "sub").mkdir()
+  args = ["jaxtrain.train", "--mesh", "tp=8", "--steps", "100", "--fresh", "--set", "model.dtype=float32",
+          "--set", "model.n_layers=1", "--set", "train.batch_size=4", "--set", "train.seq_len=32",
+          "--set", "checkpoint.interval=2", "--set", "run.tensorboard=false"]
+  procs = multihost.launch(args, 2, tmp_path, env={"JAXTRAIN_FAULTS": "metrics_enospc_at=3"},
+                           each=lambda i: (tmp_path, ["--workdir", "w"]) if i == 0 else
+                           (tmp_path / "sub", ["--workdir", "../w"]))
+  codes = multihost.wait_all(procs, 120)
+  logs = [multihost.log_of(tmp_path, i) for i in range(2)]
+  assert codes == [1, 1], logs[0][-2000:] + logs[1][-2000:]
+  w = tmp_path / "w"
+  moved = [p for p in w.iterdir() if p.name.startswith("checkpoints.fresh.")]
+  assert len(moved) == 1 and (moved[0] / "2").is_dir() and f"moved to w/{moved[0].name}" in logs[0]
+  steps = checkpoint.committed_steps(w / "checkpoints")  # the rescue save at the step both agreed on, and before it
+  assert len(steps) >= 2 and 3 <= steps[-1] < 100, steps
+  for s in steps:  # each save's digests were exchanged between processes that spell the workdir differently
+    manifest = json.loads((w / "checkpoints" / str(s) / "manifest.json").read_text())
+    assert manifest["files"] and all("sha256" in f for f in manifest["files"].values())
+  assert [r["step"] for r in manifest["unwritten_metrics"]] == list(range(3, steps[-1] + 1))
+  for log in logs:
+    line = next(l for l in log.splitlines() if "error:" in l)  # one line each, naming process 0's failure
+    assert "cannot write w/metrics.jsonl at step 3: No space left" in line
+    assert f"checkpoint {steps[-1]} was saved first" in line

@@ -110,7 +110,8 @@ def test_killed_during_async_save_resumes_from_last_committed(run_cli, tmp_path,
     proc.wait(timeout=60)
   assert (w / "checkpoints" / "4").exists() and not (w / "checkpoints" / "4" / "manifest.json").exists()
   r = _train(run_cli, w, "--steps", "8", "--set", "checkpoint.interval=2")
-  assert "removing unfinished save 4" in r.stdout and "at step 2" in r.stdout
+  assert "step 4 has no manifest.json" in r.stdout and "at step 2" in r.stdout
+  assert [p.name.split(".")[:2] for p in (w / "checkpoints.aside").iterdir()] == [["4", "no-manifest"]]
   _same_losses(_records(w), _records(straight), range(3, 9))
 
 
@@ -223,6 +224,65 @@ def test_fresh_moves_old_checkpoints_aside(run_cli, tmp_path, saved):
   r = _train(run_cli, w, "--steps", "1", "--fresh")
   assert "previous checkpoints moved to" in r.stdout and "resumed" not in r.stdout
   assert list(w.glob("checkpoints.*/2/manifest.json")) and checkpoint.committed_steps(w / "checkpoints") == [1]
+
+
+def _files(d):
+  """{path: bytes (None for a directory)} of everything under `d`."""
+  return {str(p.relative_to(d)): p.read_bytes() if p.is_file() else None for p in sorted(d.rglob("*"))}
+
+
+def test_refused_and_idle_reruns_touch_nothing(run_cli, tmp_path, saved):
+  """A refused resume, a run with nothing to do, and bad data in a new workdir write, move and create nothing."""
+  w = tmp_path / "w"
+  shutil.copytree(saved, w)
+  before = _files(w)
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--set", "model.rope_theta=500000")
+  assert r.returncode == 2 and "model.rope_theta: 10000.0 -> 500000.0" in r.stderr
+  assert _files(w) == before  # config.json still describes the checkpoints
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--set", "train.steps=2", "--allow-mismatch", "train")
+  assert r.returncode == 0 and "nothing to do: the run is at step 2 and train.steps is 2" in r.stdout
+  assert _files(w) == before  # no empty TensorBoard events file, no metrics copy
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(tmp_path / "new"), "--set", f"data.source={tmp_path / 'no'}")
+  assert r.returncode == 2 and "does not exist" in r.stderr and not (tmp_path / "new").exists()
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(tmp_path / "new"), "--resume-from", "2")
+  assert r.returncode == 2 and "no committed checkpoint" in r.stderr and not (tmp_path / "new").exists()
+
+
+def test_only_saves_orbax_never_committed_are_removed(tmp_path):
+  """A step orbax finalized but whose manifest.json is gone is moved aside; an orbax temporary is removed."""
+  d = tmp_path / "checkpoints"
+  for name in ["2", "4", "6.orbax-checkpoint-tmp-1700000000"]:
+    (d / name).mkdir(parents=True)
+    (d / name / "commit_success.txt").write_text("x")
+  (d / "2" / "manifest.json").write_text("{}")
+  checkpoint.Checkpoints(d, keep=3, keep_every=0, async_save=False).mgr.close()
+  assert sorted(p.name for p in d.iterdir()) == ["2"]
+  kept = list((tmp_path / "checkpoints.aside").iterdir())
+  assert [p.name.split(".")[:2] for p in kept] == [["4", "no-manifest"]] and (kept[0] / "commit_success.txt").exists()
+
+
+def test_moves_in_one_second_keep_everything(tmp_path, monkeypatch):
+  """--fresh, rollbacks and metrics copies, twice within one second: every moved thing is kept, one scheme."""
+  import time
+  from jaxtrain.run import runfiles
+  monkeypatch.setattr(time, "time", lambda: 1.8e9)
+  monkeypatch.setattr(time, "gmtime", lambda *a: time.struct_time((2027, 1, 15, 8, 0, 0, 4, 15, 0)))
+  for i in range(2):
+    (tmp_path / "metrics.jsonl").write_text(f"run {i}\n")
+    runfiles.prepare_metrics(tmp_path / "metrics.jsonl", None)
+  assert _files(tmp_path) == {"metrics.previous.20270115T080000Z.jsonl": b"run 0\n",
+                              "metrics.previous.20270115T080000Z.1.jsonl": b"run 1\n"}
+  for i in range(2):
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "3" / "run").write_text(str(i))
+    checkpoint.move_aside(tmp_path / "checkpoints" / "3", tmp_path / "checkpoints.aside", "rollback")
+    runfiles.move_aside(tmp_path / "checkpoints", tmp_path, "fresh")
+  moved = {k: v for k, v in _files(tmp_path).items() if not k.startswith("metrics.")}
+  assert moved == {
+      "checkpoints.aside": None, "checkpoints.aside/3.rollback.20270115T080000Z": None,
+      "checkpoints.aside/3.rollback.20270115T080000Z/run": b"0", "checkpoints.aside/3.rollback.20270115T080000Z.1": None,
+      "checkpoints.aside/3.rollback.20270115T080000Z.1/run": b"1",
+      "checkpoints.fresh.20270115T080000Z": None, "checkpoints.fresh.20270115T080000Z.1": None}
 
 
 def test_an_aborted_run_keeps_its_committed_checkpoints(run_cli, tmp_path):
