@@ -123,10 +123,11 @@ def layer_residuals(cfg, mesh, kernel: str = "xla", packed_segments: int = 0) ->
   else:  # cudnn: per segment slot, else per row (ring: per row of its blocks)
     out["softmax_stats"] = 4 * H * max(packed_segments, 1) + (L if kernel == "cudnn" and not packed_segments else 0)
   if m.moe_experts:
-    # router logits/probabilities (f32); per expert-buffer row (X * C / T of them per routed token):
-    # dispatched and returned rows and SwiGLU residuals
-    from jaxtrain.parallel import experts
-    slots = m.moe_experts * experts.capacity(T, m.moe_experts, m.moe_top_k, m.moe_capacity_factor) / T
+    # router logits/probabilities (f32); per expert-buffer row (capacity slots, or the dropless exchange's
+    # ep x bound rows: `buffer_rows` per token): dispatched and returned rows and SwiGLU residuals
+    from jaxtrain.parallel import expert_layout
+    buf = expert_layout.buffer_rows(cfg, mesh)
+    slots = buf["rows"] / buf["tokens"]
     share = m.moe_layers() / m.n_layers
     out["mlp"] = share * (3 * 4 * m.moe_experts + slots * (2 * s * D + 6 * s * F)) + (1 - share) * 6 * s * F
   else:

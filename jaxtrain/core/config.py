@@ -125,7 +125,8 @@ class TrainConfig:
                    math=True, min=1)
   batch_size: int = key(16, "Global sequences per optimizer step (all microbatches, all ranks).", math=True, min=1)
   seq_len: int = key(128, "Tokens per sequence.", math=True, min=2)
-  microbatches: int = key(1, "Gradient-accumulation steps per optimizer step; divides batch_size.", math=False, min=1)
+  microbatches: int = key(1, "Gradient-accumulation steps per optimizer step; divides batch_size. For MoE models "
+                          "a math key (the aux loss and capacity groups follow the split).", math=False, min=1)
   seed: int = key(0, "Seed of the parameter init and of the data order.", math=True, min=0)
   max_skipped_in_a_row: int = key(10, "Abort the run after this many non-finite (skipped) steps in a row.",
                                   math=False, min=1)

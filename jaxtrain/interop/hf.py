@@ -181,6 +181,28 @@ def table(cfg) -> list[Tensor]:
 # -- import --------------------------------------------------------------------------------------
 
 
+def _hf_index(t: Tensor, index: tuple) -> tuple | None:
+  """The HF (out, in) slices holding our part `index` of one tensor, or None if they are not contiguous ranges.
+  Ours is the transpose (in, out) reshaped: each HF dimension is a run of our dimensions merged."""
+  if t.ours is None:
+    return index
+  n_in, split = t.hf_shape[1], 0
+  while math.prod(t.ours[:split]) < n_in:
+    split += 1
+
+  def merged(slices, sizes):
+    start, count, partial = 0, 1, False
+    for s, n in zip(slices, sizes):
+      r = range(*s.indices(n))
+      if partial and len(r) != n:  # a cut dimension inside a cut one: strided in the file
+        return None
+      start, count, partial = start * n + r.start, count * len(r), partial or len(r) > 1
+    return slice(start, start + count)
+  rows, cols = merged(index[split:], t.ours[split:]), merged(index[:split], t.ours[:split])
+  return None if rows is None or cols is None else (rows, cols)
+
+
+
 def read_headers(hf_dir: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
   """{tensor name: (file, shape, dtype)} from the safetensors headers (no tensor data read)."""
   safetensors = _safetensors()
@@ -308,23 +330,25 @@ def run_import(plan: ImportPlan, mesh) -> Path:
     (w / f"{plan.name}.toml").write_text(plan.toml)
   setup = step_lib.Setup(cfg, mesh)
   by_path = {t.path: t for t in table(cfg.model)}
-  safe_open, last, nread = _safetensors().safe_open, {}, [0]
+  safe_open, nread = _safetensors().safe_open, [0]
 
-  def get(name, t):
-    # One HF tensor, float32 in our layout: the file is opened per tensor (no mapping outlives the
-    # read); the last one is kept, as every device's shard of it is cut from the same array.
-    if name not in last:
-      last.clear()
-      with safe_open(str(plan.headers[name][0]), framework="numpy") as st:
-        raw = st.get_tensor(name)
-      nread[0] += raw.nbytes
-      last[name] = np.ascontiguousarray(t.to_ours(raw.astype(np.float32)))
-    return last[name]
+  def get(name, t, index):
+    # Our part `index` of one HF tensor, float32: only that part is read (every device reads its own shard, not
+    # the whole tensor); the file is opened per read, so no mapping outlives it.
+    with safe_open(str(plan.headers[name][0]), framework="numpy") as st:
+      part = st.get_slice(name)
+      hf_index = _hf_index(t, index)
+      raw = part[hf_index] if hf_index is not None else part[:]
+    nread[0] += raw.nbytes
+    if hf_index is None:  # a part the file does not hold contiguously: cut from the whole tensor
+      return np.ascontiguousarray(t.to_ours(raw.astype(np.float32))[index])
+    return raw.astype(np.float32) if t.ours is None else raw.astype(np.float32).T.reshape(
+        [len(range(*s.indices(n))) for s, n in zip(index, t.ours)])
 
   def shard(t, index):  # the part `index` (slices over our shape) of parameter t
     ns = t.names.ndim
     sub = np.asarray(t.names[index[:ns]], dtype=object)
-    blocks = [get(n, t)[index[ns:]] for n in sub.flat]
+    blocks = [get(n, t, index[ns:]) for n in sub.flat]
     return np.stack(blocks).reshape(sub.shape + blocks[0].shape) if ns else blocks[0]
 
   def place(path, shape, sh):
@@ -333,7 +357,6 @@ def run_import(plan: ImportPlan, mesh) -> Path:
 
   params = jax.tree_util.tree_map_with_path(place, jax.eval_shape(setup.init)["params"],
                                             setup.state_shardings["params"])
-  last.clear()
   # Adam moments start at zero, the schedule at step 0; donation reuses the params' buffers.
   state = jax.jit(lambda p: step_lib.init_state(cfg, setup.opt, p), out_shardings=setup.state_shardings,
                   donate_argnums=0)(params)

@@ -4,6 +4,8 @@ V vocab."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -211,6 +213,9 @@ class Transformer(nnx.Module):
   def decode(self, tokens_BxT, pos_BxT, seg_BxT, cache, plan=None):
     """KV-cached forward of T new tokens into cache slots [start, start+T): (float32 logits (B, T, V), cache)."""
     plan = plan or plan_lib.local(self.cfg)
+    # a row's fed tokens are its own capacity group(s): a prompt's output must not depend on the rest of the batch
+    T, G = tokens_BxT.shape[1], plan.moe_group
+    plan = dataclasses.replace(plan, moe_group=G if G and T % G == 0 else 0)
     x_BxTxD = self._embed(tokens_BxT, plan)
     tables = rope_tables(pos_BxT, self.cfg)
     start = cache["start"]

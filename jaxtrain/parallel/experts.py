@@ -84,9 +84,9 @@ def moe_ffn(x_BxLxD, router_DxX, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, *, top_
   if plan.moe_kernel != "capacity":
     y, dropped = moe_dropless.ffn(x_BxLxD, idx, w, weights, plan), jnp.float32(0)
   else:
-    # (B*L) % G: only generation, which feeds a few positions per row (moe_layout.check stops
-    # training first); each row's fed positions are then one group, as by default.
-    G = L if (B * L) % (group_size or L) else group_size or L
+    # Groups that do not fit B x L (moe_layout.check stops training first; Transformer.decode keeps groups
+    # within rows): each row's positions are then one group, as by default.
+    G = group_size if group_size and moe_layout.group_fits(group_size, L, B, L) else L
     y, dropped = _capacity_ffn(x_BxLxD, idx, w, weights, plan, top_k, capacity_factor, G)
   stats.update(dropped=jax.lax.stop_gradient(dropped), assigned=jnp.float32(B * L * top_k))
   return y.astype(x_BxLxD.dtype), stats

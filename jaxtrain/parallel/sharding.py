@@ -24,8 +24,9 @@ RULES: dict[str, tuple[str, ...]] = {
     # MoE dispatch (expert_layout): whole sequences per device where the batch allows
     "moe_batch": ("data", "fsdp", "expert", "sequence"),
     "moe_length": ("sequence",),  # only when the rows cannot take `sequence`
-    # parameters: stored FSDP-sharded on `embed`, Megatron-sharded on heads/mlp/vocab
-    "embed": ("fsdp",),
+    # parameters: stored FSDP-sharded on `embed`, Megatron-sharded on heads/mlp/vocab; `expert` too where the
+    # tensor's `experts` dimension does not take it (dense weights and their Adam state not replicated over it)
+    "embed": ("fsdp", "expert"),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": (),

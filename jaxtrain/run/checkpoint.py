@@ -38,6 +38,8 @@ def fingerprint(cfg, tokenizer_digest: str, data_digest: str) -> dict[str, Any]:
     if cat is not None:
       out[cat][dotted] = ({"spec": values[dotted], "digest": digests[dotted]} if field.metadata["content"]
                           else values[dotted])
+  if cfg.model.moe_experts:  # the aux loss's batch statistics and the capacity groups follow the split
+    out["train"]["train.microbatches"] = cfg.train.microbatches
   return out
 
 

@@ -54,8 +54,12 @@ def test_expert_parallel_moe_traffic_follows_the_capacity():
   buffer_rows = 4 * (16 // 4 * 128 // G) * C  # X x groups x C
   want = 4 * 2 * (3 / 4) * buffer_rows * 128 * 2  # 4 all-to-alls x 2 MoE layers x (n-1)/n of the buffer, bf16
   assert t[f"MoE all-to-all, capacity buffers (4 per MoE layer, {buffer_rows} rows)"] == int(want)
-  # Expert weights stay on their devices: nothing of them is gathered or reduced over `expert`.
-  experts = sum(math.prod(r.device_shape) * r.count for r in rows if "experts" in r.axes)
-  others = sum(math.prod(r.device_shape) * r.count for r in rows if "experts" not in r.axes)
-  assert experts > 0 and "param all-gather (fwd+bwd)" not in t
-  assert t["grad all-reduce"] == int(2 * 3 / 4 * others * 4)
+  # Expert weights stay on their devices: nothing of them is gathered or reduced over `expert`. The dense
+  # weights are stored split over `expert` too (FSDP-like: gathered fwd+bwd in bf16, f32 grads
+  # reduce-scattered); what does not split (norm scales) has its gradient all-reduced.
+  size = lambda rs: sum(math.prod(r.device_shape) * r.count for r in rs)  # noqa: E731
+  split = [r for r in rows if "experts" not in r.axes and "expert" in comms._axes_of(r.spec)]
+  whole = [r for r in rows if "experts" not in r.axes and "expert" not in comms._axes_of(r.spec)]
+  assert size(split) > 0 and size(whole) > 0 and any("experts" in r.axes for r in rows)
+  assert t["param all-gather (fwd+bwd)"] == 2 * 3 * size(split) * 2 and t["grad reduce-scatter"] == 3 * size(split) * 4
+  assert t["grad all-reduce"] == int(2 * 3 / 4 * size(whole) * 4)

@@ -237,3 +237,18 @@ def test_bill_counts_the_activations_of_the_configured_remat_setting():
     b = memory.bill(setup, memory.param_rows(setup), 0.0)
     assert b.items["activations"] == T * (n * per_layer + once), remat
   assert T * (n * none + once) == 37_715_968 and T * (n * full + once) == 1_900_544
+
+
+def test_dropless_bill_grows_with_the_exchange_bound():
+  """Dropless MoE buffers hold ep x bound rows per device, bound = tokens x min(top_k, experts / ep) (a token
+  picks distinct experts): the residuals grow with that, not with a capacity formula."""
+  def mlp(k, spec):
+    cfg = config.load("moe-tiny", ["model.moe_dropless=true", f"model.moe_top_k={k}"])
+    return memory.activations(cfg, mesh_of(spec), "none")["mlp"], cfg
+  (ep2_k1, cfg), (ep2_k2, _), (ep4_k1, _), (ep4_k2, _) = (
+      mlp(k, spec) for spec in ("fsdp=4,expert=2", "fsdp=2,expert=4") for k in (1, 2))
+  m, T = cfg.model, cfg.train.batch_size * cfg.train.seq_len // 8  # tokens per device
+  per_row = 2 * 2 * m.d_model + 6 * 2 * m.d_ff  # bf16 rows there and back, SwiGLU residuals
+  assert ep2_k2 - ep2_k1 == m.n_layers * (2 * T * 2 - 2 * T * 1) * per_row  # ep=2: bound T*k
+  assert ep4_k1 == ep4_k2  # ep=4 of 4 experts: bound T whatever top_k
+  assert ep4_k1 - ep2_k1 == m.n_layers * (4 * T - 2 * T) * per_row

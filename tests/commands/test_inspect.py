@@ -40,7 +40,7 @@ def test_compiled_memory_agrees_with_the_bill(spec, sets):
 def test_replication_warning_fires_for_large_replicated_params():
   cfg = config.load("llama3-1b", ["model.scan_layers=false"])  # one row per repeated layer
   warned = report.report(cfg, mesh_of("dp=8"), "llama3-1b")["warnings"]
-  assert any(w.startswith("embed: 1002.0 MiB per device, fully replicated on all 8 devices; a mesh with fsdp or "
+  assert any(w.startswith("embed: 1002.0 MiB per device, fully replicated on all 8 devices; a mesh with fsdp or expert or "
                           "tensor > 1 would shard it") for w in warned), warned
   assert any(w.startswith("layers/*/mlp/w_up (x16): 64.0 MiB") for w in warned), warned
   assert report.report(cfg, mesh_of("fsdp=8"), "llama3-1b")["warnings"] == []

@@ -163,3 +163,29 @@ def test_moe_flops_count_the_active_experts_only():
   idle = (m.moe_experts - m.moe_top_k) * 3 * m.d_model * m.d_ff  # one MoE layer (layer 1 of 2)
   want = model_lib.param_count(state) - m.vocab_size * m.d_model - norms - idle
   assert flops.matmul_params(m) == want
+
+
+@pytest.mark.parametrize("group", [2, 3])
+def test_a_prompt_generates_the_same_tokens_alone_and_in_a_batch(group):
+  """Capacity groups of decoding stay within a row: with tight capacity (drops), a prompt's greedy output
+  does not depend on which other prompts share its batch."""
+  from flax import nnx
+  from jaxtrain.interop import decode
+  cfg = config.load("moe-tiny", ["model.dtype=float32", "model.moe_capacity_factor=0.5",
+                                 f"model.moe_group_size={group}", "train.seq_len=16", "model.init_std=0.3"])
+  model = model_lib.Transformer(cfg.model, nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  prompts = [[5, 6, 7, 8, 9, 10], [3, 4, 90, 91, 92, 93], [200, 17, 17, 40, 41, 300]]
+  gen = lambda ps: decode.generate(cfg, mesh_of("fsdp=1"), graphdef, params, ps, 6)  # noqa: E731
+  alone = gen(prompts[:1])[0]
+  assert gen(prompts[:2])[0] == alone and gen(prompts)[0] == alone
+
+
+def test_a_moe_resume_with_another_microbatch_split_is_refused():
+  """The aux loss's batch statistics and the capacity groups follow the microbatch split: for a MoE
+  model train.microbatches is a math key of the resume check; for a dense one it is not."""
+  from jaxtrain.run import checkpoint
+  for name, refused in (("moe-tiny", True), ("tiny", False)):
+    saved = checkpoint.fingerprint(config.load(name), "tok", "data")
+    found = checkpoint.mismatches(saved, checkpoint.fingerprint(config.load(name, ["train.microbatches=2"]), "tok", "data"))
+    assert found == ({"train": "train.microbatches: 1 -> 2"} if refused else {}), (name, found)
