@@ -37,6 +37,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "layers": ("pipeline",),  # the stacked-blocks axis of model.scan_layers: a pipeline stage holds its slice
 }
 
+# (logical axis, mesh axis) pairs that split only where they divide: elsewhere the dimension stays replicated over
+# that axis, as it was before the axis joined the rule (so a d_model that fsdp splits never becomes an error).
+OPTIONAL = {("embed", "expert")}
+
 
 def rules_for(sequence_parallel: bool) -> dict[str, tuple[str, ...]]:
   """Megatron-SP (run.sequence_parallel) splits the residual stream's length over `tensor` too."""
@@ -58,7 +62,7 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh, notes: 
         continue
       left = dim // math.prod(mesh.shape[a] for a in chosen)
       if left % size:
-        if size % left:
+        if size % left and (name, mesh_axis) not in OPTIONAL:
           raise Indivisible(where or name, name, left, mesh_axis, size)
         if notes is not None:
           notes.append(f"{where or name}: {name}={left} is smaller than {mesh_axis}={size}; "

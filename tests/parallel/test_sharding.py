@@ -44,3 +44,12 @@ def test_a_typo_in_a_logical_axis_is_an_error():
   mesh = mesh_of("dp=2")
   with pytest.raises(KeyError, match="'bacth'"):
     sharding.spec_for(("bacth", "length"), (4, 8), mesh)
+
+
+def test_expert_splits_dense_weights_only_where_it_divides():
+  mesh = mesh_of("fsdp=2,ep=4")
+  assert tuple(sharding.spec_for(("embed", "mlp"), (96, 8), mesh)) == (("fsdp", "expert"), None)
+  # 6 = fsdp 2 x 3 rows: expert=4 cannot split 3, so the weight stays on fsdp alone instead of failing start-up
+  assert tuple(sharding.spec_for(("embed", "mlp"), (6, 8), mesh)) == ("fsdp", None)
+  with pytest.raises(UserError, match="cannot be split over fsdp=4"):
+    sharding.spec_for(("embed",), (6,), mesh_of("fsdp=4"))
