@@ -100,6 +100,8 @@ pump(sys.stdin.buffer, from_stderr)
 stdout_pump.join()
 """
 _captured = False
+_told: dict = {}  # what `tell` said, for this process too
+LOST_PEER_GRACE_S = 5
 
 
 def _reopened(stream, fd: int):
@@ -133,6 +135,26 @@ def capture() -> None:
 def tell(key: str, value) -> None:
   """Tells the filter the run's log (`log`: an absolute path; the held records go there first) or this
   process's index (`process`)."""
+  _told[key] = os.path.abspath(value) if key == "log" else value
+  if key == "process":
+    sys.excepthook = _multi_process_excepthook
   if _captured:
-    text = os.fsencode(os.path.abspath(value)) if key == "log" else str(value).encode()
-    os.write(2, b"\0tell " + key.encode() + b"=" + text + b"\n")
+    os.write(2, b"\0tell " + key.encode() + b"=" + os.fsencode(str(_told[key])) + b"\n")
+
+
+def _multi_process_excepthook(kind, value, tb) -> None:
+  """An unexpected error of a multi-process run: often the echo of a lost peer (a barrier the dead process
+  never reaches), which the runtime is about to report (the filter's one line), so its traceback goes to the
+  log and, a moment later, one line names it."""
+  import time
+  import traceback
+  log = _told.get("log")
+  try:
+    with open(log, "a") as f:
+      f.write("".join(traceback.format_exception(kind, value, tb)))
+  except (OSError, TypeError):  # no log: the traceback as usual
+    sys.__excepthook__(kind, value, tb)
+    return
+  time.sleep(LOST_PEER_GRACE_S)
+  first = (str(value).strip().splitlines() or [""])[0]
+  print(f"jaxtrain[process {_told['process']}]: error: {kind.__name__}: {first} (traceback in {log})", file=sys.stderr)
