@@ -62,8 +62,10 @@ def from_stderr(line):
   if line.startswith(b"\0tell "):
     key, _, value = line[6:-1].partition(b"=")
     told[key.decode()] = value if key == b"log" else value.decode()
-    for h in held if key == b"log" else ():
-      to_file(h)
+    if key == b"log":
+      for h in held:
+        to_file(h)
+      held.clear()
     return
   recent = (recent + [line])[-50:]
   if RECORD.match(line):  # a record's unprefixed continuation lines go where it went
@@ -133,8 +135,8 @@ def capture() -> None:
 
 
 def tell(key: str, value) -> None:
-  """Tells the filter the run's log (`log`: an absolute path; the held records go there first) or this
-  process's index (`process`)."""
+  """Tells the filter the run's log (`log`; the held records go there first) or this process's index in a
+  multi-process run (`process`; from then on an uncaught error ends in one line, `_multi_process_excepthook`)."""
   _told[key] = os.path.abspath(value) if key == "log" else value
   if key == "process":
     sys.excepthook = _multi_process_excepthook
