@@ -5,6 +5,8 @@ model.attention=cudnn where a condition fails is a one-line error, never a silen
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -29,7 +31,9 @@ def select(model_cfg, seq_len: int | None = None, info: devices.Info | None = No
       (seq_len is not None and seq_len % 2, f"train.seq_len={seq_len} is odd (cuDNN needs it even)")) if failed), None)
   if problem is None:
     how = (f"segments as packed offsets, at most {model_cfg.attention_max_segments} per row"
-           if uses_packed(model_cfg, info) else "segments as an L x L mask")
+           if uses_packed(model_cfg, info) else "segments as an L x L mask" + (
+               " (the packed layout needs jax's private cuDNN module, which this jax lacks)"
+               if info.packed and model_cfg.attention_max_segments > 0 else ""))
     return "cudnn", f"cuDNN fused attention (causal; {how})"
   if want == "cudnn":
     raise UserError(f"model.attention=cudnn is not supported here: {problem}; use auto or xla")
@@ -45,7 +49,19 @@ def fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, implementation: str = "cudnn
 
 
 def uses_packed(model_cfg, info: devices.Info) -> bool:
-  return info.packed and model_cfg.attention_max_segments > 0
+  return info.packed and model_cfg.attention_max_segments > 0 and packed_module() is not None
+
+
+@functools.cache
+def packed_module():
+  """jax's cuDNN attention with packed segments (a private module, so probed once, when the plan is made):
+  None where it or what `packed` uses is missing; the plan then takes the L x L mask path."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    assert callable(cudnn.dot_product_attention) and cudnn.MaskType.PADDING_CAUSAL
+    return cudnn
+  except Exception:  # noqa: BLE001 (any change there means: not usable)
+    return None
 
 
 def segments_per_row(seg_BxL):
@@ -70,8 +86,8 @@ def segment_offsets(seg_BxL, max_segments: int):
 
 def packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, max_segments: int):
   """Causal GQA within segments through cuDNN's packed layout (Hopper or later): O(L)
-  lengths and offsets, no L x L mask. Private jax module: re-check on a jax upgrade."""
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  lengths and offsets, no L x L mask. Private jax module (`packed_module`): re-check on a jax upgrade."""
+  cudnn = packed_module()
   lengths_BxM, starts_BxM1 = segment_offsets(seg_BxL, max_segments)
   out = cudnn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, q_seqlen=lengths_BxM, kv_seqlen=lengths_BxM,
                                     q_offsets=starts_BxM1, kv_offsets=starts_BxM1,

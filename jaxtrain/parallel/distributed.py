@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
+from jaxtrain.core import native
 from jaxtrain.core.errors import UserError
 
 
@@ -20,9 +22,12 @@ def _detected() -> Cluster | None:
   """The cluster JAX's own detection sees, if any (its detectors live in a private module)."""
   try:
     from jax._src import clusters
-  except ImportError:
+    detectors = list(clusters.ClusterEnv._cluster_types)  # noqa: SLF001 (no public API lists them)
+  except Exception as e:  # noqa: BLE001 (a jax without them: only the explicit flags start several processes)
+    print(f"note: cannot read JAX's cluster detection ({type(e).__name__}: {e}); a multi-process run needs "
+          "--coordinator, --num-processes and --process-id", file=sys.stderr)
     return None
-  for env in clusters.ClusterEnv._cluster_types:  # noqa: SLF001 (no public API lists them)
+  for env in detectors:
     try:
       present = not getattr(env, "opt_in_only_method", False) and env.is_env_present()
     except Exception:  # noqa: BLE001 (a detector that fails to probe means "not this cluster")
@@ -65,5 +70,7 @@ def initialize(cluster: Cluster | None, mesh_sizes: dict[str, int], heartbeat_ti
   mesh_lib.provide_cpu_devices(total // n)
   if not mesh_lib.has_accelerator_plugin():
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  native.tell("process", "?" if cluster.process_id is None else cluster.process_id)  # names a lost peer's line
   jax.distributed.initialize(cluster.coordinator, num_processes=n, process_id=cluster.process_id,
                              initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
+  native.tell("process", jax.process_index())

@@ -32,6 +32,7 @@ PRESETS: dict[str, list[str]] = {
     ],
 }
 _UNKNOWN = re.compile(r"Unknown flags? in XLA_FLAGS: (.*)")
+PROBE_TIMEOUT_S = 120
 
 
 def name_of(flag: str) -> str:
@@ -46,6 +47,10 @@ def parse(text: str) -> list[str]:
   return flags
 
 
+class ProbeFailed(Exception):
+  """The probe itself failed (not a verdict on any flag): nothing is cached, the next run asks again."""
+
+
 def _probe(flags: list[str]) -> set[str]:
   """Names XLA rejects among `flags`, found by starting the CPU backend in subprocesses."""
   unknown: set[str] = set()
@@ -54,19 +59,24 @@ def _probe(flags: list[str]) -> set[str]:
     if not trial:
       return unknown
     env = {**os.environ, "XLA_FLAGS": " ".join(trial), "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
-                       capture_output=True, text=True, timeout=120)
+    try:
+      r = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                         capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+      raise ProbeFailed(str(e)) from None
     if r.returncode == 0:
       return unknown
     found = _UNKNOWN.search(r.stderr)
     named = {name_of(f) for f in found.group(1).split()} - unknown if found else set()
-    if not named:  # failed for another reason: trust none of them
-      return unknown | {name_of(f) for f in trial}
+    if not named:  # failed for another reason: no verdict on any of them
+      last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+      raise ProbeFailed(f"the probe exited {r.returncode}: {last[:200]}")
     unknown |= named
 
 
 def validate(flags: list[str], cache: Path | None = None) -> tuple[list[str], list[str]]:
-  """(kept, dropped): drops flags this jaxlib does not know. Verdicts are cached per flag name."""
+  """(kept, dropped): drops flags this jaxlib does not know, and (for this run only, with a one-line warning)
+  flags a failed probe could not decide. Only definite verdicts are cached, per flag name."""
   if cache is None:
     import jaxlib
     cache = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxtrain"
@@ -77,7 +87,12 @@ def validate(flags: list[str], cache: Path | None = None) -> tuple[list[str], li
     known = {}
   todo = [f for f in flags if name_of(f) not in known]
   if todo:
-    unknown = _probe(todo)
+    try:
+      unknown = _probe(todo)
+    except ProbeFailed as e:
+      print(f"warning: could not check XLA flag(s) {' '.join(todo)} against this jaxlib ({e}); running without "
+            "them, checking again next run", file=sys.stderr)
+      return [f for f in flags if known.get(name_of(f))], []
     known.update({name_of(f): name_of(f) not in unknown for f in todo})
     try:
       cache.parent.mkdir(parents=True, exist_ok=True)

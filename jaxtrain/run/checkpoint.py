@@ -144,7 +144,9 @@ def _problem(step_dir: Path, mode: str = "full", manifest: dict | None = None) -
 
 @functools.cache
 def _write_each_shard_once() -> None:
-  """Each shard written once, by its first replica (orbax's replica-parallel save is slow to compile)."""
+  """Each shard written once, by its first replica (orbax's replica-parallel save is slow to compile). orbax
+  offers this only as a process-wide handler override (StandardSave takes no handler registry); where that
+  API is missing, saves keep orbax's default (same files, a slower first save) and a note says so."""
   import jax
   import orbax.checkpoint as ocp
 
@@ -154,6 +156,9 @@ def _write_each_shard_once() -> None:
   try:
     ocp.type_handlers.register_type_handler(
         jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+  except Exception as e:  # noqa: BLE001 (an orbax without it: its default handler works, only slower)
+    print(f"note: orbax's array handler could not be set ({type(e).__name__}); checkpoints use its default "
+          "(replica-parallel) saving", file=sys.stderr)
   finally:
     logging.getLogger("absl").removeFilter(quiet)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -74,17 +76,27 @@ def agree(local: tuple[int, str] | None) -> str | None:
   return None if indices[first] == NO_PROBLEM else unpack(np.asarray(got["text"])[first])
 
 
+@functools.cache
 def _client():
-  from jax._src import distributed  # the coordination service's client: no public API exposes it
-  return distributed.global_state.client
+  """The coordination service's key-value client (no public API exposes it, so probed once), or None: then
+  process 0 hashes every file itself (slower: one reader instead of all)."""
+  try:
+    from jax._src import distributed
+    client = distributed.global_state.client
+    assert all(callable(getattr(client, m)) for m in ("blocking_key_value_get", "key_value_set", "key_value_delete"))
+    return client
+  except Exception as e:  # noqa: BLE001 (any change there means: not usable)
+    print(f"note: jax's key-value client is not reachable ({type(e).__name__}); process 0 hashes every "
+          "checkpoint file itself", file=sys.stderr)
+    return None
 
 
 def hash_to_first(directory: Path, key: str, listing: dict[str, int] | None = None) -> dict[str, str] | None:
   """Process 0 passes `listing` {name: size} and gets {name: sha256}; the others hash their share
   (through the key-value store, never a device collective) and get None."""
   n, me = processes()
-  if n == 1:
-    return {name: files.sha256_file(directory / name) for name in sorted(listing)}
+  if n == 1 or _client() is None:
+    return None if me else {name: files.sha256_file(directory / name) for name in sorted(listing)}
   client, timeout_ms = _client(), EXCHANGE_TIMEOUT_S * 1000
 
   def take(k: str):
@@ -121,5 +133,6 @@ def hash_to_first(directory: Path, key: str, listing: dict[str, int] | None = No
 
 def cancel(key: str, reason: str) -> None:
   """Process 0 could not list the files: the others stop waiting for their share."""
-  for p in range(1, processes()[0]):
+  n = processes()[0]
+  for p in range(1, n if n > 1 and _client() else 1):
     _client().key_value_set(f"{key}/share/{p}", json.dumps({"error": reason}))

@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 
 from jaxtrain.core import files
+from jaxtrain.core import native
 from jaxtrain.core.errors import RunAborted, UserError
 
 LOG_NAME = "jaxtrain.log"
@@ -210,6 +211,7 @@ class RunLog:
 
   def __init__(self, workdir: Path, process_index: int = 0):
     self.path = workdir / (LOG_NAME if process_index == 0 else f"jaxtrain.process-{process_index}.log")
+    native.tell("log", self.path)  # native libraries' records too
     self.handler = _QuietFileHandler(self.path, delay=True)
     self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()

@@ -1,6 +1,7 @@
 """Two processes x 4 simulated CPU devices on localhost (gloo) against one process x 8."""
 
 import json
+import re
 import signal
 import time
 
@@ -50,7 +51,7 @@ def runs(tmp_path_factory):
                       "--workdir", str(one), "--steps", "4"], env=multihost.clean_env(), capture_output=True,
                      text=True, timeout=TIMEOUT)
   assert r.returncode == 0, r.stderr[-2000:]
-  return two, one
+  return two, one, r.stdout + r.stderr
 
 
 def test_two_processes_match_one_process(runs):
@@ -124,8 +125,28 @@ def test_a_lost_process_makes_the_other_exit_within_the_bound(tmp_path):
     for p in procs:
       p.kill()
   assert code != 0 and took < 30, (code, took)
-  log = multihost.log_of(tmp_path, 0)
-  assert "stopped sending heartbeats" in log and "\n1\n" in log  # the runtime names the lost task
+  deadline = time.monotonic() + 10  # the line comes from the output filter, which may outlive the process
+  while "error:" not in multihost.log_of(tmp_path, 0) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  terminal = multihost.log_of(tmp_path, 0).splitlines()
+  errors = [l for l in terminal[3:] if not l.startswith(("step ", "checkpoint "))]  # after the 3 start-up lines
+  assert 1 <= len(errors) <= 2 and all(l.startswith("jaxtrain[process 0]: error: ") for l in errors), terminal
+  assert any(re.fullmatch(r"jaxtrain\[process 0\]: error: process 1 stopped answering \(no heartbeat within "
+                          r"distributed.heartbeat_timeout_s\) after step \d+, so this process stops too; (last "
+                          r"committed checkpoint: step \d+|no checkpoint committed yet); run the same command on "
+                          r"every process to go on \(details in .*\)", l) for l in errors), errors
+  log = (tmp_path / "w" / "jaxtrain.log").read_text()
+  assert "stopped sending heartbeats" in log and "\n1\n" in log  # the runtime's own text, in the run's log
+
+
+NATIVE = re.compile(r"^[IWEF]\d{4} |\[Gloo\]|\[SPMD\]|is connected to \d+ peer ranks|^\s+@\s+0x")
+
+
+def test_no_native_library_output_on_the_terminal(runs):
+  """XLA's records (the SPMD rematerialization warnings) and gloo's connection lines go to the run's log."""
+  for text in (multihost.log_of(runs[0].parent, 0), multihost.log_of(runs[0].parent, 1), runs[2]):
+    assert not [l for l in text.splitlines() if NATIVE.search(l)], text
+  assert "is connected to" in (runs[0] / "jaxtrain.log").read_text()  # gloo did connect: its lines are there
 
 
 def test_eval_on_processes_that_share_batch_rows(tmp_path):
