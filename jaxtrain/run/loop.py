@@ -234,7 +234,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
         ckpts.close()
     except checkpoint.CheckpointError as e:
       print(f"jaxtrain: warning: {e}", file=sys.stderr)
-    if runlog is not None:
-      runlog.close()
-    if lock is not None:
-      lock.release()
+    finally:  # orbax's own errors (a barrier timeout when a peer is gone) still close the log and free the lock
+      if runlog is not None:
+        runlog.close()
+      if lock is not None:
+        lock.release()
