@@ -95,7 +95,8 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
       "memory": {"items": b.items, "notes": b.notes, "total": b.total, "remat": cfg.model.remat,
                  "attention": target.attention, "for_device": device or dev.device_kind,
                  "activations_full_remat": b.full_remat_activations,
-                 "device_memory": capacity, "device_memory_source": source, "fits": fits, "verdict": verdict},
+                 "device_memory": capacity, "device_memory_source": source, "fits": fits, "verdict": verdict,
+                 "state_layout": target.state_layout(), "host_per_host": b.host_per_host},
       "flops": {"per_token": per_token, "per_step": per_step, "per_device_per_step": per_step / mesh.size},
       "comms": comms.traffic(cfg, mesh, rows),
       "notes": list(setup.notes),
@@ -108,7 +109,7 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
     c = rep["compiled"] = compiled_memory(setup)
     if c["available"]:
       i = b.items
-      state = i["params"] + i["adam_m"] + i["adam_v"] + i["counters"]
+      state = i["master"] + i["adam_m"] + i["adam_v"] + i["counters"] + (0 if setup.separate_compute else i["params"])
       c["analytic"] = {"arguments": state + i["batch"], "outputs": state,
                        "temporaries": b.total - state - i["batch"], "total": b.total}
       c["ratio"] = c["total"] / b.total
@@ -140,6 +141,8 @@ def render(rep: dict) -> str:
     L.append(f"  {k:<17} {human(v):>11} {v:>17,}  {mem['notes'].get(k, '')}".rstrip())
   L.append(f"  (activations with full remat per block would be {human(mem['activations_full_remat'])}; "
            f"model.remat is {mem['remat']})")
+  L.append(f"  ({mem['state_layout']}" + (f"; host memory per host {human(mem['host_per_host'])})"
+                                          if mem["host_per_host"] else ")"))
   src = f" [{mem['device_memory_source']}]" if mem["device_memory"] else ""
   L.append(f"  verdict{src}: {mem['verdict']}")
   if "compiled" in rep:

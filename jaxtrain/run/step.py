@@ -21,6 +21,8 @@ from jaxtrain.run import precision
 
 # Decayed: projections only; not norm scales (a scale, not a direction) nor the embedding (rare rows would shrink).
 DECAYED = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"})
+# Weights the model casts to the compute dtype at every use: their compute copy is kept in that dtype.
+CAST_AT_USE = DECAYED | {"embed"}
 
 
 def lr_schedule(o: OptimConfig, steps: int) -> optax.Schedule:
@@ -67,15 +69,18 @@ def token_loss_and_moe(graphdef, params, mb, plan=None):
   return loss_sum, moe_balance.totals(model.cfg, moe_stats)
 
 
-def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metrics: bool = False, plan=None):
+def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metrics: bool = False, plan=None,
+          grad_shardings=None):
   """(loss, unscaled gradient, n_valid[, MoE metrics]) of one update, accumulated over microbatches.
   Each microbatch's backward runs on (loss_sum + its share of the MoE aux) * loss_scale / n_valid
   (n_valid of the whole update): per-token gradients stay in float16 range and the summed gradient
   is already the token average. The loss returned is the cross-entropy alone; with moe_metrics
-  `moe_balance.update_metrics` (moe_load: per layer and expert, for the aux-free bias) comes 4th."""
+  `moe_balance.update_metrics` (moe_load: per layer and expert, for the aux-free bias) comes 4th.
+  `grad_shardings` (ZeRO): each microbatch's gradient and the sum are kept in it (ZeRO-2: a reduce-scatter)."""
   n_valid = jnp.sum(batch["loss_mask"] > 0)
   denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
-  zeros = jax.tree.map(jnp.zeros_like, params)
+  keep = (lambda g: jax.lax.with_sharding_constraint(g, grad_shardings)) if grad_shardings else (lambda g: g)
+  zeros = keep(jax.tree.map(jnp.zeros_like, params))
 
   def scaled(p, mb):
     loss_sum, moe = token_loss_and_moe(graphdef, p, mb, plan)
@@ -84,7 +89,7 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   def accumulate(carry, mb):
     loss_sum, grad_sum, moe_sum = carry
     (_, (l, moe)), g = jax.value_and_grad(scaled, has_aux=True)(params, mb)
-    return (loss_sum + l, jax.tree.map(jnp.add, grad_sum, g), jax.tree.map(jnp.add, moe_sum, moe)), None
+    return (loss_sum + l, jax.tree.map(jnp.add, grad_sum, keep(g)), jax.tree.map(jnp.add, moe_sum, moe)), None
 
   moe0 = moe_balance.zero_totals(nnx.merge(graphdef, params).cfg)
   (loss_sum, grad_sum, moe), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros, moe0),
@@ -118,16 +123,32 @@ def guarded_update(opt: optax.GradientTransformation, params, opt_state, g, ok):
   return jax.lax.cond(ok & finite, lambda: (new_params, new_opt, True), lambda: (params, opt_state, False))
 
 
-def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, plan, state, batch, grads_fn=None):
+def compute_copy(params, shardings, dtype):
+  """The parameters the step computes with, from the float32 master: weights cast at use taken in the
+  compute `dtype` and brought to their compute `shardings` (an all-gather over data with ZeRO, a host
+  to device copy with offload), then seen as float32 again. The model's own cast makes them exactly the
+  values a float32 master gives, and the gradients (and their sums) are float32 as without it."""
+  def one(path, p, sh):
+    low = p.astype(dtype) if getattr(path[-1], "key", None) in CAST_AT_USE else p
+    return jax.device_put(low, sh).astype(p.dtype)
+  return jax.tree_util.tree_map_with_path(one, params, shardings)
+
+
+def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, plan, state, batch, grads_fn=None,
+               compute=None, fetch=None):
   """One update; a step with non-finite gradients or update, or no valid token, moves nothing.
-  `grads_fn` (the contract of `grads`; the pipeline executor) replaces `grads`."""
+  `grads_fn` (the contract of `grads`; the pipeline executor) replaces `grads`. `compute` maps the
+  stored master to the parameters the step differentiates (`compute_copy`; None: the master itself);
+  `fetch` brings host-resident master and moments to the device for the update (offload)."""
   t = cfg.train
   scale = state["loss_scale"]["scale"]
   grads_fn = grads_fn or functools.partial(grads, plan=plan)
-  loss, g, n_valid, moe_metrics = grads_fn(graphdef, state["params"], batch, t.microbatches, scale, moe_metrics=True)
+  params = compute(state["params"]) if compute else state["params"]
+  loss, g, n_valid, moe_metrics = grads_fn(graphdef, params, batch, t.microbatches, scale, moe_metrics=True)
   grad_norm = optax.tree.norm(g)  # unscaled, before the optimizer clips it: as logged
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)  # a non-finite element makes the norm non-finite
-  params, opt_state, apply = guarded_update(opt, state["params"], state["opt"], g, finite & (n_valid > 0))
+  master, opt_state = fetch(state["params"], state["opt"]) if fetch else (state["params"], state["opt"])
+  params, opt_state, apply = guarded_update(opt, master, opt_state, g, finite & (n_valid > 0))
   # aux-loss-free balancing: the routing bias moves after an applied update only (no-op when off)
   params = moe_balance.nudge(cfg.model, params, moe_metrics.pop("moe_load"), apply)
   new_state = {"params": params, "opt": opt_state, "step": state["step"] + apply.astype(jnp.int32),
@@ -149,14 +170,23 @@ class Setup:
     self.graphdef, abstract_state = model_lib.abstract(cfg.model, cfg.train.seed)
     self.n_params, self.notes = model_lib.param_count(abstract_state), []
     self.abstract_params = abstract_state  # nnx.State of ShapeDtypeStructs with `axes` metadata
-    param_sh = sharding.param_shardings(abstract_state, mesh, self.notes)
+    param_sh = self.param_shardings = sharding.param_shardings(abstract_state, mesh, self.notes)
     self.opt = optimizer(cfg)
     replicated = NamedSharding(mesh, P())
     abstract_params = nnx.to_pure_dict(abstract_state)
+    # the stored layout of master and moments (ZeRO-1/2: also over data; offload: in host memory)
+    host = "pinned_host" if self.plan.offload == "host" else None
+    store_sh = jax.tree.map(lambda sh, x: sharding.storage_sharding(sh, x.shape, self.plan.zero_stage > 0, host),
+                            param_sh, abstract_params)
     opt_sh = optax.tree_map_params(self.opt, lambda _, sh: sh, jax.eval_shape(self.opt.init, abstract_params),
-                                   param_sh, transform_non_params=lambda _: replicated)
-    self.state_shardings = {"params": param_sh, "opt": opt_sh, "step": replicated,
+                                   store_sh, transform_non_params=lambda _: replicated)
+    self.state_shardings = {"params": store_sh, "opt": opt_sh, "step": replicated,
                             "loss_scale": {"scale": replicated, "good_steps": replicated}}
+    self.separate_compute = self.plan.zero_stage > 0 or host is not None  # else the master is what the step uses
+    on_device = lambda tree: jax.tree.map(lambda sh: sh.with_memory_kind("device"), tree)  # noqa: E731
+    self.grad_shardings = on_device(store_sh) if self.plan.zero_stage == 2 else param_sh
+    compute = functools.partial(compute_copy, shardings=param_sh, dtype=cfg.model.dtype) if self.separate_compute else None
+    fetch = (lambda p, o: jax.device_put((p, o), on_device((store_sh, opt_sh)))) if host else None
     t = cfg.train
     self.placement = placement_lib.Placement(self.plan, t.batch_size, t.seq_len)
     self.batch_sharding = self.placement.sharding
@@ -166,19 +196,21 @@ class Setup:
       return init_state(cfg, self.opt, params)
 
     # mesh pipeline > 1: the update's gradients come from the pipeline schedule
-    self.grads_fn = pipeline.grads_fn(cfg, mesh, self.plan) if pipeline.active(mesh) else None
+    self.grads_fn = (pipeline.grads_fn(cfg, mesh, self.plan) if pipeline.active(mesh) else
+                     functools.partial(grads, plan=self.plan, grad_shardings=self.grad_shardings)
+                     if self.plan.zero_stage else None)  # pinned: XLA would split stage 1's too, from the update's
 
     def step(state, batch):
-      return train_step(self.graphdef, self.opt, cfg, self.plan, state, batch, self.grads_fn)
+      return train_step(self.graphdef, self.opt, cfg, self.plan, state, batch, self.grads_fn, compute, fetch)
 
     def eval_step(params, batch):
-      return eval_loss(self.graphdef, params, batch, t.microbatches, self.plan)
+      return eval_loss(self.graphdef, compute(params) if compute else params, batch, t.microbatches, self.plan)
 
     # Initializers run under jit with output shardings: each shard is created on its device.
     self.init = jax.jit(init, out_shardings=self.state_shardings)
     self.step = jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                         out_shardings=(self.state_shardings, replicated), donate_argnums=0)
-    self.eval_step = jax.jit(eval_step, in_shardings=(param_sh, self.batch_sharding), out_shardings=replicated)
+    self.eval_step = jax.jit(eval_step, in_shardings=(store_sh, self.batch_sharding), out_shardings=replicated)
 
   def abstract_state(self):
     """Shapes, dtypes and shardings of the train state, without allocating it."""
