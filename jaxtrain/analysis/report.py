@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import math
+import re
 import sys
 
 from jaxtrain.analysis import comms, fit, gpu_compile, memory
@@ -47,7 +48,17 @@ def compiled_memory(setup) -> dict:
   print(f"compiled in {seconds:.1f}s", file=sys.stderr, flush=True)
   shows = gpu_compile.analyse(compiled, setup.mesh, setup.cfg.train.seq_len, setup.plan)
   m = gpu_compile.CompiledMemory.of(compiled)
-  return {"seconds": seconds, "available": m is not None, **(m.fields() if m else {}), **shows}
+  return {"seconds": seconds, "available": m is not None, **(m.fields() if m else {}), **shows,
+          "host_arguments": host_argument_bytes(compiled.as_text())}
+
+
+def host_argument_bytes(hlo_text: str) -> int:
+  """Bytes of the step's arguments that the compiled program keeps in host memory (layout memory space
+  S(5)); XLA's memory analysis counts them with the device's arguments."""
+  head = hlo_text.split("\n", 1)[0]  # HloModule ..., entry_computation_layout={(arguments)->outputs}
+  entry = head.partition("entry_computation_layout={(")[2].partition(")->")[0]
+  return sum(gpu_compile.shape_bytes(f"{t}[{dims}]")
+             for t, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]\{[^}]*S\(5\)\}", entry))
 
 
 def replication_warnings(rows, mesh, threshold: int) -> list[str]:
@@ -112,9 +123,15 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
       state = i["master"] + i["adam_m"] + i["adam_v"] + i["counters"] + (0 if setup.separate_compute else i["params"])
       c["analytic"] = {"arguments": state + i["batch"], "outputs": state,
                        "temporaries": b.total - state - i["batch"], "total": b.total}
+      offload, placed = target.offload == "host", c["host_arguments"] > 0
+      c["total"] -= c["host_arguments"]  # on the device
       c["ratio"] = c["total"] / b.total
       c["ratio_without_margin"] = c["total"] / (b.total - i["margin"])
-      if capacity is not None:  # the compiled total, when there is one, decides the fit
+      if offload and not placed:
+        c["host_placement"] = (f"{c['compiler']} placed no argument in host memory (the target's devices report "
+                               "no memory kinds), so its figures keep master and moments on the device; the "
+                               "verdict is the bill's")
+      elif capacity is not None:  # the compiled total, when there is one, decides the fit
         rep["memory"]["fits"], rep["memory"]["verdict"] = fit.verdict(c["total"], capacity, compiler=c["compiler"])
   return rep
 
@@ -157,6 +174,8 @@ def render(rep: dict) -> str:
         a = c["analytic"].get(k)
         L.append(f"  {k:<15} {human(c[k]):>12} {'' if a is None else human(a):>12}")
       L.append(f"  ratio compiled/analytic total: {c['ratio']:.2f} ({c['ratio_without_margin']:.2f} without the margin)")
+      if c["host_arguments"] or "host_placement" in c:
+        L.append(f"  host memory: {c.get('host_placement') or human(c['host_arguments']) + ' of arguments (not in the totals)'}")
     L.extend(render_compiled(c))
   if "pipeline" in rep:
     from jaxtrain.parallel import pipeline

@@ -128,10 +128,12 @@ def compute_copy(params, shardings, dtype):
   compute `dtype` and brought to their compute `shardings` (an all-gather over data with ZeRO, a host
   to device copy with offload), then seen as float32 again. The model's own cast makes them exactly the
   values a float32 master gives, and the gradients (and their sums) are float32 as without it."""
-  def one(path, p, sh):
-    low = p.astype(dtype) if getattr(path[-1], "key", None) in CAST_AT_USE else p
-    return jax.device_put(low, sh).astype(p.dtype)
-  return jax.tree_util.tree_map_with_path(one, params, shardings)
+  def low(path, p, sh):
+    return jax.device_put(p.astype(dtype) if getattr(path[-1], "key", None) in CAST_AT_USE else p, sh)
+  # the barrier keeps the gathered copy whole: XLA would otherwise re-gather each layer at each use (ZeRO-3)
+  copy = jax.lax.optimization_barrier(jax.tree_util.tree_map_with_path(low, params, shardings))
+  copy = jax.lax.with_sharding_constraint(copy, shardings)  # the barrier's output too, else it may stay split
+  return jax.tree.map(lambda c, p: c.astype(p.dtype), copy, params)
 
 
 def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, plan, state, batch, grads_fn=None,
