@@ -92,8 +92,7 @@ def grouped(rows: list[Row]) -> list[Row]:
 
 
 def state_bytes(setup) -> dict[str, int]:
-  """Per-device bytes of the real train state by part: params (the float32 master), adam_m, adam_v,
-  counters; with offload, those of them kept in host memory again under host_<part>."""
+  """Per-device bytes of the real train state by part: params (the float32 master), adam_m, adam_v, counters."""
   out = {"params": 0, "adam_m": 0, "adam_v": 0, "counters": 0}
   shards = jax.tree.leaves(setup.state_shardings)
   for (path, sds), sh in zip(jax.tree_util.tree_leaves_with_path(jax.eval_shape(setup.init)), shards, strict=True):
@@ -102,8 +101,6 @@ def state_bytes(setup) -> dict[str, int]:
     part = ("params" if p.startswith("params/") else "adam_m" if "/mu/" in f"/{p}/" else
             "adam_v" if "/nu/" in f"/{p}/" else "counters")
     out[part] += n
-    if sh.memory_kind == "pinned_host":
-      out[f"host_{part}"] = out.get(f"host_{part}", 0) + n
   return out
 
 
@@ -241,7 +238,7 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   gathered = gathered_weights(cfg, rows, mesh)
   work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
   p, host = plan.zero_stage, "host" if plan.offload == "host" else ""
-  stored = (f"in host memory ({human(st.get('host_params', 0))} per device)" if host else
+  stored = (f"in host memory ({human(st['params'])} of master per device)" if host else
             "float32, " + ("sharded like the params" if p == 0 else "split over data too (zero_stage)"))
   grads = "float32, " + ("split over data (zero_stage 2)" if p == 2 else "sharded like the params")
   on_device = lambda part: 0 if host else st[part]  # noqa: E731
@@ -273,8 +270,9 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   items["margin"] = int(margin * sum(items.values()))
   notes["margin"] = f"temporaries and communication buffers: {margin:.0%} of the items above"
   full = sum(activations(cfg, mesh, "full", kernel, packed, logits_residual=False).values())
-  host_bytes = sum(v for k, v in st.items() if k.startswith("host_")) * len(mesh.local_devices)
-  return Bill(items, notes, sum(items.values()), full, host_bytes)
+  me = mesh.devices.flat[0].process_index  # offload: every device of this host keeps its shards in host memory
+  per_host = sum(d.process_index == me for d in mesh.devices.flat) if host else 0
+  return Bill(items, notes, sum(items.values()), full, per_host * (st["params"] + st["adam_m"] + st["adam_v"]))
 
 
 def human(n) -> str:
