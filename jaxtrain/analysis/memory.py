@@ -237,6 +237,8 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   act = activations(cfg, mesh, remat, kernel, packed, logits_residual=False)
   gathered = gathered_weights(cfg, rows, mesh)
   work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
+  if plan.offload == "host":  # the update streams all of master and moments in at once (not layer by layer)
+    work["offload update phase"] = gathered["layers"] + st["params"] + st["adam_m"] + st["adam_v"]
   p, host = plan.zero_stage, "host" if plan.offload == "host" else ""
   stored = (f"in host memory ({human(st['params'])} of master per device)" if host else
             "float32, " + ("sharded like the params" if p == 0 else "split over data too (zero_stage)"))

@@ -16,12 +16,12 @@ def _report(spec, sets):
 
 
 @needs_plugin
-def test_llama31_8b_on_one_h100_fits_only_with_offload():
+def test_llama31_8b_on_one_h100_does_not_fit_and_offload_is_billed_with_its_update_phase():
   alone = _report("dp=1", ["train.batch_size=1"])
   assert alone["compiled"]["total"] > 80 * 2**30 and alone["memory"]["fits"] is False
   off = _report("dp=1", ["train.batch_size=1", "optim.offload=host"])
-  assert off["memory"]["total"] < 80 * 2**30 and off["memory"]["fits"]
   assert off["memory"]["host_per_host"] == 12 * off["param_count"]  # master + m + v, float32
+  assert "offload update phase" in off["memory"]["notes"]["workspace"]  # streamed in whole: no fit yet
   # XLA:GPU without a GPU keeps them on the device (no memory kinds on abstract devices): said, not counted
   assert off["compiled"]["host_arguments"] or "no argument in host memory" in off["compiled"]["host_placement"]
 
