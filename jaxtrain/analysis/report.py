@@ -175,7 +175,8 @@ def render(rep: dict) -> str:
         L.append(f"  {k:<15} {human(c[k]):>12} {'' if a is None else human(a):>12}")
       L.append(f"  ratio compiled/analytic total: {c['ratio']:.2f} ({c['ratio_without_margin']:.2f} without the margin)")
       if c["host_arguments"] or "host_placement" in c:
-        L.append(f"  host memory: {c.get('host_placement') or human(c['host_arguments']) + ' of arguments (not in the totals)'}")
+        where = c.get("host_placement") or f"{human(c['host_arguments'])} of arguments (not in the totals)"
+        L.append(f"  host memory: {where}")
     L.extend(render_compiled(c))
   if "pipeline" in rep:
     from jaxtrain.parallel import pipeline

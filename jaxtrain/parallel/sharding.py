@@ -159,8 +159,9 @@ def storage_sharding(sh: NamedSharding, shape: tuple[int, ...], over_data: bool,
   spec = list(sh.spec) + [None] * (len(shape) - len(sh.spec))
   data = sh.mesh.shape.get("data", 1)
   if over_data and data > 1:
-    order = sorted(range(len(shape)), key=lambda i: ("fsdp" not in axes_of(spec[i]), -shape[i] // ways(spec[i], sh.mesh)))
-    fit = [i for i in order if (shape[i] // ways(spec[i], sh.mesh)) % data == 0]
+    left = [shape[i] // ways(spec[i], sh.mesh) for i in range(len(shape))]
+    order = sorted(range(len(shape)), key=lambda i: ("fsdp" not in axes_of(spec[i]), -left[i]))
+    fit = [i for i in order if left[i] % data == 0]
     if fit:
       entry = ("data", *axes_of(spec[fit[0]]))
       spec[fit[0]] = entry if len(entry) > 1 else entry[0]

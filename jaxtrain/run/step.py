@@ -187,7 +187,8 @@ class Setup:
     self.separate_compute = self.plan.zero_stage > 0 or host is not None  # else the master is what the step uses
     on_device = lambda tree: jax.tree.map(lambda sh: sh.with_memory_kind("device"), tree)  # noqa: E731
     self.grad_shardings = on_device(store_sh) if self.plan.zero_stage == 2 else param_sh
-    compute = functools.partial(compute_copy, shardings=param_sh, dtype=cfg.model.dtype) if self.separate_compute else None
+    compute = (functools.partial(compute_copy, shardings=param_sh, dtype=cfg.model.dtype)
+               if self.separate_compute else None)
     fetch = (lambda p, o: jax.device_put((p, o), on_device((store_sh, opt_sh)))) if host else None
     t = cfg.train
     self.placement = placement_lib.Placement(self.plan, t.batch_size, t.seq_len)

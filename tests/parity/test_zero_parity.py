@@ -9,7 +9,7 @@ import pytest
 
 from jaxtrain import data
 from jaxtrain.core import config
-from jaxtrain.run import checkpoint, step
+from jaxtrain.run import checkpoint, runs, step
 from tests.helpers import mesh_of, trajectory
 
 STEPS = 2
@@ -64,3 +64,8 @@ def test_checkpoint_resumes_with_another_stage_offload_and_mesh(tmp_path):
       assert got.sharding == sh, (spec, got.sharding, sh)
       np.testing.assert_array_equal(np.asarray(got), want)
   ck.close()
+  # generate / hf export read the parameters alone: in device memory, the compute layout
+  _, params = runs.restore_params(cfg, mesh_of("dp=2,fsdp=2"), ck.dir / "1")
+  wq = params["layers"][0]["attn"]["wq"]
+  assert wq.sharding.memory_kind == "device" and wq.sharding.spec[0] == "fsdp"
+  np.testing.assert_array_equal(np.asarray(wq), saved["params"]["layers"][0]["attn"]["wq"])
