@@ -178,8 +178,10 @@ class Setup:
     abstract_params = nnx.to_pure_dict(abstract_state)
     # the stored layout of master and moments (ZeRO-1/2: also over data; offload: in host memory)
     host = "pinned_host" if self.plan.offload == "host" else None
-    store_sh = jax.tree.map(lambda sh, x: sharding.storage_sharding(sh, x.shape, self.plan.zero_stage > 0, host),
-                            param_sh, abstract_params)
+    store_sh = jax.tree_util.tree_map_with_path(
+        lambda path, sh, x: sharding.storage_sharding(sh, x.shape, self.plan.zero_stage > 0, host, self.notes,
+                                                      jax.tree_util.keystr(path, simple=True, separator="/")),
+        param_sh, abstract_params)
     opt_sh = optax.tree_map_params(self.opt, lambda _, sh: sh, jax.eval_shape(self.opt.init, abstract_params),
                                    store_sh, transform_non_params=lambda _: replicated)
     self.state_shardings = {"params": store_sh, "opt": opt_sh, "step": replicated,
