@@ -39,15 +39,21 @@ def decay_mask(params):
   return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) in DECAYED, params)
 
 
-def optimizer(cfg: Config) -> optax.GradientTransformation:
-  """AdamW on the global-norm-clipped gradient (no clip when optim.grad_clip is 0). The state is AdamW's
-  alone, the checkpoint layout the same either way (`optax.chain` would nest it one level down)."""
+def optimizer_parts(cfg: Config) -> tuple[float, optax.GradientTransformation]:
+  """(the global-norm clip, 0: none; AdamW): `optimizer` chains them."""
   o = cfg.optim
   adamw = optax.adamw(lr_schedule(o, cfg.train.steps), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                       mask=decay_mask)
-  if o.grad_clip <= 0:
+  return o.grad_clip, adamw
+
+
+def optimizer(cfg: Config) -> optax.GradientTransformation:
+  """AdamW on the global-norm-clipped gradient (no clip when optim.grad_clip is 0). The state is AdamW's
+  alone, the checkpoint layout the same either way (`optax.chain` would nest it one level down)."""
+  max_norm, adamw = optimizer_parts(cfg)
+  if max_norm <= 0:
     return adamw
-  clip = optax.clip_by_global_norm(o.grad_clip)
+  clip = optax.clip_by_global_norm(max_norm)
 
   def update(g, state, params=None):
     g, _ = clip.update(g, clip.init(g))
@@ -123,6 +129,80 @@ def guarded_update(opt: optax.GradientTransformation, params, opt_state, g, ok):
   return jax.lax.cond(ok & finite, lambda: (new_params, new_opt, True), lambda: (params, opt_state, False))
 
 
+def _all_finite(tree):
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def streamed_update(parts, shardings, clip_norm, master, opt_state, g, ok):
+  """`guarded_update` for master and moments in host memory (optim.offload=host) that brings one unit to the
+  device at a time: the non-layer parameters, then each layer (a slice of the stack under scan_layers). The
+  clip factor comes from the whole gradient first; AdamW's counts are shared, so each unit's update is the
+  one optax makes on the whole tree. Two passes over the units, as the update is all or nothing: the first
+  only learns whether every new parameter is finite, the second writes. `parts`: `optimizer_parts`;
+  `shardings`: (device, host) shardings of (master, opt_state)."""
+  max_norm, adamw = parts
+  if max_norm > 0:  # optax's clip_by_global_norm, applied unit by unit: the clipped tree is never whole
+    trigger = clip_norm < max_norm
+    g = jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / clip_norm.astype(t.dtype)) * max_norm), g)
+  flat = lambda t, ks: jax.tree.flatten(t, is_leaf=lambda x: isinstance(x, dict) and x.keys() == ks)  # noqa: E731
+  s_leaves, s_def = flat(opt_state, master.keys())
+  (dev_m, dev_s), (host_m, host_s) = [(m, flat(st, master.keys())[0]) for m, st in shardings]
+  sub = lambda leaves, pick: [pick(x) if isinstance(x, dict) else x for x in leaves]  # noqa: E731
+
+  def unit(pick, pick_sh, m_tree, s_list, apply):
+    """AdamW on what `pick` takes of a params-shaped dict; new (master, state leaves) back in host memory."""
+    p, st = jax.device_put((pick(m_tree), sub(s_list, pick)), (pick_sh(dev_m), sub(dev_s, pick_sh)))
+    upd, new_st = adamw.update(pick(g), s_def.unflatten(st), p)
+    new_p, new_st = optax.apply_updates(p, upd), flat(new_st, p.keys())[0]
+    if apply is not None:
+      new_p, new_st = jax.tree.map(lambda n, o: jnp.where(apply, n, o), (new_p, new_st), (p, st))
+    return jax.device_put((new_p, new_st), (pick_sh(host_m), sub(host_s, pick_sh))), _all_finite(new_p)
+
+  rest = lambda d: {k: v for k, v in d.items() if k != "layers"}  # noqa: E731
+  layers_of = lambda leaves: [x["layers"] for x in leaves if isinstance(x, dict)]  # noqa: E731
+  stacked = not isinstance(master["layers"], dict) or not all(isinstance(k, int) for k in master["layers"])
+  n = jax.tree.leaves(master["layers"])[0].shape[0] if stacked else len(master["layers"])
+
+  def at(i):  # one layer of a params-shaped dict, and of a tree of its shardings
+    if not stacked:
+      return lambda d: {"layers": {i: d["layers"][i]}}, lambda d: {"layers": {i: d["layers"][i]}}
+    take = lambda d: {"layers": jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False),  # noqa: E731
+                                             d["layers"])}
+    return take, lambda d: {"layers": jax.tree.map(
+        lambda sh: NamedSharding(sh.mesh, P(*sh.spec[1:]), memory_kind=sh.memory_kind), d["layers"])}
+
+  def layer(i, carry, apply):
+    m_l, s_l, fin = carry
+    it = iter(s_l)
+    s_list = [{"layers": next(it)} if isinstance(x, dict) else x for x in s_leaves]
+    (new_p, new_st), f = unit(*at(i), {"layers": m_l}, s_list, apply)
+    if apply is None:
+      return m_l, s_l, fin & f
+    put = ((lambda c, x: jax.lax.dynamic_update_index_in_dim(c, x, i, 0)) if stacked
+           else (lambda c, x: x))
+    new_p, new_l = new_p["layers"], layers_of(new_st)
+    if not stacked:  # the whole layers dict back, one layer replaced
+      return {**m_l, i: new_p[i]}, [{**c, i: x[i]} for c, x in zip(s_l, new_l)], fin & f
+    return jax.tree.map(put, m_l, new_p), jax.tree.map(put, s_l, new_l), fin & f
+
+  def stream(apply):
+    (rest_p, rest_s), fin = unit(rest, rest, master, s_leaves, apply)
+    carry = (master["layers"], layers_of(s_leaves), fin)
+    body = functools.partial(layer, apply=apply)
+    if stacked:
+      carry = jax.lax.fori_loop(0, n, body, carry)
+    else:
+      for i in master["layers"]:
+        carry = body(i, carry)
+    return rest_p, rest_s, carry
+
+  apply = ok & stream(None)[2][2]
+  rest_p, rest_s, (m_l, s_l, _) = stream(apply)
+  it = iter(s_l)
+  new_s = [{**x, "layers": next(it)} if isinstance(x, dict) else x for x in rest_s]
+  return {**rest_p, "layers": m_l}, s_def.unflatten(new_s), apply
+
+
 def compute_copy(params, shardings, dtype):
   """The parameters the step computes with, from the float32 master: weights cast at use taken in the
   compute `dtype` and brought to their compute `shardings` (an all-gather over data with ZeRO, a host
@@ -137,11 +217,11 @@ def compute_copy(params, shardings, dtype):
 
 
 def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, plan, state, batch, grads_fn=None,
-               compute=None, fetch=None):
+               compute=None, offload=None):
   """One update; a step with non-finite gradients or update, or no valid token, moves nothing.
   `grads_fn` (the contract of `grads`; the pipeline executor) replaces `grads`. `compute` maps the
   stored master to the parameters the step differentiates (`compute_copy`; None: the master itself);
-  `fetch` brings host-resident master and moments to the device for the update (offload)."""
+  `offload` (`streamed_update` with its parts bound) updates host-resident master and moments."""
   t = cfg.train
   scale = state["loss_scale"]["scale"]
   grads_fn = grads_fn or functools.partial(grads, plan=plan)
@@ -149,8 +229,10 @@ def train_step(graphdef, opt: optax.GradientTransformation, cfg: Config, plan, s
   loss, g, n_valid, moe_metrics = grads_fn(graphdef, params, batch, t.microbatches, scale, moe_metrics=True)
   grad_norm = optax.tree.norm(g)  # unscaled, before the optimizer clips it: as logged
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)  # a non-finite element makes the norm non-finite
-  master, opt_state = fetch(state["params"], state["opt"]) if fetch else (state["params"], state["opt"])
-  params, opt_state, apply = guarded_update(opt, master, opt_state, g, finite & (n_valid > 0))
+  if offload:  # master and moments in host memory, updated a unit at a time
+    params, opt_state, apply = offload(state["params"], state["opt"], g, finite & (n_valid > 0), grad_norm)
+  else:
+    params, opt_state, apply = guarded_update(opt, state["params"], state["opt"], g, finite & (n_valid > 0))
   # aux-loss-free balancing: the routing bias moves after an applied update only (no-op when off)
   params = moe_balance.nudge(cfg.model, params, moe_metrics.pop("moe_load"), apply)
   new_state = {"params": params, "opt": opt_state, "step": state["step"] + apply.astype(jnp.int32),
@@ -191,7 +273,8 @@ class Setup:
     self.grad_shardings = on_device(store_sh) if self.plan.zero_stage == 2 else param_sh
     compute = (functools.partial(compute_copy, shardings=param_sh, dtype=cfg.model.dtype)
                if self.separate_compute else None)
-    fetch = (lambda p, o: jax.device_put((p, o), on_device((store_sh, opt_sh)))) if host else None
+    offload = (lambda p, o, g, ok, norm: streamed_update(
+        optimizer_parts(cfg), (on_device((store_sh, opt_sh)), (store_sh, opt_sh)), norm, p, o, g, ok)) if host else None
     t = cfg.train
     self.placement = placement_lib.Placement(self.plan, t.batch_size, t.seq_len)
     self.batch_sharding = self.placement.sharding
@@ -206,7 +289,7 @@ class Setup:
                      if self.plan.zero_stage else None)  # pinned: XLA would split stage 1's too, from the update's
 
     def step(state, batch):
-      return train_step(self.graphdef, self.opt, cfg, self.plan, state, batch, self.grads_fn, compute, fetch)
+      return train_step(self.graphdef, self.opt, cfg, self.plan, state, batch, self.grads_fn, compute, offload)
 
     def eval_step(params, batch):
       return eval_loss(self.graphdef, compute(params) if compute else params, batch, t.microbatches, self.plan)
