@@ -5,6 +5,7 @@ Formulas: README, "The memory bill"; checked against XLA:GPU's compile there.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -102,6 +103,26 @@ def state_bytes(setup) -> dict[str, int]:
             "adam_v" if "/nu/" in f"/{p}/" else "counters")
     out[part] += n
   return out
+
+
+def offload_unit_bytes(setup) -> int:
+  """Per-device bytes of master and moments of the largest unit the offloaded update brings to the device at
+  once (`step.streamed_update`): one non-layer parameter, or one layer (a slice of a scanned stack)."""
+  units = collections.Counter()
+  shards = jax.tree.leaves(setup.state_shardings)
+  for (path, sds), sh in zip(jax.tree_util.tree_leaves_with_path(jax.eval_shape(setup.init)), shards, strict=True):
+    keys = _path(path).split("/")
+    if keys[0] != "params" and "mu" not in keys and "nu" not in keys:
+      continue  # counters
+    shape = sh.shard_shape(sds.shape)
+    n = math.prod(shape) * np.dtype(sds.dtype).itemsize
+    if "layers" not in keys:
+      units[keys[keys.index("params" if keys[0] == "params" else "mu" if "mu" in keys else "nu") + 1]] += n
+    elif (i := keys[keys.index("layers") + 1]).isdigit():
+      units[i] += n
+    else:
+      units["slice"] += n // shape[0]
+  return max(units.values())
 
 
 def step_bytes(setup) -> dict[str, int]:
@@ -237,8 +258,8 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   act = activations(cfg, mesh, remat, kernel, packed, logits_residual=False)
   gathered = gathered_weights(cfg, rows, mesh)
   work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
-  if plan.offload == "host":  # the update streams all of master and moments in at once (not layer by layer)
-    work["offload update phase"] = gathered["layers"] + st["params"] + st["adam_m"] + st["adam_v"]
+  if plan.offload == "host":  # the update brings one unit's master and moments at a time, and makes new ones
+    work["offload update phase"] = gathered["layers"] + 2 * offload_unit_bytes(setup)
   p, host = plan.zero_stage, "host" if plan.offload == "host" else ""
   stored = (f"in host memory ({human(st['params'])} of master per device)" if host else
             "float32, " + ("sharded like the params" if p == 0 else "split over data too (zero_stage)"))

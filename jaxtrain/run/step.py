@@ -135,7 +135,7 @@ def _all_finite(tree):
 
 def streamed_update(parts, shardings, clip_norm, master, opt_state, g, ok):
   """`guarded_update` for master and moments in host memory (optim.offload=host) that brings one unit to the
-  device at a time: the non-layer parameters, then each layer (a slice of the stack under scan_layers). The
+  device at a time: each non-layer parameter, then each layer (a slice of the stack under scan_layers). The
   clip factor comes from the whole gradient first; AdamW's counts are shared, so each unit's update is the
   one optax makes on the whole tree. Two passes over the units, as the update is all or nothing: the first
   only learns whether every new parameter is finite, the second writes. `parts`: `optimizer_parts`;
@@ -149,18 +149,21 @@ def streamed_update(parts, shardings, clip_norm, master, opt_state, g, ok):
   (dev_m, dev_s), (host_m, host_s) = [(m, flat(st, master.keys())[0]) for m, st in shardings]
   sub = lambda leaves, pick: [pick(x) if isinstance(x, dict) else x for x in leaves]  # noqa: E731
 
-  def unit(pick, pick_sh, m_tree, s_list, apply):
-    """AdamW on what `pick` takes of a params-shaped dict; new (master, state leaves) back in host memory."""
-    p, st = jax.device_put((pick(m_tree), sub(s_list, pick)), (pick_sh(dev_m), sub(dev_s, pick_sh)))
+  def unit(pick, pick_sh, m_tree, s_list, apply, after):
+    """AdamW on what `pick` takes of a params-shaped dict, fetched once `after` (the previous unit's flag) is
+    known; new (master, state leaves) back in host memory."""
+    p, st = pick(m_tree), sub(s_list, pick)
+    if after is not None:  # fori_loop's iterations are in order already (a barrier there costs a copy on CPU)
+      p, st, _ = jax.lax.optimization_barrier((p, st, after))
+    p, st = jax.device_put((p, st), (pick_sh(dev_m), sub(dev_s, pick_sh)))
     upd, new_st = adamw.update(pick(g), s_def.unflatten(st), p)
     new_p, new_st = optax.apply_updates(p, upd), flat(new_st, p.keys())[0]
     if apply is not None:
       new_p, new_st = jax.tree.map(lambda n, o: jnp.where(apply, n, o), (new_p, new_st), (p, st))
     return jax.device_put((new_p, new_st), (pick_sh(host_m), sub(host_s, pick_sh))), _all_finite(new_p)
 
-  rest = lambda d: {k: v for k, v in d.items() if k != "layers"}  # noqa: E731
   layers_of = lambda leaves: [x["layers"] for x in leaves if isinstance(x, dict)]  # noqa: E731
-  stacked = not isinstance(master["layers"], dict) or not all(isinstance(k, int) for k in master["layers"])
+  stacked = not all(isinstance(k, int) for k in master["layers"])  # scan_layers: one stack per weight
   n = jax.tree.leaves(master["layers"])[0].shape[0] if stacked else len(master["layers"])
 
   def at(i):  # one layer of a params-shaped dict, and of a tree of its shardings
@@ -175,18 +178,22 @@ def streamed_update(parts, shardings, clip_norm, master, opt_state, g, ok):
     m_l, s_l, fin = carry
     it = iter(s_l)
     s_list = [{"layers": next(it)} if isinstance(x, dict) else x for x in s_leaves]
-    (new_p, new_st), f = unit(*at(i), {"layers": m_l}, s_list, apply)
+    (new_p, new_st), f = unit(*at(i), {"layers": m_l}, s_list, apply, None if stacked else fin)
     if apply is None:
       return m_l, s_l, fin & f
-    put = ((lambda c, x: jax.lax.dynamic_update_index_in_dim(c, x, i, 0)) if stacked
-           else (lambda c, x: x))
     new_p, new_l = new_p["layers"], layers_of(new_st)
-    if not stacked:  # the whole layers dict back, one layer replaced
+    if not stacked:  # the layers dict, one layer replaced
       return {**m_l, i: new_p[i]}, [{**c, i: x[i]} for c, x in zip(s_l, new_l)], fin & f
+    put = lambda c, x: jax.lax.dynamic_update_index_in_dim(c, x, i, 0)  # noqa: E731
     return jax.tree.map(put, m_l, new_p), jax.tree.map(put, s_l, new_l), fin & f
 
   def stream(apply):
-    (rest_p, rest_s), fin = unit(rest, rest, master, s_leaves, apply)
+    fin, rest_p, rest_s = jnp.bool_(True), {}, None
+    for k in (k for k in master if k != "layers"):  # embedding, head, final norm: a unit each
+      pick = lambda d, k=k: {k: d[k]}  # noqa: E731
+      (p, st), f = unit(pick, pick, master, s_leaves, apply, fin)
+      fin, rest_p = fin & f, {**rest_p, **p}
+      rest_s = st if rest_s is None else [{**a, **b} if isinstance(a, dict) else a for a, b in zip(rest_s, st)]
     carry = (master["layers"], layers_of(s_leaves), fin)
     body = functools.partial(layer, apply=apply)
     if stacked:
