@@ -2,6 +2,8 @@
 against one device, against the same layout without offload, and across a checkpoint."""
 
 import functools
+import math
+import re
 
 import jax
 import numpy as np
@@ -87,3 +89,20 @@ def test_offloaded_update_that_overflows_moves_nothing():
   assert bool(m["skipped"]) and np.isfinite(float(m["grad_norm"]))
   for got, want in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(before), strict=True):
     np.testing.assert_array_equal(got, want)
+
+
+def test_offloaded_update_brings_one_layer_of_master_and_moments_to_the_device_at_a_time():
+  """The step lowered for GPU (jax.export; XLA:CPU lowers no placements): no float32 array placed in device
+  memory is as large as a whole scanned stack of a matmul weight (4 layers x 128 x 256), only a layer's slice
+  of it or a non-layer parameter (the embedding, 512 x 128); a whole-state fetch moves the stacks."""
+  cfg = config.load("tiny", ["model.scan_layers=true", "model.n_layers=4", "optim.offload=host",
+                             "train.batch_size=4", "train.seq_len=16"])
+  setup = step.Setup(cfg, mesh_of("dp=1"))
+  it = data.batches(cfg)
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                       setup.device_batch(next(it)))
+  it.close()
+  text = jax.export.export(setup.step, platforms=["cuda"])(setup.abstract_state(), batch).mlir_module()
+  moved = [math.prod(int(d) for d in dims.split("x")) for dims in re.findall(
+      r'_xla_buffer_placement = "device".*: \(tensor<([0-9x]+)xf32>\)', text)]
+  assert moved and max(moved) == 512 * 128, sorted(moved)[-5:]
