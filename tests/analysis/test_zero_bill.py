@@ -60,8 +60,8 @@ def test_llama31_8b_fits_one_h100_by_the_bill_with_offload_only():
   the device keeps the bfloat16 compute copy and the float32 gradients; the streamed update holds one unit's
   master and moments at a time, old and new: the largest unit is the embedding (V x D), 2 x 12 x V x D bytes."""
   sets = ["train.seq_len=4096", "train.batch_size=1", "model.remat=full"]
-  alone, off = (report.report(config.load("llama3.1-8b", sets + x), mesh_of("dp=1"), "llama3.1-8b", device_memory="H100")
-                for x in ([], ["optim.offload=host"]))
+  alone, off = (report.report(config.load("llama3.1-8b", sets + x), mesh_of("dp=1"), "llama3.1-8b",
+                              device_memory="H100") for x in ([], ["optim.offload=host"]))
   assert alone["memory"]["fits"] is False and off["memory"]["fits"] is True, (alone["memory"]["verdict"],
                                                                                off["memory"]["verdict"])
   m = config.load("llama3.1-8b").model

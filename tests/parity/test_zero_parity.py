@@ -77,8 +77,8 @@ def test_checkpoint_resumes_with_another_stage_offload_and_mesh(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")
 def test_offloaded_update_that_overflows_moves_nothing():
-  """lr=1e39 (inf in float32): finite gradients, overflowing new parameters; the streamed update (the non-layer part first,
-  then layer by layer) must still be all or nothing, as the on-device update is."""
+  """lr=1e39 (inf in float32): finite gradients, overflowing new parameters; the streamed update (the non-layer
+  parameters first, then layer by layer) must still be all or nothing, as the on-device update is."""
   cfg = config.load("tiny", BASE + ["optim.offload=host", "model.scan_layers=true", "optim.lr=1e39",
                                     "optim.warmup_steps=0"])
   setup = step.Setup(cfg, mesh_of("dp=2"))
