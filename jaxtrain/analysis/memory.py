@@ -265,10 +265,13 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
             "float32, " + ("sharded like the params" if p == 0 else "split over data too (zero_stage)"))
   grads = "float32, " + ("split over data (zero_stage 2)" if p == 2 else "sharded like the params")
   on_device = lambda part: 0 if host else st[part]  # noqa: E731
+  kept = st["params"] + st["adam_m"] + st["adam_v"]  # offload: the master read for the compute copy, the state
+  moved = (f"; per step {human(st['params'] + 2 * kept)} to the device, {human(kept)} back (the master for the "
+           "compute copy, master and moments in both passes of step.streamed_update)") if host else ""
   lines = {  # name: (bytes per device, how it is counted)
       "params": (made["compute"], f"compute copy: matmul weights {cfg.model.dtype}, norms float32, gathered for "
                  "the step") if setup.separate_compute else (st["params"], "float32; they are the master copy"),
-      "master": (on_device("params"), f"float32 master weights, {stored}") if setup.separate_compute
+      "master": (on_device("params"), f"float32 master weights, {stored}{moved}") if setup.separate_compute
                 else (0, "none: the params are the master"),
       "gradients": (made["gradients"], grads),
       "grad_accumulator": (made["gradients"], f"float32 sum over {t.microbatches} microbatches, {grads}")
@@ -295,7 +298,7 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   full = sum(activations(cfg, mesh, "full", kernel, packed, logits_residual=False).values())
   me = mesh.devices.flat[0].process_index  # offload: every device of this host keeps its shards in host memory
   per_host = sum(d.process_index == me for d in mesh.devices.flat) if host else 0
-  return Bill(items, notes, sum(items.values()), full, per_host * (st["params"] + st["adam_m"] + st["adam_v"]))
+  return Bill(items, notes, sum(items.values()), full, per_host * kept)
 
 
 def human(n) -> str:
