@@ -210,15 +210,18 @@ def streamed_update(parts, shardings, clip_norm, master, opt_state, g, ok):
   return {**rest_p, "layers": m_l}, s_def.unflatten(new_s), apply
 
 
-def compute_copy(params, shardings, dtype):
+def compute_copy(params, shardings, dtype, fetch=None):
   """The parameters the step computes with, from the float32 master: weights cast at use taken in the
   compute `dtype` and brought to their compute `shardings` (an all-gather over data with ZeRO, a host
   to device copy with offload), then seen as float32 again. The model's own cast makes them exactly the
-  values a float32 master gives, and the gradients (and their sums) are float32 as without it."""
-  def low(path, p, sh):
+  values a float32 master gives, and the gradients (and their sums) are float32 as without it. `fetch`
+  (offload): the master's own shardings in device memory, where it goes before the cast (XLA moves host
+  arrays to and from the device; it runs no arithmetic on them outside `compute_on`)."""
+  def low(path, p, sh, dev):
+    p = p if fetch is None else jax.device_put(p, dev)
     return jax.device_put(p.astype(dtype) if getattr(path[-1], "key", None) in CAST_AT_USE else p, sh)
   # the barrier keeps the gathered copy whole: XLA would otherwise re-gather each layer at each use (ZeRO-3)
-  copy = jax.lax.optimization_barrier(jax.tree_util.tree_map_with_path(low, params, shardings))
+  copy = jax.lax.optimization_barrier(jax.tree_util.tree_map_with_path(low, params, shardings, fetch or shardings))
   copy = jax.lax.with_sharding_constraint(copy, shardings)  # the barrier's output too, else it may stay split
   return jax.tree.map(lambda c, p: c.astype(p.dtype), copy, params)
 
@@ -278,8 +281,8 @@ class Setup:
     self.separate_compute = self.plan.zero_stage > 0 or host is not None  # else the master is what the step uses
     on_device = lambda tree: jax.tree.map(lambda sh: sh.with_memory_kind("device"), tree)  # noqa: E731
     self.grad_shardings = on_device(store_sh) if self.plan.zero_stage == 2 else param_sh
-    compute = (functools.partial(compute_copy, shardings=param_sh, dtype=cfg.model.dtype)
-               if self.separate_compute else None)
+    compute = (functools.partial(compute_copy, shardings=param_sh, dtype=cfg.model.dtype,
+                                 fetch=on_device(store_sh) if host else None) if self.separate_compute else None)
     offload = (lambda p, o, g, ok, norm: streamed_update(
         optimizer_parts(cfg), (on_device((store_sh, opt_sh)), (store_sh, opt_sh)), norm, p, o, g, ok)) if host else None
     t = cfg.train

@@ -1,8 +1,8 @@
 """optim.zero_stage and optim.offload change where the train state lives, never the update's math:
 against one device, against the same layout without offload, and across a checkpoint."""
 
+import collections
 import functools
-import math
 import re
 
 import jax
@@ -92,9 +92,9 @@ def test_offloaded_update_that_overflows_moves_nothing():
 
 
 def test_offloaded_update_brings_one_layer_of_master_and_moments_to_the_device_at_a_time():
-  """The step lowered for GPU (jax.export; XLA:CPU lowers no placements): no float32 array placed in device
-  memory is as large as a whole scanned stack of a matmul weight (4 layers x 128 x 256), only a layer's slice
-  of it or a non-layer parameter (the embedding, 512 x 128); a whole-state fetch moves the stacks."""
+  """The step lowered for GPU (jax.export; XLA:CPU lowers no placements): each whole scanned stack of a matmul
+  weight goes to device memory in float32 once, its master for the compute copy; the update brings layer slices of master and moments
+  (a whole-state fetch moves every stack three more times: master, m, v)."""
   cfg = config.load("tiny", ["model.scan_layers=true", "model.n_layers=4", "optim.offload=host",
                              "train.batch_size=4", "train.seq_len=16"])
   setup = step.Setup(cfg, mesh_of("dp=1"))
@@ -102,7 +102,10 @@ def test_offloaded_update_brings_one_layer_of_master_and_moments_to_the_device_a
   batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                        setup.device_batch(next(it)))
   it.close()
-  text = jax.export.export(setup.step, platforms=["cuda"])(setup.abstract_state(), batch).mlir_module()
-  moved = [math.prod(int(d) for d in dims.split("x")) for dims in re.findall(
-      r'_xla_buffer_placement = "device".*: \(tensor<([0-9x]+)xf32>\)', text)]
-  assert moved and max(moved) == 512 * 128, sorted(moved)[-5:]
+  state = setup.abstract_state()
+  text = jax.export.export(setup.step, platforms=["cuda"])(state, batch).mlir_module()
+  moved = collections.Counter(re.findall(r'_xla_buffer_placement = "device".*: \(tensor<([0-9x]+)xf32>\)', text))
+  stacks = collections.Counter("x".join(map(str, x.shape)) for x in jax.tree.leaves(state["params"]["layers"])
+                               if x.ndim >= 3)  # matmul weights (norm scales go twice: fetched, then placed)
+  assert {k: moved[k] for k in stacks} == stacks, moved
+  assert moved["128x256"] >= 3 * 2 * 2  # w_gate, w_up slices (master, m, v) in both passes
