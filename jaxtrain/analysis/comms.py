@@ -13,6 +13,7 @@ import numpy as np
 from jaxtrain.parallel import expert_layout as moe_layout
 from jaxtrain.analysis.memory import Row
 from jaxtrain.parallel import sharding
+from jaxtrain.run import step as step_lib
 
 GRAD_BYTES = 4
 BATCH_LIKE = ("data", "fsdp", "expert", "sequence")
@@ -39,6 +40,13 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
       if axis in _axes_of(r.spec):
         out[axis]["param all-gather (fwd+bwd)"] += 2 * k * (n - 1) * e * s
         out[axis]["grad reduce-scatter"] += k * (n - 1) * e * GRAD_BYTES
+      elif axis == "data" and cfg.optim.zero_stage:  # master split over data: the compute copy is gathered once
+        cast = r.path.rsplit("/", 1)[-1] in step_lib.CAST_AT_USE
+        out[axis]["param all-gather (compute copy, once)"] += int((n - 1) / n * e * (s if cast else 4))
+        if cfg.optim.zero_stage == 2:
+          out[axis]["grad reduce-scatter"] += int(k * (n - 1) / n * e * GRAD_BYTES)
+        else:
+          out[axis]["grad all-reduce"] += int(k * 2 * (n - 1) / n * e * GRAD_BYTES)
       else:
         out[axis]["grad all-reduce"] += int(k * 2 * (n - 1) / n * e * GRAD_BYTES)
 

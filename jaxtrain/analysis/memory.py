@@ -5,6 +5,7 @@ Formulas: README, "The memory bill"; checked against XLA:GPU's compile there.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -13,10 +14,12 @@ import re
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxtrain.parallel import devices
 from jaxtrain.parallel import sharding
 from jaxtrain.core.errors import UserError
+from jaxtrain.run import step as step_lib
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -60,9 +63,8 @@ class Row:
 
 def param_rows(setup) -> list[Row]:
   """Every parameter with its logical axes, PartitionSpec and per-device shape and bytes."""
-  from flax import nnx
   rows = []
-  shardings = setup.state_shardings["params"]
+  shardings = setup.param_shardings  # the compute layout (the master's may be split further: `state_bytes`)
   for path, var in jax.tree_util.tree_leaves_with_path(setup.abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
     keys = [getattr(k, "key", k) for k in path]
     sh = functools.reduce(operator.getitem, keys, shardings)
@@ -91,7 +93,7 @@ def grouped(rows: list[Row]) -> list[Row]:
 
 
 def state_bytes(setup) -> dict[str, int]:
-  """Per-device bytes of the real train state by part: params, adam_m, adam_v, counters."""
+  """Per-device bytes of the real train state by part: params (the float32 master), adam_m, adam_v, counters."""
   out = {"params": 0, "adam_m": 0, "adam_v": 0, "counters": 0}
   shards = jax.tree.leaves(setup.state_shardings)
   for (path, sds), sh in zip(jax.tree_util.tree_leaves_with_path(jax.eval_shape(setup.init)), shards, strict=True):
@@ -100,6 +102,40 @@ def state_bytes(setup) -> dict[str, int]:
     part = ("params" if p.startswith("params/") else "adam_m" if "/mu/" in f"/{p}/" else
             "adam_v" if "/nu/" in f"/{p}/" else "counters")
     out[part] += n
+  return out
+
+
+def offload_unit_bytes(setup) -> int:
+  """Per-device bytes of master and moments of the largest unit the offloaded update brings to the device at
+  once (`step.streamed_update`): one non-layer parameter, or one layer (a slice of a scanned stack)."""
+  units = collections.Counter()
+  shards = jax.tree.leaves(setup.state_shardings)
+  for (path, sds), sh in zip(jax.tree_util.tree_leaves_with_path(jax.eval_shape(setup.init)), shards, strict=True):
+    keys = _path(path).split("/")
+    if keys[0] != "params" and "mu" not in keys and "nu" not in keys:
+      continue  # counters
+    shape = sh.shard_shape(sds.shape)
+    n = math.prod(shape) * np.dtype(sds.dtype).itemsize
+    if "layers" not in keys:
+      units[keys[keys.index("params" if keys[0] == "params" else "mu" if "mu" in keys else "nu") + 1]] += n
+    elif (i := keys[keys.index("layers") + 1]).isdigit():
+      units[i] += n
+    else:
+      units["slice"] += n // shape[0]
+  return max(units.values())
+
+
+def step_bytes(setup) -> dict[str, int]:
+  """Per-device bytes of what the step makes from the state: the compute copy of the parameters (none when
+  the step uses the master itself) and one gradient (float32, in the gradients' sharding)."""
+  s = np.dtype(setup.cfg.model.dtype).itemsize
+  out = {"compute": 0, "gradients": 0}
+  flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(setup.abstract_params))
+  for (path, x), c, g in zip(flat, jax.tree.leaves(setup.param_shardings), jax.tree.leaves(setup.grad_shardings),
+                             strict=True):
+    cast = getattr(path[-1], "key", None) in step_lib.CAST_AT_USE
+    out["compute"] += math.prod(c.shard_shape(x.shape)) * (s if cast else 4) if setup.separate_compute else 0
+    out["gradients"] += math.prod(g.shard_shape(x.shape)) * 4
   return out
 
 
@@ -208,6 +244,7 @@ class Bill:
   notes: dict[str, str]          # name -> how it is counted
   total: int
   full_remat_activations: int
+  host_per_host: int = 0         # master and moments kept in host memory (offload), all local devices
 
 
 def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
@@ -216,20 +253,32 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   cfg, mesh = setup.cfg, setup.mesh
   plan = plan or setup.plan
   kernel, packed = plan.attention, plan.packed_segments
-  st = state_bytes(setup)
+  st, made = state_bytes(setup), step_bytes(setup)
   t, remat = cfg.train, cfg.model.remat
   batch = 5 * 4 * (t.batch_size // sharding.axis_ways("batch", t.batch_size, mesh)) * (t.seq_len // sharding.axis_ways("length", t.seq_len, mesh))
   act = activations(cfg, mesh, remat, kernel, packed, logits_residual=False)
   gathered = gathered_weights(cfg, rows, mesh)
   work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
-  sharded = "float32, sharded like the params"
+  if plan.offload == "host":  # the update brings one unit's master and moments at a time, and makes new ones
+    work["offload update phase"] = gathered["layers"] + 2 * offload_unit_bytes(setup)
+  p, host = plan.zero_stage, "host" if plan.offload == "host" else ""
+  stored = (f"in host memory ({human(st['params'])} of master per device)" if host else
+            "float32, " + ("sharded like the params" if p == 0 else "split over data too (zero_stage)"))
+  grads = "float32, " + ("split over data (zero_stage 2)" if p == 2 else "sharded like the params")
+  on_device = lambda part: 0 if host else st[part]  # noqa: E731
+  kept = st["params"] + st["adam_m"] + st["adam_v"]  # offload: the master read for the compute copy, the state
+  moved = (f"; per step {human(st['params'] + 2 * kept)} to the device, {human(kept)} back (the master for the "
+           "compute copy, master and moments in both passes of step.streamed_update)") if host else ""
   lines = {  # name: (bytes per device, how it is counted)
-      "params": (st["params"], "float32; they are the master copy (no separate one)"),
-      "gradients": (st["params"], sharded),
-      "grad_accumulator": (st["params"], f"float32 sum over {t.microbatches} microbatches") if t.microbatches > 1
-                          else (0, "none (1 microbatch)"),
-      "adam_m": (st["adam_m"], sharded),
-      "adam_v": (st["adam_v"], sharded),
+      "params": (made["compute"], f"compute copy: matmul weights {cfg.model.dtype}, norms float32, gathered for "
+                 "the step") if setup.separate_compute else (st["params"], "float32; they are the master copy"),
+      "master": (on_device("params"), f"float32 master weights, {stored}{moved}") if setup.separate_compute
+                else (0, "none: the params are the master"),
+      "gradients": (made["gradients"], grads),
+      "grad_accumulator": (made["gradients"], f"float32 sum over {t.microbatches} microbatches, {grads}")
+                          if t.microbatches > 1 else (0, "none (1 microbatch)"),
+      "adam_m": (on_device("adam_m"), stored),
+      "adam_v": (on_device("adam_v"), stored),
       "counters": (st["counters"], "step, Adam count, loss scale"),
       "batch": (batch, "inputs, targets, positions, segment ids, loss mask (int32)"),
       "weight_residuals": (gathered["stored"] if remat == "none" else gathered["stored"] // 2,
@@ -248,7 +297,9 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   items["margin"] = int(margin * sum(items.values()))
   notes["margin"] = f"temporaries and communication buffers: {margin:.0%} of the items above"
   full = sum(activations(cfg, mesh, "full", kernel, packed, logits_residual=False).values())
-  return Bill(items, notes, sum(items.values()), full)
+  me = mesh.devices.flat[0].process_index  # offload: every device of this host keeps its shards in host memory
+  per_host = sum(d.process_index == me for d in mesh.devices.flat) if host else 0
+  return Bill(items, notes, sum(items.values()), full, per_host * kept)
 
 
 def human(n) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import math
+import re
 import sys
 
 from jaxtrain.analysis import comms, fit, gpu_compile, memory
@@ -47,7 +48,17 @@ def compiled_memory(setup) -> dict:
   print(f"compiled in {seconds:.1f}s", file=sys.stderr, flush=True)
   shows = gpu_compile.analyse(compiled, setup.mesh, setup.cfg.train.seq_len, setup.plan)
   m = gpu_compile.CompiledMemory.of(compiled)
-  return {"seconds": seconds, "available": m is not None, **(m.fields() if m else {}), **shows}
+  return {"seconds": seconds, "available": m is not None, **(m.fields() if m else {}), **shows,
+          "host_arguments": host_argument_bytes(compiled.as_text())}
+
+
+def host_argument_bytes(hlo_text: str) -> int:
+  """Bytes of the step's arguments that the compiled program keeps in host memory (layout memory space
+  S(5)); XLA's memory analysis counts them with the device's arguments."""
+  head = hlo_text.split("\n", 1)[0]  # HloModule ..., entry_computation_layout={(arguments)->outputs}
+  entry = head.partition("entry_computation_layout={(")[2].partition(")->")[0]
+  return sum(gpu_compile.shape_bytes(f"{t}[{dims}]")
+             for t, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]\{[^}]*S\(5\)\}", entry))
 
 
 def replication_warnings(rows, mesh, threshold: int) -> list[str]:
@@ -95,7 +106,8 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
       "memory": {"items": b.items, "notes": b.notes, "total": b.total, "remat": cfg.model.remat,
                  "attention": target.attention, "for_device": device or dev.device_kind,
                  "activations_full_remat": b.full_remat_activations,
-                 "device_memory": capacity, "device_memory_source": source, "fits": fits, "verdict": verdict},
+                 "device_memory": capacity, "device_memory_source": source, "fits": fits, "verdict": verdict,
+                 "state_layout": target.state_layout(), "host_per_host": b.host_per_host},
       "flops": {"per_token": per_token, "per_step": per_step, "per_device_per_step": per_step / mesh.size},
       "comms": comms.traffic(cfg, mesh, rows),
       "notes": list(setup.notes),
@@ -108,12 +120,18 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
     c = rep["compiled"] = compiled_memory(setup)
     if c["available"]:
       i = b.items
-      state = i["params"] + i["adam_m"] + i["adam_v"] + i["counters"]
+      state = i["master"] + i["adam_m"] + i["adam_v"] + i["counters"] + (0 if setup.separate_compute else i["params"])
       c["analytic"] = {"arguments": state + i["batch"], "outputs": state,
                        "temporaries": b.total - state - i["batch"], "total": b.total}
+      offload, placed = target.offload == "host", c["host_arguments"] > 0
+      c["total"] -= c["host_arguments"]  # on the device
       c["ratio"] = c["total"] / b.total
       c["ratio_without_margin"] = c["total"] / (b.total - i["margin"])
-      if capacity is not None:  # the compiled total, when there is one, decides the fit
+      if offload and not placed:
+        c["host_placement"] = (f"{c['compiler']} placed no argument in host memory (the target's devices report "
+                               "no memory kinds), so its figures keep master and moments on the device; the "
+                               "verdict is the bill's")
+      elif capacity is not None:  # the compiled total, when there is one, decides the fit
         rep["memory"]["fits"], rep["memory"]["verdict"] = fit.verdict(c["total"], capacity, compiler=c["compiler"])
   return rep
 
@@ -140,6 +158,8 @@ def render(rep: dict) -> str:
     L.append(f"  {k:<17} {human(v):>11} {v:>17,}  {mem['notes'].get(k, '')}".rstrip())
   L.append(f"  (activations with full remat per block would be {human(mem['activations_full_remat'])}; "
            f"model.remat is {mem['remat']})")
+  L.append(f"  ({mem['state_layout']}" + (f"; host memory per host {human(mem['host_per_host'])})"
+                                          if mem["host_per_host"] else ")"))
   src = f" [{mem['device_memory_source']}]" if mem["device_memory"] else ""
   L.append(f"  verdict{src}: {mem['verdict']}")
   if "compiled" in rep:
@@ -154,6 +174,9 @@ def render(rep: dict) -> str:
         a = c["analytic"].get(k)
         L.append(f"  {k:<15} {human(c[k]):>12} {'' if a is None else human(a):>12}")
       L.append(f"  ratio compiled/analytic total: {c['ratio']:.2f} ({c['ratio_without_margin']:.2f} without the margin)")
+      if c["host_arguments"] or "host_placement" in c:
+        where = c.get("host_placement") or f"{human(c['host_arguments'])} of arguments (not in the totals)"
+        L.append(f"  host memory: {where}")
     L.extend(render_compiled(c))
   if "pipeline" in rep:
     from jaxtrain.parallel import pipeline

@@ -117,6 +117,12 @@ class OptimConfig:
   b2: float = key(0.95, "Adam beta2, in [0, 1).", math=True, min=0.0, max=1.0, open_max=True)
   eps: float = key(1e-8, "Adam epsilon (> 0).", math=True, min=0.0, open_min=True)
   grad_clip: float = key(1.0, "Clip the global gradient norm to this value (0 disables).", math=True, min=0.0)
+  zero_stage: int = key(0, "What the data axis shards beyond the batch (ZeRO): 0 nothing; 1 the float32 master "
+                        "weights and Adam moments (compute-dtype params replicated); 2 also the gradients and the "
+                        "accumulation buffer. fsdp shards all of them (ZeRO-3) either way.", math=False, min=0, max=2)
+  offload: Literal["none", "host"] = key("none", "host: the float32 master weights and Adam moments live in host "
+                                         "memory (pinned_host) and are streamed to the device for the update.",
+                                         math=False)
 
 
 @dataclasses.dataclass(frozen=True)

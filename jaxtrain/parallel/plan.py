@@ -35,6 +35,8 @@ class Plan:
   logits_dtype: str = "float32"  # scores/softmax of the reference kernel
   packed_segments: int = 0  # cudnn only: segments go as offsets, at most this many per row (0: an L x L mask)
   loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens  # the loss's tokens per chunk per device (0: unchunked)
+  zero_stage: int = 0  # optim.zero_stage: what `data` shards of the train state (see `state_layout`)
+  offload: str = "none"  # optim.offload: where the master weights and Adam moments live
   platform: str = "cpu"  # the target device's platform (cpu, gpu, tpu): what its compiler keeps differs
   sequence_axis: str = "sequence"
   expert_axis: str = "expert"
@@ -85,7 +87,15 @@ class Plan:
            "all_to_all": f"; moe: all_to_all over {self.expert_axis}, {kernel}"}[self.moe]
     rules = "; sequence-parallel residual stream" if self.rules.get("act_length") != sharding.RULES["act_length"] else ""
     scores = f", {self.logits_dtype} scores" if self.attention == "xla" and self.logits_dtype != "float32" else ""
-    return f"attention: {self.attention} ({self.attention_why}{scores}){moe}; remat {self.remat}{rules}"
+    return (f"attention: {self.attention} ({self.attention_why}{scores}){moe}; remat {self.remat}{rules}; "
+            f"{self.state_layout()}")
+
+  def state_layout(self) -> str:
+    data = self.mesh.shape.get("data", 1) if self.mesh is not None else 1
+    what = {0: "replicated over data", 1: f"master and moments split over data={data}",
+            2: f"master, moments and gradients split over data={data}"}[self.zero_stage]
+    where = "; master and moments in host memory" if self.offload == "host" else ""
+    return f"train state: zero-{self.zero_stage}, {what}{where}"
 
 
 # Kernels that run on one shard of heads/batch (the ring calls neither: it scores its own blocks).
@@ -111,7 +121,8 @@ def build(cfg, mesh, device=None) -> Plan:
               moe=moe, moe_kernel=moe_kernel(m, info.platform), platform=info.platform,
               moe_group=m.moe_group_size, seq_len=cfg.train.seq_len, remat=m.remat,
               logits_dtype=m.attention_logits_dtype, packed_segments=packed,
-              loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+              loss_chunk_tokens=cfg.train.loss_chunk_tokens, offload=cfg.optim.offload,
+              zero_stage=cfg.optim.zero_stage if mesh is not None and mesh.shape["data"] > 1 else 0)
 
 
 def moe_kernel(m, platform: str) -> str:

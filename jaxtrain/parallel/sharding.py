@@ -153,3 +153,23 @@ def tokens_per_device(cfg, mesh) -> int:
 def manual(fn, mesh, in_specs, out_specs, **kw):
   """jax.shard_map with check_vma=False: replicated values meet varying ones; the transpose accounts for it untyped."""
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False, **kw)
+
+
+def storage_sharding(sh: NamedSharding, shape: tuple[int, ...], over_data: bool, memory_kind: str | None = None,
+                     notes: list[str] | None = None, where: str = "") -> NamedSharding:
+  """Where the fp32 master and Adam moments of a parameter computed with sharding `sh` live: ZeRO-1/2
+  (`over_data`) also split them over `data`, on the fsdp-sharded dimension if `data` divides what is
+  left of it, else the largest one it divides (not a scanned layer stack's short axis, which each layer
+  slices; none: replicated over data, noted); offload puts them in `memory_kind` (pinned_host)."""
+  spec = list(sh.spec) + [None] * (len(shape) - len(sh.spec))
+  data = sh.mesh.shape.get("data", 1)
+  if over_data and data > 1:
+    left = [shape[i] // ways(spec[i], sh.mesh) for i in range(len(shape))]
+    order = sorted(range(len(shape)), key=lambda i: ("fsdp" not in axes_of(spec[i]), -left[i]))
+    fit = [i for i in order if left[i] % data == 0]
+    if fit:
+      entry = ("data", *axes_of(spec[fit[0]]))
+      spec[fit[0]] = entry if len(entry) > 1 else entry[0]
+    elif notes is not None:
+      notes.append(f"{where}: no dimension of {shape} divides over data={data}; its optimizer state is replicated")
+  return NamedSharding(sh.mesh, P(*spec), memory_kind=memory_kind)

@@ -32,12 +32,15 @@ def config_of(manifest: dict) -> config.Config:
 def restore_params(cfg: config.Config, mesh, step_dir: Path):
   """(step.Setup, params pure dict) restored from `step_dir` onto the mesh's shardings. Only
   the parameters are read (orbax partial restore): the Adam moments, twice their size, stay on disk."""
+  import jax
   import orbax.checkpoint as ocp
   from jaxtrain.run import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
   manifest = checkpoint.read_manifest(step_dir)
   checkpoint.verify(step_dir, manifest, cfg.checkpoint.verify)
-  want = {"params": setup.abstract_state()["params"]}
+  # the compute layout, in device memory, whatever the run's optim.zero_stage / optim.offload stored
+  want = {"params": jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                 setup.abstract_state()["params"], setup.param_shardings)}
   try:
     with ocp.PyTreeCheckpointer() as ckptr:
       state = ckptr.restore(step_dir / "default", args=ocp.args.PyTreeRestore(

@@ -114,7 +114,7 @@ RUN_KEYS = {
     "checkpoint.interval", "checkpoint.keep", "checkpoint.keep_every", "checkpoint.async_save", "checkpoint.on_damaged",
     "checkpoint.verify", "distributed.heartbeat_timeout_s", "distributed.init_timeout_s",
     "data.eval_source", "data.eval_batches", "data.workers", "data.prefetch", "data.verify",
-    "pipeline.schedule", "pipeline.virtual_stages",
+    "pipeline.schedule", "pipeline.virtual_stages", "optim.zero_stage", "optim.offload",
 }
 
 

@@ -1,0 +1,111 @@
+"""optim.zero_stage and optim.offload change where the train state lives, never the update's math:
+against one device, against the same layout without offload, and across a checkpoint."""
+
+import collections
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain import data
+from jaxtrain.core import config
+from jaxtrain.run import checkpoint, runs, step
+from tests.helpers import mesh_of, trajectory
+
+STEPS = 2
+BASE = ["model.dtype=float32", "train.microbatches=2", "train.batch_size=8", "train.seq_len=32"]
+
+
+@functools.cache
+def _run(spec: str, *sets: str):
+  return trajectory(config.load("tiny", BASE + list(sets)), spec, STEPS)
+
+
+@pytest.mark.parametrize("spec, stage", [("dp=4", 1), ("dp=4", 2), ("dp=2,fsdp=2", 1), ("dp=2,fsdp=2", 2)])
+def test_zero_stage_matches_single_device(spec, stage):
+  got, ref = _run(spec, f"optim.zero_stage={stage}"), _run("dp=1")
+  assert got[-1, 0] < got[0, 0]  # it trains
+  np.testing.assert_allclose(got[:, 0], ref[:, 0], rtol=1e-5, err_msg=f"loss, zero_stage={stage} on {spec}")
+  np.testing.assert_allclose(got[:, 1], ref[:, 1], rtol=1e-5, err_msg=f"grad_norm, zero_stage={stage} on {spec}")
+
+
+@pytest.mark.parametrize("layers", ["model.scan_layers=false", "model.scan_layers=true"])
+def test_offload_to_host_matches_the_same_layout_on_device(layers):
+  """The update streamed a layer at a time (a slice of the stack under scan_layers) equals the whole one."""
+  got = _run("dp=2,fsdp=2", "optim.zero_stage=2", "optim.offload=host", layers)
+  np.testing.assert_allclose(got, _run("dp=2,fsdp=2", "optim.zero_stage=2", layers), rtol=1e-6)
+
+
+def test_master_and_moments_live_where_the_stage_and_offload_say():
+  setup = step.Setup(config.load("tiny", BASE + ["optim.zero_stage=1", "optim.offload=host"]), mesh_of("dp=2,fsdp=2"))
+  state = jax.eval_shape(setup.init)
+  wq = setup.state_shardings["params"]["layers"][0]["attn"]["wq"]  # (embed, heads, head_dim)
+  assert wq.spec[0] == ("data", "fsdp") and wq.memory_kind == "pinned_host"
+  assert setup.state_shardings["opt"][0].mu["layers"][0]["attn"]["wq"] == wq
+  assert setup.param_shardings["layers"][0]["attn"]["wq"].spec[0] == "fsdp"  # computed with fsdp's layout only
+  assert state["params"]["embed"].dtype == np.float32
+
+
+def test_checkpoint_resumes_with_another_stage_offload_and_mesh(tmp_path):
+  """Saved by zero-2 + offload on dp=2,fsdp=2; restored bit for bit into zero-0 on dp=2,fsdp=2 and zero-1 on
+  dp=4, each array in the new layout and memory kind."""
+  cfg = config.load("tiny", BASE + ["optim.zero_stage=2", "optim.offload=host"])
+  saver = step.Setup(cfg, mesh_of("dp=2,fsdp=2"))
+  it = data.batches(cfg)
+  state, _ = saver.step(saver.init(), saver.device_batch(next(it)))
+  it.close()
+  saved = jax.device_get(state)
+  ck = checkpoint.Checkpoints(tmp_path / "checkpoints", 3, 0, False)
+  ck.save(1, state, {})
+  ck.wait()
+  for spec, sets in (("dp=2,fsdp=2", ["optim.zero_stage=0"]), ("dp=4", ["optim.zero_stage=1"])):
+    setup = step.Setup(config.load("tiny", BASE + sets), mesh_of(spec))
+    restored, _ = ck.restore(ck.dir / "1", setup.abstract_state())
+    for got, want, sh in zip(jax.tree.leaves(restored), jax.tree.leaves(saved),
+                             jax.tree.leaves(setup.state_shardings), strict=True):
+      assert got.sharding == sh, (spec, got.sharding, sh)
+      np.testing.assert_array_equal(np.asarray(got), want)
+  ck.close()
+  # generate / hf export read the parameters alone: in device memory, the compute layout
+  _, params = runs.restore_params(cfg, mesh_of("dp=2,fsdp=2"), ck.dir / "1")
+  wq = params["layers"][0]["attn"]["wq"]
+  assert wq.sharding.memory_kind == "device" and wq.sharding.spec[0] == "fsdp"
+  np.testing.assert_array_equal(np.asarray(wq), saved["params"]["layers"][0]["attn"]["wq"])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+def test_offloaded_update_that_overflows_moves_nothing():
+  """lr=1e39 (inf in float32): finite gradients, overflowing new parameters; the streamed update (the non-layer
+  parameters first, then layer by layer) must still be all or nothing, as the on-device update is."""
+  cfg = config.load("tiny", BASE + ["optim.offload=host", "model.scan_layers=true", "optim.lr=1e39",
+                                    "optim.warmup_steps=0"])
+  setup = step.Setup(cfg, mesh_of("dp=2"))
+  it = data.batches(cfg)
+  before = jax.device_get(setup.init())
+  state, m = setup.step(setup.init(), setup.device_batch(next(it)))
+  it.close()
+  assert bool(m["skipped"]) and np.isfinite(float(m["grad_norm"]))
+  for got, want in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(before), strict=True):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_offloaded_update_brings_one_layer_of_master_and_moments_to_the_device_at_a_time():
+  """The step lowered for GPU (jax.export; XLA:CPU lowers no placements): each whole scanned stack of a matmul
+  weight goes to device memory in float32 once, its master for the compute copy; the update brings layer slices of master and moments
+  (a whole-state fetch moves every stack three more times: master, m, v)."""
+  cfg = config.load("tiny", ["model.scan_layers=true", "model.n_layers=4", "optim.offload=host",
+                             "train.batch_size=4", "train.seq_len=16"])
+  setup = step.Setup(cfg, mesh_of("dp=1"))
+  it = data.batches(cfg)
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                       setup.device_batch(next(it)))
+  it.close()
+  state = setup.abstract_state()
+  text = jax.export.export(setup.step, platforms=["cuda"])(state, batch).mlir_module()
+  moved = collections.Counter(re.findall(r'_xla_buffer_placement = "device".*: \(tensor<([0-9x]+)xf32>\)', text))
+  stacks = collections.Counter("x".join(map(str, x.shape)) for x in jax.tree.leaves(state["params"]["layers"])
+                               if x.ndim >= 3)  # matmul weights (norm scales go twice: fetched, then placed)
+  assert {k: moved[k] for k in stacks} == stacks, moved
+  assert moved["128x256"] >= 3 * 2 * 2  # w_gate, w_up slices (master, m, v) in both passes
