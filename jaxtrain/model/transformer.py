@@ -188,10 +188,10 @@ class Transformer(nnx.Module):
                       preferred_element_type=jnp.float32)
 
   def _embed(self, tokens_BxL, plan):
-    # The table gathered whole along `embed` first (as FSDP does for any weight): rows looked up from an
-    # embed-sharded table come out sharded over fsdp on D, which XLA cannot move to the batch split.
-    table_VxD = plan.constrain(self.embed[...], ("vocab", None))
-    x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0).astype(jnp.dtype(self.cfg.dtype))
+    # Looked up from the fsdp-sharded table as stored: rows come out split over fsdp on D and XLA moves them to the
+    # batch split (on CPU it warns of a full rematerialization there). Gathering the table first silences that
+    # but moves the whole float32 table and its gradient every step (2 x 2 GiB at 8B), far more than the rows.
+    x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(jnp.dtype(self.cfg.dtype))
     return plan.constrain(x_BxLxD, ("batch", "act_length", "act_embed"))
 
   def hidden(self, tokens_BxL, pos_BxL, seg_BxL, plan=None):
