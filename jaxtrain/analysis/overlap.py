@@ -151,8 +151,10 @@ def report(hlo: Hlo, row=None) -> dict:
       n = group_size(i.rest)
       wire = nbytes * (n - 1) / n * (2 if kind == "all-reduce" else 1) if kind != "collective-permute" else nbytes
       is_async = i.opcode.endswith("-start") and '"is_sync":true' not in i.rest
+      # the kernels up to its done; a start handed to the next iteration (ROOT) overlaps the rest of this one
+      carried = len(seq) if i.name in _operands(seq[-1]) else p
       q = next((k for k in range(p + 1, len(seq)) if i.name in _operands(seq[k]) and seq[k].opcode.endswith("-done")),
-               p) if is_async else p
+               carried) if is_async else p
       under = [j for j in seq[p + 1:q] if j.opcode in ("fusion", "custom-call", "dot", "while", "call", "conditional")]
       r = {"name": i.name, "kind": kind, "computation": comp, "per_step": hlo.times.get(comp, 1), "async": is_async,
            "bytes": nbytes, "group": n, "wire_bytes": int(wire), "kernels_under": len(under),
@@ -180,7 +182,8 @@ def report(hlo: Hlo, row=None) -> dict:
       dones = {j.name: _operands(j)[0] for j in order[body] if j.opcode.endswith("-done") and _operands(j)}
       loop = {"body": body, "trip": trip, "all_gathers": len(ags), "async": sum(r["async"] for r in ags),
               "with_compute_under": sum(r["kernels_under"] > 0 for r in ags),
-              "next_iteration_prefetched": sum(dones.get(d) in {r["name"] for r in ags} for d in carried)}
+              "next_iteration_prefetched": sum(dones.get(d) in {r["name"] for r in ags} for d in carried)
+              + sum(r["name"] in root for r in ags)}
       if costs:
         t = sum(r["seconds"] for r in ags)
         loop.update(hidden_fraction=sum(r["overlapped_seconds"] for r in ags) / t if t else 1.0,
