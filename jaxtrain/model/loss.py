@@ -70,7 +70,7 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens):
     x = jnp.moveaxis(x_BxL_.reshape(G, B // G, S, n, c, *rest), 3, 0)
     return plan.constrain(x, (None, "batch", None, "length", None, *(("act_embed",) if rest else ())))
 
-  def run(h_BxLxD, w_DxV, grad: bool):
+  def run(h_BxLxD, w_DxV, targets_BxL, weights_BxL, grad: bool):
     V = w_DxV.shape[1]
     # gathered here, once, to the layout the chunks use (whole over fsdp, split over tensor like the logits)
     w16_DxV = plan.constrain(w_DxV.astype(h_BxLxD.dtype), (None, "act_vocab"))
@@ -107,19 +107,20 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens):
     dw_DxV = plan.constrain(jax.lax.reduce(dw16, jnp.zeros((), dw16.dtype), jax.lax.add, (0, 1)), ("embed", "vocab"))
     return total, (dh_BxLxD, dw_DxV)
 
+  # every array an argument: a custom_vjp must not close over traced values (it breaks inside the pipeline)
   @jax.custom_vjp
-  def loss(h_BxLxD, w_DxV):
-    return run(h_BxLxD, w_DxV, grad=False)
+  def loss(h_BxLxD, w_DxV, targets_BxL, weights_BxL):
+    return run(h_BxLxD, w_DxV, targets_BxL, weights_BxL, grad=False)
 
-  def fwd(h_BxLxD, w_DxV):
-    return run(h_BxLxD, w_DxV, grad=True)
+  def fwd(h_BxLxD, w_DxV, targets_BxL, weights_BxL):
+    return run(h_BxLxD, w_DxV, targets_BxL, weights_BxL, grad=True)
 
   def bwd(res, g):
     dh_BxLxD, dw_DxV = res
-    return (g * dh_BxLxD).astype(h_BxLxD.dtype), (g * dw_DxV).astype(w_DxV.dtype)
+    return (g * dh_BxLxD).astype(h_BxLxD.dtype), (g * dw_DxV).astype(w_DxV.dtype), None, None
 
   loss.defvjp(fwd, bwd)
-  return loss(h_BxLxD, w_DxV)
+  return loss(h_BxLxD, w_DxV, targets_BxL, weights_BxL)
 
 
 def temp_bytes(vocab: int, d_model: int, batch: int, seq: int, chunk_tokens: int, dtype: str = "bfloat16",
