@@ -82,12 +82,16 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens):
       logits = plan.constrain(jnp.einsum("gbscd,dv->gbscv", h_GxBxSxCxD, w16_DxV,
                                          preferred_element_type=jnp.float32), axes)
       hot = plan.constrain(jax.nn.one_hot(t_GxBxSxC, V, dtype=jnp.float32), axes)
-      lse = jax.nn.logsumexp(logits, axis=-1)
+      # logsumexp as jax.nn.logsumexp computes it, and below its gradient in the order autodiff has it
+      top = jnp.max(logits, axis=-1, keepdims=True)
+      exp = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0))
+      sumexp = jnp.sum(exp, axis=-1)
+      lse = jnp.log(sumexp) + jnp.where(jnp.isfinite(top), top, 0)[..., 0]
       total = total + jnp.sum((lse - jnp.sum(logits * hot, axis=-1)) * wt_GxBxSxC)
       if not grad:
         return (total, dw_GxSxDxV), None
       # d(loss)/d(logits), float32 into both products as the autodiff of the plain loss has it
-      dlogits = (jnp.exp(logits - lse[..., None]) - hot) * wt_GxBxSxC[..., None]
+      dlogits = exp * (wt_GxBxSxC / sumexp)[..., None] - hot * wt_GxBxSxC[..., None]
       dh = jax.lax.dot_general(dlogits, w16_DxV, (((4,), (1,)), ((), ())), preferred_element_type=jnp.float32)
       dw = jax.lax.dot_general(h_GxBxSxCxD, dlogits, (((1, 3), (1, 3)), ((0, 2), (0, 2))),
                                preferred_element_type=jnp.float32)
