@@ -84,9 +84,10 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens):
       hot = plan.constrain(jax.nn.one_hot(t_GxBxSxC, V, dtype=jnp.float32), axes)
       # logsumexp as jax.nn.logsumexp computes it, and below its gradient in the order autodiff has it
       top = jnp.max(logits, axis=-1, keepdims=True)
-      exp = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0))
+      top = jnp.where(jnp.isfinite(top), top, 0)
+      exp = jnp.exp(logits - top)
       sumexp = jnp.sum(exp, axis=-1)
-      lse = jnp.log(sumexp) + jnp.where(jnp.isfinite(top), top, 0)[..., 0]
+      lse = jnp.log(sumexp) + top[..., 0]
       total = total + jnp.sum((lse - jnp.sum(logits * hot, axis=-1)) * wt_GxBxSxC)
       if not grad:
         return (total, dw_GxSxDxV), None
@@ -105,8 +106,7 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens):
       return total
     dh_BxLxD = plan.constrain(jnp.moveaxis(dh, 0, 3).reshape(h_BxLxD.shape), h_axes)
     # the one reduction over the devices' tokens: a reduce-scatter to the weight's own layout, in the
-    # compute dtype like every layer weight's gradient (the plain loss's weight cotangent has that dtype too)
-    # (lax.reduce: jnp.sum would sum a bfloat16 array in float32)
+    # compute dtype like every layer weight's gradient (lax.reduce: jnp.sum would sum bfloat16 in float32)
     dw16 = dw_GxSxDxV.astype(h_BxLxD.dtype)
     dw_DxV = plan.constrain(jax.lax.reduce(dw16, jnp.zeros((), dw16.dtype), jax.lax.add, (0, 1)), ("embed", "vocab"))
     return total, (dh_BxLxD, dw_DxV)
