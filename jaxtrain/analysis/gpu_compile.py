@@ -119,7 +119,9 @@ def compiler_options(cfg) -> dict[str, str]:
   """The config's XLA flags (run.xla_flags preset + extra) as compile options, as the trainer's XLA_FLAGS."""
   from jaxtrain.parallel import xla_flags
   flags = xla_flags.PRESETS[cfg.run.xla_flags] + xla_flags.parse(cfg.run.xla_flags_extra)
-  return {f.split("=", 1)[0].removeprefix("--"): (f.split("=", 1) + ["true"])[1] for f in flags}
+  # typed values: XLA refuses the string 'true' for a bool option ("is not a valid bool value")
+  typed = lambda v: {"true": True, "false": False}.get(v, int(v) if v.lstrip("-").isdigit() else v)  # noqa: E731
+  return {f.split("=", 1)[0].removeprefix("--"): typed((f.split("=", 1) + ["true"])[1]) for f in flags}
 
 
 def abstract_inputs(setup):

@@ -193,7 +193,9 @@ def activations(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segm
   per = layer_residuals(cfg, mesh, kernel, packed_segments) if remat == "none" else saved_per_token(cfg, mesh, remat)
   out = {k: int(n * T * v) for k, v in per.items()}
   out["rope_and_final_norm"] = T * (4 * E + (8 + s) * D)
-  if logits_residual:  # jax.vjp's view; the compiled step's logits are transient (`workspace`)
+  if logits_residual and cfg.train.loss_chunk_tokens:  # the chunked loss keeps its float32 hidden-state gradient
+    out["loss_grad_h"] = T * 4 * D
+  elif logits_residual:  # jax.vjp's view; the compiled step's logits are transient (`workspace`)
     out["logits_exp"] = T * 4 * V
   return out
 

@@ -47,6 +47,10 @@ def compiled_memory(setup) -> dict:
   compiled, seconds = gpu_compile.compile_step(setup)
   print(f"compiled in {seconds:.1f}s", file=sys.stderr, flush=True)
   shows = gpu_compile.analyse(compiled, setup.mesh, setup.cfg.train.seq_len, setup.plan)
+  from jaxtrain.analysis import overlap
+  dev = setup.mesh.devices.flat[0]
+  shows["overlap"] = overlap.report(gpu_compile.Hlo.parse(compiled.as_text()),
+                                    devices.of(dev).entry if dev.platform == "gpu" else None)
   m = gpu_compile.CompiledMemory.of(compiled)
   return {"seconds": seconds, "available": m is not None, **(m.fields() if m else {}), **shows,
           "host_arguments": host_argument_bytes(compiled.as_text())}
@@ -214,9 +218,31 @@ def render_compiled(c: dict) -> list[str]:
              f"{human(cost['bytes_accessed'])} accessed per device per step")
   elif "error" in cost:
     L.append(f"  XLA cost analysis unavailable: {cost['error']}")
+  L.extend(overlap_lines(c.get("overlap")))
   roof = c.get("roofline")
   if roof:
     secs = lambda t: f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms" if t >= 1e-3 else f"{t * 1e6:.3g} us"  # noqa: E731
     L.append(f"  roofline: step time >= {secs(roof['seconds'])} ({roof['bound']}-bound; compute "
              f"{secs(roof['compute_seconds'])}, memory {secs(roof['memory_seconds'])}); a {roof['label']}")
   return L
+
+
+def overlap_lines(ov: dict | None) -> list[str]:
+  """Per collective kind: async ops, exposed time; the loops' all-gathers; the predicted step (analysis.overlap)."""
+  if not ov:
+    return []
+  ms = lambda t: f"{t * 1e3:.3g} ms"  # noqa: E731
+  L = ["  overlap (estimate: bytes over the link bandwidth, minus the roofline of the kernels scheduled under each):"]
+  for k, v in ov["per_kind"].items():
+    t = f"; {ms(v['seconds'])} on the link, {ms(v['exposed_seconds'])} exposed" if "seconds" in v else ""
+    L.append(f"    {k:<19} {v['asynchronous']}/{v['ops']} async, {human(v['wire_bytes'])} on the wire per step{t}")
+  for lp in ov["loops"]:
+    hid = f", {lp['hidden_fraction']:.0%} of their time hidden" if "hidden_fraction" in lp else ""
+    L.append(f"    loop x{lp['trip']}: {lp['all_gathers']} all-gather(s), {lp['with_compute_under']} with compute "
+             f"under them{hid}; {lp['next_iteration_prefetched']} prefetched for the next iteration")
+  tot = ov.get("totals")
+  if tot:
+    L.append(f"    predicted step: {ms(tot['predicted_step_seconds'])} = compute {ms(tot['compute_seconds'])} + exposed "
+             f"communication {ms(tot['exposed_seconds'])} (a {tot['label']})")
+  return L
+

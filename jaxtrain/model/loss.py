@@ -1,5 +1,6 @@
-"""Next-token cross-entropy from the final hidden states: a scan over chunks of each device's tokens under
-jax.checkpoint (no (B, L, V) logits kept), vocabulary-parallel by the `act_vocab` annotation alone."""
+"""Next-token cross-entropy from the final hidden states: a scan over chunks of each device's tokens that
+computes the gradient as it goes (no (B, L, V) logits kept), vocabulary-parallel by the `act_vocab`
+annotation alone."""
 
 from __future__ import annotations
 
@@ -38,36 +39,92 @@ def _token_nll(logits, targets, axes, plan):
 
 def chunk_layout(B: int, L: int, plan, chunk_tokens: int) -> tuple[int, int, int]:
   """(sw, n, c): length = sw (mesh split) x n chunks x c, c the largest divisor with local rows * c <= chunk_tokens."""
-  spec = plan.spec(("batch", "length"), (B, L)) if plan.mesh is not None else (None, None)
-  bw, sw = sharding.ways(spec[0], plan.mesh), sharding.ways(spec[1], plan.mesh)
+  bw, sw = _ways(B, L, plan)
   local_len = L // sw
   want = max(1, chunk_tokens // max(B // bw, 1))
   c = max(d for d in range(1, min(want, local_len) + 1) if local_len % d == 0)
   return sw, local_len // c, c
 
 
+def _ways(B: int, L: int, plan) -> tuple[int, int]:
+  """How many ways the mesh splits the batch and the length of the tokens."""
+  spec = plan.spec(("batch", "length"), (B, L)) if plan.mesh is not None else (None, None)
+  return sharding.ways(spec[0], plan.mesh), sharding.ways(spec[1], plan.mesh)
+
+
 def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens):
+  """The gradient is computed in the forward pass, chunk by chunk (a fused linear cross-entropy): the
+  bf16 weight is gathered once, its gradient summed per device over the chunks and reduce-scattered
+  once, and no logits are recomputed; the backward pass only scales the saved gradients."""
   B, L, _ = h_BxLxD.shape
-  sw, n, c = chunk_layout(B, L, plan, chunk_tokens)
+  G, S = _ways(B, L, plan)
+  _, n, c = chunk_layout(B, L, plan, chunk_tokens)
   # the head is a tensor-parallel region: it takes the hidden states whole along `tensor`
-  h_BxLxD = plan.constrain(h_BxLxD, ("batch", "length", "act_embed"))
+  h_axes = ("batch", "length", "act_embed")
+  h_BxLxD = plan.constrain(h_BxLxD, h_axes)
 
   def split(x_BxL_):
-    """(B, L, ...) -> (n, B, sw, c, ...): chunk i is positions i*c .. i*c+c-1 of each device's slice."""
+    """(B, L, ...) -> (n, G, B/G, S, c, ...): chunk i is positions i*c .. i*c+c-1 of each device's slice;
+    G and S are the mesh's batch and length splits, so per-device sums stay per device."""
     rest = x_BxL_.shape[2:]
-    x = jnp.moveaxis(x_BxL_.reshape(B, sw, n, c, *rest), 2, 0)
-    return plan.constrain(x, (None, "batch", "length", None, *(("act_embed",) if rest else ())))
+    x = jnp.moveaxis(x_BxL_.reshape(G, B // G, S, n, c, *rest), 3, 0)
+    return plan.constrain(x, (None, "batch", None, "length", None, *(("act_embed",) if rest else ())))
 
-  def chunk_nll(total, xs):
-    h_BxSxCxD, t_BxSxC, wt_BxSxC = xs
-    logits = jnp.einsum("bscd,dv->bscv", h_BxSxCxD, w_DxV.astype(h_BxSxCxD.dtype), preferred_element_type=jnp.float32)
-    nll = _token_nll(logits, t_BxSxC, ("batch", "length", None, "act_vocab"), plan)
-    return total + jnp.sum(nll * wt_BxSxC), None
+  def run(h_BxLxD, w_DxV, targets_BxL, weights_BxL, grad: bool):
+    V = w_DxV.shape[1]
+    # gathered here, once, to the layout the chunks use (whole over fsdp, split over tensor like the logits)
+    w16_DxV = plan.constrain(w_DxV.astype(h_BxLxD.dtype), (None, "act_vocab"))
+    axes = ("batch", None, "length", None, "act_vocab")
 
-  # nothing of a chunk is kept for the backward pass: it recomputes that chunk's logits
-  body = jax.checkpoint(chunk_nll, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
-  total, _ = jax.lax.scan(body, jnp.float32(0), (split(h_BxLxD), split(targets_BxL), split(weights_BxL)))
-  return total
+    def chunk(carry, xs):
+      total, dw_GxSxDxV = carry
+      h_GxBxSxCxD, t_GxBxSxC, wt_GxBxSxC = xs
+      logits = plan.constrain(jnp.einsum("gbscd,dv->gbscv", h_GxBxSxCxD, w16_DxV,
+                                         preferred_element_type=jnp.float32), axes)
+      hot = plan.constrain(jax.nn.one_hot(t_GxBxSxC, V, dtype=jnp.float32), axes)
+      # logsumexp as jax.nn.logsumexp computes it, and below its gradient in the order autodiff has it
+      top = jnp.max(logits, axis=-1, keepdims=True)
+      top = jnp.where(jnp.isfinite(top), top, 0)
+      exp = jnp.exp(logits - top)
+      sumexp = jnp.sum(exp, axis=-1)
+      lse = jnp.log(sumexp) + top[..., 0]
+      total = total + jnp.sum((lse - jnp.sum(logits * hot, axis=-1)) * wt_GxBxSxC)
+      if not grad:
+        return (total, dw_GxSxDxV), None
+      # d(loss)/d(logits), float32 into both products as the autodiff of the plain loss has it
+      dlogits = exp * (wt_GxBxSxC / sumexp)[..., None] - hot * wt_GxBxSxC[..., None]
+      dh = jax.lax.dot_general(dlogits, w16_DxV, (((4,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+      dw = jax.lax.dot_general(h_GxBxSxCxD, dlogits, (((1, 3), (1, 3)), ((0, 2), (0, 2))),
+                               preferred_element_type=jnp.float32)
+      return (total, dw_GxSxDxV + dw), dh
+
+    dw0 = plan.constrain(jnp.zeros((G, S) + w_DxV.shape if grad else (), jnp.float32),
+                         ("batch", "length", None, "act_vocab") if grad else ())
+    xs = (split(h_BxLxD), split(targets_BxL), split(weights_BxL))
+    (total, dw_GxSxDxV), dh = jax.lax.scan(chunk, (jnp.float32(0), dw0), xs)
+    if not grad:
+      return total
+    dh_BxLxD = plan.constrain(jnp.moveaxis(dh, 0, 3).reshape(h_BxLxD.shape), h_axes)
+    # the one reduction over the devices' tokens: a reduce-scatter to the weight's own layout, in the
+    # compute dtype like every layer weight's gradient (lax.reduce: jnp.sum would sum bfloat16 in float32)
+    dw16 = dw_GxSxDxV.astype(h_BxLxD.dtype)
+    dw_DxV = plan.constrain(jax.lax.reduce(dw16, jnp.zeros((), dw16.dtype), jax.lax.add, (0, 1)), ("embed", "vocab"))
+    return total, (dh_BxLxD, dw_DxV)
+
+  # every array an argument: a custom_vjp must not close over traced values (it breaks inside the pipeline)
+  @jax.custom_vjp
+  def loss(h_BxLxD, w_DxV, targets_BxL, weights_BxL):
+    return run(h_BxLxD, w_DxV, targets_BxL, weights_BxL, grad=False)
+
+  def fwd(h_BxLxD, w_DxV, targets_BxL, weights_BxL):
+    return run(h_BxLxD, w_DxV, targets_BxL, weights_BxL, grad=True)
+
+  def bwd(res, g):
+    dh_BxLxD, dw_DxV = res
+    return (g * dh_BxLxD).astype(h_BxLxD.dtype), (g * dw_DxV).astype(w_DxV.dtype), None, None
+
+  loss.defvjp(fwd, bwd)
+  return loss(h_BxLxD, w_DxV, targets_BxL, weights_BxL)
 
 
 def temp_bytes(vocab: int, d_model: int, batch: int, seq: int, chunk_tokens: int, dtype: str = "bfloat16",

@@ -114,6 +114,34 @@ def test_fsdp_parameter_gathers_are_per_layer_inside_the_scanned_loop(l8b_full):
 
 
 @needs_plugin
+def test_overlap_report_of_the_h100_compile_lists_collectives_times_them_and_counts_matmuls(l8b_full):
+  """Every collective with its async flag, bytes (those of gpu_compile.collectives) and seconds; the
+  layer loop's all-gathers; matmul FLOPs (cuDNN attention included) against a count from the shapes:
+  full remat runs each layer's matmuls 4 times (forward, recomputed forward, 2 in the backward) but the
+  recomputed w_down (its output is not needed backward), the attention forward twice and its backward
+  (2.5 forwards) once, the LM head 3 times (the chunked loss computes no logits twice)."""
+  from jaxtrain.analysis import overlap
+  from jaxtrain.parallel import devices
+  setup, c, hlo = l8b_full
+  rep = overlap.report(hlo, devices.TABLE["H100"])
+  for kind, v in rep["per_kind"].items():
+    assert v["bytes"] == c["collectives"][kind]["bytes_per_step"], kind
+  assert all(isinstance(r["async"], bool) and r["bytes"] > 0 and r["seconds"] > 0 for r in rep["collectives"])
+  m, t = setup.cfg.model, setup.cfg.train
+  loop = [lp for lp in rep["loops"] if lp["trip"] == m.n_layers]
+  assert loop and all(lp["all_gathers"] == lp["async"] > 0 for lp in loop), rep["loops"]
+  T = t.batch_size * t.seq_len // 8  # tokens per device
+  hd = m.head_dim
+  layer = 2 * T * (m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.d_model * m.d_ff)
+  attention = 4 * T * t.seq_len * m.n_heads * hd
+  want = m.n_layers * (4 * layer - 2 * T * m.d_ff * m.d_model + 4.5 * attention) + 3 * 2 * T * m.d_model * m.vocab_size
+  tot = rep["totals"]
+  assert abs(tot["matmul_flops"] - want) <= 1e-3 * want, (tot["matmul_flops"], want)
+  assert tot["predicted_step_seconds"] == tot["compute_seconds"] + tot["exposed_seconds"]
+  assert tot["compute_seconds"] >= want / devices.TABLE["H100"].peak_bf16_flops
+
+
+@needs_plugin
 def test_64_device_hybrid_mesh_of_8_hosts_compiles_tiny():
   setup, c = _compiled("tiny", ["train.batch_size=64"], spec="dp=8,fsdp=8,dcn.dp=8")
   assert setup.mesh.size == 64 and len({d.process_index for d in setup.mesh.devices.flat}) == 8

@@ -1,6 +1,9 @@
 """Chunked, vocabulary-parallel cross-entropy (jaxtrain.model.loss): the same loss and gradients as
 the plain loss, and a compiled program without the (B, L, V) logits."""
 
+import collections
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -44,7 +47,8 @@ def head():
   return (h, w, t, m), want
 
 
-@pytest.mark.parametrize("spec,chunk", [("dp=1", 0), ("dp=1", 5), ("tp=2", 8), ("sp=2,tp=2", 4), ("dp=2,sp=2", 3)])
+@pytest.mark.parametrize("spec,chunk", [("dp=1", 0), ("dp=1", 5), ("tp=2", 8), ("sp=2,tp=2", 4), ("dp=2,sp=2", 3),
+                                        ("fsdp=2,tp=2", 4)])
 def test_chunked_vocab_parallel_loss_and_grads_equal_float64(head, spec, chunk):
   (h, w, t, m), want = head
   mesh = mesh_of(spec)
@@ -56,6 +60,8 @@ def test_chunked_vocab_parallel_loss_and_grads_equal_float64(head, spec, chunk):
     assert n > 1 and sw * n * c == L
   assert abs(float(loss) - want["loss"]) <= 1e-6 * want["loss"]
   assert rel(dh, want["h"]) <= 1e-6 and rel(dw, want["w"]) <= 1e-6
+  alone = jax.jit(lambda h, w: xent.nll_sum(h, w, t, m, plan, chunk))(h, w)  # no gradient taken: eval's path
+  assert abs(float(alone) - want["loss"]) <= 1e-6 * want["loss"]
 
 
 def test_chunk_layout_keeps_within_the_budget_and_divides_the_length():
@@ -116,6 +122,26 @@ def test_train_step_grads_with_chunks_equal_the_plain_loss(train_grads, spec, ti
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref)):
     err = np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
     assert err <= 1e-6, f"{jax.tree_util.keystr(path)}: {err:.2e}"
+
+
+def test_compiled_step_gathers_the_output_weight_once_and_reduces_its_gradient_once():
+  """fsdp=4, 4 chunks per device: per step, one all-gather of the (D, V) output weight and one
+  reduction (all-reduce or reduce-scatter) of its gradient, counted in the compiled program with
+  loop trip counts; not one per chunk, and no logits matmul recomputed for the backward pass."""
+  from jaxtrain.analysis import gpu_compile as gc
+  cfg = config.load("tiny", ["train.loss_chunk_tokens=128"])  # 4 rows x 128 positions per device
+  setup = step.Setup(cfg, mesh_of("fsdp=4"))
+  assert xent.chunk_layout(16, 128, setup.plan, 128)[1] == 4
+  hlo = gc.Hlo.parse(setup.step.lower(*gc.abstract_inputs(setup)).compile().as_text())
+  D, V = cfg.model.d_model, cfg.model.vocab_size
+  head = re.compile(rf"\[({D},{V}|{V},{D})\]")
+  count = collections.Counter()
+  for i in hlo.instrs:
+    kind = i.opcode.removesuffix("-start")
+    if kind in gc.COLLECTIVES and head.search(i.shape):
+      count[kind] += hlo.times.get(i.computation, 1)
+  assert count["all-gather"] == 1, count
+  assert count["all-reduce"] + count["reduce-scatter"] == 1, count
 
 
 # ---- memory and config ------------------------------------------------------------------

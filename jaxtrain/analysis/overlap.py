@@ -1,0 +1,206 @@
+"""Which collectives of a compiled step overlap compute, and how much of each stays exposed.
+
+Read from the optimized HLO: each computation lists its instructions in XLA's schedule order, so the
+kernels between an async collective's start and its done are the compute it can hide behind. Times
+are estimates, not measurements: a collective takes its wire bytes (ring: (n-1)/n of the larger side,
+twice for an all-reduce) over the device table's link bandwidth; a kernel takes the roofline
+max(FLOPs / peak bf16, bytes / HBM bandwidth), its FLOPs counted from its dots, cuBLAS gemms and cuDNN
+attention calls (which XLA's cost analysis cannot see) and its bytes from its operands and result.
+Loop bodies count trip-count times. Collectives in flight together are each credited the whole window
+(one link is shared), so the exposed time is a lower bound.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+from jaxtrain.analysis.gpu_compile import COLLECTIVES, Hlo, shape_bytes
+
+_DIMS = re.compile(r"\[([0-9,]*)\]")
+_NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "partition-id",
+                "replica-id", "after-all", "add-dependency", "iota"}
+
+
+def _dims(shape: str) -> list[int]:
+  m = _DIMS.search(shape)
+  return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _operands(i) -> list[str]:
+  return re.findall(r"%([\w.\-]+)", i.rest.split("),", 1)[0])
+
+
+def group_size(rest: str) -> int:
+  """Devices in each replica group of a collective (1 where the text does not say)."""
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", rest)  # mesh['axis_0'=8,...] {'axis_0'}
+  if m:
+    sizes = {k.strip("' "): int(v) for k, v in (x.split("=") for x in m.group(1).split(","))}
+    return math.prod(sizes[a.strip("' ")] for a in m.group(2).split(",") if a.strip("' "))
+  m = re.search(r"replica_groups=\[\d+,(\d+)\]<=", rest) or re.search(r"replica_groups=\{\{([0-9,]*)\}", rest)
+  if m:
+    return int(m.group(1)) if "<=" in m.group(0) else len(m.group(1).split(","))
+  return 2 if "source_target_pairs" in rest else 1
+
+
+class Costs:
+  """FLOPs, bytes and roofline seconds of the kernels of one parsed module on one device row."""
+
+  def __init__(self, hlo: Hlo, row):
+    self.hlo, self.row = hlo, row
+    self.shapes = {i.name: i.shape for i in hlo.instrs}
+    self.by_comp: dict[str, list] = {}
+    for i in hlo.instrs:
+      self.by_comp.setdefault(i.computation, []).append(i)
+
+  def _dot(self, i, contracting: str) -> float:
+    ops = _operands(i)
+    lhs = _dims(self.shapes.get(ops[0], "")) if ops else []
+    m = re.search(contracting, i.rest)
+    axes = [int(x.strip('" ')) for x in m.group(1).split(",") if x.strip('" ')] if m else []
+    return 2.0 * math.prod(_dims(i.shape)) * math.prod(lhs[a] for a in axes if a < len(lhs))
+
+  def flops(self, i) -> float:
+    """Matmul FLOPs of one instruction: a dot, a fusion's dots, a cuBLAS gemm or a cuDNN attention call."""
+    if i.opcode == "dot":
+      return self._dot(i, r"lhs_contracting_dims=\{([0-9,]*)\}")
+    if i.opcode == "fusion":
+      callee = re.search(r"calls=%?([\w.\-]+)", i.rest)
+      return sum(self.flops(j) for j in self.by_comp.get(callee.group(1), ())) if callee else 0.0
+    target = re.search(r'custom_call_target="([^"]+)"', i.rest)
+    if i.opcode != "custom-call" or not target:
+      return 0.0
+    if target.group(1).startswith("__cublas"):
+      return self._dot(i, r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+    if target.group(1).startswith("__cudnn$fmha"):
+      q, k = (_dims(self.shapes.get(o, "")) for o in _operands(i)[:2])
+      shared = [x for x in q[:-1] if x in k[:-1]]  # self-attention: the sequence is the largest shared dim
+      fwd = 4.0 * math.prod(q) * (max(shared) if shared else 1)  # QK^T and PV, dense (causal mask not halved)
+      return fwd * 2.5 if "Backward" in target.group(1) else fwd
+    return 0.0
+
+  def seconds(self, i) -> float:
+    """Roofline time of one scheduled instruction; a loop: its body's time x trip count."""
+    if i.opcode == "while":
+      body, trip = re.search(r"body=%?([\w.\-]+)", i.rest).group(1), re.search(r'"n":"(\d+)"', i.rest)
+      return self.computation(body) * (int(trip.group(1)) if trip else 1)
+    if i.opcode in ("call", "conditional"):
+      callees = re.findall(r"(?:to_apply|calls|branch_computations=\{)%?([\w.\-]+)", i.rest)
+      return max((self.computation(c) for c in callees), default=0.0)
+    if i.opcode in _NOT_KERNELS or i.opcode.endswith(("-start", "-done", "-update")) or i.opcode in COLLECTIVES:
+      return 0.0
+    return max(self.flops(i) / self.row.peak_bf16_flops, self.nbytes(i) / self.row.bandwidth)
+
+  def nbytes(self, i) -> int:
+    """HBM bytes of a kernel: operands and result, but of an operand the fusion only slices (a scanned
+    layer's slice of stacked weights or saved activations) the slices, and of an in-place update the update."""
+    ops = _operands(i)
+    callee = re.search(r"calls=%?([\w.\-]+)", i.rest) if i.opcode == "fusion" else None
+    body = self.by_comp.get(callee.group(1), []) if callee else []
+    if not body:
+      return shape_bytes(i.shape) + sum(shape_bytes(self.shapes.get(o, "")) for o in ops)
+    root, total = body[-1], 0
+    in_place = root.opcode == "dynamic-update-slice"
+    for p in (j for j in body if j.opcode == "parameter"):
+      k = int(p.rest.split(")", 1)[0])
+      users = [u for u in body if p.name in _operands(u)]
+      if users and all(u.opcode in ("dynamic-slice", "slice") for u in users):
+        total += sum(shape_bytes(u.shape) for u in users)
+      elif not (in_place and users == [root] and _operands(root)[0] == p.name) and k < len(ops):
+        total += shape_bytes(self.shapes.get(ops[k], ""))
+    update = _operands(root)[1] if in_place and len(_operands(root)) > 1 else None
+    return total + (shape_bytes(self.shapes.get(update, "")) if update else shape_bytes(i.shape))
+
+  @functools.lru_cache(maxsize=None)
+  def computation(self, name: str) -> float:
+    return sum(self.seconds(i) for i in self.by_comp.get(name, ()))
+
+
+def _kind_and_bytes(i, shapes, roots) -> tuple[str, int] | None:
+  """(collective kind, larger side in bytes) as gpu_compile.collectives counts it; None if no collective."""
+  kind = i.opcode.removesuffix("-start")
+  if i.opcode == "async-start":
+    callee = re.search(r"calls=%?([\w.\-]+)", i.rest)
+    kind = roots.get(callee.group(1), "") if callee else ""
+  if kind not in COLLECTIVES or i.opcode.endswith("-done"):
+    return None
+  ins = sum(shape_bytes(shapes.get(o, "")) for o in _operands(i))
+  res = shape_bytes(i.shape)
+  return kind, (max(ins, res - ins) if i.opcode.endswith("-start") and res > ins else max(ins, res))
+
+
+def report(hlo: Hlo, row=None) -> dict:
+  """Every collective of the step with its async flag, bytes, the compute scheduled under it and (with a
+  device row that has link and HBM bandwidths and a peak) its estimated and exposed seconds; totals per
+  step; per loop, whether its all-gathers overlap the body's compute (FSDP prefetch of the next layer)."""
+  timed = row is not None and all(getattr(row, f, None) for f in ("link_bandwidth", "bandwidth", "peak_bf16_flops"))
+  costs = Costs(hlo, row) if timed else None
+  shapes = {i.name: i.shape for i in hlo.instrs}
+  roots = {i.computation: i.opcode for i in hlo.instrs}  # a computation's last instruction is its ROOT
+  order: dict[str, list] = {}
+  for i in hlo.instrs:
+    order.setdefault(i.computation, []).append(i)
+  rows = []
+  for comp, seq in order.items():
+    for p, i in enumerate(seq):
+      kb = _kind_and_bytes(i, shapes, roots)
+      if kb is None:
+        continue
+      kind, nbytes = kb
+      n = group_size(i.rest)
+      wire = nbytes * (n - 1) / n * (2 if kind == "all-reduce" else 1) if kind != "collective-permute" else nbytes
+      is_async = i.opcode.endswith("-start") and '"is_sync":true' not in i.rest
+      # the kernels up to its done; a start handed to the next iteration (ROOT) overlaps the rest of this one
+      carried = len(seq) if i.name in _operands(seq[-1]) else p
+      q = next((k for k in range(p + 1, len(seq)) if i.name in _operands(seq[k]) and seq[k].opcode.endswith("-done")),
+               carried) if is_async else p
+      under = [j for j in seq[p + 1:q] if j.opcode in ("fusion", "custom-call", "dot", "while", "call", "conditional")]
+      r = {"name": i.name, "kind": kind, "computation": comp, "per_step": hlo.times.get(comp, 1), "async": is_async,
+           "bytes": nbytes, "group": n, "wire_bytes": int(wire), "kernels_under": len(under),
+           "kernels_under_names": [j.name for j in under[:4]]}
+      if costs:
+        t, hidden = wire / row.link_bandwidth, sum(costs.seconds(j) for j in under)
+        r.update(seconds=t, overlapped_seconds=min(t, hidden), exposed_seconds=max(0.0, t - hidden),
+                 flops_under=sum(costs.flops(j) for j in under))
+      rows.append(r)
+  out = {"collectives": rows, "per_kind": {}}
+  for k in COLLECTIVES:
+    mine = [r for r in rows if r["kind"] == k]
+    if mine:
+      out["per_kind"][k] = {f: sum(r[f] * r["per_step"] for r in mine) for f in (
+          "bytes", "wire_bytes", *(("seconds", "exposed_seconds") if costs else ()))}
+      out["per_kind"][k].update(ops=len(mine), asynchronous=sum(r["async"] for r in mine))
+  loops = []
+  for body, _, trip in hlo.loops:
+    ags = [r for r in rows if r["computation"] == body and r["kind"] == "all-gather"]
+    if trip > 1 and ags:
+      # prefetch: a gathered result handed to the next iteration (the ROOT tuple), so layer i+1's
+      # weights arrive under layer i; otherwise each layer gathers its own weights as it goes
+      root = _operands(order[body][-1])
+      carried = set(root) | {i.name for i in order[body] if i.opcode in ("bitcast", "copy") and _operands(i)[0] in root}
+      dones = {j.name: _operands(j)[0] for j in order[body] if j.opcode.endswith("-done") and _operands(j)}
+      loop = {"body": body, "trip": trip, "all_gathers": len(ags), "async": sum(r["async"] for r in ags),
+              "with_compute_under": sum(r["kernels_under"] > 0 for r in ags),
+              "next_iteration_prefetched": sum(dones.get(d) in {r["name"] for r in ags} for d in carried)
+              + sum(r["name"] in root for r in ags)}
+      if costs:
+        t = sum(r["seconds"] for r in ags)
+        loop.update(hidden_fraction=sum(r["overlapped_seconds"] for r in ags) / t if t else 1.0,
+                    matmuls_under=sum(r["flops_under"] > 0 for r in ags))
+      loops.append(loop)
+  out["loops"] = loops
+  if costs:
+    entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo.text, re.M).group(1)
+    fused = {m for i in hlo.instrs if i.opcode == "fusion" for m in re.findall(r"calls=%?([\w.\-]+)", i.rest)}
+    compute = costs.computation(entry)
+    exposed = sum(r["exposed_seconds"] * r["per_step"] for r in rows)
+    out["totals"] = {
+        "collective_seconds": sum(r["seconds"] * r["per_step"] for r in rows), "exposed_seconds": exposed,
+        "compute_seconds": compute, "predicted_step_seconds": compute + exposed,
+        "matmul_flops": sum(costs.flops(i) * hlo.times.get(i.computation, 1) for i in hlo.instrs
+                            if i.computation not in fused and i.opcode in ("fusion", "custom-call", "dot")),
+        "label": "prediction, not a measurement: kernels at their roofline one after another, plus the exposed "
+                 "part of each collective at the link bandwidth"}
+  return out
+

@@ -1,0 +1,47 @@
+"""The overlap report (jaxtrain.analysis.overlap) on a CPU-compiled 8-device step: every collective of
+the program listed with its async flag and bytes, the bytes equal to the analytic `comms` figures."""
+
+import re
+
+import pytest
+
+from jaxtrain.analysis import comms, gpu_compile, memory, overlap
+from jaxtrain.core import config
+from jaxtrain.run import step
+from tests.helpers import mesh_of
+
+
+@pytest.fixture(scope="module")
+def compiled():
+  """spec -> (setup, optimized HLO text, overlap report) of tiny's train step, compiled once per spec."""
+  cache = {}
+
+  def get(spec):
+    if spec not in cache:
+      setup = step.Setup(config.load("tiny"), mesh_of(spec))
+      text = setup.step.lower(*gpu_compile.abstract_inputs(setup)).compile().as_text()
+      cache[spec] = setup, text, overlap.report(gpu_compile.Hlo.parse(text))
+    return cache[spec]
+  return get
+
+
+@pytest.mark.parametrize("spec", ["dp=8", "fsdp=8"])
+def test_every_collective_is_listed_with_its_async_flag_and_bytes(compiled, spec):
+  _, text, rep = compiled(spec)
+  # the program's collective instructions, counted from the text alone (a -done is half of its -start)
+  ops = re.findall(r"= .*? (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(", text)
+  assert len(rep["collectives"]) == len(ops) > 0
+  assert sorted(r["kind"] for r in rep["collectives"]) == sorted(ops)
+  for r in rep["collectives"]:
+    assert isinstance(r["async"], bool) and r["bytes"] > 0 and r["group"] == 8, r
+    assert "seconds" not in r  # no device row on CPU: bytes, no times
+  assert "totals" not in rep
+
+
+def test_data_parallel_gradient_all_reduce_bytes_equal_comms(compiled):
+  """dp=8: the wire bytes of the gradient all-reduce (ring: 2 x 7/8 of the float32 gradients) are
+  comms' 'grad all-reduce', up to the loss and token-count scalars XLA combines into the same ops."""
+  setup, _, rep = compiled("dp=8")
+  want = comms.traffic(setup.cfg, setup.mesh, memory.grouped(memory.param_rows(setup)))["data"]["grad all-reduce"]
+  got = rep["per_kind"]["all-reduce"]["wire_bytes"]
+  assert want <= got <= want + 2 * 7 / 8 * 4 * 4, (got, want)
