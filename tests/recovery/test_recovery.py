@@ -292,9 +292,9 @@ def files(tmp_path):
 
 
 @pytest.mark.parametrize("module, args, words", [
-    ("jaxtrain.train", ["--workdir", "a-file"], ["--workdir a-file", "is a file"]),
-    ("jaxtrain.train", ["--workdir", "a-file/w"], ["--workdir a-file/w", "a part of that path is a file"]),
-    ("jaxtrain.train", ["--workdir", "ro/w"], ["--workdir ro/w", "Read-only file system"]),
+    ("jaxtrain.train", ["--workdir", "a-file"], ["a-file: is a file"]),
+    ("jaxtrain.train", ["--workdir", "a-file/w"], ["a-file/w: a part of that path is a file"]),
+    ("jaxtrain.train", ["--workdir", "ro/w"], ["ro/w: cannot create it", "Read-only file system"]),
     ("jaxtrain.data", ["prepare", "--input", "in.jsonl", "--tokenizer", "byte", "--output", "a-file"],
      ["--output a-file", "is a file"]),
     ("jaxtrain.data", ["prepare", "--input", "fake.parquet", "--tokenizer", "byte", "--output", "out"],
