@@ -202,8 +202,18 @@ def report_write_failure(writer: JsonlWriter | None, saved_step: int | None) -> 
 
 
 class _QuietFileHandler(logging.FileHandler):
-  def handleError(self, record):  # noqa: N802: a log on a full disk; losing a line is not worth a report
+  """A log on a full disk: losing its lines is not worth a report, nor a traceback in place of the run's error."""
+
+  def handleError(self, record):  # noqa: N802
     pass
+
+  def flush(self):
+    with contextlib.suppress(OSError):
+      super().flush()
+
+  def close(self):
+    with contextlib.suppress(OSError):
+      super().close()
 
 
 class RunLog:

@@ -75,3 +75,14 @@ def test_tensorboard_scalars_and_profile_trace_next_to_metrics(run_cli, tmp_path
     assert "mfu" not in scalars and "skipped" not in scalars  # None and bool are not scalars
   traces = list((w / "profile").rglob("*.xplane.pb"))
   assert traces and all(t.stat().st_size > 0 for t in traces)
+
+
+def test_the_run_log_on_a_full_disk_raises_nothing():
+  """/dev/full fails every write with ENOSPC: the buffered line's flush and close must not replace the run's error."""
+  import logging
+
+  from jaxtrain.run import runfiles
+  handler = runfiles._QuietFileHandler("/dev/full")
+  handler.emit(logging.LogRecord("jaxtrain", logging.ERROR, __file__, 1, "run ended: %s", ("x",), None))
+  handler.flush()
+  handler.close()
