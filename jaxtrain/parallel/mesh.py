@@ -104,9 +104,10 @@ def has_accelerator_plugin() -> bool:
 
 
 def provide_cpu_devices(count: int) -> None:
-  """Asks JAX for `count` CPU devices before the backend starts (not with an accelerator or a user-chosen count)."""
+  """Asks JAX for `count` CPU devices before the backend starts (unless the user chose a count). Also with a GPU
+  plugin installed: without a GPU, JAX falls back to the CPU (on a GPU machine the CPU count goes unused)."""
   import jax
-  if (has_accelerator_plugin() or count <= 1 or os.environ.get("JAX_NUM_CPU_DEVICES")
+  if (count <= 1 or os.environ.get("JAX_NUM_CPU_DEVICES")
       or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")):
     return
   if count > MAX_SIMULATED:

@@ -69,3 +69,18 @@ def test_distributed_flags_are_checked(args, words):
   with pytest.raises(UserError) as e:
     distributed.cluster_from(*args)
   assert words in str(e.value)
+
+
+def test_simulated_devices_are_asked_for_even_with_a_gpu_plugin_installed(monkeypatch):
+  """The gpu-aot extra installs the CUDA plugin: on a machine without a GPU JAX falls back to the CPU, which must
+  then still have the mesh's devices (on a GPU machine the CPU count is unused)."""
+  import jax
+
+  from jaxtrain.parallel import mesh as mesh_lib
+  asked = {}
+  monkeypatch.setattr(mesh_lib, "has_accelerator_plugin", lambda: True)
+  monkeypatch.delenv("JAX_NUM_CPU_DEVICES", raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "")
+  monkeypatch.setattr(jax.config, "update", lambda name, value: asked.__setitem__(name, value))
+  mesh_lib.provide_cpu_devices(64)
+  assert asked == {"jax_num_cpu_devices": 64}
