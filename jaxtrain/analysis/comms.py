@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+from jaxtrain.core.errors import UserError
 from jaxtrain.parallel import expert_layout as moe_layout
 from jaxtrain.analysis.memory import Row
 from jaxtrain.parallel import sharding
@@ -62,10 +63,13 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
         out["tensor"]["grad all-reduce (weights replicated over tensor)"] += int(
             k * ring * math.prod(r.device_shape) * r.count * GRAD_BYTES)
 
-  n = mesh.shape["sequence"]
-  if n > 1:
-    K = m.n_kv_heads // sharding.axis_ways("act_kv_heads", m.n_kv_heads, mesh)
-    out["sequence"]["ring K/V transfers (fwd+bwd)"] += 3 * k * (n - 1) * m.n_layers * T * 2 * K * m.head_dim * s
+  if mesh.shape["sequence"] > 1:
+    form = sequence_forms(cfg, mesh)
+    if m.sequence_attention == "ulysses":
+      out["sequence"]["ulysses all-to-all q/k/v/out (fwd+bwd)"] += k * m.n_layers * form["ulysses"]
+      out["sequence"]["segment ids all-gather"] += int(k * T * mesh.shape["sequence"] * 4 * form["gather share"])
+    else:
+      out["sequence"]["ring K/V transfers (fwd+bwd)"] += k * m.n_layers * form["ring"]
 
   for axis, items in moe_traffic(cfg, mesh).items():
     out[axis].update(items)
@@ -73,6 +77,22 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
     from jaxtrain.parallel import pipeline
     out["pipeline"].update(pipeline.traffic(cfg, mesh, rows))
   return {axis: dict(items) for axis, items in out.items()}
+
+
+def sequence_forms(cfg, mesh) -> dict:
+  """Bytes per device that one layer's attention moves over `sequence` (one microbatch, forward and backward) in
+  either form: ring, K/V to one neighbour n-1 times (and dK/dV back); ulysses, all-to-alls of q, k, v (KV heads
+  repeated to the degree where fewer) and the output, (n-1)/n of each. ulysses: the error where heads cannot split."""
+  from jaxtrain.parallel import ulysses
+  m, n = cfg.model, mesh.shape["sequence"]
+  T = sharding.tokens_per_device(cfg, mesh)
+  K = m.n_kv_heads // sharding.axis_ways("act_kv_heads", m.n_kv_heads, mesh)
+  out = {"ring": 3 * (n - 1) * T * 2 * K * m.head_dim * np.dtype(m.dtype).itemsize, "gather share": (n - 1) / n}
+  try:
+    out["ulysses"] = ulysses.traffic_per_layer(cfg, mesh, sharding.rules_for(cfg.run.sequence_parallel))
+  except UserError as e:
+    out["ulysses"] = str(e)
+  return out
 
 
 def moe_traffic(cfg, mesh) -> dict[str, dict[str, int]]:

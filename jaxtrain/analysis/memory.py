@@ -146,14 +146,25 @@ def _dims(cfg, mesh) -> dict:
       ("D", "act_embed", m.d_model), ("H", "act_heads", m.n_heads), ("K", "act_kv_heads", m.n_kv_heads),
       ("F", "act_mlp", m.d_ff), ("V", "act_vocab", m.vocab_size))}
   return dict(split, s=np.dtype(m.dtype).itemsize, c=np.dtype(m.attention_logits_dtype).itemsize, E=m.head_dim,
-              L=cfg.train.seq_len, T=sharding.tokens_per_device(cfg, mesh))
+              L=cfg.train.seq_len, T=sharding.tokens_per_device(cfg, mesh), R=_kernel_kv_heads(cfg, mesh, split))
+
+
+def _kernel_kv_heads(cfg, mesh, split) -> int:
+  """KV heads per token and device that the attention kernel keeps: ulysses repeats them to the degree where fewer
+  (the same bytes per token as the sequence-split layout otherwise)."""
+  m = cfg.model
+  if mesh is None or mesh.shape["sequence"] == 1 or m.sequence_attention != "ulysses":
+    return split["K"]
+  from jaxtrain.parallel import ulysses
+  tp, sp = ulysses.head_ways(sharding.rules_for(cfg.run.sequence_parallel), m.n_heads, mesh)
+  return m.n_kv_heads * ulysses.kv_repeat(m.n_heads, m.n_kv_heads, tp * sp) // tp
 
 
 def layer_residuals(cfg, mesh, kernel: str = "xla", packed_segments: int = 0) -> dict[str, float]:
   """Bytes per token that one layer keeps for its backward pass with remat none, per kernel."""
   d, m = _dims(cfg, mesh), cfg.model
-  s, c, D, H, K, F, E, L, T = (d[k] for k in "scDHKFELT")
-  out = {"norms": 2 * (8 + s) * D + 16, "qkvo": s * (2 * H + 2 * K) * E}
+  s, c, D, H, R, F, E, L, T = (d[k] for k in "scDHRFELT")
+  out = {"norms": 2 * (8 + s) * D + 16, "qkvo": s * (2 * H + 2 * R) * E}  # R: K, or ulysses' repeated KV heads
   if kernel == "xla":
     out["attention_matrix"] = H * (L * (1 + 2 * c + s) + 2 * c)
   else:  # cudnn: per segment slot, else per row (ring: per row of its blocks)

@@ -117,6 +117,8 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
       "notes": list(setup.notes),
       "warnings": replication_warnings(rows, mesh, warn_replicated),
   }
+  if mesh.shape["sequence"] > 1:  # both forms of attention over `sequence`, to choose model.sequence_attention
+    rep["sequence_attention"] = {"runs": cfg.model.sequence_attention, **comms.sequence_forms(cfg, mesh)}
   if mesh.shape.get("pipeline", 1) > 1:
     from jaxtrain.parallel import pipeline
     rep["pipeline"] = pipeline.report(cfg, mesh)
@@ -190,6 +192,11 @@ def render(rep: dict) -> str:
             f"{f['per_device_per_step']:.4g} per device per step", "", "Communication per device per step (analytic)"]
   L += [f"  {axis:<9} {human(sum(parts.values())):>12}  " + "; ".join(f"{k} {human(v)}" for k, v in parts.items())
         for axis, parts in rep["comms"].items()] or ["  none (single device)"]
+  if "sequence_attention" in rep:
+    f = rep["sequence_attention"]
+    form = lambda v: human(v) if isinstance(v, int) else f"cannot run ({v})"  # noqa: E731
+    L.append(f"  attention over sequence, per layer and microbatch (fwd+bwd): ring K/V {form(f['ring'])}; "
+             f"ulysses all-to-all {form(f['ulysses'])} (model.sequence_attention={f['runs']})")
   if rep["notes"] or rep["warnings"]:
     L.append("")
   notes = collections.Counter(memory.generic_path(n) for n in rep["notes"])  # repeated layers' notes, once

@@ -85,7 +85,12 @@ class ModelConfig:
       math=True)
   attention: Literal["auto", "xla", "cudnn"] = key(
       "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if "
-      "unsupported). With sequence > 1 ring attention runs (cudnn is then an error).", math=False)
+      "unsupported). With sequence > 1 it is the kernel inside ulysses (ring computes its own blocks: cudnn is "
+      "then an error).", math=False)
+  sequence_attention: Literal["ring", "ulysses"] = key(
+      "ring", "Attention with sequence > 1: ring (K/V blocks travel the ring, online softmax) or ulysses (all-to-alls "
+      "reshard q/k/v to whole sequences on a share of the heads, model.attention runs, one all-to-all back; "
+      "sequence x tensor must divide n_heads).", math=False)
   attention_max_segments: int = key(
       0, "cuDNN on Hopper+: most documents (segments) one row may hold, passed as O(L) offsets (no L x L mask); "
       "costs 4*M*heads*seq_len bytes of softmax statistics per row and layer; a row with more is an error. "

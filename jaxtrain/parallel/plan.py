@@ -27,6 +27,7 @@ class Plan:
   rules: dict[str, tuple[str, ...]]
   attention: str  # "xla" | "cudnn" | "ring"
   attention_why: str
+  ulysses: bool = False  # sequence > 1 by all-to-alls to whole sequences; `attention` is the kernel inside
   moe: str = "dense"  # "dense" | "local" | "all_to_all"
   moe_kernel: str = "capacity"  # "capacity" | "ragged_dot" | "blocks" (the last two: dropless)
   moe_group: int = 0  # capacity group in tokens (model.moe_group_size, what the MoE layer runs); 0 = one sequence
@@ -58,6 +59,13 @@ class Plan:
     if self.attention == "ring":
       from jaxtrain.parallel import ring
       return ring.ring_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, self)
+    if self.ulysses:
+      from jaxtrain.parallel import ulysses
+      return ulysses.attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, self)
+    return self.local_attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+
+  def local_attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
+    """The chosen kernel on arrays holding whole sequences."""
     if self.attention == "xla":
       return KERNELS["xla"](q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype=jnp.dtype(self.logits_dtype))
     if self.packed_segments:
@@ -108,16 +116,21 @@ def build(cfg, mesh, device=None) -> Plan:
   m = cfg.model
   info = devices.of(device if device is not None or mesh is None else mesh.devices.flat[0])
   sp = mesh.shape.get("sequence", 1) if mesh is not None else 1
-  if sp > 1:
+  ulysses = sp > 1 and m.sequence_attention == "ulysses"
+  if sp > 1 and not ulysses:
     if m.attention == "cudnn":
       raise UserError(f"model.attention=cudnn cannot run with sequence={sp}: ring attention computes its own "
-                      "blocks; use model.attention=auto or xla")
+                      "blocks; use model.attention=auto or xla, or model.sequence_attention=ulysses")
     impl, why, packed = "ring", f"ring attention over sequence={sp}, zig-zag blocks, online softmax", 0
   else:
     impl, why = attention_lib.select(m, cfg.train.seq_len, info)
     packed = m.attention_max_segments if impl == "cudnn" and attention_lib.uses_packed(m, info) else 0
+  if ulysses:
+    from jaxtrain.parallel import ulysses as ulysses_lib
+    why = f"{ulysses_lib.describe(m, mesh, sharding.rules_for(cfg.run.sequence_parallel))}; {why}"
   moe = "dense" if not m.moe_experts else ("local" if mesh is None else "all_to_all")
   return Plan(mesh=mesh, rules=sharding.rules_for(cfg.run.sequence_parallel), attention=impl, attention_why=why,
+              ulysses=ulysses,
               moe=moe, moe_kernel=moe_kernel(m, info.platform), platform=info.platform,
               moe_group=m.moe_group_size, seq_len=cfg.train.seq_len, remat=m.remat,
               logits_dtype=m.attention_logits_dtype, packed_segments=packed,
