@@ -63,11 +63,12 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
         out["tensor"]["grad all-reduce (weights replicated over tensor)"] += int(
             k * ring * math.prod(r.device_shape) * r.count * GRAD_BYTES)
 
-  if mesh.shape["sequence"] > 1:
+  n = mesh.shape["sequence"]
+  if n > 1:
     form = sequence_forms(cfg, mesh)
-    if m.sequence_attention == "ulysses":
+    if m.sequence_attention == "ulysses":  # the kernel masks whole sequences: their int32 segment ids, once
       out["sequence"]["ulysses all-to-all q/k/v/out (fwd+bwd)"] += k * m.n_layers * form["ulysses"]
-      out["sequence"]["segment ids all-gather"] += int(k * T * mesh.shape["sequence"] * 4 * form["gather share"])
+      out["sequence"]["segment ids all-gather"] += k * T * 4 * (n - 1)
     else:
       out["sequence"]["ring K/V transfers (fwd+bwd)"] += k * m.n_layers * form["ring"]
 
@@ -87,7 +88,7 @@ def sequence_forms(cfg, mesh) -> dict:
   m, n = cfg.model, mesh.shape["sequence"]
   T = sharding.tokens_per_device(cfg, mesh)
   K = m.n_kv_heads // sharding.axis_ways("act_kv_heads", m.n_kv_heads, mesh)
-  out = {"ring": 3 * (n - 1) * T * 2 * K * m.head_dim * np.dtype(m.dtype).itemsize, "gather share": (n - 1) / n}
+  out = {"ring": 3 * (n - 1) * T * 2 * K * m.head_dim * np.dtype(m.dtype).itemsize}
   try:
     out["ulysses"] = ulysses.traffic_per_layer(cfg, mesh, sharding.rules_for(cfg.run.sequence_parallel))
   except UserError as e:

@@ -1,7 +1,6 @@
 """Ulysses sequence parallelism (model.sequence_attention=ulysses) against one device, in the compiled
 program (all-to-alls, no gathered K/V) and in the analytic traffic, plus the refused head splits."""
 
-import math
 import re
 
 import jax
