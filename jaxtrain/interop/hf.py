@@ -23,7 +23,8 @@ from jaxtrain.core.errors import UserError
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe")
 QWEN3 = ("qwen3", "qwen3_moe")
 INDEX = "model.safetensors.index.json"
-HF_KEPT = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
+HF_KEPT = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
+           "vocab.json", "merges.txt")  # the last two: Qwen3's slow-tokenizer files beside tokenizer.json
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-weights some checkpoints carry; recomputed, never read
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
 READABLE = ("F32", "BF16", "F16")
