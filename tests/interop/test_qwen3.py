@@ -17,7 +17,7 @@ from tests.interop.test_generate import PROMPTS, _full_forward_greedy, _generate
 from tests.interop.test_hf import IDS, _bit_identical, _edited, _one_line_exit_2, _tensors  # noqa: E402
 
 # family -> (builder, the mesh it is imported and generated on)
-FAMILIES = {"qwen3": (H.qwen3, "fsdp=2,tp=2"), "qwen3_moe": (H.qwen3_moe, "fsdp=1")}
+FAMILIES = {"qwen3": (H.qwen3, "fsdp=2,tp=2"), "qwen3_moe": (H.qwen3_moe, "expert=2")}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
