@@ -95,6 +95,8 @@ def _qwen3_attention(hf: dict, where: str) -> dict:
 def _qwen3_keys(hf: dict, where: str) -> dict[str, Any]:
   """Qwen3: q/k norms; Qwen3-MoE: fine-grained experts (HF never drops tokens) and which layers are dense."""
   keys: dict[str, Any] = {"qk_norm": True}
+  if hf["model_type"] == "qwen3" and not hf.get("head_dim"):
+    keys["head_dim"] = 128  # Qwen3Config's default (Qwen3-MoE's attention falls back to d_model / heads, as Llama)
   X = hf.get("num_experts", hf.get("num_local_experts", 128)) if hf["model_type"] == "qwen3_moe" else 0
   if not X:
     return keys
