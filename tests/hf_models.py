@@ -88,3 +88,34 @@ def rel_err(a, b):
 
 def config_json(path):
   return json.loads((path / "config.json").read_text())
+
+
+def qwen3(path, *, tied=True, dtype="float32", seed=0):
+  """A 2-layer GQA Qwen3 (q/k norms; head_dim 16, not d_model / heads = 8) saved to `path`; returns the torch model."""
+  import torch
+  import transformers
+  torch.manual_seed(seed)
+  cfg = transformers.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied,
+                                 rope_theta=10000.0, initializer_range=0.2, max_position_embeddings=64)
+  m = transformers.Qwen3ForCausalLM(cfg).to(getattr(torch, dtype)).eval()
+  _perturb_norms(m, seed)
+  m.save_pretrained(path)
+  return m.float()
+
+
+def qwen3_moe(path, *, norm_topk_prob=False, mlp_only_layers=(0,), layers=3, seed=0):
+  """A GQA Qwen3-MoE: 8 fine-grained experts (width 16 beside dense width 64), top-3, the first layer dense;
+  norm_topk_prob false (transformers' default) routes by the raw softmax scores."""
+  import torch
+  import transformers
+  torch.manual_seed(seed)
+  cfg = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=16, num_experts=8, num_experts_per_tok=3, norm_topk_prob=norm_topk_prob,
+                                    mlp_only_layers=list(mlp_only_layers), initializer_range=0.2,
+                                    max_position_embeddings=64, rope_theta=10000.0)
+  m = transformers.Qwen3MoeForCausalLM(cfg).eval()
+  _perturb_norms(m, seed)
+  m.save_pretrained(path)
+  return m

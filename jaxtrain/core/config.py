@@ -47,11 +47,16 @@ class ModelConfig:
                                         math=True, min=1)
   norm_eps: float = key(1e-5, "RMSNorm epsilon (> 0).", math=True, min=0.0, open_min=True)
   tie_embeddings: bool = key(False, "Share the input embedding with the output projection.", math=True)
+  qk_norm: bool = key(False, "Per-head RMSNorm of q and k over head_dim before RoPE (Qwen3; params q_norm/k_norm).",
+                      math=True)
   init_std: float = key(0.02, "Std of the normal initializer of embeddings and projections.", math=True, min=0.0)
   dtype: Literal["bfloat16", "float16", "float32"] = key(
       "bfloat16", "Compute dtype. Parameters, Adam moments, logits and the loss are always float32.", math=True)
   moe_experts: int = key(0, "Experts per mixture-of-experts layer; 0 = dense MLP in every layer.", math=True, min=0)
-  moe_top_k: int = key(2, "Experts each token is routed to (weights renormalized over them).", math=True, min=1)
+  moe_top_k: int = key(2, "Experts each token is routed to (weights renormalized over them unless "
+                       "moe_norm_top_k=false).", math=True, min=1)
+  moe_norm_top_k: bool = key(True, "Normalize the top-k routing weights to sum to 1; false = the raw router "
+                             "scores (Hugging Face norm_topk_prob=false).", math=True)
   moe_every: int = key(1, "Layer i is MoE when (i + 1) % moe_every == 0; 1 = every layer.", math=True, min=1)
   moe_capacity_factor: float = key(1.25, "Expert capacity ceil(factor * G * top_k / experts) per group of G = "
                                    "moe_group_size tokens; 0 = C = G (never drop).", math=True, min=0.0)
@@ -72,7 +77,7 @@ class ModelConfig:
   moe_first_dense: int = key(0, "The first k layers are dense MLPs whatever moe_every says.", math=True, min=0)
   moe_router: Literal["softmax", "sigmoid"] = key(
       "softmax", "Router scores: softmax over experts, or per-expert sigmoid (DeepSeek-V3); the top-k "
-      "weights are normalized to sum to 1 either way.", math=True)
+      "weights are normalized to sum to 1 either way unless moe_norm_top_k=false.", math=True)
   moe_bias_rate: float = key(
       0.0, "Auxiliary-loss-free balancing: per-expert bias on the routing scores (selection only), moved by this "
       "much toward balance after every update; 0 = off (no bias).", math=True, min=0.0)

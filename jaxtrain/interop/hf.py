@@ -20,9 +20,11 @@ import numpy as np
 from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
 
-SUPPORTED = ("llama", "mistral", "mixtral")
+SUPPORTED = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe")
+QWEN3 = ("qwen3", "qwen3_moe")
 INDEX = "model.safetensors.index.json"
-HF_KEPT = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
+HF_KEPT = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
+           "vocab.json", "merges.txt")  # the last two: Qwen3's slow-tokenizer files beside tokenizer.json
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-weights some checkpoints carry; recomputed, never read
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
 READABLE = ("F32", "BF16", "F16")
@@ -44,6 +46,8 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
   mt = hf.get("model_type")
   if mt not in SUPPORTED:
     raise UserError(f"{where}: model_type={mt!r} is not supported; supported: {', '.join(SUPPORTED)}")
+  if mt in QWEN3:
+    hf = _qwen3_attention(hf, where)
   false = lambda v: v is False  # noqa: E731
   for field, ok, allowed in (("hidden_act", lambda v: v == "silu", "silu"), ("attention_bias", false, "false"),
                              ("mlp_bias", false, "false"), ("sliding_window", None, "null (no sliding window)"),
@@ -75,26 +79,69 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
     keys.update(moe_experts=hf.get("num_local_experts", 8), moe_top_k=hf.get("num_experts_per_tok", 2), moe_every=1,
                 moe_capacity_factor=0.0, moe_dropless=True, moe_aux_convention="hf",
                 moe_aux_weight=float(hf.get("router_aux_loss_coef", 0.001)), moe_z_weight=0.0)
+  keys.update(_qwen3_keys(hf, where) if mt in QWEN3 else {})
   return keys
+
+
+def _qwen3_attention(hf: dict, where: str) -> dict:
+  """Qwen3 configs carry a sliding_window that only applies with use_sliding_window (never in released ones)."""
+  if hf.get("use_sliding_window"):
+    raise UserError(f"{where}: use_sliding_window=true is not supported; allowed: false (full attention)")
+  if any(t != "full_attention" for t in hf.get("layer_types") or []):
+    raise UserError(f"{where}: layer_types={hf['layer_types']!r} is not supported; allowed: only 'full_attention'")
+  return {**hf, "sliding_window": None}
+
+
+def _qwen3_keys(hf: dict, where: str) -> dict[str, Any]:
+  """Qwen3: q/k norms; Qwen3-MoE: fine-grained experts (HF never drops tokens) and which layers are dense."""
+  keys: dict[str, Any] = {"qk_norm": True}
+  if hf["model_type"] == "qwen3" and not hf.get("head_dim"):
+    keys["head_dim"] = 128  # Qwen3Config's default (Qwen3-MoE's attention falls back to d_model / heads, as Llama)
+  X = hf.get("num_experts", hf.get("num_local_experts", 128)) if hf["model_type"] == "qwen3_moe" else 0
+  if not X:
+    return keys
+  n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1
+  dense = sorted(hf.get("mlp_only_layers") or [])
+  moe = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+  # jaxtrain's layer rule (moe_first_dense, moe_every) must give the same MoE layers
+  first = next((k for k in range(n + 1) if moe == [i for i in range(k, n) if (i + 1) % step == 0]), None)
+  if first is None:
+    raise UserError(f"{where}: mlp_only_layers={dense} with decoder_sparse_step={step} is not supported; allowed: "
+                    "the first k layers dense (mlp_only_layers=[0, ..., k-1])")
+  keys.update(moe_experts=X, moe_top_k=hf.get("num_experts_per_tok", 8), moe_every=step, moe_first_dense=first,
+              moe_expert_d_ff=hf.get("moe_intermediate_size", 768), moe_norm_top_k=bool(hf.get("norm_topk_prob")),
+              moe_capacity_factor=0.0, moe_dropless=True, moe_aux_convention="hf",
+              moe_aux_weight=float(hf.get("router_aux_loss_coef", 0.001)), moe_z_weight=0.0)
+  return keys
+
+
+def family(m) -> str:
+  """The Hugging Face model_type a jaxtrain model exports as."""
+  return ("qwen3_moe" if m.moe_experts else "qwen3") if m.qk_norm else ("mixtral" if m.moe_experts else "llama")
 
 
 def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
   """The exported config.json; fields of `base` (the imported one) that jaxtrain does not model are kept."""
   m = cfg.model
-  moe = m.moe_experts > 0
-  if moe and m.moe_every != 1:
+  moe, fam = m.moe_experts > 0, family(m)
+  if fam == "mixtral" and m.moe_every != 1:
     raise UserError(f"model.moe_every={m.moe_every}: a Mixtral checkpoint has MoE in every layer; only 1 exports")
-  for k, plain in (("moe_shared_experts", 0), ("moe_first_dense", 0), ("moe_router", "softmax"), ("moe_bias_rate", 0.)):
-    if moe and getattr(m, k) != plain:
-      raise UserError(f"model.{k}={getattr(m, k)!r}: Mixtral has no such layers; only {plain!r} exports")
-  if moe and m.moe_expert_d_ff not in (0, m.d_ff):
+  plain = (("moe_shared_experts", 0), ("moe_router", "softmax"), ("moe_bias_rate", 0.))
+  if fam == "mixtral":
+    plain += (("moe_first_dense", 0), ("moe_norm_top_k", True))
+  for k, v in plain:
+    if moe and getattr(m, k) != v:
+      raise UserError(f"model.{k}={getattr(m, k)!r}: a {fam} checkpoint cannot hold it; only {v!r} exports")
+  if fam == "mixtral" and m.moe_expert_d_ff not in (0, m.d_ff):
     raise UserError(f"model.moe_expert_d_ff={m.moe_expert_d_ff}: Mixtral experts are d_ff={m.d_ff} wide; only 0 or "
                     f"{m.d_ff} exports")
   drop = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "architectures", "model_type",
-          "transformers_version", "sliding_window")
+          "transformers_version", "sliding_window", "num_local_experts", "num_experts", "layer_types")
   out = {k: v for k, v in base.items() if k not in drop}
+  arch = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+          "qwen3_moe": "Qwen3MoeForCausalLM"}[fam]
   out.update(
-      architectures=["MixtralForCausalLM" if moe else "LlamaForCausalLM"], model_type="mixtral" if moe else "llama",
+      architectures=[arch], model_type=fam,
       vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff, num_hidden_layers=m.n_layers,
       num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, head_dim=m.head_dim, hidden_act="silu",
       rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings, torch_dtype=dtype,
@@ -105,11 +152,18 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
   if m.rope_scaling == "llama3":
     out.setdefault("max_position_embeddings", int(m.rope_original_max_position * m.rope_factor))
   out.setdefault("max_position_embeddings", max(8192, cfg.train.seq_len))
-  if moe:
+  if fam == "mixtral":
     out.update(num_local_experts=m.moe_experts, num_experts_per_tok=m.moe_top_k, sliding_window=None,
                router_aux_loss_coef=m.moe_aux_weight, output_router_logits=False)
-  else:
+  elif fam == "llama":
     out.update(attention_bias=False, mlp_bias=False)
+  else:  # Qwen3 (dense or MoE): full attention everywhere
+    out.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+    if moe:
+      out.update(num_experts=m.moe_experts, num_experts_per_tok=m.moe_top_k, norm_topk_prob=m.moe_norm_top_k,
+                 moe_intermediate_size=m.moe_expert_d_ff or m.d_ff, decoder_sparse_step=m.moe_every,
+                 mlp_only_layers=list(range(m.moe_first_dense)), router_aux_loss_coef=m.moe_aux_weight,
+                 output_router_logits=False)
   if tokenizer is not None:
     out.setdefault("eos_token_id", tokenizer.eos_id)
     if tokenizer.bos_id is not None:
@@ -146,10 +200,16 @@ def _block(cfg, moe: bool) -> list[tuple]:
       ("o", (D, H * E), (H, E, D)))]
   rows += [(("attn_norm", "scale"), "input_layernorm.weight", (D,), None),
            (("mlp_norm", "scale"), "post_attention_layernorm.weight", (D,), None)]
+  if cfg.qk_norm:
+    rows += [(("attn", f"{p}_norm", "scale"), f"self_attn.{p}_norm.weight", (E,), None) for p in "qk"]
+  qwen = family(cfg) == "qwen3_moe"  # Qwen3-MoE names its experts like dense MLPs; Mixtral w1/w3/w2
   if moe:
-    rows.append((("mlp", "router"), "block_sparse_moe.gate.weight", (cfg.moe_experts, D), (D, cfg.moe_experts)))
+    F = cfg.moe_expert_d_ff or F
+    rows.append((("mlp", "router"), "mlp.gate.weight" if qwen else "block_sparse_moe.gate.weight",
+                 (cfg.moe_experts, D), (D, cfg.moe_experts)))
   for p, expert, shape in (("gate", "w1", (F, D)), ("up", "w3", (F, D)), ("down", "w2", (D, F))):
-    suffix = f"block_sparse_moe.experts.{{x}}.{expert}.weight" if moe else f"mlp.{p}_proj.weight"
+    suffix = (f"mlp.experts.{{x}}.{p}_proj.weight" if qwen else f"block_sparse_moe.experts.{{x}}.{expert}.weight"
+              ) if moe else f"mlp.{p}_proj.weight"
     rows.append((("mlp", f"w_{p}"), suffix, shape, shape[::-1]))
   return rows
 

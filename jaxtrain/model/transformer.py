@@ -76,6 +76,9 @@ class Attention(nnx.Module):
     self.wk = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
     self.wv = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
     self.wo = _param(rngs, (H, E, D), ("heads", "head_dim", "embed"), std)
+    if cfg.qk_norm:  # Qwen3: one scale over head_dim shared by every head, so replicated under tensor
+      self.q_norm, self.k_norm = RMSNorm(E, cfg.norm_eps), RMSNorm(E, cfg.norm_eps)
+    self.qk_norm = cfg.qk_norm
 
   def __call__(self, x_BxLxD, rope_tables, seg_BxL, plan, cache=None):
     """With a KV `cache` (decoding) returns (output, updated {"k", "v"})."""
@@ -83,6 +86,8 @@ class Attention(nnx.Module):
     q_BxLxHxE = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
     k_BxLxKxE = jnp.einsum("bld,dke->blke", x_BxLxD, self.wk[...].astype(dt))
     v_BxLxKxE = jnp.einsum("bld,dke->blke", x_BxLxD, self.wv[...].astype(dt))
+    if self.qk_norm:
+      q_BxLxHxE, k_BxLxKxE = self.q_norm(q_BxLxHxE), self.k_norm(k_BxLxKxE)
     q_BxLxHxE = plan.constrain(rope(q_BxLxHxE, rope_tables), ("batch", "length", "act_heads", None))
     k_BxLxKxE = plan.constrain(rope(k_BxLxKxE, rope_tables), ("batch", "length", "act_kv_heads", None))
     v_BxLxKxE = plan.constrain(v_BxLxKxE, ("batch", "length", "act_kv_heads", None))
@@ -133,7 +138,8 @@ class MoE(nnx.Module):
     bias = jax.lax.stop_gradient(self.router_bias[...]) if c.moe_bias_rate > 0 else None
     y_BxLxD, stats = plan.moe_ffn(x_BxLxD, self.router[...], self.w_gate[...].astype(dt), self.w_up[...].astype(dt),
                                   self.w_down[...].astype(dt), top_k=c.moe_top_k,
-                                  capacity_factor=c.moe_capacity_factor, score=c.moe_router, bias_X=bias)
+                                  capacity_factor=c.moe_capacity_factor, score=c.moe_router, bias_X=bias,
+                                  norm_top_k=c.moe_norm_top_k)
     if c.moe_shared_experts:
       y_BxLxD = y_BxLxD + self.shared(x_BxLxD, plan)
     return y_BxLxD, stats

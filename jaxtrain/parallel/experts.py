@@ -12,8 +12,9 @@ from jaxtrain.parallel import experts_dropless as moe_dropless, expert_layout as
 capacity = moe_layout.capacity  # analysis.memory reads it here
 
 
-def route(x_BxLxD, router_DxX, top_k: int, score: str = "softmax", bias_X=None):
-  """-> ids (B,L,k) int32, weights (B,L,k) f32 summing to 1, stats: balance, z, share f_e, prob P_e, load (X,)."""
+def route(x_BxLxD, router_DxX, top_k: int, score: str = "softmax", bias_X=None, norm_top_k: bool = True):
+  """-> ids (B,L,k) int32, weights (B,L,k) f32 (summing to 1 if norm_top_k, else the raw scores), stats: balance,
+  z, share f_e, prob P_e, load (X,)."""
   B, L, _ = x_BxLxD.shape
   X = router_DxX.shape[1]
   logits_BxLxX = jnp.einsum("bld,dx->blx", x_BxLxD.astype(jnp.float32), router_DxX.astype(jnp.float32))
@@ -25,7 +26,8 @@ def route(x_BxLxD, router_DxX, top_k: int, score: str = "softmax", bias_X=None):
   pick = scores_BxLxX if bias_X is None else scores_BxLxX + jax.lax.stop_gradient(bias_X.astype(jnp.float32))
   _, idx_BxLxk = jax.lax.top_k(pick, top_k)
   w_BxLxk = jnp.take_along_axis(scores_BxLxX, idx_BxLxk, axis=-1)
-  w_BxLxk = w_BxLxk / jnp.sum(w_BxLxk, axis=-1, keepdims=True)
+  if norm_top_k:
+    w_BxLxk = w_BxLxk / jnp.sum(w_BxLxk, axis=-1, keepdims=True)
   load_X = jnp.sum(jax.nn.one_hot(idx_BxLxk, X, dtype=jnp.float32), axis=(0, 1, 2))
   share_X = load_X / (B * L * top_k)
   prob_X = jnp.mean(probs_BxLxX, axis=(0, 1))
@@ -76,10 +78,11 @@ def experts_ffn(buf_XxNxD, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, plan, slot_ax
 
 
 def moe_ffn(x_BxLxD, router_DxX, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, *, top_k: int,
-            capacity_factor: float, plan, group_size: int = 0, score: str = "softmax", bias_X=None):
+            capacity_factor: float, plan, group_size: int = 0, score: str = "softmax", bias_X=None,
+            norm_top_k: bool = True):
   """The MoE feed-forward as the plan says: (y_BxLxD, `route`'s stats + dropped and assigned counts)."""
   B, L, D = x_BxLxD.shape
-  idx, w, stats = route(x_BxLxD, router_DxX, top_k, score, bias_X)
+  idx, w, stats = route(x_BxLxD, router_DxX, top_k, score, bias_X, norm_top_k)
   weights = tuple(a.astype(x_BxLxD.dtype) for a in (w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD))
   if plan.moe_kernel != "capacity":
     y, dropped = moe_dropless.ffn(x_BxLxD, idx, w, weights, plan), jnp.float32(0)

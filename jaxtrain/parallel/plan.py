@@ -81,10 +81,11 @@ class Plan:
                         f"{self.packed_segments}; raise it to at least {most}, or set it to 0 (L x L mask)")
 
   def moe_ffn(self, x_BxLxD, router_DxX, w_gate, w_up, w_down, *, top_k: int, capacity_factor: float,
-              score: str = "softmax", bias_X=None):
+              score: str = "softmax", bias_X=None, norm_top_k: bool = True):
     from jaxtrain.parallel import experts as moe
     return moe.moe_ffn(x_BxLxD, router_DxX, w_gate, w_up, w_down, top_k=top_k, capacity_factor=capacity_factor,
-                       plan=self, group_size=self.moe_group, score=score, bias_X=bias_X)
+                       plan=self, group_size=self.moe_group, score=score, bias_X=bias_X,
+                       norm_top_k=norm_top_k)
 
   def describe(self) -> str:
     group = self.moe_group or self.seq_len
