@@ -92,6 +92,7 @@ MATH_KEYS = {
     "model.moe_z_weight", "model.moe_group_size", "model.moe_dropless", "model.moe_expert_d_ff",
     "model.moe_shared_experts", "model.moe_first_dense", "model.moe_router", "model.moe_bias_rate",
     "model.moe_aux_convention",
+    "model.qk_norm", "model.moe_norm_top_k",  # Qwen3: per-head q/k norms; unnormalized top-k weights
     # stacked layers: the same numbers, but the saved parameter tree has another shape
     "model.scan_layers",
     # the optimizer and its schedule (train.steps sets the decay length)
