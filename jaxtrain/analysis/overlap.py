@@ -4,8 +4,8 @@ Read from the optimized HLO: each computation lists its instructions in XLA's sc
 kernels between an async collective's start and its done are the compute it can hide behind. Times
 are estimates, not measurements: a collective takes its wire bytes (ring: (n-1)/n of the larger side,
 twice for an all-reduce) over the device table's link bandwidth; a kernel takes the roofline
-max(FLOPs / peak bf16, bytes / HBM bandwidth), its FLOPs counted from its dots, cuBLAS gemms and cuDNN
-attention calls (which XLA's cost analysis cannot see) and its bytes from its operands and result.
+max(FLOPs / peak, bytes / HBM bandwidth) (the FP8 peak for an FP8 GEMM, else bf16's), its FLOPs counted from its
+dots, cuBLAS gemms and cuDNN attention calls (which XLA's cost analysis cannot see) and its bytes from its operands and result.
 Loop bodies count trip-count times. Collectives in flight together are each credited the whole window
 (one link is shared), so the exposed time is a lower bound.
 """
@@ -90,7 +90,13 @@ class Costs:
       return max((self.computation(c) for c in callees), default=0.0)
     if i.opcode in _NOT_KERNELS or i.opcode.endswith(("-start", "-done", "-update")) or i.opcode in COLLECTIVES:
       return 0.0
-    return max(self.flops(i) / self.row.peak_bf16_flops, self.nbytes(i) / self.row.bandwidth)
+    return max(self.flops(i) / self.peak(i), self.nbytes(i) / self.row.bandwidth)
+
+  def peak(self, i) -> float:
+    """The row's FP8 peak for an FP8 GEMM (a cuBLASLt FP8 call, a fusion or dot reading f8), else bf16's."""
+    fp8 = ('$f8"' in i.rest or any(self.shapes.get(o, "").startswith("f8") for o in _operands(i))) and bool(
+        self.flops(i))
+    return (self.row.peak_fp8_flops or self.row.peak_bf16_flops) if fp8 else self.row.peak_bf16_flops
 
   def nbytes(self, i) -> int:
     """HBM bytes of a kernel: operands and result, but of an operand the fusion only slices (a scanned
