@@ -255,7 +255,7 @@ def gemms(hlo: Hlo) -> dict:
   Triton GEMM fusions, dots)."""
   shapes = {i.name: i.shape for i in hlo.instrs}
   dots = [i for i in hlo.instrs if i.opcode == "dot"]
-  reads_f8 = lambda i: any(shapes.get(o, "").startswith("f8") for o in re.findall(r"%([\w.\-]+)", i.rest.split("),", 1)[0]))  # noqa: E731
+  reads_f8 = lambda i: any(shapes.get(o, "").startswith("f8") for o in operands(i))  # noqa: E731
   fused: dict[str, bool] = {}  # computation holding a dot -> whether one of its dots reads f8
   for i in dots:
     fused[i.computation] = fused.get(i.computation, False) or reads_f8(i)
@@ -278,13 +278,31 @@ def gemms(hlo: Hlo) -> dict:
   return out
 
 
+def dims(shape: str) -> list[int]:
+  m = re.search(r"\[([0-9,]*)\]", shape)
+  return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def operands(i) -> list[str]:
+  return re.findall(r"%([\w.\-]+)", i.rest.split("),", 1)[0])
+
+
+def dot_flops(i, shapes: dict[str, str]) -> float:
+  """2 x result x contracted size of a dot or a cuBLAS GEMM custom call (its backend config's dimensions)."""
+  ops = operands(i)
+  lhs = dims(shapes.get(ops[0], "")) if ops else []
+  m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", i.rest) or re.search(
+      r'"lhs_contracting_dimensions":\[([^\]]*)\]', i.rest)
+  axes = [int(x.strip('" ')) for x in m.group(1).split(",") if x.strip('" ')] if m else []
+  return 2.0 * math.prod(dims(i.shape)) * math.prod(lhs[a] for a in axes if a < len(lhs))
+
+
 def _cublas_flops(hlo: Hlo) -> tuple[float, float]:
   """(FP8, other) FLOPs per step of the cuBLAS GEMM custom calls, which XLA's cost analysis does not count."""
-  from jaxtrain.analysis.overlap import Costs  # it reads this module's parser
-  costs, out = Costs(hlo, None), [0.0, 0.0]
+  shapes, out = {i.name: i.shape for i in hlo.instrs}, [0.0, 0.0]
   for i in hlo.instrs:
     if i.opcode == "custom-call" and 'custom_call_target="__cublas' in i.rest:
-      out['$f8"' not in i.rest] += costs.flops(i) * hlo.times.get(i.computation, 1)
+      out['$f8"' not in i.rest] += dot_flops(i, shapes) * hlo.times.get(i.computation, 1)
   return out[0], out[1]
 
 

@@ -16,20 +16,11 @@ import functools
 import math
 import re
 
-from jaxtrain.analysis.gpu_compile import COLLECTIVES, Hlo, shape_bytes
+from jaxtrain.analysis.gpu_compile import COLLECTIVES, Hlo, dot_flops, operands as _operands, shape_bytes
+from jaxtrain.analysis.gpu_compile import dims as _dims
 
-_DIMS = re.compile(r"\[([0-9,]*)\]")
 _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "partition-id",
                 "replica-id", "after-all", "add-dependency", "iota"}
-
-
-def _dims(shape: str) -> list[int]:
-  m = _DIMS.search(shape)
-  return [int(d) for d in m.group(1).split(",") if d] if m else []
-
-
-def _operands(i) -> list[str]:
-  return re.findall(r"%([\w.\-]+)", i.rest.split("),", 1)[0])
 
 
 def group_size(rest: str) -> int:
@@ -54,17 +45,10 @@ class Costs:
     for i in hlo.instrs:
       self.by_comp.setdefault(i.computation, []).append(i)
 
-  def _dot(self, i, contracting: str) -> float:
-    ops = _operands(i)
-    lhs = _dims(self.shapes.get(ops[0], "")) if ops else []
-    m = re.search(contracting, i.rest)
-    axes = [int(x.strip('" ')) for x in m.group(1).split(",") if x.strip('" ')] if m else []
-    return 2.0 * math.prod(_dims(i.shape)) * math.prod(lhs[a] for a in axes if a < len(lhs))
-
   def flops(self, i) -> float:
     """Matmul FLOPs of one instruction: a dot, a fusion's dots, a cuBLAS gemm or a cuDNN attention call."""
     if i.opcode == "dot":
-      return self._dot(i, r"lhs_contracting_dims=\{([0-9,]*)\}")
+      return dot_flops(i, self.shapes)
     if i.opcode == "fusion":
       callee = re.search(r"calls=%?([\w.\-]+)", i.rest)
       return sum(self.flops(j) for j in self.by_comp.get(callee.group(1), ())) if callee else 0.0
@@ -72,7 +56,7 @@ class Costs:
     if i.opcode != "custom-call" or not target:
       return 0.0
     if target.group(1).startswith("__cublas"):
-      return self._dot(i, r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+      return dot_flops(i, self.shapes)
     if target.group(1).startswith("__cudnn$fmha"):
       q, k = (_dims(self.shapes.get(o, "")) for o in _operands(i)[:2])
       shared = [x for x in q[:-1] if x in k[:-1]]  # self-attention: the sequence is the largest shared dim
