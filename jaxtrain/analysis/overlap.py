@@ -4,8 +4,9 @@ Read from the optimized HLO: each computation lists its instructions in XLA's sc
 kernels between an async collective's start and its done are the compute it can hide behind. Times
 are estimates, not measurements: a collective takes its wire bytes (ring: (n-1)/n of the larger side,
 twice for an all-reduce) over the device table's link bandwidth; a kernel takes the roofline
-max(FLOPs / peak, bytes / HBM bandwidth) (the FP8 peak for an FP8 GEMM, else bf16's), its FLOPs counted from its
-dots, cuBLAS gemms and cuDNN attention calls (which XLA's cost analysis cannot see) and its bytes from its operands and result.
+max(FLOPs / peak, bytes / HBM bandwidth) (the FP8 peak for an FP8 GEMM, else bf16's), its FLOPs counted
+from its dots, cuBLAS gemms and cuDNN attention calls (which XLA's cost analysis cannot see) and its bytes
+from its operands and result.
 Loop bodies count trip-count times. Collectives in flight together are each credited the whole window
 (one link is shared), so the exposed time is a lower bound.
 """

@@ -22,7 +22,8 @@ class Device:
 
 TABLE: dict[str, Device] = {
     "H200": Device(989e12, 141 * 10**9, 4.8e12, "9.0", 450e9, 1979e12),
-    "H100": Device(989e12, 80 * GiB, 3.35e12, "9.0", 450e9, 1979e12),  # SXM; the PCIe card is lower and reports "H100 PCIe"
+    # SXM; the PCIe card is lower and reports "H100 PCIe"
+    "H100": Device(989e12, 80 * GiB, 3.35e12, "9.0", 450e9, 1979e12),
     "H100 PCIe": Device(756e12, 80 * GiB, 2.0e12, "9.0", peak_fp8_flops=1513e12),
     "H100 NVL": Device(835e12, 94 * GiB, 3.9e12, "9.0", peak_fp8_flops=1671e12),
     "GH200": Device(989e12, 96 * GiB, None, "9.0", peak_fp8_flops=1979e12),

@@ -86,3 +86,12 @@ def test_fp8_float32_losses_on_fsdp2_tp2_match_one_device():
   plain = trajectory(config.load("tiny", sets), "data=1", 2)[:, 0]
   np.testing.assert_allclose(mesh, one, rtol=0, atol=1e-5)
   assert np.abs(plain - one).max() > 1e-4, (plain, one)
+
+
+def test_inspect_labels_an_fp8_run_and_says_mfu_keeps_the_bf16_peak():
+  from jaxtrain.analysis import report
+  from tests.helpers import mesh_of
+  text = report.render(report.report(config.load("tiny", ["model.fp8=tensorwise"]), mesh_of("data=1"), "tiny"))
+  assert "compute bfloat16, FP8 projections (model.fp8=tensorwise)" in text.splitlines()[0]
+  assert "MFU of an FP8 run keeps the bf16 peak as its denominator" in text
+  assert "FP8" not in report.render(report.report(config.load("tiny"), mesh_of("data=1"), "tiny"))
