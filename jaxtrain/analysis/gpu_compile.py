@@ -118,7 +118,7 @@ def _capability_of(device):
 def compiler_options(cfg) -> dict[str, str]:
   """The config's XLA flags (run.xla_flags preset + extra) as compile options, as the trainer's XLA_FLAGS."""
   from jaxtrain.parallel import xla_flags
-  flags = xla_flags.PRESETS[cfg.run.xla_flags] + xla_flags.parse(cfg.run.xla_flags_extra)
+  flags = xla_flags.PRESETS[cfg.run.xla_flags] + xla_flags.parse(xla_flags.extra(cfg))
   # typed values: XLA refuses the string 'true' for a bool option ("is not a valid bool value")
   typed = lambda v: {"true": True, "false": False}.get(v, int(v) if v.lstrip("-").isdigit() else v)  # noqa: E731
   return {f.split("=", 1)[0].removeprefix("--"): typed((f.split("=", 1) + ["true"])[1]) for f in flags}
@@ -249,6 +249,63 @@ def cudnn_attention_calls(hlo: Hlo) -> dict:
   return {"ops": len(calls), "per_step": sum(hlo.times.get(i.computation, 1) for i in calls)}
 
 
+def gemms(hlo: Hlo) -> dict:
+  """Matmul kernels by format, in the program and executed per step: `fp8` = cuBLASLt FP8 custom calls
+  (`__cublas$lt$matmul$f8`) and GEMM fusions or dots that read an f8 operand; `other` = the rest (cuBLAS,
+  Triton GEMM fusions, dots)."""
+  shapes = {i.name: i.shape for i in hlo.instrs}
+  dots = [i for i in hlo.instrs if i.opcode == "dot"]
+  reads_f8 = lambda i: any(shapes.get(o, "").startswith("f8") for o in operands(i))  # noqa: E731
+  fused: dict[str, bool] = {}  # computation holding a dot -> whether one of its dots reads f8
+  for i in dots:
+    fused[i.computation] = fused.get(i.computation, False) or reads_f8(i)
+  callers = {c for i in hlo.instrs if i.opcode == "fusion" for c in re.findall(r"calls=%?([\w.\-]+)", i.rest)}
+  out = {k: {"ops": 0, "per_step": 0} for k in ("fp8", "other")}
+  for i in hlo.instrs:
+    target = re.search(r'custom_call_target="(__cublas[^"]*)"', i.rest) if i.opcode == "custom-call" else None
+    callee = re.search(r"calls=%?([\w.\-]+)", i.rest) if i.opcode == "fusion" else None
+    if target:
+      f8 = target.group(1).endswith("$f8")
+    elif callee and callee.group(1) in fused:
+      f8 = fused[callee.group(1)] or reads_f8(i)
+    elif i.opcode == "dot" and i.computation not in callers:
+      f8 = reads_f8(i)
+    else:
+      continue
+    r = out["fp8" if f8 else "other"]
+    r["ops"] += 1
+    r["per_step"] += hlo.times.get(i.computation, 1)
+  return out
+
+
+def dims(shape: str) -> list[int]:
+  m = re.search(r"\[([0-9,]*)\]", shape)
+  return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def operands(i) -> list[str]:
+  return re.findall(r"%([\w.\-]+)", i.rest.split("),", 1)[0])
+
+
+def dot_flops(i, shapes: dict[str, str]) -> float:
+  """2 x result x contracted size of a dot or a cuBLAS GEMM custom call (its backend config's dimensions)."""
+  ops = operands(i)
+  lhs = dims(shapes.get(ops[0], "")) if ops else []
+  m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", i.rest) or re.search(
+      r'"lhs_contracting_dimensions":\[([^\]]*)\]', i.rest)
+  axes = [int(x.strip('" ')) for x in m.group(1).split(",") if x.strip('" ')] if m else []
+  return 2.0 * math.prod(dims(i.shape)) * math.prod(lhs[a] for a in axes if a < len(lhs))
+
+
+def _cublas_flops(hlo: Hlo) -> tuple[float, float]:
+  """(FP8, other) FLOPs per step of the cuBLAS GEMM custom calls, which XLA's cost analysis does not count."""
+  shapes, out = {i.name: i.shape for i in hlo.instrs}, [0.0, 0.0]
+  for i in hlo.instrs:
+    if i.opcode == "custom-call" and 'custom_call_target="__cublas' in i.rest:
+      out['$f8"' not in i.rest] += dot_flops(i, shapes) * hlo.times.get(i.computation, 1)
+  return out[0], out[1]
+
+
 def square_buffers(hlo: Hlo, length: int) -> list[str]:
   """Array types in the program with two dimensions equal to `length`: an L x L buffer."""
   return sorted({f"{dt}[{dims}]" for dt, dims in _ARRAY.findall(hlo.text)
@@ -293,7 +350,7 @@ def analyse(compiled, mesh, seq_len: int | None = None, plan=None) -> dict:
   hlo = Hlo.parse(compiled.as_text())
   out = {"backend": "cuda" if gpu else dev.platform, "device_kind": dev.device_kind,
          "compiler": "XLA:GPU, compile-only" if gpu else f"XLA:{dev.platform.upper()}",
-         "collectives": collectives(hlo), "cudnn_attention": cudnn_attention_calls(hlo)}
+         "collectives": collectives(hlo), "cudnn_attention": cudnn_attention_calls(hlo), "gemms": gemms(hlo)}
   if plan is not None:
     out["attention"] = {"kernel": plan.attention, "reason": plan.attention_why}
   if seq_len:
@@ -303,11 +360,16 @@ def analyse(compiled, mesh, seq_len: int | None = None, plan=None) -> dict:
     out["cost"] = c
     row = devices.of(dev).entry if gpu else None
     if row and row.peak_bf16_flops and row.bandwidth and "flops" in c:
-      t_flops, t_bytes = c["flops"] / row.peak_bf16_flops, c["bytes_accessed"] / row.bandwidth
+      fp8, other = _cublas_flops(hlo)
+      peak_fp8 = row.peak_fp8_flops or row.peak_bf16_flops
+      t_flops = (c["flops"] + other) / row.peak_bf16_flops + fp8 / peak_fp8
+      t_bytes = c["bytes_accessed"] / row.bandwidth
       out["roofline"] = {
           "seconds": max(t_flops, t_bytes), "compute_seconds": t_flops, "memory_seconds": t_bytes,
           "bound": "compute" if t_flops >= t_bytes else "memory",
-          "peak_flops": row.peak_bf16_flops, "bandwidth": row.bandwidth,
-          "label": "lower bound, not a measurement: max(FLOPs / peak bf16, bytes / HBM bandwidth) of XLA's "
-                   "cost analysis; excludes communication and the work inside cuDNN calls"}
+          "peak_flops": row.peak_bf16_flops, "peak_fp8_flops": peak_fp8, "fp8_gemm_flops": fp8,
+          "bandwidth": row.bandwidth,
+          "label": "lower bound, not a measurement: max(FLOPs / peak bf16 (FP8 GEMMs: / peak FP8), bytes / HBM "
+                   "bandwidth) of XLA's cost analysis plus the cuBLAS GEMMs it cannot see; excludes communication "
+                   "and the work inside cuDNN calls"}
   return out

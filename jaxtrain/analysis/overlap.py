@@ -4,8 +4,9 @@ Read from the optimized HLO: each computation lists its instructions in XLA's sc
 kernels between an async collective's start and its done are the compute it can hide behind. Times
 are estimates, not measurements: a collective takes its wire bytes (ring: (n-1)/n of the larger side,
 twice for an all-reduce) over the device table's link bandwidth; a kernel takes the roofline
-max(FLOPs / peak bf16, bytes / HBM bandwidth), its FLOPs counted from its dots, cuBLAS gemms and cuDNN
-attention calls (which XLA's cost analysis cannot see) and its bytes from its operands and result.
+max(FLOPs / peak, bytes / HBM bandwidth) (the FP8 peak for an FP8 GEMM, else bf16's), its FLOPs counted
+from its dots, cuBLAS gemms and cuDNN attention calls (which XLA's cost analysis cannot see) and its bytes
+from its operands and result.
 Loop bodies count trip-count times. Collectives in flight together are each credited the whole window
 (one link is shared), so the exposed time is a lower bound.
 """
@@ -16,20 +17,11 @@ import functools
 import math
 import re
 
-from jaxtrain.analysis.gpu_compile import COLLECTIVES, Hlo, shape_bytes
+from jaxtrain.analysis.gpu_compile import COLLECTIVES, Hlo, dot_flops, operands as _operands, shape_bytes
+from jaxtrain.analysis.gpu_compile import dims as _dims
 
-_DIMS = re.compile(r"\[([0-9,]*)\]")
 _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "partition-id",
                 "replica-id", "after-all", "add-dependency", "iota"}
-
-
-def _dims(shape: str) -> list[int]:
-  m = _DIMS.search(shape)
-  return [int(d) for d in m.group(1).split(",") if d] if m else []
-
-
-def _operands(i) -> list[str]:
-  return re.findall(r"%([\w.\-]+)", i.rest.split("),", 1)[0])
 
 
 def group_size(rest: str) -> int:
@@ -54,17 +46,10 @@ class Costs:
     for i in hlo.instrs:
       self.by_comp.setdefault(i.computation, []).append(i)
 
-  def _dot(self, i, contracting: str) -> float:
-    ops = _operands(i)
-    lhs = _dims(self.shapes.get(ops[0], "")) if ops else []
-    m = re.search(contracting, i.rest)
-    axes = [int(x.strip('" ')) for x in m.group(1).split(",") if x.strip('" ')] if m else []
-    return 2.0 * math.prod(_dims(i.shape)) * math.prod(lhs[a] for a in axes if a < len(lhs))
-
   def flops(self, i) -> float:
     """Matmul FLOPs of one instruction: a dot, a fusion's dots, a cuBLAS gemm or a cuDNN attention call."""
     if i.opcode == "dot":
-      return self._dot(i, r"lhs_contracting_dims=\{([0-9,]*)\}")
+      return dot_flops(i, self.shapes)
     if i.opcode == "fusion":
       callee = re.search(r"calls=%?([\w.\-]+)", i.rest)
       return sum(self.flops(j) for j in self.by_comp.get(callee.group(1), ())) if callee else 0.0
@@ -72,7 +57,7 @@ class Costs:
     if i.opcode != "custom-call" or not target:
       return 0.0
     if target.group(1).startswith("__cublas"):
-      return self._dot(i, r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+      return dot_flops(i, self.shapes)
     if target.group(1).startswith("__cudnn$fmha"):
       q, k = (_dims(self.shapes.get(o, "")) for o in _operands(i)[:2])
       shared = [x for x in q[:-1] if x in k[:-1]]  # self-attention: the sequence is the largest shared dim
@@ -90,7 +75,13 @@ class Costs:
       return max((self.computation(c) for c in callees), default=0.0)
     if i.opcode in _NOT_KERNELS or i.opcode.endswith(("-start", "-done", "-update")) or i.opcode in COLLECTIVES:
       return 0.0
-    return max(self.flops(i) / self.row.peak_bf16_flops, self.nbytes(i) / self.row.bandwidth)
+    return max(self.flops(i) / self.peak(i), self.nbytes(i) / self.row.bandwidth)
+
+  def peak(self, i) -> float:
+    """The row's FP8 peak for an FP8 GEMM (a cuBLASLt FP8 call, a fusion or dot reading f8), else bf16's."""
+    fp8 = ('$f8"' in i.rest or any(self.shapes.get(o, "").startswith("f8") for o in _operands(i))) and bool(
+        self.flops(i))
+    return (self.row.peak_fp8_flops or self.row.peak_bf16_flops) if fp8 else self.row.peak_bf16_flops
 
   def nbytes(self, i) -> int:
     """HBM bytes of a kernel: operands and result, but of an operand the fusion only slices (a scanned

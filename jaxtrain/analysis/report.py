@@ -100,7 +100,7 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
   rep = {
       "config": config_name, "mesh": mesh_lib.describe(dict(mesh.shape)), "devices": mesh.size,
       "device_kind": dev.device_kind, "batch_size": t.batch_size, "seq_len": t.seq_len,
-      "microbatches": t.microbatches, "compute_dtype": cfg.model.dtype,
+      "microbatches": t.microbatches, "compute_dtype": cfg.model.dtype, "fp8": cfg.model.fp8,
       "params": [dict(path=r.path, count=r.count, axes=list(r.axes),
                       spec=[list(e) if isinstance(e, tuple) else e for e in r.spec],
                       shape=list(r.shape), device_shape=list(r.device_shape), dtype=r.dtype, bytes=r.bytes)
@@ -144,9 +144,11 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
 
 
 def render(rep: dict) -> str:
+  from jaxtrain.model import flops
+  fp8 = rep.get("fp8", "none")
   L = [f"jaxtrain.inspect: {rep['config']} ({rep['param_count']:,} params) on mesh {rep['mesh']} "
        f"({rep['devices']} x {rep['device_kind']}); batch {rep['batch_size']} x {rep['seq_len']} tokens, "
-       f"{rep['microbatches']} microbatch(es), compute {rep['compute_dtype']}", "",
+       f"{rep['microbatches']} microbatch(es), compute {rep['compute_dtype']}{flops.fp8_label(fp8)}", "",
        "Parameters (per device; layers/* = repeated layers, shown once with their count)"]
   spec = lambda s: "(" + ", ".join("+".join(e) if isinstance(e, list) else str(e) for e in s) + ")"  # noqa: E731
   cols = [(p["path"], str(p["count"]), "(" + ", ".join(map(str, p["axes"])) + ")", spec(p["spec"]),
@@ -190,7 +192,8 @@ def render(rep: dict) -> str:
     L += ["", *pipeline.render(rep["pipeline"])]
   f = rep["flops"]
   L += ["", f"Model FLOPs (as for MFU): {f['per_token']:.4g} per token, {f['per_step']:.4g} per step, "
-            f"{f['per_device_per_step']:.4g} per device per step", "", "Communication per device per step (analytic)"]
+            f"{f['per_device_per_step']:.4g} per device per step", *([flops.FP8_MFU_NOTE] if fp8 != "none" else []),
+        "", "Communication per device per step (analytic)"]
   L += [f"  {axis:<9} {human(sum(parts.values())):>12}  " + "; ".join(f"{k} {human(v)}" for k, v in parts.items())
         for axis, parts in rep["comms"].items()] or ["  none (single device)"]
   if "sequence_attention" in rep:
@@ -214,6 +217,10 @@ def render_compiled(c: dict) -> list[str]:
     L.append(f"  attention: {c['attention']['kernel']} ({c['attention']['reason']})")
   L.append(f"  cuDNN fused attention: {att.get('ops', 0)} custom call(s) in the program, {att.get('per_step', 0)} "
            "executed per step")
+  if "gemms" in c:
+    g = c["gemms"]
+    L.append(f"  GEMMs: {g['fp8']['ops']} FP8 (cuBLASLt FP8 or f8 operands), {g['other']['ops']} other in the program; "
+             f"{g['fp8']['per_step']} FP8, {g['other']['per_step']} other executed per step")
   if c.get("square_buffers"):
     L.append(f"  L x L buffers: {', '.join(c['square_buffers'][:4])}")
   L.append("  collectives (per device; bytes = larger side of each op, times executions per step):")

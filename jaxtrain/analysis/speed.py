@@ -227,7 +227,7 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
   return {
       "config": config_name, "mesh": mesh_lib.describe(dict(mesh.shape)), "devices": mesh.size,
       "platform": dev0.platform, "device_kind": dev0.device_kind, "batch_size": t.batch_size, "seq_len": t.seq_len,
-      "compute_dtype": cfg.model.dtype, "batch": "one document per row" if unpacked else "packed",
+      "compute_dtype": cfg.model.dtype, "fp8": cfg.model.fp8, "batch": "one document per row" if unpacked else "packed",
       "steps": steps, "warmup": warmup, "rounds": n_rounds, "baselines": baselines,
       "valid_tokens_per_step": stats(valid),
       "flops_per_token": flops_per_step / (t.batch_size * t.seq_len), "flops_per_step": flops_per_step,
@@ -249,9 +249,11 @@ def _fmt(x, spec):
 
 
 def table(rep: dict) -> str:
+  from jaxtrain.model import flops
   rows = [("jaxtrain", rep["jaxtrain"]), *rep["baseline_results"].items()]
   L = [f"jaxtrain.bench: {rep['config']} on {rep['mesh']} ({rep['devices']} x {rep['device_kind']}), "
-       f"batch {rep['batch_size']} x {rep['seq_len']} ({rep['batch']}), {rep['compute_dtype']}, "
+       f"batch {rep['batch_size']} x {rep['seq_len']} ({rep['batch']}), {rep['compute_dtype']}"
+       f"{flops.fp8_label(rep.get('fp8', 'none'))}, "
        f"{rep['steps']} steps x {rep['rounds']} round(s)",
        f"{'':<9} {'step ms: median [min..max]':<28} {'tokens/s':>11} {'TFLOP/s/dev':>11} {'MFU':>6} "
        f"{'compile s':>9} {'peak mem':>10}"]
@@ -260,6 +262,8 @@ def table(rep: dict) -> str:
     steps = f"{st['median'] * 1e3:.2f} [{st['min'] * 1e3:.2f}..{st['max'] * 1e3:.2f}]"
     L.append(f"{name:<9} {steps:<28} {r['tokens_per_s']['median']:>11,.0f} {r['tflops_per_device']['median']:>11.4g} "
              f"{_fmt(mfu, '.1%'):>6} {r['compile_s']:>9.1f} {'n/a' if mem is None else f'{mem / 2**30:.2f} GiB':>10}")
+  if rep.get("fp8", "none") != "none":
+    L.append(flops.FP8_MFU_NOTE)
   if rep["measured_peak"]:
     m = rep["measured_peak"]
     mfu = rep["jaxtrain"]["mfu_vs_measured_peak"]["median"]

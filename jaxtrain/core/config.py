@@ -52,6 +52,10 @@ class ModelConfig:
   init_std: float = key(0.02, "Std of the normal initializer of embeddings and projections.", math=True, min=0.0)
   dtype: Literal["bfloat16", "float16", "float32"] = key(
       "bfloat16", "Compute dtype. Parameters, Adam moments, logits and the loss are always float32.", math=True)
+  fp8: Literal["none", "tensorwise"] = key(
+      "none", "FP8 projection matmuls (docs/fp8.md): tensorwise = inputs and weights in e4m3, the output gradient in "
+      "e5m2, each with a power-of-two scale from its current global amax; embedding, LM head, router, norms and "
+      "attention scores stay in `dtype`; master weights and optimizer state are unchanged.", math=True)
   moe_experts: int = key(0, "Experts per mixture-of-experts layer; 0 = dense MLP in every layer.", math=True, min=0)
   moe_top_k: int = key(2, "Experts each token is routed to (weights renormalized over them unless "
                        "moe_norm_top_k=false).", math=True, min=1)

@@ -30,3 +30,11 @@ def peak_flops(device_kind: str) -> float | None:
   """Peak dense bf16 FLOP/s of a device kind from `devices.TABLE`; None where unknown (e.g. CPU)."""
   entry = devices.of(device_kind).entry
   return entry.peak_bf16_flops if entry else None
+
+
+def fp8_label(mode: str) -> str:
+  """How bench and inspect name an FP8 run beside its compute dtype ("" for model.fp8=none)."""
+  return "" if mode == "none" else f", FP8 projections (model.fp8={mode})"
+
+
+FP8_MFU_NOTE = "MFU of an FP8 run keeps the bf16 peak as its denominator (FP8 GEMMs may run up to 2x faster)"

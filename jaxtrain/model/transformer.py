@@ -12,7 +12,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.core.config import ModelConfig
-from jaxtrain.model import rope as rope_scaling
+from jaxtrain.model import fp8, rope as rope_scaling
 from jaxtrain.model.attention import cached_attention
 from jaxtrain.parallel import plan as plan_lib
 
@@ -83,9 +83,9 @@ class Attention(nnx.Module):
   def __call__(self, x_BxLxD, rope_tables, seg_BxL, plan, cache=None):
     """With a KV `cache` (decoding) returns (output, updated {"k", "v"})."""
     dt = x_BxLxD.dtype
-    q_BxLxHxE = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
-    k_BxLxKxE = jnp.einsum("bld,dke->blke", x_BxLxD, self.wk[...].astype(dt))
-    v_BxLxKxE = jnp.einsum("bld,dke->blke", x_BxLxD, self.wv[...].astype(dt))
+    q_BxLxHxE = fp8.einsum(plan.fp8, "bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
+    k_BxLxKxE = fp8.einsum(plan.fp8, "bld,dke->blke", x_BxLxD, self.wk[...].astype(dt))
+    v_BxLxKxE = fp8.einsum(plan.fp8, "bld,dke->blke", x_BxLxD, self.wv[...].astype(dt))
     if self.qk_norm:
       q_BxLxHxE, k_BxLxKxE = self.q_norm(q_BxLxHxE), self.k_norm(k_BxLxKxE)
     q_BxLxHxE = plan.constrain(rope(q_BxLxHxE, rope_tables), ("batch", "length", "act_heads", None))
@@ -94,9 +94,9 @@ class Attention(nnx.Module):
     qkv = checkpoint_name(q_BxLxHxE, "q"), checkpoint_name(k_BxLxKxE, "k"), checkpoint_name(v_BxLxKxE, "v")
     if cache is not None:
       o_BxLxHxE, cache = cached_attention(*qkv, seg_BxL, cache)
-      return jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt)), cache
+      return fp8.einsum(plan.fp8, "blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt)), cache
     o_BxLxHxE = checkpoint_name(plan.attend(*qkv, seg_BxL), "attn_out")
-    return jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt))
+    return fp8.einsum(plan.fp8, "blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt))
 
 
 class MLP(nnx.Module):
@@ -110,11 +110,11 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BxLxD, plan):
     dt = x_BxLxD.dtype
-    g_BxLxF = x_BxLxD @ self.w_gate[...].astype(dt)
-    u_BxLxF = x_BxLxD @ self.w_up[...].astype(dt)
+    g_BxLxF = fp8.matmul(plan.fp8, jnp.matmul, x_BxLxD, self.w_gate[...].astype(dt))
+    u_BxLxF = fp8.matmul(plan.fp8, jnp.matmul, x_BxLxD, self.w_up[...].astype(dt))
     h_BxLxF = plan.constrain(jax.nn.silu(g_BxLxF) * u_BxLxF, ("batch", "length", "act_mlp"))
     h_BxLxF = checkpoint_name(h_BxLxF, "mlp_hidden")
-    return h_BxLxF @ self.w_down[...].astype(dt)
+    return fp8.matmul(plan.fp8, jnp.matmul, h_BxLxF, self.w_down[...].astype(dt))
 
 
 class MoE(nnx.Module):

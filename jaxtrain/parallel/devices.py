@@ -1,6 +1,6 @@
 """The one device table and the one lookup (`of`) of a device: its row and what kernels need.
 
-Rows are the vendors' datasheet figures (dense bf16, no sparsity); None where not known.
+Rows are the vendors' datasheet figures (dense bf16 and FP8, no sparsity); None where not known or none.
 """
 
 from __future__ import annotations
@@ -17,19 +17,21 @@ class Device:
   bandwidth: float | None = None  # HBM bytes/s (the roofline of compile-only GPU targets)
   compute_capability: str | None = None  # CUDA GPUs
   link_bandwidth: float | None = None  # bytes/s one way per GPU to its node's peers (NVLink), for collectives
+  peak_fp8_flops: float | None = None  # dense FP8 tensor cores (Hopper, Ada, Blackwell): the roofline of FP8 GEMMs
 
 
 TABLE: dict[str, Device] = {
-    "H200": Device(989e12, 141 * 10**9, 4.8e12, "9.0", 450e9),
-    "H100": Device(989e12, 80 * GiB, 3.35e12, "9.0", 450e9),  # SXM; the PCIe card is lower and reports "H100 PCIe"
-    "H100 PCIe": Device(756e12, 80 * GiB, 2.0e12, "9.0"),
-    "H100 NVL": Device(835e12, 94 * GiB, 3.9e12, "9.0"),
-    "GH200": Device(989e12, 96 * GiB, None, "9.0"),
-    "B200": Device(2250e12, 180 * 10**9, 8.0e12, "10.0", 900e9),
+    "H200": Device(989e12, 141 * 10**9, 4.8e12, "9.0", 450e9, 1979e12),
+    # SXM; the PCIe card is lower and reports "H100 PCIe"
+    "H100": Device(989e12, 80 * GiB, 3.35e12, "9.0", 450e9, 1979e12),
+    "H100 PCIe": Device(756e12, 80 * GiB, 2.0e12, "9.0", peak_fp8_flops=1513e12),
+    "H100 NVL": Device(835e12, 94 * GiB, 3.9e12, "9.0", peak_fp8_flops=1671e12),
+    "GH200": Device(989e12, 96 * GiB, None, "9.0", peak_fp8_flops=1979e12),
+    "B200": Device(2250e12, 180 * 10**9, 8.0e12, "10.0", 900e9, 4500e12),
     "A100": Device(312e12, 80 * GiB, 2.039e12, "8.0", 300e9),  # 80GB SXM
     "A100-SXM4-40GB": Device(312e12, 40 * GiB, 1.555e12, "8.0"),
     "A100-PCIE-40GB": Device(312e12, 40 * GiB, 1.555e12, "8.0"),
-    "L40S": Device(362e12, 48 * GiB, None, "8.9"),
+    "L40S": Device(362e12, 48 * GiB, None, "8.9", peak_fp8_flops=733e12),
     "A10G": Device(70e12, 24 * GiB, None, "8.6"),
     "TPU v4": Device(275e12, 32 * GiB),
     "TPU v5 lite": Device(197e12, 16 * GiB),

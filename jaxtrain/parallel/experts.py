@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxtrain.model import fp8
 from jaxtrain.parallel import experts_dropless as moe_dropless, expert_layout as moe_layout, sharding
 
 capacity = moe_layout.capacity  # analysis.memory reads it here
@@ -65,8 +66,8 @@ def combine(out_XxCxD, idx_Txk, slot_Txk, keep_Txk, w_Txk):
 
 def experts_ffn(buf_XxNxD, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, plan, slot_axes=None):
   """SwiGLU of every expert on its buffer; the hidden keeps the slots' split (`slot_axes`)."""
-  g = jnp.einsum("xnd,xdf->xnf", buf_XxNxD, w_gate_XxDxF)
-  u = jnp.einsum("xnd,xdf->xnf", buf_XxNxD, w_up_XxDxF)
+  g = fp8.einsum(plan.fp8, "xnd,xdf->xnf", buf_XxNxD, w_gate_XxDxF)
+  u = fp8.einsum(plan.fp8, "xnd,xdf->xnf", buf_XxNxD, w_up_XxDxF)
   h_XxNxF = jax.nn.silu(g) * u
   axes = ("act_experts", None, "act_mlp")
   if slot_axes is None or plan.mesh is None:
@@ -74,7 +75,7 @@ def experts_ffn(buf_XxNxD, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, plan, slot_ax
   else:
     spec = plan.spec(axes, h_XxNxF.shape)
     h_XxNxF = jax.lax.with_sharding_constraint(h_XxNxF, NamedSharding(plan.mesh, P(spec[0], slot_axes, spec[2])))
-  return jnp.einsum("xnf,xfd->xnd", h_XxNxF, w_down_XxFxD)
+  return fp8.einsum(plan.fp8, "xnf,xfd->xnd", h_XxNxF, w_down_XxFxD)
 
 
 def moe_ffn(x_BxLxD, router_DxX, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, *, top_k: int,

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.model import fp8
 from jaxtrain.parallel import expert_layout as moe_layout, sharding
 
 
@@ -18,27 +19,29 @@ def kernel(name: str, platform: str) -> str:
 
 
 def grouped_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, impl: str = "ragged_dot",
-                skip_empty: bool = False):
-  """SwiGLU of each row through expert expert_N[i] (ids >= experts: padding, output 0)."""
+                skip_empty: bool = False, fp8_mode: str = "none"):
+  """SwiGLU of each row through expert expert_N[i] (ids >= experts: padding, output 0); model.fp8 = fp8_mode."""
+  mm = lambda fn, x, w, *a: fp8.matmul(fp8_mode, fn, x, w, *a)  # noqa: E731
   if experts == 1:  # one local expert (X = ep): plain matmuls, padding rows masked; no sort
-    h = jax.nn.silu(rows_NxD @ w_gate_XxDxF[0]) * (rows_NxD @ w_up_XxDxF[0])
-    return jnp.where((expert_N == 0)[:, None], h @ w_down_XxFxD[0], 0)
+    h = jax.nn.silu(mm(jnp.matmul, rows_NxD, w_gate_XxDxF[0])) * mm(jnp.matmul, rows_NxD, w_up_XxDxF[0])
+    return jnp.where((expert_N == 0)[:, None], mm(jnp.matmul, h, w_down_XxFxD[0]), 0)
   if impl == "blocks":
-    return blocked_ffn(rows_NxD, expert_N, experts, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, skip_empty)
+    return blocked_ffn(rows_NxD, expert_N, experts, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, skip_empty, fp8_mode)
   order_N = jnp.argsort(expert_N, stable=True)
   inverse_N = jnp.argsort(order_N)
   sizes_X = jnp.zeros((experts + 1,), jnp.int32).at[jnp.minimum(expert_N, experts)].add(1)[:experts]
   x_NxD = rows_NxD[order_N]
-  g_NxF = jax.lax.ragged_dot(x_NxD, w_gate_XxDxF, sizes_X)
-  u_NxF = jax.lax.ragged_dot(x_NxD, w_up_XxDxF, sizes_X)
-  y_NxD = jax.lax.ragged_dot(jax.nn.silu(g_NxF) * u_NxF, w_down_XxFxD, sizes_X)
+  g_NxF = mm(jax.lax.ragged_dot, x_NxD, w_gate_XxDxF, sizes_X)
+  u_NxF = mm(jax.lax.ragged_dot, x_NxD, w_up_XxDxF, sizes_X)
+  y_NxD = mm(jax.lax.ragged_dot, jax.nn.silu(g_NxF) * u_NxF, w_down_XxFxD, sizes_X)
   valid_N = jnp.arange(rows_NxD.shape[0]) < jnp.sum(sizes_X)  # rows past every group: padding
   return jnp.where(valid_N[:, None], y_NxD, 0)[inverse_N]
 
 
-def blocked_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, skip_empty: bool = False):
+def blocked_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, skip_empty: bool = False,
+                fp8_mode: str = "none"):
   """`grouped_ffn` over blocks of b rows of one expert each: one batched matmul, or (skip_empty) a loop that
-  skips the blocks past the rows in use."""
+  skips the blocks past the rows in use (not with FP8: a scale's pmax cannot sit in a branch some devices skip)."""
   N, D = rows_NxD.shape
   b = max(8, 1 << max(0, (N // (4 * experts)).bit_length() - 1))  # power of two near N / 4X: padding ~N/4
   nb = -(-(N + experts * (b - 1)) // b)
@@ -52,10 +55,12 @@ def blocked_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_do
   dest_N = jnp.where(e_N < experts, pend_X[e_c] - padded_X[e_c] + jnp.arange(N) - start[e_c], nb * b)
   x_blocks = jnp.zeros((nb * b + 1, D), rows_NxD.dtype).at[dest_N].set(rows_NxD[order_N])[:-1].reshape(nb, b, D)
   block_e = jnp.minimum(jnp.searchsorted(pend_X, jnp.arange(nb) * b, side="right"), experts - 1)
-  if not skip_empty:
-    g = jnp.einsum("nbd,ndf->nbf", x_blocks, w_gate_XxDxF[block_e])
-    u = jnp.einsum("nbd,ndf->nbf", x_blocks, w_up_XxDxF[block_e])
-    y = jnp.einsum("nbf,nfd->nbd", jax.nn.silu(g) * u, w_down_XxFxD[block_e])
+  if not skip_empty or fp8_mode != "none":
+    # each weight is quantized whole (its per-tensor scale), then gathered per block
+    mm = lambda spec, x, w: fp8.matmul(fp8_mode, lambda a, b: jnp.einsum(spec, a, b[block_e]), x, w)  # noqa: E731
+    g = mm("nbd,ndf->nbf", x_blocks, w_gate_XxDxF)
+    u = mm("nbd,ndf->nbf", x_blocks, w_up_XxDxF)
+    y = mm("nbf,nfd->nbd", jax.nn.silu(g) * u, w_down_XxFxD)
   else:
     used = pend_X[-1]  # rows in use; empty blocks are skipped, in the backward pass too
 
@@ -68,14 +73,14 @@ def blocked_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_do
   return y_sorted[jnp.argsort(order_N)]
 
 
-def _local(x_TxD, idx_Txk, w_Txk, weights, ep: int, impl: str, axis: str = "expert"):
+def _local(x_TxD, idx_Txk, w_Txk, weights, ep: int, impl: str, axis: str = "expert", fp8_mode: str = "none"):
   """This device's tokens -> their MoE output (T, D) float32; ep > 1 inside a shard_map."""
   T, k = idx_Txk.shape
   X = weights[0].shape[0] * ep
   flat_N = idx_Txk.reshape(-1)  # assignment a = token a // k, choice a % k
   rows_NxD = jnp.repeat(x_TxD, k, axis=0)
   if ep == 1:
-    y_NxD = grouped_ffn(rows_NxD, flat_N, X, *weights, impl=impl)
+    y_NxD = grouped_ffn(rows_NxD, flat_N, X, *weights, impl=impl, fp8_mode=fp8_mode)
   else:
     Xl = X // ep
     bound = moe_layout.dropless_bound(T, X, k, ep)
@@ -88,7 +93,8 @@ def _local(x_TxD, idx_Txk, w_Txk, weights, ep: int, impl: str, axis: str = "expe
     ids = jnp.full((ep, bound), Xl, jnp.int32).at[dest_N, row_N].set(flat_N % Xl)
     recv = jax.lax.all_to_all(send, axis, 0, 0)  # (source device, bound, D) for our experts
     recv_ids = jax.lax.all_to_all(ids, axis, 0, 0)
-    out = grouped_ffn(recv.reshape(ep * bound, -1), recv_ids.reshape(-1), Xl, *weights, impl=impl, skip_empty=True)
+    out = grouped_ffn(recv.reshape(ep * bound, -1), recv_ids.reshape(-1), Xl, *weights, impl=impl, skip_empty=True,
+                      fp8_mode=fp8_mode)
     back = jax.lax.all_to_all(out.reshape(ep, bound, -1), axis, 0, 0)  # (destination device, bound, D)
     y_NxD = back[dest_N, row_N]
   return jnp.einsum("tkd,tk->td", y_NxD.reshape(T, k, -1).astype(jnp.float32), w_Txk)
@@ -103,7 +109,7 @@ def ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, plan):
     b, n, D = x_bxnxD.shape
     k = idx_bxnxk.shape[-1]
     return _local(x_bxnxD.reshape(b * n, D), idx_bxnxk.reshape(b * n, k), w_bxnxk.reshape(b * n, k), ws, ep, impl,
-                  axis).reshape(b, n, D)
+                  axis, plan.fp8).reshape(b, n, D)
   if mesh is None:
     return local(x_BxLxD, idx_BxLxk, w_BxLxk, *weights)
   tok_spec, w_spec = moe_layout.token_spec(mesh, *x_BxLxD.shape[:2], plan.rules), P(axis, None, None)

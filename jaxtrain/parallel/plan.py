@@ -41,6 +41,7 @@ class Plan:
   platform: str = "cpu"  # the target device's platform (cpu, gpu, tpu): what its compiler keeps differs
   sequence_axis: str = "sequence"
   expert_axis: str = "expert"
+  fp8: str = "none"  # model.fp8: how the projection matmuls run (model/fp8.py)
 
   def spec(self, axes, shape):
     return sharding.spec_for(axes, shape, self.mesh, rules=self.rules)
@@ -134,7 +135,7 @@ def build(cfg, mesh, device=None) -> Plan:
               ulysses=ulysses,
               moe=moe, moe_kernel=moe_kernel(m, info.platform), platform=info.platform,
               moe_group=m.moe_group_size, seq_len=cfg.train.seq_len, remat=m.remat,
-              logits_dtype=m.attention_logits_dtype, packed_segments=packed,
+              logits_dtype=m.attention_logits_dtype, packed_segments=packed, fp8=m.fp8,
               loss_chunk_tokens=cfg.train.loss_chunk_tokens, offload=cfg.optim.offload,
               zero_stage=cfg.optim.zero_stage if mesh is not None and mesh.shape["data"] > 1 else 0)
 
@@ -151,6 +152,7 @@ def local(model_cfg=None) -> Plan:
   """One device, reference attention, no annotations: the single-device reference of the tests."""
   m, platform = model_cfg, jax.default_backend()
   own = {} if m is None else dict(moe="local" if m.moe_experts else "dense", moe_kernel=moe_kernel(m, platform),
-                                  moe_group=m.moe_group_size, remat=m.remat, logits_dtype=m.attention_logits_dtype)
+                                  moe_group=m.moe_group_size, remat=m.remat, logits_dtype=m.attention_logits_dtype,
+                                  fp8=m.fp8)
   return Plan(mesh=None, rules=dict(sharding.RULES), attention="xla", attention_why="one device, no mesh",
               platform=platform, **own)

@@ -47,6 +47,12 @@ def parse(text: str) -> list[str]:
   return flags
 
 
+def extra(cfg) -> str:
+  """run.xla_flags_extra, after what the config needs: model.fp8 keeps matmuls on cuBLAS (with Triton GEMMs
+  XLA fuses the dots with bf16 operands and drops the FP8 round trip as excess precision; docs/fp8.md)."""
+  return ("--xla_gpu_enable_triton_gemm=false " if cfg.model.fp8 != "none" else "") + cfg.run.xla_flags_extra
+
+
 class ProbeFailed(Exception):
   """The probe itself failed (not a verdict on any flag): nothing is cached, the next run asks again."""
 
