@@ -19,8 +19,9 @@ import numpy as np
 
 from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
+from jaxtrain.interop import hf_deepseek
 
-SUPPORTED = ("llama", "mistral", "mixtral")
+SUPPORTED = ("llama", "mistral", "mixtral", "deepseek_v3")
 INDEX = "model.safetensors.index.json"
 HF_KEPT = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-weights some checkpoints carry; recomputed, never read
@@ -69,8 +70,12 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
                 rope_low_freq_factor=float(rope["low_freq_factor"]),
                 rope_high_freq_factor=float(rope["high_freq_factor"]),
                 rope_original_max_position=int(rope["original_max_position_embeddings"]))
+  elif rope["rope_type"] == "yarn":
+    keys.update(hf_deepseek.yarn_keys(rope))
   elif rope["rope_type"] != "default":
-    raise UserError(f"{where}: rope type {rope['rope_type']!r} is not supported; allowed: default, llama3")
+    raise UserError(f"{where}: rope type {rope['rope_type']!r} is not supported; allowed: default, llama3, yarn")
+  if mt == "deepseek_v3":
+    keys.update(hf_deepseek.model_keys(hf, where))
   if mt == "mixtral":  # HF Mixtral never drops tokens; router_aux_loss_coef means the same under the hf convention
     keys.update(moe_experts=hf.get("num_local_experts", 8), moe_top_k=hf.get("num_experts_per_tok", 2), moe_every=1,
                 moe_capacity_factor=0.0, moe_dropless=True, moe_aux_convention="hf",
@@ -81,7 +86,7 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
 def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
   """The exported config.json; fields of `base` (the imported one) that jaxtrain does not model are kept."""
   m = cfg.model
-  moe = m.moe_experts > 0
+  moe = m.moe_experts > 0 and m.attention_type != "mla"
   if moe and m.moe_every != 1:
     raise UserError(f"model.moe_every={m.moe_every}: a Mixtral checkpoint has MoE in every layer; only 1 exports")
   for k, plain in (("moe_shared_experts", 0), ("moe_first_dense", 0), ("moe_router", "softmax"), ("moe_bias_rate", 0.)):
@@ -110,6 +115,8 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
                router_aux_loss_coef=m.moe_aux_weight, output_router_logits=False)
   else:
     out.update(attention_bias=False, mlp_bias=False)
+  if m.attention_type == "mla":
+    out = hf_deepseek.hf_config(cfg, out)
   if tokenizer is not None:
     out.setdefault("eos_token_id", tokenizer.eos_id)
     if tokenizer.bos_id is not None:
@@ -130,16 +137,21 @@ class Tensor:
   names: np.ndarray  # object array of HF names
   hf_shape: tuple[int, ...]
   ours: tuple[int, ...] | None
+  rows: np.ndarray | None = None  # the HF row of each of our rows (MLA's RoPE parts), None: the same order
 
   def to_ours(self, w):
+    w = w if self.rows is None else w[self.rows]
     return w if self.ours is None else w.T.reshape(self.ours)
 
   def to_hf(self, a):
-    return a if self.ours is None else a.reshape(self.hf_shape[::-1]).T
+    a = a if self.ours is None else a.reshape(self.hf_shape[::-1]).T
+    return a if self.rows is None else a[np.argsort(self.rows)]
 
 
 def _block(cfg, moe: bool) -> list[tuple]:
   """(path inside a block, HF suffix ({x}: the expert), HF shape, our shape or None)."""
+  if cfg.attention_type == "mla":
+    return hf_deepseek.block_rows(cfg, moe)
   D, H, K, E, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
   rows = [(("attn", f"w{p}"), f"self_attn.{p}_proj.weight", hf, ours) for p, hf, ours in (
       ("q", (H * E, D), (D, H, E)), ("k", (K * E, D), (D, K, E)), ("v", (K * E, D), (D, K, E)),
@@ -166,11 +178,11 @@ def table(cfg) -> list[Tensor]:
 
   out = [Tensor(("embed",), one("model.embed_tokens.weight"), (cfg.vocab_size, cfg.d_model), None)]
   if cfg.scan_layers:  # every layer alike (validated): one stacked parameter per block parameter
-    out += [Tensor(("layers", *p), names(s, range(cfg.n_layers)), hf, ours)
-            for p, s, hf, ours in _block(cfg, cfg.is_moe_layer(0))]
+    out += [Tensor(("layers", *p), names(s, range(cfg.n_layers)), *rest)
+            for p, s, *rest in _block(cfg, cfg.is_moe_layer(0))]
   else:
-    out += [Tensor(("layers", i, *p), names(s, [i]), hf, ours)
-            for i in range(cfg.n_layers) for p, s, hf, ours in _block(cfg, cfg.is_moe_layer(i))]
+    out += [Tensor(("layers", i, *p), names(s, [i]), *rest)
+            for i in range(cfg.n_layers) for p, s, *rest in _block(cfg, cfg.is_moe_layer(i))]
   out.append(Tensor(("final_norm", "scale"), one("model.norm.weight"), (cfg.d_model,), None))
   if not cfg.tie_embeddings:
     V, D = cfg.vocab_size, cfg.d_model
@@ -184,6 +196,8 @@ def table(cfg) -> list[Tensor]:
 def _hf_index(t: Tensor, index: tuple) -> tuple | None:
   """The HF (out, in) slices holding our part `index` of one tensor, or None if they are not contiguous ranges.
   Ours is the transpose (in, out) reshaped: each HF dimension is a run of our dimensions merged."""
+  if t.rows is not None:  # permuted rows: read whole, then cut
+    return None
   if t.ours is None:
     return index
   n_in, split = t.hf_shape[1], 0
