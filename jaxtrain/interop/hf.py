@@ -71,7 +71,7 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
                 rope_high_freq_factor=float(rope["high_freq_factor"]),
                 rope_original_max_position=int(rope["original_max_position_embeddings"]))
   elif rope["rope_type"] == "yarn":
-    keys.update(hf_deepseek.yarn_keys(rope))
+    keys.update(hf_deepseek.yarn_keys(rope, where))
   elif rope["rope_type"] != "default":
     raise UserError(f"{where}: rope type {rope['rope_type']!r} is not supported; allowed: default, llama3, yarn")
   if mt == "deepseek_v3":

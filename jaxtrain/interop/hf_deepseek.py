@@ -14,10 +14,13 @@ import numpy as np
 from jaxtrain.core.errors import UserError
 
 
-def yarn_keys(rope: dict) -> dict[str, Any]:
+def yarn_keys(rope: dict, where: str) -> dict[str, Any]:
   """rope_parameters of rope_type yarn -> model.rope_* keys."""
   if rope.get("truncate", True) is not True or rope.get("attention_factor") is not None:
-    raise UserError("yarn rope with truncate=false or an explicit attention_factor is not supported")
+    raise UserError(f"{where}: yarn rope with truncate=false or an explicit attention_factor is not supported")
+  for field in ("factor", "original_max_position_embeddings"):
+    if not isinstance(rope.get(field), (int, float)):
+      raise UserError(f"{where}: yarn rope needs a numeric {field}")
   return {"rope_scaling": "yarn", "rope_factor": float(rope["factor"]),
           "rope_original_max_position": int(rope["original_max_position_embeddings"]),
           "rope_beta_fast": float(rope.get("beta_fast") or 32), "rope_beta_slow": float(rope.get("beta_slow") or 1),
