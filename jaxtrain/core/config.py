@@ -108,6 +108,12 @@ class ModelConfig:
   moe_aux_convention: Literal["jaxtrain", "hf"] = key(
       "jaxtrain", "Load-balance loss: jaxtrain = mean over MoE layers of X*sum f*P; hf = Hugging Face's (top_k times "
       "that, f and P pooled over all MoE layers), so an HF router_aux_loss_coef carries over.", math=True)
+  mtp_layers: int = key(0, "Multi-token prediction modules (DeepSeek-V3; model/mtp.py): 1 = one more decoder layer "
+                        "predicting the token after next, sharing the embedding and output head; 0 = none.",
+                        math=True, min=0, max=1)
+  mtp_weight: float = key(0.0, "Weight of the multi-token-prediction loss (its mean cross-entropy) added to the "
+                          "training loss; needs mtp_layers=1. The logged loss stays the next-token loss.", math=True,
+                          min=0.0)
   attention_logits_dtype: Literal["float32", "bfloat16"] = key(
       "float32", "Dtype of the reference attention's L x L scores and softmax (bfloat16 halves their memory and "
       "traffic; see docs/gpu-compile.md for its accuracy). cuDNN and ring attention keep their own float32 statistics.",
@@ -416,6 +422,8 @@ def validate(cfg: Config) -> None:
                         or m.moe_top_k > m.moe_topk_group * (m.moe_experts // m.moe_n_group)):
     raise UserError(f"model.moe_n_group={m.moe_n_group} must divide model.moe_experts={m.moe_experts}, with "
                     f"model.moe_topk_group={m.moe_topk_group} <= it and room for moe_top_k={m.moe_top_k} experts")
+  if m.mtp_weight > 0 and not m.mtp_layers:
+    raise UserError(f"model.mtp_weight={m.mtp_weight} needs model.mtp_layers=1 (the module it trains)")
   if m.attention_type == "mla" and m.qk_rope_head_dim % 2:
     raise UserError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (RoPE rotates pairs)")
   if m.head_dim % 2:

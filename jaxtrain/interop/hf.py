@@ -24,7 +24,8 @@ from jaxtrain.interop import hf_deepseek
 SUPPORTED = ("llama", "mistral", "mixtral", "deepseek_v3")
 INDEX = "model.safetensors.index.json"
 HF_KEPT = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-weights some checkpoints carry; recomputed, never read
+# non-weights some checkpoints carry (recomputed), and DeepSeek's MTP layer's copies of the shared embedding and head
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embed_tokens.weight", "shared_head.head.weight")
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
 READABLE = ("F32", "BF16", "F16")
 
@@ -184,6 +185,8 @@ def table(cfg) -> list[Tensor]:
     out += [Tensor(("layers", i, *p), names(s, [i]), *rest)
             for i in range(cfg.n_layers) for p, s, *rest in _block(cfg, cfg.is_moe_layer(i))]
   out.append(Tensor(("final_norm", "scale"), one("model.norm.weight"), (cfg.d_model,), None))
+  if cfg.mtp_layers:
+    out += [Tensor(p, one(name), *rest) for p, name, *rest in hf_deepseek.mtp_rows(cfg)]
   if not cfg.tie_embeddings:
     V, D = cfg.vocab_size, cfg.d_model
     out.append(Tensor(("lm_head",), one("lm_head.weight"), (V, D), (D, V)))
@@ -300,7 +303,11 @@ def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | Non
   except json.JSONDecodeError as e:
     raise UserError(f"{src / 'config.json'}: not valid JSON ({e})") from None
   tok = src / "tokenizer.json"
-  sections = {"model": model_keys(hf, str(src / "config.json")), "optim": {"lr": 1e-5, "warmup_steps": 10},
+  headers = read_headers(src)
+  model = model_keys(hf, str(src / "config.json"))
+  if hf.get("model_type") == "deepseek_v3":
+    model.update(hf_deepseek.mtp_keys(hf, headers))
+  sections = {"model": model, "optim": {"lr": 1e-5, "warmup_steps": 10},
               "data": {"tokenizer": str(w.absolute() / "tokenizer.json") if tok.is_file() else "byte"}}
   with tempfile.TemporaryDirectory() as tmp:
     path = Path(tmp) / "imported.toml"
@@ -311,7 +318,6 @@ def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | Non
     section, _, key = config.RENAMED.get(dotted, dotted).partition(".")
     sections.setdefault(section, {})[key] = getattr(getattr(cfg, section), key)
   sections["model"] = dataclasses.asdict(cfg.model)  # every model key explicit
-  headers = read_headers(src)
   check_tensors(table(cfg.model), headers, src, cfg.model.tie_embeddings)
   if checkpoint.committed_steps(w / "checkpoints"):
     raise UserError(f"--workdir {w} already holds checkpoints; import into a new directory")

@@ -65,6 +65,7 @@ def hf_config(cfg, out: dict) -> dict:
              q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
              qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, head_dim=m.qk_rope_head_dim,
              qk_head_dim=m.qk_nope_head_dim + m.qk_rope_head_dim, rope_interleave=True, attention_bias=False,
+             num_nextn_predict_layers=m.mtp_layers,
              rope_parameters=yarn_hf(m) if m.rope_scaling == "yarn" else (
                  {"rope_type": "default", "rope_theta": m.rope_theta} if m.rope_scaling == "none" else None))
   if out["rope_parameters"] is None:
@@ -77,6 +78,22 @@ def hf_config(cfg, out: dict) -> dict:
   else:  # all dense: every layer before first_k_dense_replace
     out.update(first_k_dense_replace=m.n_layers, n_routed_experts=1, num_experts_per_tok=1)
   return out
+
+
+def mtp_keys(hf: dict, headers: dict) -> dict[str, Any]:
+  """model.mtp_layers=1 where the checkpoint holds the multi-token-prediction layer (index num_hidden_layers)."""
+  return {"mtp_layers": 1} if f"model.layers.{hf['num_hidden_layers']}.eh_proj.weight" in headers else {}
+
+
+def mtp_rows(cfg) -> list[tuple]:
+  """The MTP module's rows (as `block_rows`, paths from the model root) under model.layers.{n_layers}; its copies of
+  the embedding and output head (embed_tokens, shared_head.head) are the main model's, not stored twice."""
+  D = cfg.d_model
+  rows = [(("mtp", "enorm", "scale"), "enorm.weight", (D,), None), (("mtp", "hnorm", "scale"), "hnorm.weight", (D,), None),
+          (("mtp", "eh_proj"), "eh_proj.weight", (D, 2 * D), (2 * D, D)),
+          (("mtp", "head_norm", "scale"), "shared_head.norm.weight", (D,), None)]
+  rows += [(("mtp", "block", *p), s, *rest) for p, s, *rest in block_rows(cfg, cfg.is_moe_layer(cfg.n_layers))]
+  return [(p, f"model.layers.{cfg.n_layers}.{s}", *rest) for p, s, *rest in rows]
 
 
 def _deinterleave(n: int) -> np.ndarray:

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.core.config import ModelConfig
-from jaxtrain.model import mla as mla_lib, rope as rope_scaling
+from jaxtrain.model import mla as mla_lib, mtp as mtp_lib, rope as rope_scaling
 from jaxtrain.model.attention import cached_attention
 from jaxtrain.parallel import plan as plan_lib
 
@@ -175,6 +175,8 @@ class Transformer(nnx.Module):
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
+    if cfg.mtp_layers:
+      self.mtp = mtp_lib.MTP(cfg, rngs)
 
   def __call__(self, tokens_BxL, pos_BxL, seg_BxL, plan=None):
     """float32 logits (B, L, V). `plan` None = one device, reference attention."""
