@@ -186,7 +186,8 @@ def table(cfg) -> list[Tensor]:
             for i in range(cfg.n_layers) for p, s, *rest in _block(cfg, cfg.is_moe_layer(i))]
   out.append(Tensor(("final_norm", "scale"), one("model.norm.weight"), (cfg.d_model,), None))
   if cfg.mtp_layers:
-    out += [Tensor(p, one(name), *rest) for p, name, *rest in hf_deepseek.mtp_rows(cfg)]
+    out += [Tensor(p, one([name.format(x=x) for x in range(cfg.moe_experts)] if "{x}" in name else name), *rest)
+            for p, name, *rest in hf_deepseek.mtp_rows(cfg)]
   if not cfg.tie_embeddings:
     V, D = cfg.vocab_size, cfg.d_model
     out.append(Tensor(("lm_head",), one("lm_head.weight"), (V, D), (D, V)))

@@ -125,3 +125,31 @@ def test_deepseek_v3_parameter_count_equals_transformers():
   ours = base + (k - 1) * (dense - base) + moe_layers * (moe - base)
   # the routing bias is a buffer in transformers (not among its parameters), a parameter here
   assert ours - moe_layers * m.moe_experts == theirs
+
+
+def test_the_mtp_layer_imports_and_exports_in_deepseeks_layout(deepseek, tmp_path):
+  """A checkpoint with DeepSeek's MTP layer at index num_hidden_layers (its block like the last MoE layer, enorm,
+  hnorm, eh_proj, shared_head.norm, and copies of the embedding and head) imports with model.mtp_layers=1 and
+  exports the same tensors, less the two copies of shared weights."""
+  import shutil
+  from safetensors.numpy import save_file
+  d, _, _ = deepseek
+  src = _tensors(d / "hf")
+  rng = np.random.default_rng(0)
+  mtp = {k.replace("model.layers.2.", "model.layers.3."): rng.standard_normal(v.shape).astype(np.float32)
+         for k, v in src.items() if k.startswith("model.layers.2.")}
+  for name, shape in (("enorm.weight", (32,)), ("hnorm.weight", (32,)), ("eh_proj.weight", (32, 64)),
+                      ("shared_head.norm.weight", (32,))):
+    mtp[f"model.layers.3.{name}"] = rng.standard_normal(shape).astype(np.float32)
+  copies = {"model.layers.3.embed_tokens.weight": src["model.embed_tokens.weight"],
+            "model.layers.3.shared_head.head.weight": src["lm_head.weight"]}
+  (tmp_path / "hf").mkdir()
+  shutil.copyfile(d / "hf" / "config.json", tmp_path / "hf" / "config.json")
+  save_file({**src, **mtp, **copies}, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+  H.imported(tmp_path / "hf", tmp_path / "w")
+  step_dir = runs.locate(tmp_path / "w", 0)
+  cfg = runs.config_of(checkpoint.read_manifest(step_dir))
+  assert cfg.model.mtp_layers == 1
+  hf.run_export(cfg, mesh_of("fsdp=1"), step_dir, tmp_path / "out", "float32", 10**9, tmp_path / "w")
+  _bit_identical({**src, **mtp}, _tensors(tmp_path / "out"))
+  assert H.config_json(tmp_path / "out")["num_nextn_predict_layers"] == 1
