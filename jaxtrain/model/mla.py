@@ -22,28 +22,30 @@ def _param(rngs, shape, axes, std):
 
 
 class MLA(nnx.Module):
+  """`norm` and `rope`: the transformer's RMSNorm class and rotary function (passed in: model/ has no cycles)."""
 
-  def __init__(self, cfg, rngs: nnx.Rngs):
-    from jaxtrain.model.transformer import RMSNorm
+  def __init__(self, cfg, rngs: nnx.Rngs, norm, rope):
+    RMSNorm, self.rope = norm, rope
     D, H, Q, C, std = cfg.d_model, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.init_std
+    # The latent (Q, C) dimension of the up-projections is stored split like d_model (FSDP): with heads unsplit
+    # (no tensor axis) they would otherwise be whole on every device.
     N, R, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     if Q:
       self.wq_a = _param(rngs, (D, Q), ("embed", None), std)
       self.q_norm = RMSNorm(Q, LATENT_EPS)
-      self.wq_b = _param(rngs, (Q, H, N + R), (None, "heads", "head_dim"), std)
+      self.wq_b = _param(rngs, (Q, H, N + R), ("embed", "heads", "head_dim"), std)
     else:
       self.wq = _param(rngs, (D, H, N + R), ("embed", "heads", "head_dim"), std)
     self.wkv_a = _param(rngs, (D, C + R), ("embed", None), std)
     self.kv_norm = RMSNorm(C, LATENT_EPS)
-    self.wkv_b = _param(rngs, (C, H, N + V), (None, "heads", "head_dim"), std)
+    self.wkv_b = _param(rngs, (C, H, N + V), ("embed", "heads", "head_dim"), std)
     self.wo = _param(rngs, (H, V, D), ("heads", "head_dim", "embed"), std)
     self.dims = (N, R, C)
     self.scale = rope_lib.softmax_scale(cfg)  # YaRN's mscale^2 on the usual (N + R)^-0.5
 
   def _q_and_latent(self, x_BxLxD, tables):
     """(q nope part (B,L,H,N), RoPE'd q part (B,L,H,R), normed latent (B,L,C), RoPE'd key part (B,L,R))."""
-    from jaxtrain.model.transformer import rope
-    N, R, C = self.dims
+    N, R, C, rope = *self.dims, self.rope
     dt = x_BxLxD.dtype
     if hasattr(self, "wq_a"):
       q_BxLxQ = self.q_norm(x_BxLxD @ self.wq_a[...].astype(dt))

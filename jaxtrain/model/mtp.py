@@ -5,6 +5,7 @@ head (shared, as the embedding is) to predict t_{i+2}. Training adds train.mtp_w
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -12,12 +13,14 @@ from jaxtrain.model import loss as xent
 
 
 class MTP(nnx.Module):
+  """`block` and `norm`: the transformer's Block and RMSNorm classes (passed in: model/ has no cycles)."""
 
-  def __init__(self, cfg, rngs: nnx.Rngs):
-    from jaxtrain.model.transformer import Block, RMSNorm, _param
-    D = cfg.d_model
+  def __init__(self, cfg, rngs: nnx.Rngs, block, norm):
+    Block, RMSNorm, D = block, norm, cfg.d_model
     self.enorm, self.hnorm = RMSNorm(D, cfg.norm_eps), RMSNorm(D, cfg.norm_eps)
-    self.eh_proj = _param(rngs, (2 * D, D), (None, "embed"), cfg.init_std)  # rows: [embedding; hidden]
+    eh_2DxD = 2 * D, D
+    self.eh_proj = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), eh_2DxD, jnp.float32),
+                             axes=(None, "embed"))  # rows: [embedding; hidden]
     self.block = Block(cfg, rngs, cfg.is_moe_layer(cfg.n_layers))  # the layer after the last one
     self.head_norm = RMSNorm(D, cfg.norm_eps)
 
@@ -37,11 +40,10 @@ def targets(mb):
   return shift(t_BxL), m_BxL * shift(m_BxL)
 
 
-def loss_sum(model, h_BxLxD, mb, plan):
-  """(Summed MTP cross-entropy over `targets`' mask, the MTP block's MoE stats or None) of one microbatch."""
-  from jaxtrain.model.transformer import rope_tables
+def loss_sum(model, h_BxLxD, mb, tables, plan):
+  """(Summed MTP cross-entropy over `targets`' mask, the MTP block's MoE stats or None) of one microbatch; `tables`:
+  the forward pass's RoPE tables."""
   t2_BxL, m2_BxL = targets(mb)
   next_emb_BxLxD = model._embed(mb["targets"], plan)
-  tables = rope_tables(mb["positions"], model.cfg)
   g_BxLxD, stats = model.mtp(h_BxLxD, next_emb_BxLxD, tables, mb["segment_ids"], plan)
   return xent.nll_sum(g_BxLxD, model.head_weight(), t2_BxL, m2_BxL, plan, plan.loss_chunk_tokens), stats

@@ -146,7 +146,7 @@ class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe_layer: bool = False):
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-    self.attn = mla_lib.MLA(cfg, rngs) if cfg.attention_type == "mla" else Attention(cfg, rngs)
+    self.attn = mla_lib.MLA(cfg, rngs, RMSNorm, rope) if cfg.attention_type == "mla" else Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.mlp = MoE(cfg, rngs) if moe_layer else MLP(cfg, rngs)
 
@@ -176,7 +176,7 @@ class Transformer(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
     if cfg.mtp_layers:
-      self.mtp = mtp_lib.MTP(cfg, rngs)
+      self.mtp = mtp_lib.MTP(cfg, rngs, Block, RMSNorm)
 
   def __call__(self, tokens_BxL, pos_BxL, seg_BxL, plan=None):
     """float32 logits (B, L, V). `plan` None = one device, reference attention."""

@@ -73,7 +73,8 @@ def token_loss_and_moe(graphdef, params, mb, plan=None, mtp: bool = False):
   plan = plan or plan_lib.local(model.cfg)
   h_BxLxD, moe_stats = model.hidden(mb["inputs"], mb["positions"], mb["segment_ids"], plan)
   loss_sum = xent.nll_sum(h_BxLxD, model.head_weight(), mb["targets"], mb["loss_mask"], plan, plan.loss_chunk_tokens)
-  mtp_sum = mtp_lib.loss_sum(model, h_BxLxD, mb, plan)[0] if mtp else jnp.float32(0)
+  mtp_sum = (mtp_lib.loss_sum(model, h_BxLxD, mb, model_lib.rope_tables(mb["positions"], model.cfg), plan)[0]
+             if mtp else jnp.float32(0))
   return loss_sum, moe_balance.totals(model.cfg, moe_stats), mtp_sum
 
 
