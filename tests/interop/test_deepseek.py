@@ -78,10 +78,12 @@ def test_greedy_generation_with_the_latent_cache(deepseek):
 
 
 def test_mla_and_group_routing_train_alike_on_tensor_sequence_and_expert_meshes():
-  """3 steps of deepseek-v3-tiny (narrowed, float32) on one device and on tp=2,sp=2,ep=2 (heads split, ring attention
-  with the decoupled RoPE key and v narrower than q/k, experts over all_to_all with group-limited routing)."""
+  """3 steps of deepseek-v3-tiny (narrowed to one MLA + MoE layer, float32) on one device and on tp=2,sp=2,ep=2
+  (heads split, ring attention with the decoupled RoPE key and v narrower than q/k, experts over all_to_all with
+  group-limited routing)."""
   sets = ["model.dtype=float32", "train.batch_size=8", "train.seq_len=16", "model.d_model=32", "model.d_ff=64",
-          "model.moe_expert_d_ff=16", "model.n_heads=4", "model.n_layers=2", "data.workers=0"]
+          "model.moe_expert_d_ff=16", "model.n_heads=4", "model.n_layers=1", "model.moe_first_dense=0",
+          "data.workers=0"]
   cfg = config.load("deepseek-v3-tiny", sets)
   it = data.batches(cfg)
   host = [next(it) for _ in range(3)]
