@@ -339,4 +339,7 @@ def check_fits_mesh(cfg: Config, mesh) -> None:
   pipeline.check(cfg, mesh)
   if t.seq_len % mesh.shape["sequence"]:
     raise UserError(f"train.seq_len={t.seq_len} must divide over sequence={mesh.shape['sequence']} devices")
+  if cfg.model.mtp_weight > 0 and pipeline.active(mesh):
+    raise UserError(f"model.mtp_weight={cfg.model.mtp_weight}: the pipeline schedule does not run the multi-token "
+                    f"prediction layer; use a mesh with pipeline=1 or model.mtp_weight=0")
   moe_layout.check(cfg, mesh)
