@@ -36,7 +36,7 @@ def yarn_hf(m) -> dict[str, Any]:
 def model_keys(hf: dict, where: str) -> dict[str, Any]:
   """The deepseek_v3 fields beyond the Llama ones (HF's router is dropless, sigmoid, bias-corrected)."""
   for field, want in (("rope_interleave", True), ("norm_topk_prob", True), ("scoring_func", "sigmoid"),
-                      ("topk_method", "noaux_tc")):
+                      ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
     if field in hf and hf[field] != want:
       raise UserError(f"{where}: {field}={hf[field]!r} is not supported; allowed: {want!r}")
   q_rank = hf.get("q_lora_rank")
