@@ -20,7 +20,8 @@ from jaxtrain.parallel import sharding
 from jaxtrain.run import precision
 
 # Decayed: projections only; not norm scales (a scale, not a direction) nor the embedding (rare rows would shrink).
-DECAYED = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"})
+DECAYED = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head",
+                     "wq_a", "wq_b", "wkv_a", "wkv_b", "eh_proj"})  # MLA's and MTP's projections
 # Weights the model casts to the compute dtype at every use: their compute copy is kept in that dtype.
 CAST_AT_USE = DECAYED | {"embed"}
 
