@@ -20,8 +20,8 @@ def _fast(fn, static, *args):
 
 
 GRADS = lambda *args: _fast(step.grads, (0, 3), *args)  # noqa: E731
-SETS = ["model.dtype=float32", "model.d_model=32", "model.d_ff=64", "model.n_heads=4", "model.n_kv_heads=2",
-        "model.head_dim=8", "train.batch_size=2", "train.seq_len=64"]
+SETS = ["model.dtype=float32", "model.n_layers=1", "model.d_model=32", "model.d_ff=64", "model.n_heads=4",
+        "model.n_kv_heads=2", "model.head_dim=8", "train.batch_size=2", "train.seq_len=64"]
 
 
 def _batch(B=2, L=64):
