@@ -45,7 +45,7 @@ class MLA(nnx.Module):
 
   def _q_and_latent(self, x_BxLxD, tables):
     """(q nope part (B,L,H,N), RoPE'd q part (B,L,H,R), normed latent (B,L,C), RoPE'd key part (B,L,R))."""
-    N, R, C, rope = *self.dims, self.rope
+    (N, _, C), rope = self.dims, self.rope
     dt = x_BxLxD.dtype
     if hasattr(self, "wq_a"):
       q_BxLxQ = self.q_norm(x_BxLxD @ self.wq_a[...].astype(dt))
