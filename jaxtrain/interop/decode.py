@@ -92,7 +92,7 @@ def context_limit(cfg, workdir: Path) -> tuple[int, str]:
   if isinstance(limit, int) and limit > 0:
     return limit, f"max_position_embeddings in {kept}"
   m = cfg.model
-  if m.rope_scaling == "llama3":
+  if m.rope_scaling in ("llama3", "yarn"):
     return int(m.rope_original_max_position * m.rope_factor), "model.rope_original_max_position x model.rope_factor"
   return cfg.train.seq_len, "train.seq_len, the length it was trained at"
 
