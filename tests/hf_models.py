@@ -119,3 +119,30 @@ def qwen3_moe(path, *, norm_topk_prob=False, mlp_only_layers=(0,), layers=3, see
   _perturb_norms(m, seed)
   m.save_pretrained(path)
   return m
+
+
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def deepseek_v3(path, seed=0, q_lora_rank=24):
+  """A 3-layer DeepSeek-V3 (MLA with q_lora_rank, YaRN, a dense first layer, 8 routed experts in 4 groups of which
+  2 are chosen, a shared expert, routed scaling, a nonzero correction bias) saved to `path`; returns the model."""
+  import torch
+  import transformers
+  torch.manual_seed(seed)
+  cfg = transformers.DeepseekV3Config(
+      vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+      num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
+      kv_lora_rank=16, q_lora_rank=q_lora_rank, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8, n_group=4,
+      topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=32, initializer_range=0.2,
+      rope_parameters=dict(DEEPSEEK_YARN), rms_norm_eps=1e-5)
+  m = transformers.DeepseekV3ForCausalLM(cfg).eval()
+  _perturb_norms(m, seed)
+  g = torch.Generator().manual_seed(seed + 2)
+  with torch.no_grad():
+    for name, b in m.named_buffers():
+      if name.endswith("e_score_correction_bias"):  # a bias that changes which experts win
+        b.copy_(0.05 * torch.randn(b.shape, generator=g))
+  m.save_pretrained(path)
+  return m

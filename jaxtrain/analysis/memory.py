@@ -176,7 +176,9 @@ def layer_residuals(cfg, mesh, kernel: str = "xla", packed_segments: int = 0) ->
     buf = expert_layout.buffer_rows(cfg, mesh)
     slots = buf["rows"] / buf["tokens"]
     share = m.moe_layers() / m.n_layers
-    out["mlp"] = share * (3 * 4 * m.moe_experts + slots * (2 * s * D + 6 * s * F)) + (1 - share) * 6 * s * F
+    Fe = (m.moe_expert_d_ff or m.d_ff) * F // m.d_ff  # a routed expert's width, split as d_ff is
+    out["mlp"] = (share * (3 * 4 * m.moe_experts + slots * (2 * s * D + 6 * s * Fe) + 6 * s * Fe * m.moe_shared_experts)
+                  + (1 - share) * 6 * s * F)
   else:
     out["swiglu"] = 6 * s * F
   return out

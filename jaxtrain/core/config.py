@@ -36,15 +36,38 @@ class ModelConfig:
   head_dim: int = key(16, "Width of one attention head.", math=True, min=1)
   d_ff: int = key(256, "Hidden width of the SwiGLU MLP.", math=True, min=1)
   rope_theta: float = key(10000.0, "RoPE base frequency.", math=True, min=1.0)
-  rope_scaling: Literal["none", "llama3"] = key("none", "RoPE frequency scaling: none, or llama3 (Llama 3.1/3.2 long "
-                                                "context; the rope_* keys below).", math=True)
-  rope_factor: float = key(8.0, "llama3 scaling: low frequencies are divided by this.", math=True, min=1.0)
+  rope_scaling: Literal["none", "llama3", "yarn"] = key(
+      "none", "RoPE frequency scaling: none, llama3 (Llama 3.1/3.2 long context) or yarn (DeepSeek-V3); the rope_* "
+      "keys below.", math=True)
+  rope_factor: float = key(8.0, "llama3/yarn scaling: low frequencies are divided by this.", math=True, min=1.0)
   rope_low_freq_factor: float = key(1.0, "llama3 scaling: wavelengths above original/this are fully scaled.",
                                     math=True, min=0.0)
   rope_high_freq_factor: float = key(4.0, "llama3 scaling: wavelengths below original/this are unscaled.",
                                      math=True, min=0.0)
-  rope_original_max_position: int = key(8192, "llama3 scaling: the context length the model was pretrained at.",
+  rope_original_max_position: int = key(8192, "llama3/yarn scaling: the context length the model was pretrained at.",
                                         math=True, min=1)
+  # YaRN (DeepSeek-V3): model/rope.py; rope_factor is its context extension factor
+  rope_beta_fast: float = key(32.0, "yarn scaling: rotations below which frequencies are fully interpolated "
+                              "(the ramp's fast end).", math=True, min=0.0, open_min=True)
+  rope_beta_slow: float = key(1.0, "yarn scaling: rotations above which frequencies are kept (the ramp's slow "
+                              "end).", math=True, min=0.0, open_min=True)
+  rope_mscale: float = key(0.0, "yarn scaling: mscale of the cos/sin factor mscale(factor, this) / "
+                           "mscale(factor, rope_mscale_all_dim); 0 (with rope_mscale_all_dim 0) = 0.1 ln(factor) + 1.",
+                           math=True, min=0.0)
+  rope_mscale_all_dim: float = key(0.0, "yarn scaling: the softmax scale is multiplied by mscale(factor, this)^2 "
+                                   "(DeepSeek-V3: 1.0); 0 = not.", math=True, min=0.0)
+  # Multi-head latent attention (DeepSeek-V2/V3): model/mla.py
+  attention_type: Literal["gqa", "mla"] = key(
+      "gqa", "gqa: q/k/v projections of n_heads/n_kv_heads x head_dim; mla: multi-head latent attention (the "
+      "q_lora_rank, kv_lora_rank, qk_*_head_dim, v_head_dim keys; head_dim and n_kv_heads unused).", math=True)
+  q_lora_rank: int = key(0, "mla: rank of the low-rank query projection (with its RMSNorm); 0 = one plain "
+                         "projection.", math=True, min=0)
+  kv_lora_rank: int = key(32, "mla: width of the compressed key/value latent (what decoding caches).", math=True,
+                          min=1)
+  qk_nope_head_dim: int = key(16, "mla: per-head query/key width without RoPE.", math=True, min=1)
+  qk_rope_head_dim: int = key(8, "mla: per-head query width with RoPE (the key's RoPE part is shared by all "
+                              "heads); even.", math=True, min=2)
+  v_head_dim: int = key(16, "mla: per-head value width.", math=True, min=1)
   norm_eps: float = key(1e-5, "RMSNorm epsilon (> 0).", math=True, min=0.0, open_min=True)
   tie_embeddings: bool = key(False, "Share the input embedding with the output projection.", math=True)
   qk_norm: bool = key(False, "Per-head RMSNorm of q and k over head_dim before RoPE (Qwen3; params q_norm/k_norm).",
@@ -82,12 +105,24 @@ class ModelConfig:
   moe_router: Literal["softmax", "sigmoid"] = key(
       "softmax", "Router scores: softmax over experts, or per-expert sigmoid (DeepSeek-V3); the top-k "
       "weights are normalized to sum to 1 either way unless moe_norm_top_k=false.", math=True)
+  moe_n_group: int = key(1, "Group-limited routing (DeepSeek-V3): experts in this many equal groups, tokens "
+                         "choose among the moe_topk_group groups with the best sum of their top-2 scores; 1 = off.",
+                         math=True, min=1)
+  moe_topk_group: int = key(1, "Groups a token's experts come from (with moe_n_group > 1).", math=True, min=1)
+  moe_routed_scale: float = key(1.0, "Routed experts' weights are multiplied by this after normalization "
+                                "(DeepSeek-V3's routed_scaling_factor).", math=True, min=0.0, open_min=True)
   moe_bias_rate: float = key(
       0.0, "Auxiliary-loss-free balancing: per-expert bias on the routing scores (selection only), moved by this "
       "much toward balance after every update; 0 = off (no bias).", math=True, min=0.0)
   moe_aux_convention: Literal["jaxtrain", "hf"] = key(
       "jaxtrain", "Load-balance loss: jaxtrain = mean over MoE layers of X*sum f*P; hf = Hugging Face's (top_k times "
       "that, f and P pooled over all MoE layers), so an HF router_aux_loss_coef carries over.", math=True)
+  mtp_layers: int = key(0, "Multi-token prediction modules (DeepSeek-V3; model/mtp.py): 1 = one more decoder layer "
+                        "predicting the token after next, sharing the embedding and output head; 0 = none.",
+                        math=True, min=0, max=1)
+  mtp_weight: float = key(0.0, "Weight of the multi-token-prediction loss (its mean cross-entropy) added to the "
+                          "training loss; needs mtp_layers=1. The logged loss stays the next-token loss.", math=True,
+                          min=0.0)
   attention_logits_dtype: Literal["float32", "bfloat16"] = key(
       "float32", "Dtype of the reference attention's L x L scores and softmax (bfloat16 halves their memory and "
       "traffic; see docs/gpu-compile.md for its accuracy). cuDNN and ring attention keep their own float32 statistics.",
@@ -397,6 +432,14 @@ def validate(cfg: Config) -> None:
   if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
     raise UserError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
                     f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
+  if m.moe_experts and (m.moe_experts % m.moe_n_group or m.moe_topk_group > m.moe_n_group
+                        or m.moe_top_k > m.moe_topk_group * (m.moe_experts // m.moe_n_group)):
+    raise UserError(f"model.moe_n_group={m.moe_n_group} must divide model.moe_experts={m.moe_experts}, with "
+                    f"model.moe_topk_group={m.moe_topk_group} <= it and room for moe_top_k={m.moe_top_k} experts")
+  if m.mtp_weight > 0 and not m.mtp_layers:
+    raise UserError(f"model.mtp_weight={m.mtp_weight} needs model.mtp_layers=1 (the module it trains)")
+  if m.attention_type == "mla" and m.qk_rope_head_dim % 2:
+    raise UserError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (RoPE rotates pairs)")
   if m.head_dim % 2:
     raise UserError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
   ls = cfg.loss_scale

@@ -92,7 +92,7 @@ def context_limit(cfg, workdir: Path) -> tuple[int, str]:
   if isinstance(limit, int) and limit > 0:
     return limit, f"max_position_embeddings in {kept}"
   m = cfg.model
-  if m.rope_scaling == "llama3":
+  if m.rope_scaling in ("llama3", "yarn"):
     return int(m.rope_original_max_position * m.rope_factor), "model.rope_original_max_position x model.rope_factor"
   return cfg.train.seq_len, "train.seq_len, the length it was trained at"
 
@@ -102,13 +102,20 @@ def cache_layout(cfg, mesh, B: int, S: int):
   holds (batch over the batch axes, kv heads over tensor)."""
   lead = ("layers",) if cfg.model.scan_layers else ()
 
-  def spec(x):
+  def spec(path, x):
     if x.ndim == 0:
       return NamedSharding(mesh, P())
-    return sharding.logical_sharding(mesh, ("batch", None) if x.ndim == 2 else
-                                     (*lead, "batch", None, "act_kv_heads", None), x.shape)
+    heads = ("act_kv_heads", None) if path[-1].key in ("k", "v") else (None,)  # MLA's latent: no heads
+    return sharding.logical_sharding(mesh, ("batch", None) if x.ndim == 2 else (*lead, "batch", None, *heads),
+                                     x.shape)
   shapes = jax.eval_shape(lambda: model_lib.init_cache(cfg.model, B, S))
-  return shapes, jax.tree.map(spec, shapes)
+  return shapes, jax.tree_util.tree_map_with_path(spec, shapes)
+
+
+def cache_bytes_per_token(cfg) -> int:
+  """What the cache holds per token over all layers: K and V, or MLA's latent and RoPE key."""
+  one = jax.eval_shape(lambda: model_lib.init_cache(cfg.model, 1, 1))["layers"]
+  return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(one))
 
 
 def check_fits(cfg, mesh, params, B: int, S: int) -> None:
@@ -139,7 +146,8 @@ def from_checkpoint(cfg, mesh, step_dir, prompts: list[list[int]], max_new_token
   rate = (f"; decoding {timing['batch'] * timing['decode_steps'] / timing['decode_s']:.1f} tokens/s once compiled"
           if timing else "")
   return out, (f"generated {sum(map(len, out))} tokens for {len(out)} prompt(s) in {dt:.2f}s (compiles included"
-               f"{rate}; loaded step {step_dir.name} in {t1 - t0:.1f}s)")
+               f"{rate}; cache {cache_bytes_per_token(cfg):,} bytes per token; loaded step {step_dir.name} in "
+               f"{t1 - t0:.1f}s)")
 
 
 @functools.lru_cache(maxsize=8)

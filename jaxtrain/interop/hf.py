@@ -19,13 +19,15 @@ import numpy as np
 
 from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
+from jaxtrain.interop import hf_deepseek
 
-SUPPORTED = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe")
+SUPPORTED = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")
 QWEN3 = ("qwen3", "qwen3_moe")
 INDEX = "model.safetensors.index.json"
 HF_KEPT = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
            "vocab.json", "merges.txt")  # the last two: Qwen3's slow-tokenizer files beside tokenizer.json
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-weights some checkpoints carry; recomputed, never read
+# non-weights some checkpoints carry (recomputed), and DeepSeek's MTP layer's copies of the shared embedding and head
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embed_tokens.weight", "shared_head.head.weight")
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
 READABLE = ("F32", "BF16", "F16")
 
@@ -73,8 +75,12 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
                 rope_low_freq_factor=float(rope["low_freq_factor"]),
                 rope_high_freq_factor=float(rope["high_freq_factor"]),
                 rope_original_max_position=int(rope["original_max_position_embeddings"]))
+  elif rope["rope_type"] == "yarn":
+    keys.update(hf_deepseek.yarn_keys(rope, where))
   elif rope["rope_type"] != "default":
-    raise UserError(f"{where}: rope type {rope['rope_type']!r} is not supported; allowed: default, llama3")
+    raise UserError(f"{where}: rope type {rope['rope_type']!r} is not supported; allowed: default, llama3, yarn")
+  if mt == "deepseek_v3":
+    keys.update(hf_deepseek.model_keys(hf, where))
   if mt == "mixtral":  # HF Mixtral never drops tokens; router_aux_loss_coef means the same under the hf convention
     keys.update(moe_experts=hf.get("num_local_experts", 8), moe_top_k=hf.get("num_experts_per_tok", 2), moe_every=1,
                 moe_capacity_factor=0.0, moe_dropless=True, moe_aux_convention="hf",
@@ -117,13 +123,15 @@ def _qwen3_keys(hf: dict, where: str) -> dict[str, Any]:
 
 def family(m) -> str:
   """The Hugging Face model_type a jaxtrain model exports as."""
+  if m.attention_type == "mla":
+    return "deepseek_v3"
   return ("qwen3_moe" if m.moe_experts else "qwen3") if m.qk_norm else ("mixtral" if m.moe_experts else "llama")
 
 
 def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
   """The exported config.json; fields of `base` (the imported one) that jaxtrain does not model are kept."""
   m = cfg.model
-  moe, fam = m.moe_experts > 0, family(m)
+  moe, fam = m.moe_experts > 0 and m.attention_type != "mla", family(m)
   if fam == "mixtral" and m.moe_every != 1:
     raise UserError(f"model.moe_every={m.moe_every}: a Mixtral checkpoint has MoE in every layer; only 1 exports")
   plain = (("moe_shared_experts", 0), ("moe_router", "softmax"), ("moe_bias_rate", 0.))
@@ -139,7 +147,8 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
           "transformers_version", "sliding_window", "num_local_experts", "num_experts", "layer_types")
   out = {k: v for k, v in base.items() if k not in drop}
   arch = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-          "qwen3_moe": "Qwen3MoeForCausalLM"}[fam]
+          "qwen3_moe": "Qwen3MoeForCausalLM",
+          "deepseek_v3": "DeepseekV3ForCausalLM"}[fam]
   out.update(
       architectures=[arch], model_type=fam,
       vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff, num_hidden_layers=m.n_layers,
@@ -157,13 +166,15 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
                router_aux_loss_coef=m.moe_aux_weight, output_router_logits=False)
   elif fam == "llama":
     out.update(attention_bias=False, mlp_bias=False)
-  else:  # Qwen3 (dense or MoE): full attention everywhere
+  elif fam in QWEN3:  # Qwen3 (dense or MoE): full attention everywhere
     out.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
     if moe:
       out.update(num_experts=m.moe_experts, num_experts_per_tok=m.moe_top_k, norm_topk_prob=m.moe_norm_top_k,
                  moe_intermediate_size=m.moe_expert_d_ff or m.d_ff, decoder_sparse_step=m.moe_every,
                  mlp_only_layers=list(range(m.moe_first_dense)), router_aux_loss_coef=m.moe_aux_weight,
                  output_router_logits=False)
+  else:  # DeepSeek-V3: the Llama fields above, then its own
+    out = hf_deepseek.hf_config(cfg, out)
   if tokenizer is not None:
     out.setdefault("eos_token_id", tokenizer.eos_id)
     if tokenizer.bos_id is not None:
@@ -184,16 +195,21 @@ class Tensor:
   names: np.ndarray  # object array of HF names
   hf_shape: tuple[int, ...]
   ours: tuple[int, ...] | None
+  rows: np.ndarray | None = None  # the HF row of each of our rows (MLA's RoPE parts), None: the same order
 
   def to_ours(self, w):
+    w = w if self.rows is None else w[self.rows]
     return w if self.ours is None else w.T.reshape(self.ours)
 
   def to_hf(self, a):
-    return a if self.ours is None else a.reshape(self.hf_shape[::-1]).T
+    a = a if self.ours is None else a.reshape(self.hf_shape[::-1]).T
+    return a if self.rows is None else a[np.argsort(self.rows)]
 
 
 def _block(cfg, moe: bool) -> list[tuple]:
   """(path inside a block, HF suffix ({x}: the expert), HF shape, our shape or None)."""
+  if cfg.attention_type == "mla":
+    return hf_deepseek.block_rows(cfg, moe)
   D, H, K, E, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
   rows = [(("attn", f"w{p}"), f"self_attn.{p}_proj.weight", hf, ours) for p, hf, ours in (
       ("q", (H * E, D), (D, H, E)), ("k", (K * E, D), (D, K, E)), ("v", (K * E, D), (D, K, E)),
@@ -226,12 +242,15 @@ def table(cfg) -> list[Tensor]:
 
   out = [Tensor(("embed",), one("model.embed_tokens.weight"), (cfg.vocab_size, cfg.d_model), None)]
   if cfg.scan_layers:  # every layer alike (validated): one stacked parameter per block parameter
-    out += [Tensor(("layers", *p), names(s, range(cfg.n_layers)), hf, ours)
-            for p, s, hf, ours in _block(cfg, cfg.is_moe_layer(0))]
+    out += [Tensor(("layers", *p), names(s, range(cfg.n_layers)), *rest)
+            for p, s, *rest in _block(cfg, cfg.is_moe_layer(0))]
   else:
-    out += [Tensor(("layers", i, *p), names(s, [i]), hf, ours)
-            for i in range(cfg.n_layers) for p, s, hf, ours in _block(cfg, cfg.is_moe_layer(i))]
+    out += [Tensor(("layers", i, *p), names(s, [i]), *rest)
+            for i in range(cfg.n_layers) for p, s, *rest in _block(cfg, cfg.is_moe_layer(i))]
   out.append(Tensor(("final_norm", "scale"), one("model.norm.weight"), (cfg.d_model,), None))
+  if cfg.mtp_layers:
+    out += [Tensor(p, one([name.format(x=x) for x in range(cfg.moe_experts)] if "{x}" in name else name), *rest)
+            for p, name, *rest in hf_deepseek.mtp_rows(cfg)]
   if not cfg.tie_embeddings:
     V, D = cfg.vocab_size, cfg.d_model
     out.append(Tensor(("lm_head",), one("lm_head.weight"), (V, D), (D, V)))
@@ -244,6 +263,8 @@ def table(cfg) -> list[Tensor]:
 def _hf_index(t: Tensor, index: tuple) -> tuple | None:
   """The HF (out, in) slices holding our part `index` of one tensor, or None if they are not contiguous ranges.
   Ours is the transpose (in, out) reshaped: each HF dimension is a run of our dimensions merged."""
+  if t.rows is not None:  # permuted rows: read whole, then cut
+    return None
   if t.ours is None:
     return index
   n_in, split = t.hf_shape[1], 0
@@ -346,7 +367,11 @@ def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | Non
   except json.JSONDecodeError as e:
     raise UserError(f"{src / 'config.json'}: not valid JSON ({e})") from None
   tok = src / "tokenizer.json"
-  sections = {"model": model_keys(hf, str(src / "config.json")), "optim": {"lr": 1e-5, "warmup_steps": 10},
+  headers = read_headers(src)
+  model = model_keys(hf, str(src / "config.json"))
+  if hf.get("model_type") == "deepseek_v3":
+    model.update(hf_deepseek.mtp_keys(hf, headers))
+  sections = {"model": model, "optim": {"lr": 1e-5, "warmup_steps": 10},
               "data": {"tokenizer": str(w.absolute() / "tokenizer.json") if tok.is_file() else "byte"}}
   with tempfile.TemporaryDirectory() as tmp:
     path = Path(tmp) / "imported.toml"
@@ -357,7 +382,6 @@ def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | Non
     section, _, key = config.RENAMED.get(dotted, dotted).partition(".")
     sections.setdefault(section, {})[key] = getattr(getattr(cfg, section), key)
   sections["model"] = dataclasses.asdict(cfg.model)  # every model key explicit
-  headers = read_headers(src)
   check_tensors(table(cfg.model), headers, src, cfg.model.tie_embeddings)
   if checkpoint.committed_steps(w / "checkpoints"):
     raise UserError(f"--workdir {w} already holds checkpoints; import into a new directory")

@@ -23,6 +23,8 @@ def select(model_cfg, seq_len: int | None = None, info: devices.Info | None = No
     return "xla", "model.attention=xla"
   info = info or devices.of()
   E, dt = model_cfg.head_dim, model_cfg.dtype
+  if model_cfg.attention_type == "mla":  # q/k width (v is zero-padded to it)
+    E = model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim
   problem = next((why for failed, why in (  # the first condition cuDNN does not meet
       (not info.cuda, f"backend is {info.platform}, not a CUDA GPU"),
       (dt not in ("bfloat16", "float16"), f"model.dtype={dt} (cuDNN needs bfloat16 or float16)"),
@@ -116,7 +118,7 @@ def masked_attention(q_BxLxHxE, k_BxMxKxE, v_BxMxKxE, mask_BxLxM, logits_dtype=j
   s_BxKxGxLxM = jnp.where(mask_BxLxM[:, None, None], s_BxKxGxLxM, NEG_INF)
   p_BxKxGxLxM = jax.nn.softmax(s_BxKxGxLxM, axis=-1).astype(v_BxMxKxE.dtype)
   o_BxLxKxGxE = jnp.einsum("bkglm,bmke->blkge", p_BxKxGxLxM, v_BxMxKxE)
-  return o_BxLxKxGxE.reshape(B, L, H, E)
+  return o_BxLxKxGxE.reshape(B, L, H, -1)  # v's head width may differ from q/k's (MLA)
 
 
 def cached_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, seg_BxT, cache):

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from jaxtrain.parallel import devices
 from jaxtrain.core.config import ModelConfig
+from jaxtrain.model import mla
 
 def matmul_params(m: ModelConfig) -> int:
   """Weights that take part in a matmul per token (everything but norms and the lookup)."""
   attn = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+  if m.attention_type == "mla":
+    attn = mla.attention_matmul_params(m)
   mlp = 3 * m.d_model * m.d_ff
   # A MoE layer runs top_k routed experts and the shared ones per token, plus the router.
   n_moe = m.moe_layers()
@@ -22,7 +25,8 @@ def matmul_params(m: ModelConfig) -> int:
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-  forward = 2 * matmul_params(m) + m.n_layers * 2 * 2 * seq_len * m.n_heads * m.head_dim / 2
+  qk_v = (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) if m.attention_type == "mla" else 2 * m.head_dim
+  forward = 2 * matmul_params(m) + m.n_layers * 2 * seq_len * m.n_heads * qk_v / 2
   return 3 * forward
 
 

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.core.config import ModelConfig
-from jaxtrain.model import fp8, rope as rope_scaling
+from jaxtrain.model import fp8, mla as mla_lib, mtp as mtp_lib, rope as rope_scaling
 from jaxtrain.model.attention import cached_attention
 from jaxtrain.parallel import plan as plan_lib
 
@@ -51,11 +51,13 @@ class RMSNorm(nnx.Module):
 
 def rope_tables(pos_BxL, cfg: ModelConfig):
   """(sin, cos) of the rotary angles, (B, L, 1, E/2) float32 with model.rope_scaling, once per forward pass."""
-  half = cfg.head_dim // 2
+  half = rope_scaling.dim(cfg) // 2
   freq_E2 = rope_scaling.inv_freq(cfg)
   freq_E2 = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half) if freq_E2 is None else jnp.asarray(freq_E2)
   ang_BxLx1xE2 = (pos_BxL.astype(jnp.float32)[:, :, None] * freq_E2)[:, :, None, :]
-  return jnp.sin(ang_BxLx1xE2), jnp.cos(ang_BxLx1xE2)
+  mag = rope_scaling.table_scale(cfg)  # YaRN scales cos and sin
+  return (jnp.sin(ang_BxLx1xE2), jnp.cos(ang_BxLx1xE2)) if mag == 1.0 else (
+      jnp.sin(ang_BxLx1xE2) * mag, jnp.cos(ang_BxLx1xE2) * mag)
 
 
 def rope(x_BxLxNxE, tables):
@@ -139,7 +141,8 @@ class MoE(nnx.Module):
     y_BxLxD, stats = plan.moe_ffn(x_BxLxD, self.router[...], self.w_gate[...].astype(dt), self.w_up[...].astype(dt),
                                   self.w_down[...].astype(dt), top_k=c.moe_top_k,
                                   capacity_factor=c.moe_capacity_factor, score=c.moe_router, bias_X=bias,
-                                  norm_top_k=c.moe_norm_top_k)
+                                  norm_top_k=c.moe_norm_top_k, groups=(c.moe_n_group, c.moe_topk_group),
+                                  scale=c.moe_routed_scale)
     if c.moe_shared_experts:
       y_BxLxD = y_BxLxD + self.shared(x_BxLxD, plan)
     return y_BxLxD, stats
@@ -149,7 +152,7 @@ class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe_layer: bool = False):
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-    self.attn = Attention(cfg, rngs)
+    self.attn = mla_lib.MLA(cfg, rngs, RMSNorm, rope) if cfg.attention_type == "mla" else Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.mlp = MoE(cfg, rngs) if moe_layer else MLP(cfg, rngs)
 
@@ -178,6 +181,8 @@ class Transformer(nnx.Module):
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
+    if cfg.mtp_layers:
+      self.mtp = mtp_lib.MTP(cfg, rngs, Block, RMSNorm)
 
   def __call__(self, tokens_BxL, pos_BxL, seg_BxL, plan=None):
     """float32 logits (B, L, V). `plan` None = one device, reference attention."""
@@ -250,6 +255,8 @@ def init_cache(cfg: ModelConfig, batch: int, length: int):
   """An empty KV cache of `length` slots per row for `Transformer.decode` (segment id 0 = empty)."""
   kv = lambda: {"k": jnp.zeros((batch, length, cfg.n_kv_heads, cfg.head_dim), cfg.dtype),  # noqa: E731
                 "v": jnp.zeros((batch, length, cfg.n_kv_heads, cfg.head_dim), cfg.dtype)}
+  if cfg.attention_type == "mla":
+    kv = lambda: mla_lib.empty_cache(cfg, batch, length)  # noqa: E731
   layers = ([kv() for _ in range(cfg.n_layers)] if not cfg.scan_layers
             else jax.tree.map(lambda a: jnp.broadcast_to(a, (cfg.n_layers, *a.shape)), kv()))
   return {"layers": layers, "seg": jnp.zeros((batch, length), jnp.int32), "start": jnp.zeros((), jnp.int32)}

@@ -13,9 +13,11 @@ from jaxtrain.parallel import experts_dropless as moe_dropless, expert_layout as
 capacity = moe_layout.capacity  # analysis.memory reads it here
 
 
-def route(x_BxLxD, router_DxX, top_k: int, score: str = "softmax", bias_X=None, norm_top_k: bool = True):
-  """-> ids (B,L,k) int32, weights (B,L,k) f32 (summing to 1 if norm_top_k, else the raw scores), stats: balance,
-  z, share f_e, prob P_e, load (X,)."""
+def route(x_BxLxD, router_DxX, top_k: int, score: str = "softmax", bias_X=None, norm_top_k: bool = True,
+          groups=(1, 1), scale: float = 1.0):
+  """-> ids (B,L,k) int32, weights (B,L,k) f32 (summing to `scale` if norm_top_k, else the raw scores times
+  `scale`), stats: balance, z, share f_e, prob P_e, load (X,). `groups` (n, best): choose among the `best` of n
+  expert groups (ranked by their top-2 scores), DeepSeek-V3."""
   B, L, _ = x_BxLxD.shape
   X = router_DxX.shape[1]
   logits_BxLxX = jnp.einsum("bld,dx->blx", x_BxLxD.astype(jnp.float32), router_DxX.astype(jnp.float32))
@@ -25,10 +27,13 @@ def route(x_BxLxD, router_DxX, top_k: int, score: str = "softmax", bias_X=None, 
     scores_BxLxX = jax.nn.sigmoid(logits_BxLxX)
     probs_BxLxX = scores_BxLxX / jnp.sum(scores_BxLxX, axis=-1, keepdims=True)
   pick = scores_BxLxX if bias_X is None else scores_BxLxX + jax.lax.stop_gradient(bias_X.astype(jnp.float32))
+  if groups[0] > 1:
+    pick = _group_limited(pick, *groups)
   _, idx_BxLxk = jax.lax.top_k(pick, top_k)
   w_BxLxk = jnp.take_along_axis(scores_BxLxX, idx_BxLxk, axis=-1)
   if norm_top_k:
     w_BxLxk = w_BxLxk / jnp.sum(w_BxLxk, axis=-1, keepdims=True)
+  w_BxLxk = w_BxLxk * scale
   load_X = jnp.sum(jax.nn.one_hot(idx_BxLxk, X, dtype=jnp.float32), axis=(0, 1, 2))
   share_X = load_X / (B * L * top_k)
   prob_X = jnp.mean(probs_BxLxX, axis=(0, 1))
@@ -36,6 +41,16 @@ def route(x_BxLxD, router_DxX, top_k: int, score: str = "softmax", bias_X=None, 
            "z": jnp.mean(jnp.square(jax.nn.logsumexp(logits_BxLxX, axis=-1))),
            "share": share_X, "prob": prob_X, "load": jax.lax.stop_gradient(load_X)}
   return idx_BxLxk, w_BxLxk, stats
+
+
+def _group_limited(pick_BxLxX, n: int, best: int):
+  """Scores outside a token's `best` groups (by the sum of each group's top-2 scores) set to -inf."""
+  B, L, X = pick_BxLxX.shape
+  g_BxLxnxm = pick_BxLxX.reshape(B, L, n, X // n)
+  group_BxLxn = jnp.sum(jax.lax.top_k(g_BxLxnxm, min(2, X // n))[0], axis=-1)
+  _, keep_BxLxb = jax.lax.top_k(group_BxLxn, best)
+  keep_BxLxn = jnp.sum(jax.nn.one_hot(keep_BxLxb, n, dtype=jnp.int32), axis=-2) > 0
+  return jnp.where(keep_BxLxn[..., None], g_BxLxnxm, -jnp.inf).reshape(B, L, X)
 
 
 def slots(idx_Txk, experts: int, cap: int):
@@ -79,11 +94,10 @@ def experts_ffn(buf_XxNxD, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, plan, slot_ax
 
 
 def moe_ffn(x_BxLxD, router_DxX, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, *, top_k: int,
-            capacity_factor: float, plan, group_size: int = 0, score: str = "softmax", bias_X=None,
-            norm_top_k: bool = True):
+            capacity_factor: float, plan, group_size: int = 0, score: str = "softmax", bias_X=None, **route_kw):
   """The MoE feed-forward as the plan says: (y_BxLxD, `route`'s stats + dropped and assigned counts)."""
   B, L, D = x_BxLxD.shape
-  idx, w, stats = route(x_BxLxD, router_DxX, top_k, score, bias_X, norm_top_k)
+  idx, w, stats = route(x_BxLxD, router_DxX, top_k, score, bias_X, **route_kw)
   weights = tuple(a.astype(x_BxLxD.dtype) for a in (w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD))
   if plan.moe_kernel != "capacity":
     y, dropped = moe_dropless.ffn(x_BxLxD, idx, w, weights, plan), jnp.float32(0)

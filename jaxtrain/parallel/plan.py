@@ -69,6 +69,10 @@ class Plan:
     """The chosen kernel on arrays holding whole sequences."""
     if self.attention == "xla":
       return KERNELS["xla"](q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype=jnp.dtype(self.logits_dtype))
+    E, Ev = q_BxLxHxE.shape[-1], v_BxLxKxE.shape[-1]
+    if Ev < E:  # cuDNN takes one head width (MLA's v is narrower): zero-padded v, its extra outputs cut off
+      v_BxLxKxE = jnp.pad(v_BxLxKxE, ((0, 0), (0, 0), (0, 0), (0, E - Ev)))
+      return self.attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)[..., :Ev]
     if self.packed_segments:
       return attention_lib.packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, self.packed_segments)
     return KERNELS[self.attention](q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
@@ -82,11 +86,10 @@ class Plan:
                         f"{self.packed_segments}; raise it to at least {most}, or set it to 0 (L x L mask)")
 
   def moe_ffn(self, x_BxLxD, router_DxX, w_gate, w_up, w_down, *, top_k: int, capacity_factor: float,
-              score: str = "softmax", bias_X=None, norm_top_k: bool = True):
+              score: str = "softmax", bias_X=None, **route_kw):
     from jaxtrain.parallel import experts as moe
     return moe.moe_ffn(x_BxLxD, router_DxX, w_gate, w_up, w_down, top_k=top_k, capacity_factor=capacity_factor,
-                       plan=self, group_size=self.moe_group, score=score, bias_X=bias_X,
-                       norm_top_k=norm_top_k)
+                       plan=self, group_size=self.moe_group, score=score, bias_X=bias_X, **route_kw)
 
   def describe(self) -> str:
     group = self.moe_group or self.seq_len

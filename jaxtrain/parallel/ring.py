@@ -135,7 +135,7 @@ def _ring_fwd(q, k, v, seg, idx, axis, sp, zigzag):
   K = k.shape[2]
   q5 = q.reshape(b, n, K, H // K, E)
   stats = (jnp.full((b, n, K, H // K), NEG_INF, jnp.float32), jnp.zeros((b, n, K, H // K), jnp.float32),
-           jnp.zeros((b, n, K, H // K, E), jnp.float32))
+           jnp.zeros((b, n, K, H // K, v.shape[-1]), jnp.float32))  # v's head width may differ (MLA)
   # Step 0: the device's own (diagonal) block; every query sees at least itself here.
   stats = _fold(stats, q5, k, v, _mask(idx, seg, idx, seg))
 
@@ -144,7 +144,7 @@ def _ring_fwd(q, k, v, seg, idx, axis, sp, zigzag):
     part = _fold(jax.tree.map(lambda x: x[:, qs], stats), q5[:, qs], kb, vb, _mask(idx[qs], seg[:, qs], idxb, segb))
     return jax.tree.map(lambda x, p: x.at[:, qs].set(p), stats, part), blk
   (m, l, acc), _ = _steps(stats, (k, v, seg, idx), fold, n, axis, sp, zigzag)
-  out = (acc / l[..., None]).reshape(b, n, H, E).astype(q.dtype)
+  out = (acc / l[..., None]).reshape(b, n, H, -1).astype(q.dtype)
   return out, (q, k, v, seg, idx, out, m + jnp.log(l))
 
 
@@ -153,8 +153,8 @@ def _ring_bwd(axis, sp, zigzag, res, do):
   b, n, H, E = q.shape
   K = k.shape[2]
   q5 = q.reshape(b, n, K, H // K, E)
-  do5 = do.reshape(q5.shape).astype(jnp.float32)
-  delta = jnp.sum(do5 * out.reshape(q5.shape).astype(jnp.float32), axis=-1)
+  do5 = do.reshape(*q5.shape[:-1], -1).astype(jnp.float32)
+  delta = jnp.sum(do5 * out.reshape(do5.shape).astype(jnp.float32), axis=-1)
   dq, dk, dv = _grad_block(q5, k, v, do5, lse, delta, _mask(idx, seg, idx, seg))
 
   def fold(dq, blk, qs, ks):  # dk, dv travel with their K/V; after sp hops they are home

@@ -14,13 +14,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.core.config import Config, OptimConfig
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import loss as xent, moe_balance, transformer as model_lib
+from jaxtrain.model import loss as xent, moe_balance, mtp as mtp_lib, transformer as model_lib
 from jaxtrain.parallel import expert_layout as moe_layout, pipeline, placement as placement_lib, plan as plan_lib
 from jaxtrain.parallel import sharding
 from jaxtrain.run import precision
 
 # Decayed: projections only; not norm scales (a scale, not a direction) nor the embedding (rare rows would shrink).
-DECAYED = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"})
+DECAYED = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head",
+                     "wq_a", "wq_b", "wkv_a", "wkv_b", "eh_proj"})  # MLA's and MTP's projections
 # Weights the model casts to the compute dtype at every use: their compute copy is kept in that dtype.
 CAST_AT_USE = DECAYED | {"embed"}
 
@@ -66,13 +67,16 @@ def token_loss_sum(graphdef, params, mb, plan=None):
   return token_loss_and_moe(graphdef, params, mb, plan)[0]
 
 
-def token_loss_and_moe(graphdef, params, mb, plan=None):
-  """(token_loss_sum, the microbatch's MoE totals `moe_balance.totals`; zeros for a dense model)."""
+def token_loss_and_moe(graphdef, params, mb, plan=None, mtp: bool = False):
+  """(token_loss_sum, the microbatch's MoE totals `moe_balance.totals`; zeros for a dense model, the summed
+  multi-token-prediction loss; 0 unless `mtp`)."""
   model = nnx.merge(graphdef, params)
   plan = plan or plan_lib.local(model.cfg)
   h_BxLxD, moe_stats = model.hidden(mb["inputs"], mb["positions"], mb["segment_ids"], plan)
   loss_sum = xent.nll_sum(h_BxLxD, model.head_weight(), mb["targets"], mb["loss_mask"], plan, plan.loss_chunk_tokens)
-  return loss_sum, moe_balance.totals(model.cfg, moe_stats)
+  mtp_sum = (mtp_lib.loss_sum(model, h_BxLxD, mb, model_lib.rope_tables(mb["positions"], model.cfg), plan)[0]
+             if mtp else jnp.float32(0))
+  return loss_sum, moe_balance.totals(model.cfg, moe_stats), mtp_sum
 
 
 def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metrics: bool = False, plan=None,
@@ -87,17 +91,21 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
   keep = (lambda g: jax.lax.with_sharding_constraint(g, grad_shardings)) if grad_shardings else (lambda g: g)
   zeros = keep(jax.tree.map(jnp.zeros_like, params))
+  m = nnx.merge(graphdef, params).cfg
+  mtp_w = m.mtp_weight if m.mtp_layers else 0.0  # its mean over the update's MTP targets, weighted
+  mtp_denom = jnp.maximum(jnp.sum(mtp_lib.targets(batch)[1] > 0), 1).astype(jnp.float32) if mtp_w else 1.0
 
   def scaled(p, mb):
-    loss_sum, moe = token_loss_and_moe(graphdef, p, mb, plan)
-    return (loss_sum + moe["aux"] * denom / microbatches) * (loss_scale / denom), (loss_sum, moe)
+    loss_sum, moe, mtp_sum = token_loss_and_moe(graphdef, p, mb, plan, mtp=bool(mtp_w))
+    extra = moe["aux"] * denom / microbatches + mtp_w * mtp_sum * denom / mtp_denom
+    return (loss_sum + extra) * (loss_scale / denom), (loss_sum, moe)
 
   def accumulate(carry, mb):
     loss_sum, grad_sum, moe_sum = carry
     (_, (l, moe)), g = jax.value_and_grad(scaled, has_aux=True)(params, mb)
     return (loss_sum + l, jax.tree.map(jnp.add, grad_sum, keep(g)), jax.tree.map(jnp.add, moe_sum, moe)), None
 
-  moe0 = moe_balance.zero_totals(nnx.merge(graphdef, params).cfg)
+  moe0 = moe_balance.zero_totals(m)
   (loss_sum, grad_sum, moe), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros, moe0),
                                               placement_lib.split_microbatches(batch, microbatches, plan or plan_lib.local()))
   out = loss_sum / denom, jax.tree.map(lambda g: g / loss_scale, grad_sum), n_valid
@@ -332,4 +340,7 @@ def check_fits_mesh(cfg: Config, mesh) -> None:
   pipeline.check(cfg, mesh)
   if t.seq_len % mesh.shape["sequence"]:
     raise UserError(f"train.seq_len={t.seq_len} must divide over sequence={mesh.shape['sequence']} devices")
+  if cfg.model.mtp_weight > 0 and pipeline.active(mesh):
+    raise UserError(f"model.mtp_weight={cfg.model.mtp_weight}: the pipeline schedule does not run the multi-token "
+                    f"prediction layer; use a mesh with pipeline=1 or model.mtp_weight=0")
   moe_layout.check(cfg, mesh)

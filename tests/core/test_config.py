@@ -94,6 +94,11 @@ MATH_KEYS = {
     "model.moe_shared_experts", "model.moe_first_dense", "model.moe_router", "model.moe_bias_rate",
     "model.moe_aux_convention",
     "model.qk_norm", "model.moe_norm_top_k",  # Qwen3: per-head q/k norms; unnormalized top-k weights
+    # DeepSeek-V3: YaRN, multi-head latent attention, group-limited routing, multi-token prediction
+    "model.rope_beta_fast", "model.rope_beta_slow", "model.rope_mscale", "model.rope_mscale_all_dim",
+    "model.attention_type", "model.q_lora_rank", "model.kv_lora_rank", "model.qk_nope_head_dim",
+    "model.qk_rope_head_dim", "model.v_head_dim", "model.moe_n_group", "model.moe_topk_group", "model.moe_routed_scale",
+    "model.mtp_layers", "model.mtp_weight",
     # stacked layers: the same numbers, but the saved parameter tree has another shape
     "model.scan_layers",
     # the optimizer and its schedule (train.steps sets the decay length)
