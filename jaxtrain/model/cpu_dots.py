@@ -9,6 +9,7 @@ Lowering rules are process-wide: `install` is idempotent and touches the CPU pla
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +18,13 @@ import numpy as np
 
 @functools.cache
 def install() -> bool:
-  """Registers the CPU lowering once; False where this jax lacks the rule it wraps (nothing changes)."""
+  """Registers the CPU lowering once; False, with a one-line note, where this jax lacks the rule it wraps."""
   try:
     from jax._src.interpreters import mlir  # private (the rule and convert_hlo): re-check on a jax upgrade
     from jax._src.lax.lax import _dot_general_lower as plain
   except ImportError:
+    print("note: cannot reach jax's dot_general lowering (jax._src.lax.lax._dot_general_lower, not in this jax); "
+          "bfloat16 matmuls on CPU keep XLA's slower bfloat16-result kernel", file=sys.stderr)
     return False
 
   def lower(ctx, lhs, rhs, **params):
