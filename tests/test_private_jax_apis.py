@@ -90,3 +90,20 @@ def test_without_orbax_handler_registration_checkpoints_use_the_default(monkeypa
     ck.save(tmp_path / "s", state)
   with ocp.StandardCheckpointer() as ck:
     np.testing.assert_array_equal(ck.restore(tmp_path / "s", state)["w"], state["w"])
+
+
+def test_without_the_dot_lowering_bfloat16_matmuls_keep_xlas_kernel(monkeypatch, capsys):
+  import jax
+  import jax.numpy as jnp
+  from jax._src.lax import lax
+  from jaxtrain.model import cpu_dots
+  monkeypatch.delattr(lax, "_dot_general_lower")
+  cpu_dots.install.cache_clear()
+  try:
+    assert cpu_dots.install() is False
+    x = jnp.ones((4, 8), jnp.bfloat16)
+    assert float(jax.jit(lambda a: (a @ a.T).sum())(x)) == 128.0  # bfloat16 matmuls still run
+  finally:
+    cpu_dots.install.cache_clear()
+  err = capsys.readouterr().err.splitlines()
+  assert len(err) == 1 and err[0].startswith("note: cannot reach jax's dot_general lowering"), err

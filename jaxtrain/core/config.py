@@ -127,6 +127,10 @@ class ModelConfig:
       "float32", "Dtype of the reference attention's L x L scores and softmax (bfloat16 halves their memory and "
       "traffic; see docs/gpu-compile.md for its accuracy). cuDNN and ring attention keep their own float32 statistics.",
       math=True)
+  head_logits_dtype: Literal["float32", "bfloat16"] = key(
+      "float32", "Dtype of the output head's logits and of their gradient entering the head's two backward "
+      "matmuls (bfloat16: MaxText's choice, the head's three matmuls take bfloat16 operands); softmax, "
+      "cross-entropy and the matmuls' sums stay float32.", math=True)
   attention: Literal["auto", "xla", "cudnn"] = key(
       "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if "
       "unsupported). With sequence > 1 it is the kernel inside ulysses (ring computes its own blocks: cudnn is "

@@ -21,7 +21,8 @@ def nll_sum(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens: int, g
 
 def _plain(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, gather):
   """The whole (B, L, V) float32 logits at once (the reference, and train.loss_chunk_tokens=0)."""
-  logits_BxLxV = jnp.einsum("bld,dv->blv", h_BxLxD, w_DxV.astype(h_BxLxD.dtype), preferred_element_type=jnp.float32)
+  logits_BxLxV = jnp.einsum("bld,dv->blv", h_BxLxD, w_DxV.astype(h_BxLxD.dtype),
+                            preferred_element_type=jnp.dtype(plan.head_logits_dtype)).astype(jnp.float32)
   axes = ("batch", "length", "act_vocab")
   if not gather:
     return jnp.sum(_token_nll(logits_BxLxV, targets_BxL, axes, plan) * weights_BxL)
@@ -75,12 +76,13 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens):
     # gathered here, once, to the layout the chunks use (whole over fsdp, split over tensor like the logits)
     w16_DxV = plan.constrain(w_DxV.astype(h_BxLxD.dtype), (None, "act_vocab"))
     axes = ("batch", None, "length", None, "act_vocab")
+    ld = jnp.dtype(plan.head_logits_dtype)  # the logits' and their gradient's dtype at the matmuls
 
     def chunk(carry, xs):
       total, dw_GxSxDxV = carry
       h_GxBxSxCxD, t_GxBxSxC, wt_GxBxSxC = xs
       logits = plan.constrain(jnp.einsum("gbscd,dv->gbscv", h_GxBxSxCxD, w16_DxV,
-                                         preferred_element_type=jnp.float32), axes)
+                                         preferred_element_type=ld).astype(jnp.float32), axes)
       hot = plan.constrain(jax.nn.one_hot(t_GxBxSxC, V, dtype=jnp.float32), axes)
       # logsumexp as jax.nn.logsumexp computes it, and below its gradient in the order autodiff has it
       top = jnp.max(logits, axis=-1, keepdims=True)
@@ -91,8 +93,8 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens):
       total = total + jnp.sum((lse - jnp.sum(logits * hot, axis=-1)) * wt_GxBxSxC)
       if not grad:
         return (total, dw_GxSxDxV), None
-      # d(loss)/d(logits), float32 into both products as the autodiff of the plain loss has it
-      dlogits = exp * (wt_GxBxSxC / sumexp)[..., None] - hot * wt_GxBxSxC[..., None]
+      # d(loss)/d(logits), into both products in the logits' dtype as the autodiff of the plain loss has it
+      dlogits = (exp * (wt_GxBxSxC / sumexp)[..., None] - hot * wt_GxBxSxC[..., None]).astype(ld)
       dh = jax.lax.dot_general(dlogits, w16_DxV, (((4,), (1,)), ((), ())), preferred_element_type=jnp.float32)
       dw = jax.lax.dot_general(h_GxBxSxCxD, dlogits, (((1, 3), (1, 3)), ((0, 2), (0, 2))),
                                preferred_element_type=jnp.float32)

@@ -34,6 +34,7 @@ class Plan:
   seq_len: int = 0  # train.seq_len, the tokens of "one sequence" in describe() (0: not known)
   remat: str = "none"
   logits_dtype: str = "float32"  # scores/softmax of the reference kernel
+  head_logits_dtype: str = "float32"  # model.head_logits_dtype: the loss's logits and their gradient
   packed_segments: int = 0  # cudnn only: segments go as offsets, at most this many per row (0: an L x L mask)
   loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens  # the loss's tokens per chunk per device (0: unchunked)
   zero_stage: int = 0  # optim.zero_stage: what `data` shards of the train state (see `state_layout`)
@@ -140,6 +141,7 @@ def build(cfg, mesh, device=None) -> Plan:
               moe_group=m.moe_group_size, seq_len=cfg.train.seq_len, remat=m.remat,
               logits_dtype=m.attention_logits_dtype, packed_segments=packed, fp8=m.fp8,
               loss_chunk_tokens=cfg.train.loss_chunk_tokens, offload=cfg.optim.offload,
+              head_logits_dtype=m.head_logits_dtype,
               zero_stage=cfg.optim.zero_stage if mesh is not None and mesh.shape["data"] > 1 else 0)
 
 
@@ -156,6 +158,6 @@ def local(model_cfg=None) -> Plan:
   m, platform = model_cfg, jax.default_backend()
   own = {} if m is None else dict(moe="local" if m.moe_experts else "dense", moe_kernel=moe_kernel(m, platform),
                                   moe_group=m.moe_group_size, remat=m.remat, logits_dtype=m.attention_logits_dtype,
-                                  fp8=m.fp8)
+                                  fp8=m.fp8, head_logits_dtype=m.head_logits_dtype)
   return Plan(mesh=None, rules=dict(sharding.RULES), attention="xla", attention_why="one device, no mesh",
               platform=platform, **own)

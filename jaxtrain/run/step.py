@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.core.config import Config, OptimConfig
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import loss as xent, moe_balance, mtp as mtp_lib, transformer as model_lib
+from jaxtrain.model import cpu_dots, loss as xent, moe_balance, mtp as mtp_lib, transformer as model_lib
 from jaxtrain.parallel import expert_layout as moe_layout, pipeline, placement as placement_lib, plan as plan_lib
 from jaxtrain.parallel import sharding
 from jaxtrain.run import precision
@@ -268,6 +268,7 @@ class Setup:
   def __init__(self, cfg: Config, mesh, plan=None):
     self.cfg, self.mesh = cfg, mesh
     check_fits_mesh(cfg, mesh)
+    cpu_dots.install()  # bfloat16 matmuls on XLA:CPU with float32 sums, as on GPUs: the fast CPU kernel
     self.plan = plan or plan_lib.build(cfg, mesh)  # decided once; the model only follows it
     self.graphdef, abstract_state = model_lib.abstract(cfg.model, cfg.train.seed)
     self.n_params, self.notes = model_lib.param_count(abstract_state), []

@@ -86,7 +86,7 @@ MATH_KEYS = {
     "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.head_dim",
     "model.d_ff", "model.rope_theta", "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor",
     "model.rope_high_freq_factor", "model.rope_original_max_position", "model.norm_eps", "model.tie_embeddings",
-    "model.init_std", "model.dtype", "model.attention_logits_dtype",
+    "model.init_std", "model.dtype", "model.attention_logits_dtype", "model.head_logits_dtype",
     "model.fp8",  # FP8 projection matmuls
     # mixture of experts: routing, capacity, losses and expert shapes
     "model.moe_experts", "model.moe_top_k", "model.moe_every", "model.moe_capacity_factor", "model.moe_aux_weight",

@@ -157,3 +157,33 @@ def test_a_negative_chunk_size_is_a_one_line_error():
   with pytest.raises(UserError, match="loss_chunk_tokens"):
     config.load("tiny", ["train.loss_chunk_tokens=-1"])
   assert config.load("tiny").train.loss_chunk_tokens == 1024
+
+
+# ---- model.head_logits_dtype=bfloat16 (MaxText's head): against float64 with those roundings ----
+
+def _bf16(x):
+  return np.asarray(jax.numpy.asarray(x, jax.numpy.bfloat16), np.float64)
+
+
+@pytest.mark.parametrize("spec,chunk", [("dp=1", 0), ("fsdp=2,tp=2", 4)])
+def test_bfloat16_head_logits_round_the_logits_and_their_gradient_once(head, spec, chunk):
+  """bfloat16 hidden states and head; float64 reference that rounds the logits and d(loss)/d(logits) to
+  bfloat16 and nothing else. The float32 head (the default) misses that reference by the rounding."""
+  (h, w, t, m), _ = head
+  h16, w64 = _bf16(h), _bf16(w)
+  logits = _bf16(h16 @ w64)
+  top = logits.max(-1, keepdims=True)
+  lse = (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))[..., 0]
+  want_loss = float(((lse - np.take_along_axis(logits, t[..., None], -1)[..., 0]) * m).sum())
+  dlogits = _bf16((np.exp(logits - lse[..., None]) - np.eye(V)[t]) * m[..., None])
+  want_h, want_w = dlogits @ w64.T, np.einsum("bld,blv->dv", h16, dlogits)
+  mesh = mesh_of(spec)
+  errs = {}
+  for dt in ("bfloat16", "float32"):
+    plan = plan_lib.build(config.load("tiny", [f"model.head_logits_dtype={dt}"]), mesh)
+    f = jax.jit(jax.value_and_grad(lambda h, w: xent.nll_sum(h, w, t, m, plan, chunk), argnums=(0, 1)))
+    loss, (dh, dw) = f(h.astype(jax.numpy.bfloat16), jax.device_put(w, plan.sharding(("embed", "vocab"), w.shape)))
+    errs[dt] = (abs(float(loss) - want_loss) / want_loss, rel(dh, want_h), rel(dw, want_w))
+  # the gradients are summed in float32 and returned rounded to bfloat16 (the compute dtype): 2^-9 in both
+  assert errs["bfloat16"][0] <= 1e-6 and errs["bfloat16"][1] <= 4e-3 and errs["bfloat16"][2] <= 4e-3, errs
+  assert errs["float32"][0] > 100 * errs["bfloat16"][0], errs
