@@ -1,5 +1,6 @@
 """Pipeline parallelism: one SPMD program, manual over `pipeline` only, that scans a static schedule and runs
-per tick idle, forward or backward (recomputing from the stashed input) of one chunk; same math as `step.grads`."""
+per tick idle, forward or backward of one chunk (recomputing from the stashed input), the backward whole or
+split into B (input gradient) and W (weight gradient); same math as `step.grads`."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from jaxtrain.parallel import placement as placement_lib, schedule as schedule_l
 
 AXIS = "pipeline"
 ACT = ("batch", "act_length", "act_embed")  # a chunk's input/output activation
-IDLE, FWD, BWD = range(3)  # branches of the per-tick switch
-# columns of the per-(tick, device) table given to the program
-BRANCH, MB, CHUNK, SLOT, GSLOT, FWD_IN, BWD_IN = range(7)
+IDLE, FWD, BWD, BWD_X, BWD_W = range(5)  # branches of the per-tick switch: BWD whole, or as B (X) and W
+# columns of the per-(tick, device) table given to the program, then one per link (`links`): the slot an
+# activation (then a gradient) arriving over it lands in
+BRANCH, MB, CHUNK, GCHUNK, SLOT, GSLOT = range(6)
 
 
 def stages(mesh) -> int:
@@ -65,29 +67,50 @@ def table(cfg, mesh) -> schedule_lib.Table:
   return schedule_lib.build(cfg.pipeline.schedule, stages(mesh), cfg.train.microbatches, cfg.pipeline.virtual_stages)
 
 
+def links(t: schedule_lib.Table) -> list[tuple[tuple[int, int], ...]]:
+  """The device pairs activations move over, one tuple of (source, target) per ppermute (a fixed offset
+  mod p; (s, s) = kept on the device, zbv's turn); gradients go back over the same links reversed."""
+  by_offset = {}
+  for c in range(t.chunks - 1):
+    a, b = t.device_of(c)[0], t.device_of(c + 1)[0]
+    by_offset.setdefault((b - a) % t.p, set()).add((a, b))
+  return [tuple(sorted(pairs)) for _, pairs in sorted(by_offset.items())]
+
+
 def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int]:
-  """The table as int32 (ticks, p, 7) columns BRANCH..BWD_IN, and the stash and gradient slot counts (+1 trash)."""
-  p, last = t.p, t.chunks - 1
+  """The table as int32 (ticks, p, 6 + 2 x links) columns, and the stash and gradient slot counts (+1 trash)."""
+  p, last, F, B = t.p, t.chunks - 1, schedule_lib.F, schedule_lib.B
   stash = [schedule_lib.assign_slots(iv) for iv in t.stash_intervals()]
   grads = [schedule_lib.assign_slots(iv) for iv in t.grad_intervals()]
   S, G = max(max(n for _, n in stash), 1), max(max(n for _, n in grads), 1)
-  out = np.zeros((t.ticks, p, 7), np.int32)
-  out[:, :, SLOT], out[:, :, GSLOT], out[:, :, FWD_IN], out[:, :, BWD_IN] = S, G, S, G
+  ls = links(t)
+  link = {pair: k for k, pairs in enumerate(ls) for pair in pairs}
+  out = np.zeros((t.ticks, p, 6 + 2 * len(ls)), np.int32)
+  out[:, :, SLOT], out[:, :, GSLOT], out[:, :, 6:6 + len(ls)], out[:, :, 6 + len(ls):] = S, G, S, G
+  kinds = {F: FWD, B: BWD_X if t.split else BWD, schedule_lib.W: BWD_W}
   for tick, row in enumerate(t.grid):
     for s, op in enumerate(row):
       if op is None:
         continue
-      c, r = op.chunk * p + s, out[tick, s]
-      r[BRANCH], r[MB], r[CHUNK] = FWD if op.kind == schedule_lib.F else BWD, op.mb, op.chunk
+      c, r = t.chunk_of(s, op.chunk), out[tick, s]
+      r[BRANCH], r[MB], r[CHUNK], r[GCHUNK] = kinds[op.kind], op.mb, op.chunk, c
       if c > 0:  # the chunk's stashed input (chunk 0 re-embeds the tokens)
         r[SLOT] = stash[s][0][(op.mb, c)]
-      if op.kind == schedule_lib.F and c < last:  # the activation goes to chunk c + 1 on the next device
-        out[tick, (s + 1) % p, FWD_IN] = stash[(s + 1) % p][0][(op.mb, c + 1)]
-      if op.kind == schedule_lib.B and c > 0:
-        out[tick, (s - 1) % p, BWD_IN] = grads[(s - 1) % p][0][(op.mb, c - 1)]
-      if op.kind == schedule_lib.B and c < last:
+      if op.kind == F and c < last:  # the activation goes to chunk c + 1's device
+        d = t.device_of(c + 1)[0]
+        out[tick, d, 6 + link[(s, d)]] = stash[d][0][(op.mb, c + 1)]
+      if op.kind == B and c > 0:  # the input gradient goes to chunk c - 1's device
+        d = t.device_of(c - 1)[0]
+        out[tick, d, 6 + len(ls) + link[(d, s)]] = grads[d][0][(op.mb, c - 1)]
+      if op.kind != F and c < last:
         r[GSLOT] = grads[s][0][(op.mb, c)]
   return out, S, G
+
+
+def chunk_order(t: schedule_lib.Table) -> np.ndarray | None:
+  """(v, p) global chunk of each (local chunk, device), or None where that is j*p + s (a plain reshape)."""
+  order = np.array([[t.chunk_of(s, j) for s in range(t.p)] for j in range(t.v)])
+  return None if (order.ravel() == np.arange(t.chunks)).all() else order
 
 
 def grads_fn(cfg, mesh, plan):
@@ -102,34 +125,47 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   p, v, m = stages(mesh), cfg.pipeline.virtual_stages, microbatches
   mc = cfg.model
   n_moe = mc.n_layers if mc.moe_experts else 0
-  prog, S, G = program_table(table(cfg, mesh))
+  t = table(cfg, mesh)
+  prog, S, G = program_table(t)
+  order = chunk_order(t)
   # Only the branches this table uses are compiled (a table may have no idle tick).
   used = sorted(set(prog[..., BRANCH].flat))
   prog[..., BRANCH] = np.searchsorted(used, prog[..., BRANCH])
   n_valid = jnp.sum(batch["loss_mask"] > 0)
   denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
   mbs = placement_lib.split_microbatches(batch, m, plan)
-  # (layers, ...) -> (v, p, layers per chunk, ...): [j, s] is global chunk j*p + s, so
+  # (layers, ...) -> (v, p, layers per chunk, ...): [j, s] is global chunk j*p + s (zbv: its V), so
   # device s gets its v chunks. For v = 1 this matches the stored split (no traffic);
   # for v > 1 XLA moves the layers between devices (an all-to-all each way).
   lc = mc.n_layers // (p * v)
-  layers = jax.tree.map(lambda a: a.reshape(v, p, lc, *a.shape[1:]), params["layers"])
+  to_chunks, from_chunks = _reorder(order, p * v, lc)
+  layers = jax.tree.map(lambda a: to_chunks(a).reshape(v, p, lc, *a.shape[1:]), params["layers"])
   rest = {k: x for k, x in params.items() if k != "layers"}
-  body = functools.partial(_run, graphdef, mc, plan, jnp.asarray(prog), used, S, G, p, v, m, n_moe, jnp.dtype(mc.dtype))
+  body = functools.partial(_run, graphdef, mc, plan, jnp.asarray(prog), used, links(t), S, G, p, v, m, n_moe,
+                           jnp.dtype(mc.dtype))
   out = sharding.manual(body, mesh, (P(None, AXIS), P(), P(), P(), P()), (P(None, AXIS), P(), P(), P(), P(None, AXIS)),
                         axis_names={AXIS})(layers, rest, mbs, denom, jnp.asarray(loss_scale, jnp.float32))
   g_layers, g_rest, loss_sum, moe, load = out
-  g = {**g_rest, "layers": jax.tree.map(lambda a: a.reshape(mc.n_layers, *a.shape[3:]), g_layers)}
+  g = {**g_rest, "layers": jax.tree.map(lambda a: from_chunks(a.reshape(mc.n_layers, *a.shape[3:])), g_layers)}
   g = {k: g[k] for k in params}  # the params' key order
   res = loss_sum / denom, jax.tree.map(lambda x: x / loss_scale, g), n_valid
   if not moe_metrics:
     return res
   moe["aux"] = moe["aux"] / max(n_moe, 1)  # summed over layers; step's totals hold the mean over layers
-  moe["load"] = load.reshape(mc.n_layers, -1)[:n_moe]  # (v, p, layers per chunk, X): global layer order
+  moe["load"] = from_chunks(load.reshape(mc.n_layers, -1))[:n_moe]  # (v, p, layers per chunk, X): global order
   return *res, moe_balance.update_metrics(moe, m)
 
 
-def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale):
+def _reorder(order, n_chunks, lc):
+  """(to chunk order, back to layer order) on (layers, ...) arrays: a static gather, or identities."""
+  if order is None:
+    return (lambda a: a), (lambda a: a)
+  idx = (order.reshape(-1, 1) * lc + np.arange(lc)).ravel()
+  inv = np.argsort(idx)
+  return (lambda a: a[idx]), (lambda a: a[inv])
+
+
+def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale):
   """The per-device program: scan over ticks, switch on this device's table entry."""
   plan = dataclasses.replace(plan, mesh=jax.sharding.get_abstract_mesh())  # the mesh seen inside
   s = jax.lax.axis_index(AXIS)
@@ -184,34 +220,50 @@ def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest,
     loss = jax.lax.cond(last, lambda: head_loss(rest, y, mb), lambda: f32)
     return result(y=y, loss=loss, tot=tot, load=load)
 
-  def backward(chunk, x, dy, mb, first, last):
+  def loss_of(dy, mb, first, last):
+    """The chunk's share of the objective as a function of (chunk params, rest, chunk input)."""
     def objective(c, r, x):
       y, tot, _ = stage(c, jax.lax.cond(first, lambda: embed(r, mb["inputs"]), lambda: x), mb)
       # last chunk: the scaled loss; else <y, dy>, whose gradient is the vjp with dy
       out = jax.lax.cond(last, lambda: head_loss(r, y, mb) * (scale / denom),
                          lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)))
       return out + tot["aux"] * aux_ct
-    g_chunk, g_rest, dx = jax.grad(objective, argnums=(0, 1, 2))(chunk, rest, x)
+    return objective
+
+  def backward(chunk, x, dy, mb, first, last):
+    g_chunk, g_rest, dx = jax.grad(loss_of(dy, mb, first, last), argnums=(0, 1, 2))(chunk, rest, x)
     return result(dx=act(dx.astype(dt)), g_chunk=f32_tree(g_chunk), g_rest=f32_tree(g_rest))
 
-  branches = [(lambda *_: result(), forward, backward)[k] for k in used]  # idle, forward, backward
-  # Activations flow s -> s+1; with v > 1 the last device feeds chunk j+1 on the first.
-  down = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
-  up = [(j, i) for i, j in down]
+  # Split backward (zero-bubble schedules): B and W each recompute the chunk's forward from the stashed
+  # input; B differentiates w.r.t. the input only (no weight-gradient matmuls), W w.r.t. the weights only
+  # (it redoes the activation gradients inside the chunk, which the weights' need).
+  def backward_x(chunk, x, dy, mb, first, last):
+    dx = jax.lax.cond(first, lambda: zero_act,  # the first chunk's input gradient goes nowhere
+                      lambda: act(jax.grad(loss_of(dy, mb, first, last), argnums=2)(chunk, rest, x).astype(dt)))
+    return result(dx=dx)
+
+  def backward_w(chunk, x, dy, mb, first, last):
+    g_chunk, g_rest = jax.grad(loss_of(dy, mb, first, last), argnums=(0, 1))(chunk, rest, x)
+    return result(g_chunk=f32_tree(g_chunk), g_rest=f32_tree(g_rest))
+
+  branches = [(lambda *_: result(), forward, backward, backward_x, backward_w)[k] for k in used]
 
   def tick(carry, row_PxK):
     stash, gbuf, acc_layers, acc_rest, loss, tot, acc_load = carry
     r = row_PxK[s]
     mb = jax.tree.map(lambda a: a[r[MB]], mbs)
     chunk = jax.tree.map(lambda a: a[r[CHUNK]], layers)
-    c = r[CHUNK] * p + s  # the global chunk
+    c = r[GCHUNK]
     out = jax.lax.switch(r[BRANCH], branches, chunk, stash[r[SLOT]], gbuf[r[GSLOT]], mb, c == 0, c == p * v - 1)
     acc_layers = jax.tree.map(lambda acc, g: acc.at[r[CHUNK]].add(g), acc_layers, out["g_chunk"])
     acc_rest = jax.tree.map(jnp.add, acc_rest, out["g_rest"])
     tot = jax.tree.map(jnp.add, tot, out["moe"])
     acc_load = acc_load.at[r[CHUNK]].add(out["load"])  # forwards only (the other branches give zeros)
-    stash = stash.at[r[FWD_IN]].set(jax.lax.ppermute(out["y"], AXIS, down))
-    gbuf = gbuf.at[r[BWD_IN]].set(jax.lax.ppermute(out["dx"], AXIS, up))
+    for k, pairs in enumerate(links):  # (s, s): zbv's turn stays on the device
+      same = pairs[0][0] == pairs[0][1]
+      stash = stash.at[r[6 + k]].set(out["y"] if same else jax.lax.ppermute(out["y"], AXIS, pairs))
+      back = [(b, a) for a, b in pairs]
+      gbuf = gbuf.at[r[6 + len(links) + k]].set(out["dx"] if same else jax.lax.ppermute(out["dx"], AXIS, back))
     return (stash, gbuf, acc_layers, acc_rest, loss + out["loss"], tot, acc_load), None
 
   buf = lambda n: plan.constrain(jnp.zeros((n + 1, b, L, D), dt), (None, *ACT))  # noqa: E731
@@ -231,11 +283,12 @@ def _act_bytes(cfg, mesh) -> int:
 def traffic(cfg, mesh, rows) -> dict[str, int]:
   """Bytes per device per step over `pipeline`: ppermutes, the rest's gradient all-reduce, the v > 1 restack."""
   p, t, act = stages(mesh), table(cfg, mesh), _act_bytes(cfg, mesh)
-  useful = sum(op is not None and ((op.kind == schedule_lib.F and op.chunk * p + s < t.chunks - 1)
-                                   or (op.kind == schedule_lib.B and op.chunk * p + s > 0))
+  sends = 2 * sum(pairs[0][0] != pairs[0][1] for pairs in links(t))  # activations and gradients per link
+  useful = sum(op is not None and ((op.kind == schedule_lib.F and t.chunk_of(s, op.chunk) < t.chunks - 1)
+                                   or (op.kind == schedule_lib.B and t.chunk_of(s, op.chunk) > 0))
                for row in t.grid for s, op in enumerate(row))
-  out = {f"activations + grads, ppermute x2 per tick ({t.ticks} ticks; on average {useful / p:.0f} of a device's "
-         f"{2 * t.ticks} sends carry data)": 2 * t.ticks * act}
+  out = {f"activations + grads, ppermute x{sends} per tick ({t.ticks} ticks; on average {useful / p:.0f} of a "
+         f"device's {sends * t.ticks} sends carry data)": sends * t.ticks * act}
   ring = 2 * (p - 1) / p
   other = sum(math.prod(r.device_shape) * r.count for r in rows if not r.path.startswith("layers"))
   out["grad all-reduce (embedding, final norm, head)"] = int(ring * other * 4)
