@@ -125,6 +125,16 @@ class Table:
     """Per device: the most chunk inputs stashed at one time."""
     return [_max_overlap(iv) for iv in self.stash_intervals()]
 
+  def passes_in_flight(self) -> list[float]:
+    """Per device: the most chunk passes between their F and their last backward op at one time, in stages
+    (a chunk is 1/v of a stage): the activations a backward without recompute would keep."""
+    done, use = self.done(), W if self.split else B
+    iv = [[] for _ in range(self.p)]
+    for (kind, mb, c), t in done.items():
+      if kind == F:
+        iv[self.device_of(c)[0]].append((t, done[(use, mb, c)], mb, c))
+    return [_max_overlap(x) / self.v for x in iv]
+
   def timeline(self, cost=None) -> str:
     """One row per device, one cell per tick: F3 / B3 / W3 (microbatch 3), a/b/.. = local chunk, '.' idle;
     with `cost`, a tick's cell is as wide as its duration (1 character per the cheapest op's)."""
