@@ -59,14 +59,18 @@ def runs():
 
 
 SCHEDULES = {"gpipe": ["pipeline.schedule=gpipe"], "1f1b": ["pipeline.schedule=1f1b"],
-             "interleaved": ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2"]}
+             "interleaved": ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2"],
+             "zb-h1": ["pipeline.schedule=zb-h1"], "zbv": ["pipeline.schedule=zbv", "pipeline.virtual_stages=2"]}
 # pp=4: m=16 for gpipe/1f1b (shared with the memory test), m=8 for interleaved (8 chunks).
-PARITY = ([("pp=2", name, []) for name in SCHEDULES]
+PARITY = ([("pp=2", name, []) for name in ("gpipe", "1f1b", "interleaved")]
           + [("pp=4", "gpipe", ["train.microbatches=16"]), ("pp=4", "1f1b", ["train.microbatches=16"]),
              ("pp=4", "interleaved", ["train.microbatches=8"]),
              ("pp=2,dp=2", "1f1b", []),
              # the loss in 8-token chunks (4 rows x 2 positions; 8 chunks per microbatch), vocab over tensor
-             ("pp=2,fsdp=2,tp=2", "1f1b", ["train.loss_chunk_tokens=8"])])
+             ("pp=2,fsdp=2,tp=2", "1f1b", ["train.loss_chunk_tokens=8"]),
+             # zero-bubble: split backward (B then W); zbv's V moves activations both ways and keeps the
+             # turn on the last device
+             ("pp=4,dp=2", "zb-h1", []), ("pp=4", "zbv", []), ("pp=2,fsdp=2,tp=2", "zbv", [])])
 
 
 def assert_parity(got, ref, what):
@@ -88,6 +92,14 @@ def test_moe_on_pp2_ep2_matches_one_device(runs):
   assert_parity(got, ref, "MoE pp=2,ep=2")
   np.testing.assert_allclose(got[:, 3], ref[:, 3], rtol=1e-6, err_msg="moe_load_imbalance")
   assert np.all(ref[:, 3] > 1)
+
+
+def test_moe_on_pp2_ep2_with_zb_h1_matches_one_device(runs):
+  """The aux losses' gradients split between B (w.r.t. the chunk input) and W (the weights, router too)."""
+  ref, _ = runs("dp=1", *MOE)
+  got, _ = runs("pp=2,ep=2", *MOE, *SCHEDULES["zb-h1"])
+  assert_parity(got, ref, "MoE pp=2,ep=2 zb-h1")
+  np.testing.assert_allclose(got[:, 3], ref[:, 3], rtol=1e-6, err_msg="moe_load_imbalance")
 
 
 def test_moe_hf_aux_convention_under_pipeline_is_a_one_line_error():
@@ -156,11 +168,13 @@ def test_start_up_line_names_the_schedule():
 
 
 def test_exact_resume_and_resharding_through_a_pipeline_run(tmp_path, capsys):
-  """pp=2,dp=2: 6 steps straight (checkpointing at 3); resumed from its step-3 checkpoint
-  in another workdir, steps 4-6 are the same bit for bit; the same checkpoint resumed on
-  fsdp=4 continues the same run (to float32 rounding)."""
+  """pp=2,dp=2 on zb-h1: 6 steps straight (checkpointing at 3); resumed from its step-3
+  checkpoint in another workdir, steps 4-6 are the same bit for bit; the same checkpoint
+  resumed on pp=2,fsdp=2 with zbv (another schedule: the layers in a V; another layout)
+  continues the same run (to float32 rounding)."""
   from jaxtrain.run import loop
-  cfg = cfg_of("train.steps=6", "checkpoint.interval=3", "checkpoint.async_save=false", "train.tensorboard=false")
+  common = ["train.steps=6", "checkpoint.interval=3", "checkpoint.async_save=false", "train.tensorboard=false"]
+  cfg = cfg_of(*common, *SCHEDULES["zb-h1"])
   pp = mesh_of("pp=2,dp=2")
 
   def records(workdir):
@@ -170,13 +184,15 @@ def test_exact_resume_and_resharding_through_a_pipeline_run(tmp_path, capsys):
   at3 = str(tmp_path / "straight" / "checkpoints" / "3")
   loop.run(cfg, pp, tmp_path / "resumed", "tiny", stop_at=6, resume_from=at3)
   resumed = records(tmp_path / "resumed")
-  assert "pipeline: 1f1b, 2 stages" in capsys.readouterr().out
+  assert "pipeline: zb-h1, 2 stages" in capsys.readouterr().out
   key = lambda r: (r["step"], r["loss"], r["grad_norm"], r["tokens_seen"])  # noqa: E731
   assert [r["step"] for r in resumed] == [4, 5, 6]
   assert [key(r) for r in resumed] == [key(r) for r in straight[3:]]
-  loop.run(cfg, mesh_of("fsdp=4"), tmp_path / "moved", "tiny", stop_at=6, resume_from=at3)
+  loop.run(cfg_of(*common, *SCHEDULES["zbv"]), mesh_of("pp=2,fsdp=2"), tmp_path / "moved", "tiny", stop_at=6,
+           resume_from=at3)
   fsdp = records(tmp_path / "moved")
-  assert "written on mesh pipeline=2,data=2, resharded" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "written on mesh pipeline=2,data=2, resharded" in out and "pipeline: zbv, 2 stages x 2 virtual" in out
   np.testing.assert_allclose([r["loss"] for r in fsdp], [r["loss"] for r in straight[3:]], rtol=1e-5)
   np.testing.assert_allclose([r["grad_norm"] for r in fsdp], [r["grad_norm"] for r in straight[3:]], rtol=1e-5)
 
