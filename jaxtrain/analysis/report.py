@@ -118,8 +118,8 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
       "warnings": replication_warnings(rows, mesh, warn_replicated),
   }
   if mesh.shape.get("pipeline", 1) > 1:
-    from jaxtrain.parallel import pipeline
-    rep["pipeline"] = pipeline.report(cfg, mesh)
+    from jaxtrain.analysis import timeline
+    rep["pipeline"] = timeline.report(setup)
   if compile:
     c = rep["compiled"] = compiled_memory(setup)
     if c["available"]:
@@ -183,8 +183,8 @@ def render(rep: dict) -> str:
         L.append(f"  host memory: {where}")
     L.extend(render_compiled(c))
   if "pipeline" in rep:
-    from jaxtrain.parallel import pipeline
-    L += ["", *pipeline.render(rep["pipeline"])]
+    from jaxtrain.analysis import timeline
+    L += ["", *timeline.render(rep["pipeline"])]
   f = rep["flops"]
   L += ["", f"Model FLOPs (as for MFU): {f['per_token']:.4g} per token, {f['per_step']:.4g} per step, "
             f"{f['per_device_per_step']:.4g} per device per step", "", "Communication per device per step (analytic)"]

@@ -296,24 +296,3 @@ def traffic(cfg, mesh, rows) -> dict[str, int]:
     stack = sum(math.prod(r.device_shape) * r.count for r in rows if r.path.startswith("layers"))
     out["layer stack to chunks and grads back (all-to-all)"] = int(2 * (p - 1) * stack * 4)
   return out
-
-
-def report(cfg, mesh) -> dict:
-  """The schedule for `inspect`: timeline, bubble (table and formula), stash per stage."""
-  t = table(cfg, mesh)
-  _, S, G = program_table(t)
-  return {"schedule": t.name, "stages": t.p, "virtual_stages": t.v, "microbatches": t.m, "ticks": t.ticks,
-          "bubble": t.bubble(), "bubble_formula": t.bubble_formula(), "in_flight": t.in_flight(),
-          "stash_slots": S, "grad_slots": G, "stash_bytes": (S + G) * _act_bytes(cfg, mesh), "timeline": t.timeline()}
-
-
-def render(rep: dict) -> list[str]:
-  L = [f"Pipeline schedule: {rep['schedule']}, {rep['stages']} stages x {rep['virtual_stages']} virtual, "
-       f"{rep['microbatches']} microbatches, {rep['ticks']} ticks (F = forward, B = backward with recompute, "
-       f"digit = microbatch{', letter = chunk on the device' if rep['virtual_stages'] > 1 else ''}, . = idle)"]
-  L += ["  " + line for line in rep["timeline"].splitlines()]
-  L.append(f"  bubble: {rep['bubble']:.1%} of device-ticks idle in this table; formula (p-1)/(v*m+p-1) = "
-           f"{rep['bubble_formula']:.1%}")
-  L.append(f"  chunk inputs stashed at most, per stage: {rep['in_flight']} (buffers: {rep['stash_slots']} stash + "
-           f"{rep['grad_slots']} gradient slots per device, {rep['stash_bytes']:,} bytes)")
-  return L

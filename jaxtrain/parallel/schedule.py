@@ -135,20 +135,13 @@ class Table:
         iv[self.device_of(c)[0]].append((t, done[(use, mb, c)], mb, c))
     return [_max_overlap(x) / self.v for x in iv]
 
-  def timeline(self, cost=None) -> str:
-    """One row per device, one cell per tick: F3 / B3 / W3 (microbatch 3), a/b/.. = local chunk, '.' idle;
-    with `cost`, a tick's cell is as wide as its duration (1 character per the cheapest op's)."""
+  def timeline(self) -> str:
+    """One row per device, one cell per tick: F3 / B3 / W3 (microbatch 3), a/b/.. = local chunk, '.' idle."""
     def cell(op):
       return "." if op is None else ("FBW"[op.kind - 1] + str(op.mb) + (chr(ord("a") + op.chunk) if self.v > 1 else ""))
     cells = [[cell(self.grid[t][s]) for t in range(self.ticks)] for s in range(self.p)]
     w = max(len(c) for row in cells for c in row)
-    if cost:  # widths in proportion to each tick's lock-step duration
-      unit = min(cost.values())
-      widths = [max(w, round(w * max(cost[op.kind] for op in row if op is not None) / unit)) for row in self.grid]
-    else:
-      widths = [w] * self.ticks
-    return "\n".join(f"stage {s}: " + " ".join(c.ljust(wt) for c, wt in zip(row, widths)).rstrip()
-                     for s, row in enumerate(cells))
+    return "\n".join(f"stage {s}: " + " ".join(c.ljust(w) for c in row) for s, row in enumerate(cells))
 
 
 def _max_overlap(intervals) -> int:
