@@ -12,14 +12,16 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.model import transformer as model_lib
-from jaxtrain.parallel import pipeline, schedule as schedule_lib
+from jaxtrain.parallel import pipeline, plan as plan_lib, schedule as schedule_lib
 
 
 def slot_costs(setup) -> dict:
   """XLA's FLOPs (lowered, per pipeline device) of one middle chunk on one microbatch: F, B and W as the
   program runs them (B and W each recompute the forward), the whole backward, and the bytes of the
   residuals a W would keep if B saved them instead (jax.vjp's, for the same chunk)."""
-  cfg, mc, plan = setup.cfg, setup.cfg.model, setup.plan
+  # lowered for one local device: FLOPs do not depend on the layout (the target's compiler may give no analysis)
+  cfg, mc = setup.cfg, setup.cfg.model
+  plan = plan_lib.local(mc)
   t = pipeline.table(cfg, setup.mesh)
   lc, rows, L = mc.n_layers // t.chunks, cfg.train.batch_size // cfg.train.microbatches, cfg.train.seq_len
   params = nnx.to_pure_dict(setup.abstract_params)
@@ -60,7 +62,7 @@ def report(setup) -> dict:
           "split": t.split, "bubble": t.bubble(), "bubble_formula": t.bubble_formula(),
           "bubble_costed": t.bubble(per_op), "slot_flops": costs, "in_flight": t.in_flight(),
           "passes_in_flight": t.passes_in_flight(), "stash_slots": S, "grad_slots": G,
-          "stash_bytes": (S + G) * pipeline._act_bytes(cfg, mesh), "timeline": t.timeline()}
+          "stash_bytes": (S + G) * pipeline.act_bytes(cfg, mesh), "timeline": t.timeline()}
 
 
 def render(rep: dict) -> list[str]:

@@ -118,14 +118,20 @@ def grads_fn(cfg, mesh, plan):
   return functools.partial(grads, cfg=cfg, mesh=mesh, plan=plan)
 
 
+def eval_loss(graphdef, params, batch, microbatches: int, plan, *, cfg, mesh):
+  """`step.eval_loss` through the pipeline: the schedule's chunk placement, forwards only."""
+  return grads(graphdef, params, batch, microbatches, cfg=cfg, mesh=mesh, plan=plan, forward_only=True)
+
+
 def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metrics: bool = False, *, cfg, mesh,
-          plan):
+          plan, forward_only: bool = False):
   """`step.grads` run as a pipeline: (loss, grads, n_valid[, moe metrics]). Backwards are seeded with
-  loss_scale / n_valid; each layer's aux loss enters with loss_scale / (microbatches * MoE layers)."""
+  loss_scale / n_valid; each layer's aux loss enters with loss_scale / (microbatches * MoE layers).
+  `forward_only`: `step.eval_loss`'s {loss, loss_sum, tokens} from the forwards alone."""
   p, v, m = stages(mesh), cfg.pipeline.virtual_stages, microbatches
   mc = cfg.model
   n_moe = mc.n_layers if mc.moe_experts else 0
-  t = table(cfg, mesh)
+  t = (schedule_lib.build_forward if forward_only else schedule_lib.build)(cfg.pipeline.schedule, p, m, v)
   prog, S, G = program_table(t)
   order = chunk_order(t)
   # Only the branches this table uses are compiled (a table may have no idle tick).
@@ -146,6 +152,8 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   out = sharding.manual(body, mesh, (P(None, AXIS), P(), P(), P(), P()), (P(None, AXIS), P(), P(), P(), P(None, AXIS)),
                         axis_names={AXIS})(layers, rest, mbs, denom, jnp.asarray(loss_scale, jnp.float32))
   g_layers, g_rest, loss_sum, moe, load = out
+  if forward_only:
+    return {"loss": loss_sum / denom, "loss_sum": loss_sum, "tokens": n_valid}
   g = {**g_rest, "layers": jax.tree.map(lambda a: from_chunks(a.reshape(mc.n_layers, *a.shape[3:])), g_layers)}
   g = {k: g[k] for k in params}  # the params' key order
   res = loss_sum / denom, jax.tree.map(lambda x: x / loss_scale, g), n_valid
@@ -238,9 +246,7 @@ def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, layers
   # input; B differentiates w.r.t. the input only (no weight-gradient matmuls), W w.r.t. the weights only
   # (it redoes the activation gradients inside the chunk, which the weights' need).
   def backward_x(chunk, x, dy, mb, first, last):
-    dx = jax.lax.cond(first, lambda: zero_act,  # the first chunk's input gradient goes nowhere
-                      lambda: act(jax.grad(loss_of(dy, mb, first, last), argnums=2)(chunk, rest, x).astype(dt)))
-    return result(dx=dx)
+    return result(dx=act(jax.grad(loss_of(dy, mb, first, last), argnums=2)(chunk, rest, x).astype(dt)))
 
   def backward_w(chunk, x, dy, mb, first, last):
     g_chunk, g_rest = jax.grad(loss_of(dy, mb, first, last), argnums=(0, 1))(chunk, rest, x)
@@ -275,14 +281,14 @@ def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, layers
   return jax.tree.map(lambda a: a[:, None], acc_layers), acc_rest, loss, tot, acc_load[:, None]
 
 
-def _act_bytes(cfg, mesh) -> int:
+def act_bytes(cfg, mesh) -> int:
   """Bytes of one chunk input on one device (a microbatch's tokens x d_model, compute dtype)."""
   return sharding.tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
 
 
 def traffic(cfg, mesh, rows) -> dict[str, int]:
   """Bytes per device per step over `pipeline`: ppermutes, the rest's gradient all-reduce, the v > 1 restack."""
-  p, t, act = stages(mesh), table(cfg, mesh), _act_bytes(cfg, mesh)
+  p, t, act = stages(mesh), table(cfg, mesh), act_bytes(cfg, mesh)
   sends = 2 * sum(pairs[0][0] != pairs[0][1] for pairs in links(t))  # activations and gradients per link
   useful = sum(op is not None and ((op.kind == schedule_lib.F and t.chunk_of(s, op.chunk) < t.chunks - 1)
                                    or (op.kind == schedule_lib.B and t.chunk_of(s, op.chunk) > 0))

@@ -110,7 +110,7 @@ class Table:
     done, out, use = self.done(), [[] for _ in range(self.p)], W if self.split else B
     for (kind, mb, c), t in done.items():
       if kind == F and c > 0:
-        out[self.device_of(c)[0]].append((done[(F, mb, c - 1)] + 1, done[(use, mb, c)], mb, c))
+        out[self.device_of(c)[0]].append((done[(F, mb, c - 1)] + 1, done.get((use, mb, c), t), mb, c))
     return out
 
   def grad_intervals(self) -> list[list[tuple[int, int, int, int]]]:
@@ -183,7 +183,21 @@ def build(name: str, p: int, m: int, v: int = 1) -> Table:
     raise ValueError(why)
   if name == "zbv":
     return _build_zbv(p, m)
-  orders = [device_order(name, p, m, v, s) for s in range(p)]
+  return _place(name, p, m, v, [device_order(name, p, m, v, s) for s in range(p)])
+
+
+@functools.lru_cache(maxsize=16)
+def build_forward(name: str, p: int, m: int, v: int = 1) -> Table:
+  """Forwards only (evaluation), chunks placed as `name` places them: every microbatch through chunk 0,
+  then chunk 1, ...; its Table counts no backward and stashes each input until its forward."""
+  if why := check(name, p, m, v):
+    raise ValueError(why)
+  fwd = sorted((chunk_of(name, p, s, j), i, s, j) for s in range(p) for j in range(v) for i in range(m))
+  return _place(name, p, m, v, [[Op(F, i, j) for _, i, d, j in fwd if d == s] for s in range(p)])
+
+
+def _place(name, p, m, v, orders) -> Table:
+  """Each device's ops in order, each at the first tick its inputs have arrived."""
   nxt, done, last, grid = [0] * p, {}, p * v - 1, []
   while any(n < len(o) for n, o in zip(nxt, orders)):
     t, row = len(grid), []
