@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import loss as xent, moe_balance, transformer as model_lib
-from jaxtrain.parallel import placement as placement_lib, schedule as schedule_lib, sharding
+from jaxtrain.parallel import placement as placement_lib, plan as plan_lib, schedule as schedule_lib, sharding
 
 AXIS = "pipeline"
 ACT = ("batch", "act_length", "act_embed")  # a chunk's input/output activation
@@ -173,9 +173,26 @@ def _reorder(order, n_chunks, lc):
   return (lambda a: a[idx]), (lambda a: a[inv])
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class StagePlan(plan_lib.Plan):
+  """The plan inside the pipeline region. cuDNN attention's custom partitioning cannot read a partially
+  manual region's shardings (jax 0.10.2: "'GSPMDSharding' object has no attribute 'spec'"), so there it
+  runs in a nested shard_map, manual over the other axes too: attention is local to its rows and heads."""
+
+  def attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
+    if self.attention != "cudnn":
+      return super().attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+    q, kv = (self.spec(("batch", "length", h, None), x.shape) for h, x in (("act_heads", q_BxLxHxE),
+                                                                             ("act_kv_heads", k_BxLxKxE)))
+    rest = {a for a in self.mesh.axis_names if a != AXIS}
+    return sharding.manual(super().attend, self.mesh, (q, kv, kv, self.spec(("batch", "length"), seg_BxL.shape)), q,
+                           axis_names=rest)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+
+
 def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale):
   """The per-device program: scan over ticks, switch on this device's table entry."""
-  plan = dataclasses.replace(plan, mesh=jax.sharding.get_abstract_mesh())  # the mesh seen inside
+  fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+  plan = StagePlan(**{**fields, "mesh": jax.sharding.get_abstract_mesh()})  # the mesh seen inside
   s = jax.lax.axis_index(AXIS)
   layers = jax.tree.map(lambda a: a[:, 0], layers)  # (v, layers per chunk, ...)
   b, L = mbs["inputs"].shape[1:]
