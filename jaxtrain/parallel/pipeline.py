@@ -206,8 +206,8 @@ def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, layers
   module = lambda rest, chunk: nnx.merge(graphdef, {**rest, "layers": chunk})  # noqa: E731
 
   def embed(rest, tokens):
-    # from a table gathered whole: XLA's SPMD partitioner aborts on a gather from a table split
-    # over fsdp and tensor inside a partial-manual region
+    # from a table gathered whole: XLA's SPMD partitioner aborts on a gather from a table split over fsdp and
+    # tensor inside a partial-manual region, and split over fsdp alone (d_model) the split backward crashes
     return act(jnp.take(plan.constrain(rest["embed"], (None, None)), tokens, axis=0).astype(dt))
 
   def stage(chunk, x, mb):
