@@ -227,23 +227,26 @@ def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, layers
 
   zero_act = act(jnp.zeros((b, L, D), dt))
   zeros_load = jnp.zeros((v, jax.tree.leaves(layers)[0].shape[1], max(mc.moe_experts, 1)), jnp.float32)
-  zeros_chunk = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), layers)
-  zeros_rest = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), rest)
   f32 = jnp.float32(0)
 
-  def result(y=zero_act, dx=zero_act, g_chunk=zeros_chunk, g_rest=zeros_rest, loss=f32, tot=None, load=None):
+  def result(acc, y=zero_act, dx=zero_act, loss=f32, tot=None, load=None):
     tot = tot or {"aux": f32, "dropped": f32, "assigned": f32}
     load = zeros_load[0] if load is None else load
-    return {"y": y, "dx": dx, "g_chunk": g_chunk, "g_rest": g_rest, "loss": loss, "moe": tot, "load": load}
+    return {"y": y, "dx": dx, "acc": acc, "loss": loss, "moe": tot, "load": load}
 
-  f32_tree = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
+  def add(acc, j, g_chunk, g_rest):
+    """The float32 accumulators (layers, rest) plus local chunk j's gradients, inside the branch: the
+    switch then returns the accumulators (aliased in place), not gradient-sized values from every branch."""
+    acc_layers, acc_rest = acc
+    return (jax.tree.map(lambda a, g: a.at[j].add(g.astype(jnp.float32)), acc_layers, g_chunk),
+            jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_rest, g_rest))
 
-  # Branches: (chunk params, stashed input, output gradient, microbatch, first, last); the
-  # model's first chunk embeds, its last runs head and loss (lax.conds: one copy of the layers).
-  def forward(chunk, x, dy, mb, first, last):
+  # Branches: (accumulators, local chunk index, chunk params, stashed input, output gradient, microbatch,
+  # first, last); the model's first chunk embeds, its last runs head and loss (lax.conds: one copy of the layers).
+  def forward(acc, j, chunk, x, dy, mb, first, last):
     y, tot, load = stage(chunk, jax.lax.cond(first, lambda: embed(rest, mb["inputs"]), lambda: x), mb)
     loss = jax.lax.cond(last, lambda: head_loss(rest, y, mb), lambda: f32)
-    return result(y=y, loss=loss, tot=tot, load=load)
+    return result(acc, y=y, loss=loss, tot=tot, load=load)
 
   def loss_of(dy, mb, first, last):
     """The chunk's share of the objective as a function of (chunk params, rest, chunk input)."""
@@ -255,21 +258,20 @@ def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, layers
       return out + tot["aux"] * aux_ct
     return objective
 
-  def backward(chunk, x, dy, mb, first, last):
+  def backward(acc, j, chunk, x, dy, mb, first, last):
     g_chunk, g_rest, dx = jax.grad(loss_of(dy, mb, first, last), argnums=(0, 1, 2))(chunk, rest, x)
-    return result(dx=act(dx.astype(dt)), g_chunk=f32_tree(g_chunk), g_rest=f32_tree(g_rest))
+    return result(add(acc, j, g_chunk, g_rest), dx=act(dx.astype(dt)))
 
   # Split backward (zero-bubble schedules): B and W each recompute the chunk's forward from the stashed
   # input; B differentiates w.r.t. the input only (no weight-gradient matmuls), W w.r.t. the weights only
   # (it redoes the activation gradients inside the chunk, which the weights' need).
-  def backward_x(chunk, x, dy, mb, first, last):
-    return result(dx=act(jax.grad(loss_of(dy, mb, first, last), argnums=2)(chunk, rest, x).astype(dt)))
+  def backward_x(acc, j, chunk, x, dy, mb, first, last):
+    return result(acc, dx=act(jax.grad(loss_of(dy, mb, first, last), argnums=2)(chunk, rest, x).astype(dt)))
 
-  def backward_w(chunk, x, dy, mb, first, last):
-    g_chunk, g_rest = jax.grad(loss_of(dy, mb, first, last), argnums=(0, 1))(chunk, rest, x)
-    return result(g_chunk=f32_tree(g_chunk), g_rest=f32_tree(g_rest))
+  def backward_w(acc, j, chunk, x, dy, mb, first, last):
+    return result(add(acc, j, *jax.grad(loss_of(dy, mb, first, last), argnums=(0, 1))(chunk, rest, x)))
 
-  branches = [(lambda *_: result(), forward, backward, backward_x, backward_w)[k] for k in used]
+  branches = [(lambda acc, *_: result(acc), forward, backward, backward_x, backward_w)[k] for k in used]
 
   def tick(carry, row_PxK):
     stash, gbuf, acc_layers, acc_rest, loss, tot, acc_load = carry
@@ -277,9 +279,9 @@ def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, layers
     mb = jax.tree.map(lambda a: a[r[MB]], mbs)
     chunk = jax.tree.map(lambda a: a[r[CHUNK]], layers)
     c = r[GCHUNK]
-    out = jax.lax.switch(r[BRANCH], branches, chunk, stash[r[SLOT]], gbuf[r[GSLOT]], mb, c == 0, c == p * v - 1)
-    acc_layers = jax.tree.map(lambda acc, g: acc.at[r[CHUNK]].add(g), acc_layers, out["g_chunk"])
-    acc_rest = jax.tree.map(jnp.add, acc_rest, out["g_rest"])
+    out = jax.lax.switch(r[BRANCH], branches, (acc_layers, acc_rest), r[CHUNK], chunk, stash[r[SLOT]],
+                         gbuf[r[GSLOT]], mb, c == 0, c == p * v - 1)
+    acc_layers, acc_rest = out["acc"]
     tot = jax.tree.map(jnp.add, tot, out["moe"])
     acc_load = acc_load.at[r[CHUNK]].add(out["load"])  # forwards only (the other branches give zeros)
     for k, pairs in enumerate(links):  # (s, s): zbv's turn stays on the device
@@ -290,7 +292,8 @@ def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, layers
     return (stash, gbuf, acc_layers, acc_rest, loss + out["loss"], tot, acc_load), None
 
   buf = lambda n: plan.constrain(jnp.zeros((n + 1, b, L, D), dt), (None, *ACT))  # noqa: E731
-  carry = (buf(S), buf(G), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers), zeros_rest, f32,
+  carry = (buf(S), buf(G), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers),
+           jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), rest), f32,
            {"aux": f32, "dropped": f32, "assigned": f32}, zeros_load)
   (_, _, acc_layers, acc_rest, loss, tot, acc_load), _ = jax.lax.scan(tick, carry, prog)
   # chunk gradients stay on their device; the rest's (embedding, norm, head) are summed over it

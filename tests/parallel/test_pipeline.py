@@ -140,9 +140,9 @@ def test_1f1b_stash_is_about_p_over_m_of_gpipe(runs):
 def test_zb_h1_temporaries_are_1f1bs_plus_the_slots_w_keeps(runs):
   """p=4, m=16. W recomputes from the chunk input and needs the output gradient, so those stay stashed until
   W: zb-h1 has the same 4 stash slots as 1f1b and 3 gradient slots instead of 1 (+1 discard slot each), of
-  2,048 B each. Measured (CPU, jax 0.10.2): 1f1b 759,800 B, zb-h1 782,008 B of temporaries: the 2 gradient
-  slots (4,096 B) and 18 KB (2.4%) more of XLA's own for the two backward branches; asserted with 3%. Keeping
-  jax.vjp's residuals from B for W instead would hold a chunk's activations per pass waiting for its W."""
+  2,048 B each, and no more. Measured (CPU, jax 0.10.2): 1f1b 666,424 B, zb-h1 667,832 B of temporaries.
+  Keeping jax.vjp's residuals from B for W instead of recomputing would hold a chunk's activations per pass
+  waiting for its W (inspect prints how many bytes)."""
   p, m = 4, 16
   _, f = runs("pp=4", *SCHEDULES["1f1b"], "train.microbatches=16")
   _, z = runs("pp=4", *SCHEDULES["zb-h1"], "train.microbatches=16")
@@ -152,7 +152,7 @@ def test_zb_h1_temporaries_are_1f1bs_plus_the_slots_w_keeps(runs):
   assert (s_f, g_f, s_z, g_z) == (p, 1, p, 3)
   tf, tz = f.memory_analysis().temp_size_in_bytes, z.memory_analysis().temp_size_in_bytes
   print(f"temporaries: 1f1b {tf:,} B, zb-h1 {tz:,} B")
-  assert tz <= tf + (s_z + g_z - s_f - g_f) * slot_bytes + 0.03 * tf
+  assert tz <= tf + (s_z + g_z - s_f - g_f) * slot_bytes
 
 
 def test_eval_runs_the_pipelined_forward():
