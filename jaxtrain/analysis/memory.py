@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxtrain.parallel import devices
+from jaxtrain.parallel import devices, pipeline
 from jaxtrain.parallel import sharding
 from jaxtrain.core.errors import UserError
 from jaxtrain.run import step as step_lib
@@ -213,6 +213,18 @@ def activations(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segm
   return out
 
 
+def pipeline_activations(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segments: int = 0) -> dict[str, int]:
+  """Mesh pipeline > 1: a device keeps the schedule's stash and gradient slots (chunk inputs and output
+  gradients, one microbatch each, +1 discard slot each) and, during a backward, the residuals of the one
+  chunk it recomputes (its layers only); the last stage's loss terms as `activations`."""
+  t = pipeline.table(cfg, mesh)
+  _, S, G = pipeline.program_table(t)
+  chunk = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=cfg.model.n_layers // t.chunks))
+  out = activations(chunk, mesh, remat, kernel, packed_segments, logits_residual=False)
+  out["stash"] = (S + 1 + G + 1) * pipeline.act_bytes(cfg, mesh)
+  return out
+
+
 def workspace(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segments: int = 0,
               gathered: int = 0, platform: str = "gpu") -> dict[str, int]:
   """Transient bytes at the step's peak beyond what is kept: the larger of the loss and layer phases."""
@@ -245,8 +257,8 @@ def gathered_weights(cfg, rows: list[Row], mesh) -> dict[str, int]:
     if len(r.shape) - ("layers" in r.axes) < 2 or (r.path == "embed" and not cfg.model.tie_embeddings):
       continue  # not a matmul weight
     full = math.prod(r.device_shape) * _gathered(r, mesh) * s * r.count
-    if r.path.startswith("layers"):
-      out["layers"] += 2 * (full // cfg.model.n_layers)
+    if r.path.startswith("layers"):  # a pipeline device holds n_layers / pipeline of them
+      out["layers"] += 2 * (full * mesh.shape.get("pipeline", 1) // cfg.model.n_layers)
       out["stored"] += math.prod(r.device_shape) * s * r.count
     else:
       out["lm_head"] += full
@@ -271,7 +283,9 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   st, made = state_bytes(setup), step_bytes(setup)
   t, remat = cfg.train, cfg.model.remat
   batch = 5 * 4 * (t.batch_size // sharding.axis_ways("batch", t.batch_size, mesh)) * (t.seq_len // sharding.axis_ways("length", t.seq_len, mesh))
-  act = activations(cfg, mesh, remat, kernel, packed, logits_residual=False)
+  piped = mesh.shape.get("pipeline", 1) > 1
+  act = (pipeline_activations if piped else functools.partial(activations, logits_residual=False))(
+      cfg, mesh, remat, kernel, packed)
   gathered = gathered_weights(cfg, rows, mesh)
   work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
   if plan.offload == "host":  # the update brings one unit's master and moments at a time, and makes new ones
@@ -299,7 +313,8 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
       "weight_residuals": (gathered["stored"] if remat == "none" else gathered["stored"] // 2,
                            f"{cfg.model.dtype} casts of the layers' weights, as stored (sharded), kept for backward"
                            + ("" if remat == "none" else " (about half of them with remat; measured)")),
-      "activations": (sum(act.values()), f"kept for backward: remat {remat}, attention {kernel}, one microbatch: "
+      "activations": (sum(act.values()), f"kept for backward: remat {remat}, attention {kernel}, one microbatch"
+                      + (" through one pipeline chunk, and the schedule's stash" if piped else "") + ": "
                       + ", ".join(f"{k} {human(v)}" for k, v in act.items())),
       "gathered_weights": (gathered["layers"], f"{cfg.model.dtype}, gathered over fsdp one layer at a time: 2 layers' "
                            "matmul weights (the running one and the next/re-gathered one); lm_head "

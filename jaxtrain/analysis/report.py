@@ -121,8 +121,8 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
   if mesh.shape["sequence"] > 1:  # both forms of attention over `sequence`, to choose model.sequence_attention
     rep["sequence_attention"] = {"runs": cfg.model.sequence_attention, **comms.sequence_forms(cfg, mesh)}
   if mesh.shape.get("pipeline", 1) > 1:
-    from jaxtrain.parallel import pipeline
-    rep["pipeline"] = pipeline.report(cfg, mesh)
+    from jaxtrain.analysis import timeline
+    rep["pipeline"] = timeline.report(setup)
   if compile:
     c = rep["compiled"] = compiled_memory(setup)
     if c["available"]:
@@ -188,8 +188,8 @@ def render(rep: dict) -> str:
         L.append(f"  host memory: {where}")
     L.extend(render_compiled(c))
   if "pipeline" in rep:
-    from jaxtrain.parallel import pipeline
-    L += ["", *pipeline.render(rep["pipeline"])]
+    from jaxtrain.analysis import timeline
+    L += ["", *timeline.render(rep["pipeline"])]
   f = rep["flops"]
   L += ["", f"Model FLOPs (as for MFU): {f['per_token']:.4g} per token, {f['per_step']:.4g} per step, "
             f"{f['per_device_per_step']:.4g} per device per step", *([flops.FP8_MFU_NOTE] if fp8 != "none" else []),

@@ -1,5 +1,6 @@
 """Pipeline parallelism: one SPMD program, manual over `pipeline` only, that scans a static schedule and runs
-per tick idle, forward or backward (recomputing from the stashed input) of one chunk; same math as `step.grads`."""
+per tick idle, forward or backward of one chunk (recomputing from the stashed input), the backward whole or
+split into B (input gradient) and W (weight gradient); same math as `step.grads`."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import loss as xent, moe_balance, transformer as model_lib
-from jaxtrain.parallel import placement as placement_lib, schedule as schedule_lib, sharding
+from jaxtrain.parallel import placement as placement_lib, plan as plan_lib, schedule as schedule_lib, sharding
 
 AXIS = "pipeline"
 ACT = ("batch", "act_length", "act_embed")  # a chunk's input/output activation
-IDLE, FWD, BWD = range(3)  # branches of the per-tick switch
-# columns of the per-(tick, device) table given to the program
-BRANCH, MB, CHUNK, SLOT, GSLOT, FWD_IN, BWD_IN = range(7)
+IDLE, FWD, BWD, BWD_X, BWD_W = range(5)  # branches of the per-tick switch: BWD whole, or as B (X) and W
+# columns of the per-(tick, device) table given to the program, then one per link (`links`): the slot an
+# activation (then a gradient) arriving over it lands in
+BRANCH, MB, CHUNK, GCHUNK, SLOT, GSLOT = range(6)
 
 
 def stages(mesh) -> int:
@@ -65,29 +67,50 @@ def table(cfg, mesh) -> schedule_lib.Table:
   return schedule_lib.build(cfg.pipeline.schedule, stages(mesh), cfg.train.microbatches, cfg.pipeline.virtual_stages)
 
 
+def links(t: schedule_lib.Table) -> list[tuple[tuple[int, int], ...]]:
+  """The device pairs activations move over, one tuple of (source, target) per ppermute (a fixed offset
+  mod p; (s, s) = kept on the device, zbv's turn); gradients go back over the same links reversed."""
+  by_offset = {}
+  for c in range(t.chunks - 1):
+    a, b = t.device_of(c)[0], t.device_of(c + 1)[0]
+    by_offset.setdefault((b - a) % t.p, set()).add((a, b))
+  return [tuple(sorted(pairs)) for _, pairs in sorted(by_offset.items())]
+
+
 def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int]:
-  """The table as int32 (ticks, p, 7) columns BRANCH..BWD_IN, and the stash and gradient slot counts (+1 trash)."""
-  p, last = t.p, t.chunks - 1
+  """The table as int32 (ticks, p, 6 + 2 x links) columns, and the stash and gradient slot counts (+1 trash)."""
+  p, last, F, B = t.p, t.chunks - 1, schedule_lib.F, schedule_lib.B
   stash = [schedule_lib.assign_slots(iv) for iv in t.stash_intervals()]
   grads = [schedule_lib.assign_slots(iv) for iv in t.grad_intervals()]
   S, G = max(max(n for _, n in stash), 1), max(max(n for _, n in grads), 1)
-  out = np.zeros((t.ticks, p, 7), np.int32)
-  out[:, :, SLOT], out[:, :, GSLOT], out[:, :, FWD_IN], out[:, :, BWD_IN] = S, G, S, G
+  ls = links(t)
+  link = {pair: k for k, pairs in enumerate(ls) for pair in pairs}
+  out = np.zeros((t.ticks, p, 6 + 2 * len(ls)), np.int32)
+  out[:, :, SLOT], out[:, :, GSLOT], out[:, :, 6:6 + len(ls)], out[:, :, 6 + len(ls):] = S, G, S, G
+  kinds = {F: FWD, B: BWD_X if t.split else BWD, schedule_lib.W: BWD_W}
   for tick, row in enumerate(t.grid):
     for s, op in enumerate(row):
       if op is None:
         continue
-      c, r = op.chunk * p + s, out[tick, s]
-      r[BRANCH], r[MB], r[CHUNK] = FWD if op.kind == schedule_lib.F else BWD, op.mb, op.chunk
+      c, r = t.chunk_of(s, op.chunk), out[tick, s]
+      r[BRANCH], r[MB], r[CHUNK], r[GCHUNK] = kinds[op.kind], op.mb, op.chunk, c
       if c > 0:  # the chunk's stashed input (chunk 0 re-embeds the tokens)
         r[SLOT] = stash[s][0][(op.mb, c)]
-      if op.kind == schedule_lib.F and c < last:  # the activation goes to chunk c + 1 on the next device
-        out[tick, (s + 1) % p, FWD_IN] = stash[(s + 1) % p][0][(op.mb, c + 1)]
-      if op.kind == schedule_lib.B and c > 0:
-        out[tick, (s - 1) % p, BWD_IN] = grads[(s - 1) % p][0][(op.mb, c - 1)]
-      if op.kind == schedule_lib.B and c < last:
+      if op.kind == F and c < last:  # the activation goes to chunk c + 1's device
+        d = t.device_of(c + 1)[0]
+        out[tick, d, 6 + link[(s, d)]] = stash[d][0][(op.mb, c + 1)]
+      if op.kind == B and c > 0:  # the input gradient goes to chunk c - 1's device
+        d = t.device_of(c - 1)[0]
+        out[tick, d, 6 + len(ls) + link[(d, s)]] = grads[d][0][(op.mb, c - 1)]
+      if op.kind != F and c < last:
         r[GSLOT] = grads[s][0][(op.mb, c)]
   return out, S, G
+
+
+def chunk_order(t: schedule_lib.Table) -> np.ndarray | None:
+  """(v, p) global chunk of each (local chunk, device), or None where that is j*p + s (a plain reshape)."""
+  order = np.array([[t.chunk_of(s, j) for s in range(t.p)] for j in range(t.v)])
+  return None if (order.ravel() == np.arange(t.chunks)).all() else order
 
 
 def grads_fn(cfg, mesh, plan):
@@ -95,43 +118,81 @@ def grads_fn(cfg, mesh, plan):
   return functools.partial(grads, cfg=cfg, mesh=mesh, plan=plan)
 
 
+def eval_loss(graphdef, params, batch, microbatches: int, plan, *, cfg, mesh):
+  """`step.eval_loss` through the pipeline: the schedule's chunk placement, forwards only."""
+  return grads(graphdef, params, batch, microbatches, cfg=cfg, mesh=mesh, plan=plan, forward_only=True)
+
+
 def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metrics: bool = False, *, cfg, mesh,
-          plan):
+          plan, forward_only: bool = False):
   """`step.grads` run as a pipeline: (loss, grads, n_valid[, moe metrics]). Backwards are seeded with
-  loss_scale / n_valid; each layer's aux loss enters with loss_scale / (microbatches * MoE layers)."""
+  loss_scale / n_valid; each layer's aux loss enters with loss_scale / (microbatches * MoE layers).
+  `forward_only`: `step.eval_loss`'s {loss, loss_sum, tokens} from the forwards alone."""
   p, v, m = stages(mesh), cfg.pipeline.virtual_stages, microbatches
   mc = cfg.model
   n_moe = mc.n_layers if mc.moe_experts else 0
-  prog, S, G = program_table(table(cfg, mesh))
+  t = (schedule_lib.build_forward if forward_only else schedule_lib.build)(cfg.pipeline.schedule, p, m, v)
+  prog, S, G = program_table(t)
+  order = chunk_order(t)
   # Only the branches this table uses are compiled (a table may have no idle tick).
   used = sorted(set(prog[..., BRANCH].flat))
   prog[..., BRANCH] = np.searchsorted(used, prog[..., BRANCH])
   n_valid = jnp.sum(batch["loss_mask"] > 0)
   denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
   mbs = placement_lib.split_microbatches(batch, m, plan)
-  # (layers, ...) -> (v, p, layers per chunk, ...): [j, s] is global chunk j*p + s, so
+  # (layers, ...) -> (v, p, layers per chunk, ...): [j, s] is global chunk j*p + s (zbv: its V), so
   # device s gets its v chunks. For v = 1 this matches the stored split (no traffic);
   # for v > 1 XLA moves the layers between devices (an all-to-all each way).
   lc = mc.n_layers // (p * v)
-  layers = jax.tree.map(lambda a: a.reshape(v, p, lc, *a.shape[1:]), params["layers"])
+  to_chunks, from_chunks = _reorder(order, p * v, lc)
+  layers = jax.tree.map(lambda a: to_chunks(a).reshape(v, p, lc, *a.shape[1:]), params["layers"])
   rest = {k: x for k, x in params.items() if k != "layers"}
-  body = functools.partial(_run, graphdef, mc, plan, jnp.asarray(prog), used, S, G, p, v, m, n_moe, jnp.dtype(mc.dtype))
+  body = functools.partial(_run, graphdef, mc, plan, jnp.asarray(prog), used, links(t), S, G, p, v, m, n_moe,
+                           jnp.dtype(mc.dtype))
   out = sharding.manual(body, mesh, (P(None, AXIS), P(), P(), P(), P()), (P(None, AXIS), P(), P(), P(), P(None, AXIS)),
                         axis_names={AXIS})(layers, rest, mbs, denom, jnp.asarray(loss_scale, jnp.float32))
   g_layers, g_rest, loss_sum, moe, load = out
-  g = {**g_rest, "layers": jax.tree.map(lambda a: a.reshape(mc.n_layers, *a.shape[3:]), g_layers)}
+  if forward_only:
+    return {"loss": loss_sum / denom, "loss_sum": loss_sum, "tokens": n_valid}
+  g = {**g_rest, "layers": jax.tree.map(lambda a: from_chunks(a.reshape(mc.n_layers, *a.shape[3:])), g_layers)}
   g = {k: g[k] for k in params}  # the params' key order
   res = loss_sum / denom, jax.tree.map(lambda x: x / loss_scale, g), n_valid
   if not moe_metrics:
     return res
   moe["aux"] = moe["aux"] / max(n_moe, 1)  # summed over layers; step's totals hold the mean over layers
-  moe["load"] = load.reshape(mc.n_layers, -1)[:n_moe]  # (v, p, layers per chunk, X): global layer order
+  moe["load"] = from_chunks(load.reshape(mc.n_layers, -1))[:n_moe]  # (v, p, layers per chunk, X): global order
   return *res, moe_balance.update_metrics(moe, m)
 
 
-def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale):
+def _reorder(order, n_chunks, lc):
+  """(to chunk order, back to layer order) on (layers, ...) arrays: a static gather, or identities."""
+  if order is None:
+    return (lambda a: a), (lambda a: a)
+  idx = (order.reshape(-1, 1) * lc + np.arange(lc)).ravel()
+  inv = np.argsort(idx)
+  return (lambda a: a[idx]), (lambda a: a[inv])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StagePlan(plan_lib.Plan):
+  """The plan inside the pipeline region. cuDNN attention's custom partitioning cannot read a partially
+  manual region's shardings (jax 0.10.2: "'GSPMDSharding' object has no attribute 'spec'"), so there it
+  runs in a nested shard_map, manual over the other axes too: attention is local to its rows and heads."""
+
+  def attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
+    if self.attention != "cudnn":
+      return super().attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+    q, kv = (self.spec(("batch", "length", h, None), x.shape) for h, x in (("act_heads", q_BxLxHxE),
+                                                                             ("act_kv_heads", k_BxLxKxE)))
+    rest = {a for a in self.mesh.axis_names if a != AXIS}
+    return sharding.manual(super().attend, self.mesh, (q, kv, kv, self.spec(("batch", "length"), seg_BxL.shape)), q,
+                           axis_names=rest)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+
+
+def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale):
   """The per-device program: scan over ticks, switch on this device's table entry."""
-  plan = dataclasses.replace(plan, mesh=jax.sharding.get_abstract_mesh())  # the mesh seen inside
+  fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+  plan = StagePlan(**{**fields, "mesh": jax.sharding.get_abstract_mesh()})  # the mesh seen inside
   s = jax.lax.axis_index(AXIS)
   layers = jax.tree.map(lambda a: a[:, 0], layers)  # (v, layers per chunk, ...)
   b, L = mbs["inputs"].shape[1:]
@@ -145,8 +206,8 @@ def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest,
   module = lambda rest, chunk: nnx.merge(graphdef, {**rest, "layers": chunk})  # noqa: E731
 
   def embed(rest, tokens):
-    # from a table gathered whole: XLA's SPMD partitioner aborts on a gather from a table split
-    # over fsdp and tensor inside a partial-manual region
+    # from a table gathered whole: XLA's SPMD partitioner aborts on a gather from a table split over fsdp and
+    # tensor inside a partial-manual region, and split over fsdp alone (d_model) the split backward crashes
     return act(jnp.take(plan.constrain(rest["embed"], (None, None)), tokens, axis=0).astype(dt))
 
   def stage(chunk, x, mb):
@@ -166,56 +227,73 @@ def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest,
 
   zero_act = act(jnp.zeros((b, L, D), dt))
   zeros_load = jnp.zeros((v, jax.tree.leaves(layers)[0].shape[1], max(mc.moe_experts, 1)), jnp.float32)
-  zeros_chunk = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), layers)
-  zeros_rest = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), rest)
   f32 = jnp.float32(0)
 
-  def result(y=zero_act, dx=zero_act, g_chunk=zeros_chunk, g_rest=zeros_rest, loss=f32, tot=None, load=None):
+  def result(acc, y=zero_act, dx=zero_act, loss=f32, tot=None, load=None):
     tot = tot or {"aux": f32, "dropped": f32, "assigned": f32}
     load = zeros_load[0] if load is None else load
-    return {"y": y, "dx": dx, "g_chunk": g_chunk, "g_rest": g_rest, "loss": loss, "moe": tot, "load": load}
+    return {"y": y, "dx": dx, "acc": acc, "loss": loss, "moe": tot, "load": load}
 
-  f32_tree = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
+  def add(acc, j, g_chunk, g_rest):
+    """The float32 accumulators (layers, rest) plus local chunk j's gradients, inside the branch: the
+    switch then returns the accumulators (aliased in place), not gradient-sized values from every branch."""
+    acc_layers, acc_rest = acc
+    return (jax.tree.map(lambda a, g: a.at[j].add(g.astype(jnp.float32)), acc_layers, g_chunk),
+            jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_rest, g_rest))
 
-  # Branches: (chunk params, stashed input, output gradient, microbatch, first, last); the
-  # model's first chunk embeds, its last runs head and loss (lax.conds: one copy of the layers).
-  def forward(chunk, x, dy, mb, first, last):
+  # Branches: (accumulators, local chunk index, chunk params, stashed input, output gradient, microbatch,
+  # first, last); the model's first chunk embeds, its last runs head and loss (lax.conds: one copy of the layers).
+  def forward(acc, j, chunk, x, dy, mb, first, last):
     y, tot, load = stage(chunk, jax.lax.cond(first, lambda: embed(rest, mb["inputs"]), lambda: x), mb)
     loss = jax.lax.cond(last, lambda: head_loss(rest, y, mb), lambda: f32)
-    return result(y=y, loss=loss, tot=tot, load=load)
+    return result(acc, y=y, loss=loss, tot=tot, load=load)
 
-  def backward(chunk, x, dy, mb, first, last):
+  def loss_of(dy, mb, first, last):
+    """The chunk's share of the objective as a function of (chunk params, rest, chunk input)."""
     def objective(c, r, x):
       y, tot, _ = stage(c, jax.lax.cond(first, lambda: embed(r, mb["inputs"]), lambda: x), mb)
       # last chunk: the scaled loss; else <y, dy>, whose gradient is the vjp with dy
       out = jax.lax.cond(last, lambda: head_loss(r, y, mb) * (scale / denom),
                          lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)))
       return out + tot["aux"] * aux_ct
-    g_chunk, g_rest, dx = jax.grad(objective, argnums=(0, 1, 2))(chunk, rest, x)
-    return result(dx=act(dx.astype(dt)), g_chunk=f32_tree(g_chunk), g_rest=f32_tree(g_rest))
+    return objective
 
-  branches = [(lambda *_: result(), forward, backward)[k] for k in used]  # idle, forward, backward
-  # Activations flow s -> s+1; with v > 1 the last device feeds chunk j+1 on the first.
-  down = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
-  up = [(j, i) for i, j in down]
+  def backward(acc, j, chunk, x, dy, mb, first, last):
+    g_chunk, g_rest, dx = jax.grad(loss_of(dy, mb, first, last), argnums=(0, 1, 2))(chunk, rest, x)
+    return result(add(acc, j, g_chunk, g_rest), dx=act(dx.astype(dt)))
+
+  # Split backward (zero-bubble schedules): B and W each recompute the chunk's forward from the stashed
+  # input; B differentiates w.r.t. the input only (no weight-gradient matmuls), W w.r.t. the weights only
+  # (it redoes the activation gradients inside the chunk, which the weights' need).
+  def backward_x(acc, j, chunk, x, dy, mb, first, last):
+    return result(acc, dx=act(jax.grad(loss_of(dy, mb, first, last), argnums=2)(chunk, rest, x).astype(dt)))
+
+  def backward_w(acc, j, chunk, x, dy, mb, first, last):
+    return result(add(acc, j, *jax.grad(loss_of(dy, mb, first, last), argnums=(0, 1))(chunk, rest, x)))
+
+  branches = [(lambda acc, *_: result(acc), forward, backward, backward_x, backward_w)[k] for k in used]
 
   def tick(carry, row_PxK):
     stash, gbuf, acc_layers, acc_rest, loss, tot, acc_load = carry
     r = row_PxK[s]
     mb = jax.tree.map(lambda a: a[r[MB]], mbs)
     chunk = jax.tree.map(lambda a: a[r[CHUNK]], layers)
-    c = r[CHUNK] * p + s  # the global chunk
-    out = jax.lax.switch(r[BRANCH], branches, chunk, stash[r[SLOT]], gbuf[r[GSLOT]], mb, c == 0, c == p * v - 1)
-    acc_layers = jax.tree.map(lambda acc, g: acc.at[r[CHUNK]].add(g), acc_layers, out["g_chunk"])
-    acc_rest = jax.tree.map(jnp.add, acc_rest, out["g_rest"])
+    c = r[GCHUNK]
+    out = jax.lax.switch(r[BRANCH], branches, (acc_layers, acc_rest), r[CHUNK], chunk, stash[r[SLOT]],
+                         gbuf[r[GSLOT]], mb, c == 0, c == p * v - 1)
+    acc_layers, acc_rest = out["acc"]
     tot = jax.tree.map(jnp.add, tot, out["moe"])
     acc_load = acc_load.at[r[CHUNK]].add(out["load"])  # forwards only (the other branches give zeros)
-    stash = stash.at[r[FWD_IN]].set(jax.lax.ppermute(out["y"], AXIS, down))
-    gbuf = gbuf.at[r[BWD_IN]].set(jax.lax.ppermute(out["dx"], AXIS, up))
+    for k, pairs in enumerate(links):  # (s, s): zbv's turn stays on the device
+      same = pairs[0][0] == pairs[0][1]
+      stash = stash.at[r[6 + k]].set(out["y"] if same else jax.lax.ppermute(out["y"], AXIS, pairs))
+      back = [(b, a) for a, b in pairs]
+      gbuf = gbuf.at[r[6 + len(links) + k]].set(out["dx"] if same else jax.lax.ppermute(out["dx"], AXIS, back))
     return (stash, gbuf, acc_layers, acc_rest, loss + out["loss"], tot, acc_load), None
 
   buf = lambda n: plan.constrain(jnp.zeros((n + 1, b, L, D), dt), (None, *ACT))  # noqa: E731
-  carry = (buf(S), buf(G), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers), zeros_rest, f32,
+  carry = (buf(S), buf(G), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers),
+           jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), rest), f32,
            {"aux": f32, "dropped": f32, "assigned": f32}, zeros_load)
   (_, _, acc_layers, acc_rest, loss, tot, acc_load), _ = jax.lax.scan(tick, carry, prog)
   # chunk gradients stay on their device; the rest's (embedding, norm, head) are summed over it
@@ -223,19 +301,20 @@ def _run(graphdef, mc, plan, prog, used, S, G, p, v, m, n_moe, dt, layers, rest,
   return jax.tree.map(lambda a: a[:, None], acc_layers), acc_rest, loss, tot, acc_load[:, None]
 
 
-def _act_bytes(cfg, mesh) -> int:
+def act_bytes(cfg, mesh) -> int:
   """Bytes of one chunk input on one device (a microbatch's tokens x d_model, compute dtype)."""
   return sharding.tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
 
 
 def traffic(cfg, mesh, rows) -> dict[str, int]:
   """Bytes per device per step over `pipeline`: ppermutes, the rest's gradient all-reduce, the v > 1 restack."""
-  p, t, act = stages(mesh), table(cfg, mesh), _act_bytes(cfg, mesh)
-  useful = sum(op is not None and ((op.kind == schedule_lib.F and op.chunk * p + s < t.chunks - 1)
-                                   or (op.kind == schedule_lib.B and op.chunk * p + s > 0))
+  p, t, act = stages(mesh), table(cfg, mesh), act_bytes(cfg, mesh)
+  sends = 2 * sum(pairs[0][0] != pairs[0][1] for pairs in links(t))  # activations and gradients per link
+  useful = sum(op is not None and ((op.kind == schedule_lib.F and t.chunk_of(s, op.chunk) < t.chunks - 1)
+                                   or (op.kind == schedule_lib.B and t.chunk_of(s, op.chunk) > 0))
                for row in t.grid for s, op in enumerate(row))
-  out = {f"activations + grads, ppermute x2 per tick ({t.ticks} ticks; on average {useful / p:.0f} of a device's "
-         f"{2 * t.ticks} sends carry data)": 2 * t.ticks * act}
+  out = {f"activations + grads, ppermute x{sends} per tick ({t.ticks} ticks; on average {useful / p:.0f} of a "
+         f"device's {sends * t.ticks} sends carry data)": sends * t.ticks * act}
   ring = 2 * (p - 1) / p
   other = sum(math.prod(r.device_shape) * r.count for r in rows if not r.path.startswith("layers"))
   out["grad all-reduce (embedding, final norm, head)"] = int(ring * other * 4)
@@ -243,24 +322,3 @@ def traffic(cfg, mesh, rows) -> dict[str, int]:
     stack = sum(math.prod(r.device_shape) * r.count for r in rows if r.path.startswith("layers"))
     out["layer stack to chunks and grads back (all-to-all)"] = int(2 * (p - 1) * stack * 4)
   return out
-
-
-def report(cfg, mesh) -> dict:
-  """The schedule for `inspect`: timeline, bubble (table and formula), stash per stage."""
-  t = table(cfg, mesh)
-  _, S, G = program_table(t)
-  return {"schedule": t.name, "stages": t.p, "virtual_stages": t.v, "microbatches": t.m, "ticks": t.ticks,
-          "bubble": t.bubble(), "bubble_formula": t.bubble_formula(), "in_flight": t.in_flight(),
-          "stash_slots": S, "grad_slots": G, "stash_bytes": (S + G) * _act_bytes(cfg, mesh), "timeline": t.timeline()}
-
-
-def render(rep: dict) -> list[str]:
-  L = [f"Pipeline schedule: {rep['schedule']}, {rep['stages']} stages x {rep['virtual_stages']} virtual, "
-       f"{rep['microbatches']} microbatches, {rep['ticks']} ticks (F = forward, B = backward with recompute, "
-       f"digit = microbatch{', letter = chunk on the device' if rep['virtual_stages'] > 1 else ''}, . = idle)"]
-  L += ["  " + line for line in rep["timeline"].splitlines()]
-  L.append(f"  bubble: {rep['bubble']:.1%} of device-ticks idle in this table; formula (p-1)/(v*m+p-1) = "
-           f"{rep['bubble_formula']:.1%}")
-  L.append(f"  chunk inputs stashed at most, per stage: {rep['in_flight']} (buffers: {rep['stash_slots']} stash + "
-           f"{rep['grad_slots']} gradient slots per device, {rep['stash_bytes']:,} bytes)")
-  return L

@@ -310,8 +310,10 @@ class Setup:
     def step(state, batch):
       return train_step(self.graphdef, self.opt, cfg, self.plan, state, batch, self.grads_fn, compute, offload)
 
+    evaluate = functools.partial(pipeline.eval_loss, cfg=cfg, mesh=mesh) if pipeline.active(mesh) else eval_loss
+
     def eval_step(params, batch):
-      return eval_loss(self.graphdef, compute(params) if compute else params, batch, t.microbatches, self.plan)
+      return evaluate(self.graphdef, compute(params) if compute else params, batch, t.microbatches, self.plan)
 
     # Initializers run under jit with output shardings: each shard is created on its device.
     self.init = jax.jit(init, out_shardings=self.state_shardings)

@@ -59,14 +59,21 @@ def runs():
 
 
 SCHEDULES = {"gpipe": ["pipeline.schedule=gpipe"], "1f1b": ["pipeline.schedule=1f1b"],
-             "interleaved": ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2"]}
-# pp=4: m=16 for gpipe/1f1b (shared with the memory test), m=8 for interleaved (8 chunks).
-PARITY = ([("pp=2", name, []) for name in SCHEDULES]
-          + [("pp=4", "gpipe", ["train.microbatches=16"]), ("pp=4", "1f1b", ["train.microbatches=16"]),
+             "interleaved": ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2"],
+             "zb-h1": ["pipeline.schedule=zb-h1"], "zbv": ["pipeline.schedule=zbv", "pipeline.virtual_stages=2"]}
+# pp=4: m=16 and 64 tokens for gpipe/1f1b/zb-h1 (shared with the memory tests: the stash shows in the
+# temporaries' peak), m=8 for interleaved (8 chunks).
+LONG = ["train.microbatches=16", "train.seq_len=64"]
+PARITY = ([("pp=2", name, []) for name in ("gpipe", "1f1b", "interleaved")]
+          + [("pp=4", "gpipe", LONG), ("pp=4", "1f1b", LONG),
              ("pp=4", "interleaved", ["train.microbatches=8"]),
              ("pp=2,dp=2", "1f1b", []),
              # the loss in 8-token chunks (4 rows x 2 positions; 8 chunks per microbatch), vocab over tensor
-             ("pp=2,fsdp=2,tp=2", "1f1b", ["train.loss_chunk_tokens=8"])])
+             ("pp=2,fsdp=2,tp=2", "1f1b", ["train.loss_chunk_tokens=8"]),
+             # zero-bubble: split backward (B then W); zbv's V moves activations both ways and keeps the
+             # turn on the last device
+             ("pp=4", "zb-h1", LONG), ("pp=4", "zbv", []),
+             ("pp=2,fsdp=2,tp=2", "zbv", ["run.sequence_parallel=true"])])
 
 
 def assert_parity(got, ref, what):
@@ -77,7 +84,7 @@ def assert_parity(got, ref, what):
 
 @pytest.mark.parametrize("spec,name,extra", PARITY, ids=[f"{s}-{n}" for s, n, _ in PARITY])
 def test_loss_parity_with_one_device(runs, spec, name, extra):
-  ref, _ = runs("dp=1")
+  ref, _ = runs("dp=1", *(["train.seq_len=64"] if extra == LONG else []))
   got, _ = runs(spec, *SCHEDULES[name], *extra)
   assert_parity(got, ref, f"{spec} {name} {extra}")
 
@@ -88,6 +95,14 @@ def test_moe_on_pp2_ep2_matches_one_device(runs):
   assert_parity(got, ref, "MoE pp=2,ep=2")
   np.testing.assert_allclose(got[:, 3], ref[:, 3], rtol=1e-6, err_msg="moe_load_imbalance")
   assert np.all(ref[:, 3] > 1)
+
+
+def test_moe_on_pp2_dp2_ep2_with_zb_h1_matches_one_device(runs):
+  """The aux losses' gradients split between B (w.r.t. the chunk input) and W (the weights, router too)."""
+  ref, _ = runs("dp=1", *MOE)
+  got, _ = runs("pp=2,dp=2,ep=2", *MOE, *SCHEDULES["zb-h1"])
+  assert_parity(got, ref, "MoE pp=2,dp=2,ep=2 zb-h1")
+  np.testing.assert_allclose(got[:, 3], ref[:, 3], rtol=1e-6, err_msg="moe_load_imbalance")
 
 
 def test_moe_hf_aux_convention_under_pipeline_is_a_one_line_error():
@@ -104,17 +119,17 @@ def test_float16_with_loss_scaling_on_pp2_matches_one_device(runs):
 
 
 def test_1f1b_stash_is_about_p_over_m_of_gpipe(runs):
-  """p=4, m=16. Stash = the chunk inputs a device keeps for its backward passes: 16 slots
-  for gpipe, 4 (= p) for 1f1b, here 2,048 B each (1 row x 16 tokens x d_model 32 x float32).
-  XLA's temporaries also hold the gradient accumulators and one chunk's backward, the same
-  for both. Measured (CPU, jax 0.10.2): gpipe 863,672 B, 1f1b 839,096 B of temporaries;
-  the difference, 24,576 B, is exactly the 12 stash slots 1f1b does not allocate. Asserted
-  with margin: the compiled difference is at least 90% of the stash difference, and
-  1f1b's slots (+1 discard slot) are at most (p + 1) / (m + 1) of gpipe's."""
+  """p=4, m=16, 64 tokens. Stash = the chunk inputs a device keeps for its backward passes: 16
+  slots for gpipe, 4 (= p) for 1f1b, here 8,192 B each (1 row x 64 tokens x d_model 32 x
+  float32). XLA's temporaries also hold the gradient accumulators and one chunk's backward,
+  the same for both. Measured (CPU, jax 0.10.2): gpipe 1,493,880 B, 1f1b 1,395,576 B of
+  temporaries; the difference, 98,304 B, is exactly the 12 stash slots 1f1b does not
+  allocate. Asserted with margin: the compiled difference is at least 90% of the stash
+  difference, and 1f1b's slots (+1 discard slot) are at most (p + 1) / (m + 1) of gpipe's."""
   p, m = 4, 16
-  _, g = runs("pp=4", *SCHEDULES["gpipe"], "train.microbatches=16")
-  _, f = runs("pp=4", *SCHEDULES["1f1b"], "train.microbatches=16")
-  slot_bytes = (16 // m) * 16 * 32 * 4  # one microbatch's chunk input: rows x seq x d_model x float32
+  _, g = runs("pp=4", *SCHEDULES["gpipe"], *LONG)
+  _, f = runs("pp=4", *SCHEDULES["1f1b"], *LONG)
+  slot_bytes = (16 // m) * 64 * 32 * 4  # one microbatch's chunk input: rows x seq x d_model x float32
   _, s_g, _ = pipeline.program_table(schedule.build("gpipe", p, m))
   _, s_f, _ = pipeline.program_table(schedule.build("1f1b", p, m))
   assert (s_g, s_f) == (m, p)
@@ -124,10 +139,48 @@ def test_1f1b_stash_is_about_p_over_m_of_gpipe(runs):
   assert (s_f + 1) / (s_g + 1) <= (p + 1) / (m + 1)
 
 
+def test_zb_h1_temporaries_are_1f1bs_plus_the_slots_w_keeps(runs):
+  """p=4, m=16. W recomputes from the chunk input and needs the output gradient, so those stay stashed until
+  W: zb-h1 has the same 4 stash slots as 1f1b and 3 gradient slots instead of 1 (+1 discard slot each), of
+  8,192 B each (64 tokens). Measured (CPU, jax 0.10.2): 1f1b 1,395,576 B, zb-h1 1,430,648 B of
+  temporaries: the 2 gradient slots (16,384 B) and 18,688 B (1.3%) more of XLA's own for the two backward
+  branches; asserted with 2%. Keeping jax.vjp's residuals from B for W instead of recomputing would hold a
+  chunk's activations per pass waiting for its W (inspect prints how many bytes)."""
+  p, m = 4, 16
+  _, f = runs("pp=4", *SCHEDULES["1f1b"], *LONG)
+  _, z = runs("pp=4", *SCHEDULES["zb-h1"], *LONG)
+  slot_bytes = (16 // m) * 64 * 32 * 4
+  _, s_f, g_f = pipeline.program_table(schedule.build("1f1b", p, m))
+  _, s_z, g_z = pipeline.program_table(schedule.build("zb-h1", p, m))
+  assert (s_f, g_f, s_z, g_z) == (p, 1, p, 3)
+  tf, tz = f.memory_analysis().temp_size_in_bytes, z.memory_analysis().temp_size_in_bytes
+  print(f"temporaries: 1f1b {tf:,} B, zb-h1 {tz:,} B")
+  assert tz <= tf + (s_z + g_z - s_f - g_f) * slot_bytes + 0.02 * tf
+
+
+def test_eval_runs_the_pipelined_forward():
+  """pp=2: the eval step is the schedule's forwards (activations by collective-permute, no layer gathered
+  over `pipeline`) and its loss is the one-device eval's on the same params and batch."""
+  cfg = cfg_of()
+  it = data.batches(cfg)
+  local = next(it)
+  it.close()
+  out = {}
+  for spec in ("dp=1", "pp=2"):
+    setup = step.Setup(cfg, mesh_of(spec))
+    params, batch = setup.init()["params"], setup.device_batch(local)
+    compiled = setup.eval_step.lower(params, batch).compile()
+    out[spec] = compiled(params, batch), compiled.as_text()
+  (ref, _), (got, hlo) = out["dp=1"], out["pp=2"]
+  assert "collective-permute" in hlo and "all-gather" not in hlo
+  assert int(got["tokens"]) == int(ref["tokens"])
+  np.testing.assert_allclose(float(got["loss_sum"]), float(ref["loss_sum"]), rtol=1e-5)
+
+
 def test_compiled_program_is_a_pipeline(runs):
   """pp=4: activations and gradients move by collective-permute between pipeline
   neighbours; the layer stack is never all-gathered over `pipeline`."""
-  _, c = runs("pp=4", *SCHEDULES["1f1b"], "train.microbatches=16")
+  _, c = runs("pp=4", *SCHEDULES["1f1b"], *LONG)
   hlo = c.as_text()
   permutes = re.findall(r"source_target_pairs=\{((?:\{\d+,\d+\},?)+)\}", hlo)
   pairs = {(int(a), int(b)) for ps in permutes for a, b in re.findall(r"(\d+),(\d+)", ps)}
@@ -156,11 +209,13 @@ def test_start_up_line_names_the_schedule():
 
 
 def test_exact_resume_and_resharding_through_a_pipeline_run(tmp_path, capsys):
-  """pp=2,dp=2: 6 steps straight (checkpointing at 3); resumed from its step-3 checkpoint
-  in another workdir, steps 4-6 are the same bit for bit; the same checkpoint resumed on
-  fsdp=4 continues the same run (to float32 rounding)."""
+  """pp=2,dp=2 on zb-h1: 6 steps straight (checkpointing at 3); resumed from its step-3
+  checkpoint in another workdir, steps 4-6 are the same bit for bit; the same checkpoint
+  resumed on pp=2,fsdp=2 with zbv (another schedule: the layers in a V; another layout)
+  continues the same run (to float32 rounding)."""
   from jaxtrain.run import loop
-  cfg = cfg_of("train.steps=6", "checkpoint.interval=3", "checkpoint.async_save=false", "train.tensorboard=false")
+  common = ["train.steps=6", "checkpoint.interval=3", "checkpoint.async_save=false", "train.tensorboard=false"]
+  cfg = cfg_of(*common, *SCHEDULES["zb-h1"])
   pp = mesh_of("pp=2,dp=2")
 
   def records(workdir):
@@ -170,13 +225,15 @@ def test_exact_resume_and_resharding_through_a_pipeline_run(tmp_path, capsys):
   at3 = str(tmp_path / "straight" / "checkpoints" / "3")
   loop.run(cfg, pp, tmp_path / "resumed", "tiny", stop_at=6, resume_from=at3)
   resumed = records(tmp_path / "resumed")
-  assert "pipeline: 1f1b, 2 stages" in capsys.readouterr().out
+  assert "pipeline: zb-h1, 2 stages" in capsys.readouterr().out
   key = lambda r: (r["step"], r["loss"], r["grad_norm"], r["tokens_seen"])  # noqa: E731
   assert [r["step"] for r in resumed] == [4, 5, 6]
   assert [key(r) for r in resumed] == [key(r) for r in straight[3:]]
-  loop.run(cfg, mesh_of("fsdp=4"), tmp_path / "moved", "tiny", stop_at=6, resume_from=at3)
+  loop.run(cfg_of(*common, *SCHEDULES["zbv"]), mesh_of("pp=2,fsdp=2"), tmp_path / "moved", "tiny", stop_at=6,
+           resume_from=at3)
   fsdp = records(tmp_path / "moved")
-  assert "written on mesh pipeline=2,data=2, resharded" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "written on mesh pipeline=2,data=2, resharded" in out and "pipeline: zbv, 2 stages x 2 virtual" in out
   np.testing.assert_allclose([r["loss"] for r in fsdp], [r["loss"] for r in straight[3:]], rtol=1e-5)
   np.testing.assert_allclose([r["grad_norm"] for r in fsdp], [r["grad_norm"] for r in straight[3:]], rtol=1e-5)
 

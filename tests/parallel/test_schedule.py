@@ -43,8 +43,27 @@ def test_looped_bfs_p2_m2_v2_matches_hand_written_table():
   ]
 
 
+def test_zb_h1_p3_m4_matches_hand_written_table():
+  # 1F1B's order of F and B; device s runs the W of microbatch i after the B of i + s, the last s Ws at
+  # the end, where 1F1B's cool-down bubbles were.
+  assert rows(S.build("zb-h1", 3, 4)) == [
+      "F0 F1 F2 .  .  B0 W0 F3 B1 W1 B2 W2 B3 W3".split(),
+      ".  F0 F1 .  B0 F2 B1 W0 F3 B2 W1 B3 W2 W3".split(),
+      ".  .  F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3".split(),
+  ]
+
+
+def test_zbv_p2_m2_matches_hand_written_table():
+  # The V: device 0 holds chunks 0 (a) and 3 (b), device 1 chunks 1 (a) and 2 (b); 1 -> 2 stays on device 1.
+  assert rows(S.build("zbv", 2, 2, 2)) == [
+      "F0a F1a .   F0b B0b F1b B1b B0a W0b B1a W1b W0a W1a".split(),
+      ".   F0a F0b F1a F1b B0b B0a B1b B1a W0b W0a W1b W1a".split(),
+  ]
+
+
 CASES = [(name, p, m, v) for p in (2, 3, 4) for m in (p, 2 * p, 4 * p)
-         for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("looped-bfs", 2))]
+         for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("looped-bfs", 2),
+                         ("zb-h1", 1), ("zbv", 2))]
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
@@ -54,19 +73,23 @@ def test_table_is_valid_and_its_bubble_is_the_formula(name, p, m, v):
   for tick, row in enumerate(t.grid):
     for s, op in enumerate(row):
       if op is not None:
-        key = (op.kind, op.mb, op.chunk * p + s)
+        key = (op.kind, op.mb, t.chunk_of(s, op.chunk))  # zbv: the V, else op.chunk * p + s
         assert key not in done, f"{key} runs twice"
         done[key] = tick
-  chunks = p * v
-  assert set(done) == {(k, i, c) for k in (S.F, S.B) for i in range(m) for c in range(chunks)}
+  chunks, kinds = p * v, (S.F, S.B, S.W) if name in S.SPLIT else (S.F, S.B)
+  assert set(done) == {(k, i, c) for k in kinds for i in range(m) for c in range(chunks)}
   for (kind, i, c), tick in done.items():  # inputs were sent at the end of an earlier tick
     if kind == S.F and c > 0:
       assert done[(S.F, i, c - 1)] < tick
     if kind == S.B:
       assert done[(S.F, i, c)] < tick
       assert c == chunks - 1 or done[(S.B, i, c + 1)] < tick
-  assert t.ticks == 2 * (v * m + p - 1)
-  assert t.bubble() == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    if kind == S.W:
+      assert done[(S.B, i, c)] < tick
+  # one op per device-tick; (p-1) idle ticks per device: 2 (F, B) or 3 (F, B, W) ops per microbatch-chunk
+  assert t.ticks == len(kinds) * v * m + (p - 1) * (1 if name in S.SPLIT else 2)
+  per_tick = 3 if name in S.SPLIT else 1  # microbatch-chunk work per device-tick of idle: F+B+W, or F (B alike)
+  assert t.bubble() == pytest.approx((p - 1) / (per_tick * v * m + p - 1), abs=1e-12)
   assert t.bubble() == pytest.approx(t.bubble_formula(), abs=1e-12)
 
 
@@ -78,6 +101,31 @@ def test_1f1b_stashes_at_most_p_inputs_gpipe_all_m(p, m):
   inter = S.build("interleaved", p, m, 2)
   assert inter.bubble() < S.build("1f1b", p, m).bubble()
   assert max(inter.in_flight()) < 2 * m
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 16), (8, 16)])
+def test_zero_bubble_keeps_1f1bs_peak_and_cuts_its_bubble(p, m):
+  one, h1, v = S.build("1f1b", p, m), S.build("zb-h1", p, m), S.build("zbv", p, m, 2)
+  # ZB-H1 stashes as many chunk inputs at its peak as 1F1B; the passes waiting for their backward
+  # (their activations, for a backward that keeps them) peak at 1F1B's p stages on both schedules.
+  assert max(h1.in_flight()) == max(one.in_flight()) == p
+  assert max(h1.passes_in_flight()) == max(one.passes_in_flight()) == p
+  assert max(v.passes_in_flight()) <= p
+  # Idle time per device for the same work, F = B = W = 1 unit per stage and microbatch (3m units; 1F1B's
+  # backward is B + W; zbv's ops are on half stages): ZB-H1's is a third of 1F1B's, ZBV's half of ZB-H1's.
+  idle = lambda t: t.bubble() / (1 - t.bubble()) * 3 * m  # noqa: E731
+  assert (idle(one), idle(h1), idle(v)) == pytest.approx((3 * (p - 1), p - 1, (p - 1) / 2))
+  assert h1.bubble() == pytest.approx((p - 1) / (3 * m + p - 1))
+  assert v.bubble() == pytest.approx((p - 1) / (6 * m + p - 1))
+
+
+def test_lock_step_bubble_with_measured_costs():
+  # A tick lasts as long as its slowest op: with W twice F, a zb-h1 tick holding a W costs 2.
+  t = S.build("zb-h1", 2, 2)
+  assert rows(t) == ["F0 F1 .  B0 W0 B1 W1".split(), ".  F0 B0 F1 B1 W0 W1".split()]
+  span = [1, 1, 1, 1, 2, 2, 2]  # F0; F1/F0; B0; B0/F1; W0/B1; B1/W0; W1/W1
+  busy = 2 * (2 * 1 + 2 * 1 + 2 * 2)  # per device 2 F, 2 B, 2 W
+  assert t.bubble({S.F: 1, S.B: 1, S.W: 2}) == pytest.approx(1 - busy / (2 * sum(span)))
 
 
 def test_slots_never_overlap():
@@ -96,6 +144,8 @@ def test_slots_never_overlap():
     ("gpipe", 2, 4, 2, "pipeline.virtual_stages=2 needs pipeline.schedule=interleaved"),
     ("interleaved", 2, 4, 1, "needs pipeline.virtual_stages >= 2"),
     ("interleaved", 4, 6, 2, "train.microbatches=6 must be a multiple of 4"),
+    ("zbv", 2, 4, 1, "pipeline.virtual_stages must be 2 (got 1)"),
+    ("zb-h1", 2, 4, 2, "pipeline.virtual_stages=2 needs pipeline.schedule=interleaved"),
 ])
 def test_bad_combinations_are_named(name, p, m, v, msg):
   assert msg in S.check(name, p, m, v)

@@ -1,0 +1,88 @@
+"""inspect's pipeline section: the schedule's F/B/W timeline, its bubble with unit costs (= the formula) and
+with each slot's cost from XLA's cost analysis of one chunk's forward, input-gradient and weight-gradient
+functions (devices run in lock-step: a tick lasts its slowest op), the stash, and what W's recompute costs."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtrain.model import transformer as model_lib
+from jaxtrain.parallel import pipeline, plan as plan_lib, schedule as schedule_lib
+
+
+def slot_costs(setup) -> dict:
+  """XLA's FLOPs (lowered, per pipeline device) of one middle chunk on one microbatch: F, B and W as the
+  program runs them (B and W each recompute the forward), the whole backward, and the bytes of the
+  residuals a W would keep if B saved them instead (jax.vjp's, for the same chunk)."""
+  # lowered for one local device: FLOPs do not depend on the layout (the target's compiler may give no analysis)
+  cfg, mc = setup.cfg, setup.cfg.model
+  plan = plan_lib.local(mc)
+  t = pipeline.table(cfg, setup.mesh)
+  lc, rows, L = mc.n_layers // t.chunks, cfg.train.batch_size // cfg.train.microbatches, cfg.train.seq_len
+  params = nnx.to_pure_dict(setup.abstract_params)
+  rest = {k: v for k, v in params.items() if k != "layers"}
+  # one layer: XLA's cost analysis counts a loop's body once, so the scan over a chunk's layers would
+  # show one layer whatever its length; all layers cost the same
+  chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), params["layers"])
+  x = jax.ShapeDtypeStruct((rows, L, mc.d_model), jnp.dtype(mc.dtype))
+  pos = jax.ShapeDtypeStruct((rows, L), jnp.int32)
+  use_remat, policy = model_lib.remat_policy(mc.remat)
+  block_of = lambda block, x, tables, seg: block(x, tables, seg, plan)  # noqa: E731
+  run_block = nnx.remat(block_of, policy=policy, prevent_cse=False) if use_remat else block_of
+
+  def objective(c, x, dy, pos, rest):  # <y, dy>: its gradients are the chunk's vjp with dy
+    model = nnx.merge(setup.graphdef, {**rest, "layers": c})
+    y, _ = model_lib._scan_blocks(run_block, model.layers, x, model_lib.rope_tables(pos, mc), jnp.zeros_like(pos))
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
+  fns = {"F": objective, "B": jax.grad(objective, argnums=1), "W": jax.grad(objective, argnums=0),
+         "BW": jax.grad(objective, argnums=(0, 1))}
+  args = (chunk, x, x, pos, rest)
+  flops = {k: jax.jit(f).lower(*args).cost_analysis()["flops"] for k, f in fns.items()}
+  res = jax.eval_shape(lambda *a: jax.vjp(objective, *a)[1], *args)
+  kept = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(res))
+  ways = setup.mesh.size // pipeline.stages(setup.mesh)  # one pipeline stage's devices share a microbatch
+  return {**{k: v * lc / ways for k, v in flops.items()}, "residual_bytes": kept * lc // ways}
+
+
+def report(setup) -> dict:
+  """The schedule for `inspect`: timeline, bubble (unit costs, formula, XLA-costed), stash per stage."""
+  cfg, mesh = setup.cfg, setup.mesh
+  t = pipeline.table(cfg, mesh)
+  _, S, G = pipeline.program_table(t)
+  costs = slot_costs(setup)
+  F, B, W = schedule_lib.F, schedule_lib.B, schedule_lib.W
+  per_op = {F: costs["F"], B: costs["B"], W: costs["W"]} if t.split else {F: costs["F"], B: costs["BW"]}
+  return {"schedule": t.name, "stages": t.p, "virtual_stages": t.v, "microbatches": t.m, "ticks": t.ticks,
+          "split": t.split, "bubble": t.bubble(), "bubble_formula": t.bubble_formula(),
+          "bubble_costed": t.bubble(per_op), "slot_flops": costs, "in_flight": t.in_flight(),
+          "passes_in_flight": t.passes_in_flight(), "stash_slots": S, "grad_slots": G,
+          "stash_bytes": (S + G) * pipeline.act_bytes(cfg, mesh), "timeline": t.timeline()}
+
+
+def render(rep: dict) -> list[str]:
+  back = "B = input gradient, W = weight gradient" if rep["split"] else "B = backward"
+  L = [f"Pipeline schedule: {rep['schedule']}, {rep['stages']} stages x {rep['virtual_stages']} virtual, "
+       f"{rep['microbatches']} microbatches, {rep['ticks']} ticks (F = forward, {back}, each recomputing the "
+       f"forward; digit = microbatch{', letter = chunk on the device' if rep['virtual_stages'] > 1 else ''}, "
+       ". = idle)"]
+  L += ["  " + line for line in rep["timeline"].splitlines()]
+  formula = "(p-1)/(3*v*m+p-1)" if rep["split"] else "(p-1)/(v*m+p-1)"
+  c = rep["slot_flops"]
+  ops = f"F {c['F']:.3g}, B {c['B']:.3g}, W {c['W']:.3g}" if rep["split"] else f"F {c['F']:.3g}, B {c['BW']:.3g}"
+  L.append(f"  bubble: {rep['bubble']:.1%} of device-ticks idle in this table (unit costs); formula {formula} = "
+           f"{rep['bubble_formula']:.1%}; {rep['bubble_costed']:.1%} of device time with XLA's FLOPs per slot "
+           f"({ops}; a tick lasts its slowest op)")
+  L.append(f"  chunk inputs stashed at most, per stage: {rep['in_flight']} (buffers: {rep['stash_slots']} stash + "
+           f"{rep['grad_slots']} gradient slots per device, {rep['stash_bytes']:,} bytes); chunk passes between "
+           f"F and their last backward op, in stages: {rep['passes_in_flight']}")
+  if rep["split"]:
+    L.append(f"  W recomputes the forward and the activation gradients (B {c['B']:.3g} + W {c['W']:.3g} FLOPs vs "
+             f"{c['BW']:.3g} for one whole backward); keeping jax.vjp's residuals from B instead would hold "
+             f"{c['residual_bytes']:,} bytes per pass waiting for its W")
+  return L
