@@ -146,3 +146,13 @@ def deepseek_v3(path, seed=0, q_lora_rank=24):
         b.copy_(0.05 * torch.randn(b.shape, generator=g))
   m.save_pretrained(path)
   return m
+
+
+def transformers_greedy(ref, prompts, n: int = 20) -> list[list[int]]:
+  """`ref.generate`'s n greedy tokens after each of `prompts` (left-padded with 0), whatever comes out."""
+  import torch
+  P = max(map(len, prompts))
+  ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])
+  mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+  ref.generation_config.eos_token_id = None
+  return ref.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)[:, P:].tolist()

@@ -63,15 +63,9 @@ def test_export_is_bit_identical_and_the_same_function_in_transformers(deepseek,
 def test_greedy_generation_with_the_latent_cache(deepseek):
   """20 greedy tokens equal transformers.generate and recomputing the whole sequence per token; the cache holds the
   latent and the RoPE key (kv_lora_rank + qk_rope_head_dim values per token and layer), not per-head K/V."""
-  import torch
   d, ref, (cfg, model, params) = deepseek
   ours = decode.generate(cfg, mesh_of("fsdp=1"), nnx.split(model)[0], params, PROMPTS, 20)
-  P = max(map(len, PROMPTS))
-  ids = torch.tensor([[0] * (P - len(p)) + p for p in PROMPTS])
-  mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in PROMPTS])
-  ref.generation_config.eos_token_id = None
-  theirs = ref.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)[:, P:]
-  assert ours == theirs.tolist()
+  assert ours == H.transformers_greedy(ref, PROMPTS, 20)
   assert ours == _full_forward_greedy(model, PROMPTS, 20)
   m = cfg.model
   assert decode.cache_bytes_per_token(cfg) == m.n_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 4

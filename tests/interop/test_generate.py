@@ -32,15 +32,9 @@ def _generate(loaded, prompts, spec="fsdp=1", n=20, **kw):
 
 
 def test_greedy_ids_equal_transformers_generate(llama):
-  import torch
   d, ref, _ = llama
   ours = _generate(H.load(d / "w", "fsdp=2,tp=2"), PROMPTS, "fsdp=2,tp=2")
-  P = max(map(len, PROMPTS))
-  ids = torch.tensor([[0] * (P - len(p)) + p for p in PROMPTS])
-  mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in PROMPTS])
-  ref.generation_config.eos_token_id = None  # 20 tokens whatever comes out
-  theirs = ref.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)[:, P:]
-  assert ours == theirs.tolist()
+  assert ours == H.transformers_greedy(ref, PROMPTS, 20)
 
 
 def _full_forward_greedy(model, prompts, n):

@@ -52,15 +52,9 @@ def test_logits_match_transformers_after_import_and_after_export(imported, tmp_p
 
 
 def test_greedy_generation_equals_transformers_and_the_full_forward(imported):
-  import torch
   d, ref, spec, loaded = imported
   ours = _generate(loaded, PROMPTS, spec)
-  P = max(map(len, PROMPTS))
-  ids = torch.tensor([[0] * (P - len(p)) + p for p in PROMPTS])
-  mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in PROMPTS])
-  ref.generation_config.eos_token_id = None  # 20 tokens whatever comes out
-  theirs = ref.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)[:, P:]
-  assert ours == theirs.tolist()
+  assert ours == H.transformers_greedy(ref, PROMPTS, 20)
   assert ours == _full_forward_greedy(loaded[1], PROMPTS, 20)  # the KV cache equals recomputing
 
 
