@@ -6,8 +6,10 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from jaxtrain import data
+from jaxtrain.analysis import gpu_compile
 from jaxtrain.core import config
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import plan as plan_lib
@@ -17,6 +19,9 @@ from jaxtrain.run import step
 # fault injection; a subprocess that stands for a user's run must not inherit them.
 NOT_INHERITED = ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAXTRAIN_FAULTS")
 
+
+# Compile-only H100 tests need XLA's GPU compiler, the CUDA plugin of the gpu-aot extra (CI installs it).
+needs_plugin = pytest.mark.skipif(not gpu_compile.plugin_installed(), reason="no CUDA plugin (gpu-aot extra)")
 
 def clean_env(**extra):
   """os.environ without NOT_INHERITED, then `extra` on top: the environment for a subprocess."""

@@ -11,7 +11,7 @@ from jaxtrain.core import config
 from jaxtrain.parallel import devices
 from jaxtrain.run import step as step_lib
 
-needs_plugin = pytest.mark.skipif(not gpu_compile.plugin_installed(), reason="no CUDA plugin (gpu-aot extra)")
+from tests.helpers import needs_plugin
 
 
 def _compiled(sets):

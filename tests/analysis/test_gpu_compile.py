@@ -15,7 +15,7 @@ from jaxtrain.analysis import report
 from jaxtrain.analysis import memory
 from jaxtrain.run import step as step_lib
 
-needs_plugin = pytest.mark.skipif(not gpu_compile.plugin_installed(), reason="no CUDA plugin (gpu-aot extra)")
+from tests.helpers import needs_plugin
 
 # A 2-layer llama3-8b-shaped model: real layer widths, two scanned layers. L = 1536 equals
 # no other dimension, so an array with two dimensions of 1536 is an L x L buffer.

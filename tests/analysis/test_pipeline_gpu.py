@@ -2,13 +2,11 @@
 region (its custom partitioning fails in a partially manual region; the stage plan runs it fully manual)
 and the bill's arguments. Needs the CUDA plugin (the gpu-aot extra); skips without it."""
 
-import pytest
-
 from jaxtrain.analysis import gpu_compile, memory, report
 from jaxtrain.core import config
 from jaxtrain.run import step as step_lib
 
-needs_plugin = pytest.mark.skipif(not gpu_compile.plugin_installed(), reason="no CUDA plugin (gpu-aot extra)")
+from tests.helpers import needs_plugin
 
 
 @needs_plugin

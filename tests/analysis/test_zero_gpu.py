@@ -1,12 +1,11 @@
 """ZeRO stages and offload on XLA:GPU's compile for H100s (no GPU needed; the gpu-aot extra): llama3.1-8b,
 32 scanned layers, seq 4096, full remat."""
 
-import pytest
-
 from jaxtrain.analysis import gpu_compile, report
 from jaxtrain.core import config
 
-needs_plugin = pytest.mark.skipif(not gpu_compile.plugin_installed(), reason="no CUDA plugin (gpu-aot extra)")
+from tests.helpers import needs_plugin
+
 SHAPE = ["train.seq_len=4096", "model.remat=full"]
 
 

@@ -15,7 +15,7 @@ from jaxtrain.core.errors import UserError
 from jaxtrain.model import attention as attention_lib
 from jaxtrain.parallel import plan as plan_lib
 from jaxtrain.run import step
-from tests.helpers import mesh_of, trajectory
+from tests.helpers import mesh_of, needs_plugin, trajectory
 
 # tiny in float32 with 2 KV heads for 8 query heads, on rows of 128 tokens that pack 1-3 documents each (boundaries
 # off the shard edges); scanned layers compile once.
@@ -94,7 +94,7 @@ def test_cudnn_runs_inside_ulysses_on_a_gpu_target():
     plan_lib.build(config.load("tiny", sets), mesh, device="H100")
 
 
-@pytest.mark.skipif(not gpu_compile.plugin_installed(), reason="no CUDA plugin (gpu-aot extra)")
+@needs_plugin
 def test_compiles_for_h100s_with_cudnn_inside_ulysses():
   """tiny in bfloat16 on 8 compile-only H100s, sequence=8, remat save_dots: cuDNN runs on whole sequences of one
   head per device, and the all-to-alls (the forward ones again in the recomputation) match the figure."""
