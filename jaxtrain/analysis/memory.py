@@ -257,7 +257,7 @@ def gathered_weights(cfg, rows: list[Row], mesh) -> dict[str, int]:
     if len(r.shape) - ("layers" in r.axes) < 2 or (r.path == "embed" and not cfg.model.tie_embeddings):
       continue  # not a matmul weight
     full = math.prod(r.device_shape) * _gathered(r, mesh) * s * r.count
-    if r.path.startswith("layers"):  # a pipeline device holds n_layers / pipeline of them
+    if r.path.startswith(("layers", "dense_layers")):  # a pipeline device holds n_layers / pipeline of them
       out["layers"] += 2 * (full * mesh.shape.get("pipeline", 1) // cfg.model.n_layers)
       out["stored"] += math.prod(r.device_shape) * s * r.count
     else:

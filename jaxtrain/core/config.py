@@ -96,7 +96,8 @@ class ModelConfig:
                            "(moe_capacity_factor and moe_group_size are then unused).", math=True)
   moe_grouped_matmul: Literal["auto", "ragged_dot", "blocks"] = key(
       "auto", "Dropless kernel: ragged_dot (jax.lax.ragged_dot); blocks (batched matmuls over blocks of rows of one "
-      "expert); auto = ragged_dot on GPU/TPU, blocks on CPU (whose ragged_dot multiplies by every expert).", math=False)
+      "expert); auto = ragged_dot on TPU, blocks on CPU and GPU (whose ragged_dot multiplies by every expert).",
+      math=False)
   moe_expert_d_ff: int = key(0, "Hidden width of each routed expert (fine-grained experts); 0 = d_ff.", math=True,
                              min=0)
   moe_shared_experts: int = key(
@@ -156,6 +157,13 @@ class ModelConfig:
 
   def moe_layers(self) -> int:
     return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+  def stacks(self) -> dict[str, range]:
+    """The layers of each scanned stack (model.scan_layers): dense first layers (moe_first_dense) are their own
+    `dense_layers` stack before the MoE `layers` (MaxText's two stacks); otherwise `layers` holds them all."""
+    k = self.moe_first_dense if self.scan_layers and self.moe_experts else 0
+    return {"dense_layers": range(k), "layers": range(k, self.n_layers)} if 0 < k < self.n_layers else {
+        "layers": range(self.n_layers)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,10 +439,9 @@ def validate(cfg: Config) -> None:
     raise UserError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
   if m.moe_experts and m.moe_top_k > m.moe_experts:
     raise UserError(f"model.moe_top_k={m.moe_top_k} must be at most model.moe_experts={m.moe_experts}")
-  for name, uniform in (("moe_first_dense", 0), ("moe_every", 1)):  # the values that keep every layer MoE
-    if m.scan_layers and m.moe_experts and getattr(m, name) != uniform:
-      raise UserError(f"model.scan_layers=true needs identical layers; model.{name}={getattr(m, name)} mixes dense "
-                      f"and MoE layers (use {name}={uniform} or scan_layers=false)")
+  if m.scan_layers and m.moe_experts and m.moe_every != 1:  # a dense prefix scans as its own stack; this cannot
+    raise UserError(f"model.scan_layers=true needs identical layers; model.moe_every={m.moe_every} mixes dense "
+                    "and MoE layers after moe_first_dense (use moe_every=1 or scan_layers=false)")
   if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
     raise UserError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
                     f"model.rope_low_freq_factor={m.rope_low_freq_factor}")

@@ -114,7 +114,7 @@ def cache_layout(cfg, mesh, B: int, S: int):
 
 def cache_bytes_per_token(cfg) -> int:
   """What the cache holds per token over all layers: K and V, or MLA's latent and RoPE key."""
-  one = jax.eval_shape(lambda: model_lib.init_cache(cfg.model, 1, 1))["layers"]
+  one = [v for k, v in jax.eval_shape(lambda: model_lib.init_cache(cfg.model, 1, 1)).items() if "layers" in k]
   return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(one))
 
 

@@ -241,9 +241,9 @@ def table(cfg) -> list[Tensor]:
     return one(per if cfg.scan_layers else per[0])
 
   out = [Tensor(("embed",), one("model.embed_tokens.weight"), (cfg.vocab_size, cfg.d_model), None)]
-  if cfg.scan_layers:  # every layer alike (validated): one stacked parameter per block parameter
-    out += [Tensor(("layers", *p), names(s, range(cfg.n_layers)), *rest)
-            for p, s, *rest in _block(cfg, cfg.is_moe_layer(0))]
+  if cfg.scan_layers:  # each stack's layers alike (validated): one stacked parameter per block parameter
+    out += [Tensor((name, *p), names(s, idx), *rest)
+            for name, idx in cfg.stacks().items() for p, s, *rest in _block(cfg, cfg.is_moe_layer(idx.start))]
   else:
     out += [Tensor(("layers", i, *p), names(s, [i]), *rest)
             for i in range(cfg.n_layers) for p, s, *rest in _block(cfg, cfg.is_moe_layer(i))]

@@ -46,7 +46,7 @@ def nudge(m: ModelConfig, params: dict, load_LxX, applied) -> dict:
   rate = jnp.where(applied, jnp.float32(m.moe_bias_rate), jnp.float32(0))
   delta_LxX = rate * jnp.sign(jnp.mean(load_LxX, axis=-1, keepdims=True) - load_LxX)
   layers = params["layers"]
-  if m.scan_layers:  # one stacked block, every layer MoE
+  if m.scan_layers:  # the `layers` stack holds every MoE layer (dense first layers: `dense_layers`)
     mlp = layers["mlp"]
     return {**params, "layers": {**layers, "mlp": {**mlp, "router_bias": mlp["router_bias"] + delta_LxX}}}
   new = dict(layers)

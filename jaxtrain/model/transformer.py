@@ -177,7 +177,11 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std)
     blocks = [Block(cfg, rngs, cfg.is_moe_layer(i)) for i in range(cfg.n_layers)]
-    self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
+    if cfg.scan_layers:  # `layers`, after a `dense_layers` stack of the dense first layers (cfg.stacks)
+      for name, idx in cfg.stacks().items():
+        setattr(self, name, stack_blocks(blocks[idx.start:idx.stop]))
+    else:
+      self.layers = nnx.List(blocks)
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
@@ -216,7 +220,9 @@ class Transformer(nnx.Module):
     # prevent_cse is only needed outside a scan (scan already keeps the recomputation apart)
     run_block = nnx.remat(_run_block, policy=policy, prevent_cse=not self.cfg.scan_layers) if use_remat else _run_block
     if self.cfg.scan_layers:
-      x_BxLxD, moe_stats = _scan_blocks(run_block, self.layers, x_BxLxD, tables, seg_BxL)
+      for name in self.cfg.stacks():
+        x_BxLxD, stats = _scan_blocks(run_block, getattr(self, name), x_BxLxD, tables, seg_BxL)
+        moe_stats += stats
     else:
       for block in self.layers:
         x_BxLxD, stats = run_block(block, x_BxLxD, tables, seg_BxL)
@@ -235,20 +241,22 @@ class Transformer(nnx.Module):
     start = cache["start"]
     kv_seg_BxS = jax.lax.dynamic_update_slice(cache["seg"], seg_BxT.astype(cache["seg"].dtype), (0, start))
     shared = {"seg": kv_seg_BxS, "start": start}
+    new = {}
     if self.cfg.scan_layers:
-      graphdef, state = nnx.split(self.layers)
+      for name in self.cfg.stacks():
+        graphdef, state = nnx.split(getattr(self, name))
 
-      def body(x, layer):
-        x, _, kv = nnx.merge(graphdef, layer[0])(x, tables, seg_BxT, plan, {**layer[1], **shared})
-        return x, kv
-      x_BxTxD, layers = jax.lax.scan(body, x_BxTxD, (state, cache["layers"]))
+        def body(x, layer, graphdef=graphdef):
+          x, _, kv = nnx.merge(graphdef, layer[0])(x, tables, seg_BxT, plan, {**layer[1], **shared})
+          return x, kv
+        x_BxTxD, new[name] = jax.lax.scan(body, x_BxTxD, (state, cache[name]))
     else:
-      layers = []
+      new["layers"] = []
       for block, kv in zip(self.layers, cache["layers"]):
         x_BxTxD, _, kv = block(x_BxTxD, tables, seg_BxT, plan, {**kv, **shared})
-        layers.append(kv)
+        new["layers"].append(kv)
     logits_BxTxV = self._logits(self.final_norm(x_BxTxD))
-    return logits_BxTxV, {"layers": layers, "seg": kv_seg_BxS, "start": start + tokens_BxT.shape[1]}
+    return logits_BxTxV, {**new, "seg": kv_seg_BxS, "start": start + tokens_BxT.shape[1]}
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int):
@@ -257,9 +265,9 @@ def init_cache(cfg: ModelConfig, batch: int, length: int):
                 "v": jnp.zeros((batch, length, cfg.n_kv_heads, cfg.head_dim), cfg.dtype)}
   if cfg.attention_type == "mla":
     kv = lambda: mla_lib.empty_cache(cfg, batch, length)  # noqa: E731
-  layers = ([kv() for _ in range(cfg.n_layers)] if not cfg.scan_layers
-            else jax.tree.map(lambda a: jnp.broadcast_to(a, (cfg.n_layers, *a.shape)), kv()))
-  return {"layers": layers, "seg": jnp.zeros((batch, length), jnp.int32), "start": jnp.zeros((), jnp.int32)}
+  stacks = ({name: jax.tree.map(lambda a, n=len(idx): jnp.broadcast_to(a, (n, *a.shape)), kv())
+             for name, idx in cfg.stacks().items()} if cfg.scan_layers else {"layers": [kv() for _ in range(cfg.n_layers)]})
+  return {**stacks, "seg": jnp.zeros((batch, length), jnp.int32), "start": jnp.zeros((), jnp.int32)}
 
 
 def stack_blocks(blocks: list[Block]) -> Block:

@@ -12,9 +12,10 @@ from jaxtrain.parallel import expert_layout as moe_layout, sharding
 
 
 def kernel(name: str, platform: str) -> str:
-  """model.moe_grouped_matmul -> the kernel: `auto` is ragged_dot on GPU/TPU, else blocks."""
+  """model.moe_grouped_matmul -> the kernel: `auto` is ragged_dot on TPU, else blocks. XLA:GPU (as XLA:CPU) rewrites
+  ragged_dot into dense dots over every group: (rows, experts, d_model) buffers, 112 GiB per DeepSeek-V3 layer."""
   if name == "auto":
-    return "ragged_dot" if platform in ("gpu", "cuda", "rocm", "tpu") else "blocks"
+    return "ragged_dot" if platform == "tpu" else "blocks"
   return name
 
 
@@ -64,6 +65,9 @@ def blocked_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_do
   else:
     used = pend_X[-1]  # rows in use; empty blocks are skipped, in the backward pass too
 
+    # checkpointed: the loop's backward re-reads w[e] and redoes the block's SwiGLU, instead of stacking each
+    # block's weight slices and hidden rows as residuals (nb x D x F per weight, 4.4 GiB each at DeepSeek-V3)
+    @jax.checkpoint
     def one(args):
       x_bxD, e, first = args
       swiglu = lambda _: jax.nn.silu(x_bxD @ w_gate_XxDxF[e]) * (x_bxD @ w_up_XxDxF[e]) @ w_down_XxFxD[e]  # noqa: E731

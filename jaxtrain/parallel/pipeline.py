@@ -42,6 +42,9 @@ def check(cfg, mesh) -> None:
   m, pc = cfg.model, cfg.pipeline
   if not m.scan_layers:
     raise UserError(f"mesh pipeline={p} needs model.scan_layers=true (stages hold slices of the stacked layers)")
+  if len(m.stacks()) > 1:
+    raise UserError(f"mesh pipeline={p} cannot split two layer stacks; model.moe_first_dense={m.moe_first_dense} "
+                    "scans the dense first layers apart (use moe_first_dense=0 or no pipeline axis)")
   if m.n_layers % (p * pc.virtual_stages):
     raise UserError(f"model.n_layers={m.n_layers} must divide into pipeline={p} x pipeline.virtual_stages="
                     f"{pc.virtual_stages} = {p * pc.virtual_stages} stages of equal depth")

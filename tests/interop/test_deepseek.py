@@ -29,7 +29,7 @@ IDS = np.random.default_rng(0).integers(0, 96, (2, 24))  # 24 positions: 3x YaRN
 def deepseek(tmp_path_factory):
   d = tmp_path_factory.mktemp("deepseek")
   ref = H.deepseek_v3(d / "hf")
-  H.imported(d / "hf", d / "w")
+  H.imported(d / "hf", d / "w", extra=["model.scan_layers=true"])  # two stacks: the dense first layer, then MoE
   return d, ref, H.load(d / "w")
 
 
@@ -37,7 +37,7 @@ def test_logits_match_transformers_after_import(deepseek, tmp_path):
   d, ref, (cfg, model, _) = deepseek
   m = cfg.model
   assert (m.attention_type, m.q_lora_rank, m.rope_scaling, m.moe_n_group, m.moe_topk_group, m.moe_first_dense,
-          m.moe_routed_scale) == ("mla", 24, "yarn", 4, 2, 1, 2.5)
+          m.moe_routed_scale, m.scan_layers) == ("mla", 24, "yarn", 4, 2, 1, 2.5, True)
   assert H.rel_err(H.jax_logits(model, IDS), H.torch_logits(ref, IDS)) < 1e-5
   # without the low-rank query (q_lora_rank null: one q_proj), on a tensor x fsdp mesh
   ref2 = H.deepseek_v3(tmp_path / "hf", seed=1, q_lora_rank=None)

@@ -92,11 +92,11 @@ def test_capacity_routing_matches_single_device(spec, capacity_reference):
 
 
 def test_plan_decides_and_describes_the_moe_kernel():
-  """The start-up line says which dispatch runs; auto picks blocks on CPU, ragged_dot on GPU."""
+  """The start-up line says which dispatch runs; auto picks blocks on CPU and GPU, ragged_dot on TPU."""
   assert "moe: all_to_all over expert, capacity groups of 16 tokens" in plan_lib.build(CAP, mesh_of("ep=2")).describe()
   p = plan_lib.build(DROPLESS, mesh_of("ep=2"))
   assert p.moe_kernel == "blocks" and "moe: all_to_all over expert, dropless, blocks grouped matmuls" in p.describe()
-  assert plan_lib.moe_kernel(DROPLESS.model, "gpu") == "ragged_dot"
+  assert plan_lib.moe_kernel(DROPLESS.model, "gpu") == "blocks" and plan_lib.moe_kernel(DROPLESS.model, "tpu") == "ragged_dot"
   forced = config.load("moe-tiny", TINY + ["model.moe_dropless=true", "model.moe_grouped_matmul=ragged_dot"])
   assert plan_lib.moe_kernel(forced.model, "cpu") == "ragged_dot" and plan_lib.moe_kernel(CAP.model, "gpu") == "capacity"
 

@@ -43,25 +43,27 @@ def test_remat_policy_gives_the_loss_and_gradients_of_none(policy):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def _restack(params_unscanned, n_layers):
-  """The unscanned pure params with layers/0..n-1 stacked into one `layers` subtree."""
+def _restack(params_unscanned, n_layers, dense=0):
+  """The unscanned pure params with layers/dense..n-1 stacked into one `layers` subtree, and the `dense` first
+  ones into `dense_layers` (MaxText's two stacks)."""
   pure = nnx.to_pure_dict(params_unscanned)
-  per_layer = [pure["layers"][i] for i in range(n_layers)]
-  return {**pure, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)}
+  stack = lambda idx: jax.tree.map(lambda *xs: jnp.stack(xs), *[pure["layers"][i] for i in idx])  # noqa: E731
+  return {**pure, "layers": stack(range(dense, n_layers)), **({"dense_layers": stack(range(dense))} if dense else {})}
 
 
-@pytest.mark.parametrize("extra", [{}, {"remat": "full"}, {"moe_experts": 4, "moe_top_k": 2}])
+@pytest.mark.parametrize("extra", [{}, {"remat": "full"}, {"moe_experts": 4, "moe_top_k": 2, "moe_first_dense": 1}])
 def test_scanned_layers_give_the_loss_and_gradients_of_unscanned(extra):
+  """With a dense first layer (DeepSeek-V3, Qwen3-MoE's mlp_only_layers): a dense stack, then the MoE stack."""
   cfg = dataclasses.replace(CFG, n_layers=3, **extra)
   loss_ref, g_ref = _loss_and_grads(cfg)
   scanned = dataclasses.replace(cfg, scan_layers=True)
   graphdef, params = nnx.split(model_lib.Transformer(scanned, nnx.Rngs(0)))
   # Same weights: the unscanned model's, restacked independently of model.stack_blocks.
   _, unscanned_params = nnx.split(model_lib.Transformer(cfg, nnx.Rngs(0)))
-  nnx.replace_by_pure_dict(params, _restack(unscanned_params, cfg.n_layers))
+  nnx.replace_by_pure_dict(params, _restack(unscanned_params, cfg.n_layers, cfg.moe_first_dense))
   loss, g = _loss_and_grads_of(graphdef, params)
   np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
-  expected = _restack(g_ref, cfg.n_layers)
+  expected = _restack(g_ref, cfg.n_layers, cfg.moe_first_dense)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(g)), jax.tree.leaves(expected)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
   # The stacked params carry the `layers` logical axis first.
