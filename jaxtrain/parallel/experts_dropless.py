@@ -39,6 +39,26 @@ def grouped_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_do
   return jnp.where(valid_N[:, None], y_NxD, 0)[inverse_N]
 
 
+@jax.custom_vjp
+def move(x_MxD, take_S, keep_S, inv_MxJ, inv_keep_MxJ):
+  """out[s] = x[take[s]] where keep[s], else 0: rows moved to their slots by a gather whose transpose is a gather
+  too, ct_x[m] = the sum of ct_out[inv[m, j]] where inv_keep[m, j] (the J slots row m went to). A scatter would
+  be simpler, but XLA:GPU scatters bfloat16 rows as 32-bit words: twice each buffer, in both passes."""
+  return jnp.where(keep_S[:, None], x_MxD[take_S], 0)
+
+
+def _move_fwd(x_MxD, take_S, keep_S, inv_MxJ, inv_keep_MxJ):
+  return move(x_MxD, take_S, keep_S, inv_MxJ, inv_keep_MxJ), (inv_MxJ, inv_keep_MxJ)
+
+
+def _move_bwd(res, ct_SxD):
+  inv_MxJ, inv_keep_MxJ = res
+  return jnp.sum(jnp.where(inv_keep_MxJ[..., None], ct_SxD[inv_MxJ], 0), axis=1), None, None, None, None
+
+
+move.defvjp(_move_fwd, _move_bwd)
+
+
 def blocked_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, skip_empty: bool = False,
                 fp8_mode: str = "none"):
   """`grouped_ffn` over blocks of b rows of one expert each: one batched matmul, or (skip_empty) a loop that
@@ -54,7 +74,10 @@ def blocked_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_do
   pend_X = jnp.cumsum(padded_X)
   e_c = jnp.minimum(e_N, experts - 1)
   dest_N = jnp.where(e_N < experts, pend_X[e_c] - padded_X[e_c] + jnp.arange(N) - start[e_c], nb * b)
-  x_blocks = jnp.zeros((nb * b + 1, D), rows_NxD.dtype).at[dest_N].set(rows_NxD[order_N])[:-1].reshape(nb, b, D)
+  pos_N = jnp.zeros_like(dest_N).at[order_N].set(dest_N)  # row n's block slot (nb * b: padding, dropped)
+  src_Q = jnp.full((nb * b + 1,), N, jnp.int32).at[pos_N].set(jnp.arange(N, dtype=jnp.int32))[:-1]  # N: empty
+  src_Q, keep_Q, kept_N = jnp.minimum(src_Q, N - 1), src_Q < N, pos_N < nb * b
+  x_blocks = move(rows_NxD, src_Q, keep_Q, pos_N[:, None], kept_N[:, None]).reshape(nb, b, D)
   block_e = jnp.minimum(jnp.searchsorted(pend_X, jnp.arange(nb) * b, side="right"), experts - 1)
   if not skip_empty or fp8_mode != "none":
     # each weight is quantized whole (its per-tensor scale), then gathered per block
@@ -65,16 +88,13 @@ def blocked_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_do
   else:
     used = pend_X[-1]  # rows in use; empty blocks are skipped, in the backward pass too
 
-    # checkpointed: the loop's backward re-reads w[e] and redoes the block's SwiGLU, instead of stacking each
-    # block's weight slices and hidden rows as residuals (nb x D x F per weight, 4.4 GiB each at DeepSeek-V3)
-    @jax.checkpoint
+    @jax.checkpoint  # else the loop's backward keeps each block's weight slices: (blocks, D, F) per weight
     def one(args):
       x_bxD, e, first = args
       swiglu = lambda _: jax.nn.silu(x_bxD @ w_gate_XxDxF[e]) * (x_bxD @ w_up_XxDxF[e]) @ w_down_XxFxD[e]  # noqa: E731
       return jax.lax.cond(first < used, swiglu, lambda _: jnp.zeros_like(x_bxD), None)
     y = jax.lax.map(one, (x_blocks, block_e, jnp.arange(nb) * b))
-  y_sorted = jnp.concatenate([y.reshape(nb * b, D), jnp.zeros((1, D), y.dtype)])[dest_N]  # padding -> zero row
-  return y_sorted[jnp.argsort(order_N)]
+  return move(y.reshape(nb * b, D), jnp.minimum(pos_N, nb * b - 1), kept_N, src_Q[:, None], keep_Q[:, None])
 
 
 def _local(x_TxD, idx_Txk, w_Txk, weights, ep: int, impl: str, axis: str = "expert", fp8_mode: str = "none"):
@@ -82,9 +102,8 @@ def _local(x_TxD, idx_Txk, w_Txk, weights, ep: int, impl: str, axis: str = "expe
   T, k = idx_Txk.shape
   X = weights[0].shape[0] * ep
   flat_N = idx_Txk.reshape(-1)  # assignment a = token a // k, choice a % k
-  rows_NxD = jnp.repeat(x_TxD, k, axis=0)
   if ep == 1:
-    y_NxD = grouped_ffn(rows_NxD, flat_N, X, *weights, impl=impl, fp8_mode=fp8_mode)
+    y_NxD = grouped_ffn(jnp.repeat(x_TxD, k, axis=0), flat_N, X, *weights, impl=impl, fp8_mode=fp8_mode)
   else:
     Xl = X // ep
     bound = moe_layout.dropless_bound(T, X, k, ep)
@@ -93,14 +112,19 @@ def _local(x_TxD, idx_Txk, w_Txk, weights, ep: int, impl: str, axis: str = "expe
     count_ep = jnp.zeros((ep,), jnp.int32).at[dest_N].add(1)
     start_ep = jnp.cumsum(count_ep) - count_ep
     row_N = jnp.zeros_like(flat_N).at[order_N].set(jnp.arange(flat_N.size) - start_ep[dest_N[order_N]])
-    send = jnp.zeros((ep, bound, x_TxD.shape[-1]), x_TxD.dtype).at[dest_N, row_N].set(rows_NxD)
-    ids = jnp.full((ep, bound), Xl, jnp.int32).at[dest_N, row_N].set(flat_N % Xl)
+    slot_N = dest_N * bound + row_N  # assignment a's row in the (ep, bound) send buffer
+    r = jnp.arange(bound)
+    src_S = order_N[jnp.minimum(start_ep[:, None] + r, flat_N.size - 1)].reshape(-1)  # the assignment in each slot
+    keep_S = (r < count_ep[:, None]).reshape(-1)
+    send = move(x_TxD, src_S // k, keep_S, slot_N.reshape(T, k), jnp.ones((T, k), bool)).reshape(ep, bound, -1)
+    ids = jnp.where(keep_S, flat_N[src_S] % Xl, Xl).reshape(ep, bound)
     recv = jax.lax.all_to_all(send, axis, 0, 0)  # (source device, bound, D) for our experts
     recv_ids = jax.lax.all_to_all(ids, axis, 0, 0)
     out = grouped_ffn(recv.reshape(ep * bound, -1), recv_ids.reshape(-1), Xl, *weights, impl=impl, skip_empty=True,
                       fp8_mode=fp8_mode)
     back = jax.lax.all_to_all(out.reshape(ep, bound, -1), axis, 0, 0)  # (destination device, bound, D)
-    y_NxD = back[dest_N, row_N]
+    y_NxD = move(back.reshape(ep * bound, -1), slot_N, jnp.ones(slot_N.shape, bool), src_S[:, None],
+                 keep_S[:, None])
   return jnp.einsum("tkd,tk->td", y_NxD.reshape(T, k, -1).astype(jnp.float32), w_Txk)
 
 
