@@ -248,7 +248,21 @@ def test_dropless_bill_grows_with_the_exchange_bound():
   (ep2_k1, cfg), (ep2_k2, _), (ep4_k1, _), (ep4_k2, _) = (
       mlp(k, spec) for spec in ("fsdp=4,expert=2", "fsdp=2,expert=4") for k in (1, 2))
   m, T = cfg.model, cfg.train.batch_size * cfg.train.seq_len // 8  # tokens per device
-  per_row = 2 * 2 * m.d_model + 6 * 2 * m.d_ff  # bf16 rows there and back, SwiGLU residuals
+  per_row = 3 * 2 * m.d_model + 6 * 2 * m.d_ff  # bf16 rows there and back and the blocks' copy, SwiGLU residuals
   assert ep2_k2 - ep2_k1 == m.n_layers * (2 * T * 2 - 2 * T * 1) * per_row  # ep=2: bound T*k
   assert ep4_k1 == ep4_k2  # ep=4 of 4 experts: bound T whatever top_k
   assert ep4_k1 - ep2_k1 == m.n_layers * (4 * T - 2 * T) * per_row
+
+
+def test_relaid_stacks_bill_the_stacked_weights_gathered_on_a_minor_dimension():
+  """XLA:GPU copies a float32 stack gathered over fsdp on a minor dimension into a gather-friendly layout (the
+  deepseek-v3 compile: 9.6 GiB a device). deepseek-v3-tiny scanned (a dense stack, a MoE stack) on fsdp=2,expert=2:
+  the experts' three weights, and both stacks' `wo` and down projections (dense, shared expert), by hand."""
+  cfg = config.load("deepseek-v3-tiny", ["model.scan_layers=true"])
+  setup = step.Setup(cfg, mesh_of("fsdp=2,expert=2"))
+  m = cfg.model
+  moe, dense, D, F = m.n_layers - m.moe_first_dense, m.moe_first_dense, m.d_model, m.moe_expert_d_ff
+  experts = 3 * moe * m.moe_experts * D * F // 4  # experts over expert, d_model over fsdp
+  wo = m.n_layers * m.n_heads * m.v_head_dim * D // 4  # d_model over fsdp and expert
+  down = (dense * m.d_ff + moe * m.moe_shared_experts * F) * D // 4
+  assert memory.relaid_stacks(memory.grouped(memory.param_rows(setup))) == 4 * (experts + wo + down)
