@@ -72,24 +72,22 @@ def test_greedy_generation_with_the_latent_cache(deepseek):
 
 
 def test_mla_and_group_routing_train_alike_on_tensor_sequence_and_expert_meshes():
-  """3 steps of deepseek-v3-tiny (narrowed to one MLA + MoE layer, float32) on one device and on tp=2,sp=2,ep=2
+  """3 steps of deepseek-v3-tiny (narrowed to a dense and a MoE layer, float32) on one device and on tp=2,sp=2,ep=2
   (heads split, ring attention with the decoupled RoPE key and v narrower than q/k, experts over all_to_all with
-  group-limited routing)."""
+  group-limited routing), the latter with scan_layers (two stacks; the routing bias moved on the MoE stack)."""
   sets = ["model.dtype=float32", "train.batch_size=8", "train.seq_len=16", "model.d_model=32", "model.d_ff=64",
-          "model.moe_expert_d_ff=16", "model.n_heads=4", "model.n_layers=1", "model.moe_first_dense=0",
-          "data.workers=0"]
+          "model.moe_expert_d_ff=16", "model.n_heads=4", "model.n_layers=2", "model.moe_first_dense=1",
+          "model.moe_bias_rate=0.05", "data.workers=0"]
   cfg = config.load("deepseek-v3-tiny", sets)
   it = data.batches(cfg)
   host = [next(it) for _ in range(3)]
   it.close()
   fast = {"xla_backend_optimization_level": 0}
-  out, init = {}, None
-  for spec in ("dp=1", "tp=2,sp=2,ep=2"):
-    setup = step.Setup(cfg, mesh_of(spec))
+  out = {}
+  for spec, scan in (("dp=1", "false"), ("tp=2,sp=2,ep=2", "true")):
+    setup = step.Setup(config.load("deepseek-v3-tiny", sets + [f"model.scan_layers={scan}"]), mesh_of(spec))
     batches = [setup.device_batch(b) for b in host]
-    if init is None:
-      init = jax.device_get(setup.init.lower().compile(fast)())
-    state = jax.device_put(init, setup.state_shardings)
+    state = setup.init.lower().compile(fast)()  # the same weights: the stacks are built from the same blocks
     compiled = setup.step.lower(setup.abstract_state(), batches[0]).compile(fast)
     out[spec] = []
     for b in batches:
