@@ -265,8 +265,9 @@ def init_cache(cfg: ModelConfig, batch: int, length: int):
                 "v": jnp.zeros((batch, length, cfg.n_kv_heads, cfg.head_dim), cfg.dtype)}
   if cfg.attention_type == "mla":
     kv = lambda: mla_lib.empty_cache(cfg, batch, length)  # noqa: E731
-  stacks = ({name: jax.tree.map(lambda a, n=len(idx): jnp.broadcast_to(a, (n, *a.shape)), kv())
-             for name, idx in cfg.stacks().items()} if cfg.scan_layers else {"layers": [kv() for _ in range(cfg.n_layers)]})
+  stacks = {"layers": [kv() for _ in range(cfg.n_layers)]} if not cfg.scan_layers else {
+      name: jax.tree.map(lambda a, n=len(idx): jnp.broadcast_to(a, (n, *a.shape)), kv())
+      for name, idx in cfg.stacks().items()}
   return {**stacks, "seg": jnp.zeros((batch, length), jnp.int32), "start": jnp.zeros((), jnp.int32)}
 
 

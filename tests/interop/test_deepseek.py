@@ -4,7 +4,6 @@ sequence and expert meshes, and the 671B preset's exact parameter count."""
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 
