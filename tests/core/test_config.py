@@ -76,6 +76,12 @@ def test_float_keys_have_bounds(setting, words):
 def test_scan_layers_with_mixed_moe_layers_is_a_user_error():
   with pytest.raises(UserError, match="model.scan_layers=true needs identical layers; model.moe_every=2"):
     config.load("tiny", ["model.scan_layers=true", "model.moe_experts=4", "model.moe_every=2"])
+  # dense first layers scan as their own stack, which a pipeline cannot split
+  from jaxtrain.parallel import pipeline
+  from tests.helpers import mesh_of
+  cfg = config.load("moe-deepseek-tiny", ["model.scan_layers=true"])
+  with pytest.raises(UserError, match="pipeline=2 cannot split two layer stacks; model.moe_first_dense=1"):
+    pipeline.check(cfg, mesh_of("pp=2"))
 
 
 # Written out by hand, not read from the `math` flags in config.py. A key changes the math
