@@ -146,7 +146,8 @@ class ModelConfig:
       "0 = pass segments as an L x L mask.", math=False, min=0)
   # math: not the math, but the checkpoint's layout
   scan_layers: bool = key(False, "Stack the blocks' params on a leading `layers` axis and run them with one "
-                          "jax.lax.scan (faster compiles).", math=True)
+                          "jax.lax.scan (faster compiles); dense first layers (moe_first_dense) are a second stack, "
+                          "`dense_layers`.", math=True)
   remat: Literal["none", "full", "save_dots", "save_named", "offload_named"] = key(
       "none", "Per-block rematerialization: none; full; save_dots (keep projection matmuls); save_named "
       "(keep q/k/v, attention output, MLP hidden); offload_named (those to pinned host memory).", math=False)
