@@ -112,10 +112,13 @@ def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int]:
   return out, S, G
 
 
-def chunk_order(t: schedule_lib.Table) -> np.ndarray | None:
-  """(v, p) global chunk of each (local chunk, device), or None where that is j*p + s (a plain reshape)."""
+def reversed_rows(t: schedule_lib.Table) -> list[bool]:
+  """Per local chunk j: whether devices hold global chunks in reverse (zbv's second row: 2p-1-s), else j*p + s."""
   order = np.array([[t.chunk_of(s, j) for s in range(t.p)] for j in range(t.v)])
-  return None if (order.ravel() == np.arange(t.chunks)).all() else order
+  rev = [t.p > 1 and order[j, 0] > order[j, 1] for j in range(t.v)]
+  assert all((row == j * t.p + (np.arange(t.p)[::-1] if r else np.arange(t.p))).all()
+             for j, (row, r) in enumerate(zip(order, rev))), order
+  return rev
 
 
 def grads_fn(cfg, mesh, plan):
@@ -138,19 +141,20 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   n_moe = mc.n_layers if mc.moe_experts else 0
   t = (schedule_lib.build_forward if forward_only else schedule_lib.build)(cfg.pipeline.schedule, p, m, v)
   prog, S, G = program_table(t)
-  order = chunk_order(t)
   # Only the branches this table uses are compiled (a table may have no idle tick).
   used = sorted(set(prog[..., BRANCH].flat))
   prog[..., BRANCH] = np.searchsorted(used, prog[..., BRANCH])
   n_valid = jnp.sum(batch["loss_mask"] > 0)
   denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
   mbs = placement_lib.split_microbatches(batch, m, plan)
-  # (layers, ...) -> (v, p, layers per chunk, ...): [j, s] is global chunk j*p + s (zbv: its V), so
+  # (layers, ...) -> (v, p, layers per chunk, ...): [j, s] is global chunk j*p + s (zbv: 2p-1-s on j = 1), so
   # device s gets its v chunks. For v = 1 this matches the stored split (no traffic);
   # for v > 1 XLA moves the layers between devices (an all-to-all each way).
   lc = mc.n_layers // (p * v)
-  to_chunks, from_chunks = _reorder(order, p * v, lc)
-  layers = jax.tree.map(lambda a: to_chunks(a).reshape(v, p, lc, *a.shape[1:]), params["layers"])
+  rev = reversed_rows(t)
+  # (a permute over `pipeline` for a reversed row: a gather by chunk index would all-reduce whole layer stacks)
+  flip = lambda x: jnp.stack([x[j, ::-1] if r else x[j] for j, r in enumerate(rev)]) if any(rev) else x  # noqa: E731
+  layers = jax.tree.map(lambda a: flip(a.reshape(v, p, lc, *a.shape[1:])), params["layers"])
   rest = {k: x for k, x in params.items() if k != "layers"}
   state = nnx.state(nnx.merge(graphdef, params))  # the layers' logical axes, in `params`' leaf order
   axes = jax.tree.unflatten(jax.tree.structure(params["layers"]), [x.get_metadata()["axes"] for x in jax.tree.leaves(
@@ -159,8 +163,10 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   # table for every op of chunk 0, and build its whole gradient (llama3.1-70b: 3.9 GiB each). Chunk 0's backward
   # puts its input gradient in its input's slot (+1 discard slot), and the table's gradient is this lookup's vjp.
   dt = jnp.dtype(mc.dtype)
-  x0, embed_vjp = jax.vjp(lambda e: plan.constrain(jnp.take(e, mbs["inputs"], axis=0).astype(dt), (None, *ACT)),
-                          params["embed"])
+  def embed(e):  # rows as the table's (d_model split) until cast: XLA would move them to the batch split in float32
+    rows = plan.constrain(jnp.take(e, mbs["inputs"], axis=0), (None, None, None, "embed"))
+    return plan.constrain(rows.astype(dt), (None, *ACT))
+  x0, embed_vjp = jax.vjp(embed, params["embed"])
   x0 = plan.constrain(jnp.concatenate([x0, jnp.zeros_like(x0[:1])]), (None, *ACT))
   head = [k for k in rest if k != "embed" or mc.tie_embeddings]  # what the last chunk differentiates
   body = functools.partial(_run, graphdef, mc, plan, jnp.asarray(prog), used, links(t), S, G, p, v, m, n_moe, dt,
@@ -173,23 +179,14 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
     return {"loss": loss_sum / denom, "loss_sum": loss_sum, "tokens": n_valid}
   g_embed = embed_vjp(g_x0[:m])[0]
   g_rest["embed"] = g_rest["embed"] + g_embed if mc.tie_embeddings else g_embed
-  g = {**g_rest, "layers": jax.tree.map(lambda a: from_chunks(a.reshape(mc.n_layers, *a.shape[3:])), g_layers)}
+  g = {**g_rest, "layers": jax.tree.map(lambda a: flip(a).reshape(mc.n_layers, *a.shape[3:]), g_layers)}
   g = {k: g[k] for k in params}  # the params' key order
   res = loss_sum / denom, jax.tree.map(lambda x: x / loss_scale, g), n_valid
   if not moe_metrics:
     return res
   moe["aux"] = moe["aux"] / max(n_moe, 1)  # summed over layers; step's totals hold the mean over layers
-  moe["load"] = from_chunks(load.reshape(mc.n_layers, -1))[:n_moe]  # (v, p, layers per chunk, X): global order
+  moe["load"] = flip(load).reshape(mc.n_layers, -1)[:n_moe]  # (v, p, layers per chunk, X): global order
   return *res, moe_balance.update_metrics(moe, m)
-
-
-def _reorder(order, n_chunks, lc):
-  """(to chunk order, back to layer order) on (layers, ...) arrays: a static gather, or identities."""
-  if order is None:
-    return (lambda a: a), (lambda a: a)
-  idx = (order.reshape(-1, 1) * lc + np.arange(lc)).ravel()
-  inv = np.argsort(idx)
-  return (lambda a: a[idx]), (lambda a: a[inv])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -339,8 +336,9 @@ def traffic(cfg, mesh, rows) -> dict[str, int]:
   out = {f"activations + grads, ppermute x{sends} per tick ({t.ticks} ticks; on average {useful / p:.0f} of a "
          f"device's {sends * t.ticks} sends carry data)": sends * t.ticks * act}
   ring = 2 * (p - 1) / p
-  other = sum(math.prod(r.device_shape) * r.count for r in rows if not r.path.startswith("layers"))
-  out["grad all-reduce (embedding, final norm, head)"] = int(ring * other * 4)
+  head = sum(math.prod(r.device_shape) * r.count for r in rows
+             if not r.path.startswith("layers") and (r.path != "embed" or cfg.model.tie_embeddings))
+  out["grad all-reduce (final norm, head; chunk 0's input gradients)"] = int(ring * (head * 4 + (t.m + 1) * act))
   if cfg.pipeline.virtual_stages > 1:
     stack = sum(math.prod(r.device_shape) * r.count for r in rows if r.path.startswith("layers"))
     out["layer stack to chunks and grads back (all-to-all)"] = int(2 * (p - 1) * stack * 4)
