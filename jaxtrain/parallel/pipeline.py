@@ -163,6 +163,7 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   # table for every op of chunk 0, and build its whole gradient (llama3.1-70b: 3.9 GiB each). Chunk 0's backward
   # puts its input gradient in its input's slot (+1 discard slot), and the table's gradient is this lookup's vjp.
   dt = jnp.dtype(mc.dtype)
+
   def embed(e):  # rows as the table's (d_model split) until cast: XLA would move them to the batch split in float32
     rows = plan.constrain(jnp.take(e, mbs["inputs"], axis=0), (None, None, None, "embed"))
     return plan.constrain(rows.astype(dt), (None, *ACT))
@@ -177,7 +178,7 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   g_layers, g_rest, loss_sum, moe, load, g_x0 = out
   if forward_only:
     return {"loss": loss_sum / denom, "loss_sum": loss_sum, "tokens": n_valid}
-  g_embed = embed_vjp(g_x0[:m])[0]
+  g_embed = embed_vjp(g_x0[:m].astype(dt))[0]
   g_rest["embed"] = g_rest["embed"] + g_embed if mc.tie_embeddings else g_embed
   g = {**g_rest, "layers": jax.tree.map(lambda a: flip(a).reshape(mc.n_layers, *a.shape[3:]), g_layers)}
   g = {k: g[k] for k in params}  # the params' key order
@@ -316,7 +317,8 @@ def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, axes, 
            {"aux": f32, "dropped": f32, "assigned": f32}, zeros_load)
   (_, _, g_x0, acc_layers, acc_rest, loss, tot, acc_load), _ = jax.lax.scan(tick, carry, prog)
   # chunk gradients stay on their device; the head's and chunk 0's input gradients (device 0's) are summed over it
-  g_x0 = jnp.where(s == 0, g_x0, jnp.zeros((), dt))
+  # (in float32: exact, as the others are zeros; a bfloat16 all-reduce here crashes XLA:CPU, jax 0.10.2)
+  g_x0 = jnp.where(s == 0, g_x0, jnp.zeros((), dt)).astype(jnp.float32)
   acc_rest, loss, tot, g_x0 = jax.lax.psum((acc_rest, loss, tot, g_x0), AXIS)
   return jax.tree.map(lambda a: a[:, None], acc_layers), acc_rest, loss, tot, acc_load[:, None], g_x0
 
