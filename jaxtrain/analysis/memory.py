@@ -217,14 +217,31 @@ def activations(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segm
 
 def pipeline_activations(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segments: int = 0) -> dict[str, int]:
   """Mesh pipeline > 1: a device keeps the schedule's stash and gradient slots (chunk inputs and output
-  gradients, one microbatch each, +1 discard slot each) and, during a backward, the residuals of the one
-  chunk it recomputes (its layers only); the last stage's loss terms as `activations`."""
+  gradients, one microbatch each, +1 discard slot each), the embedded tokens of every microbatch (chunk 0's
+  inputs, then their gradients; +1 discard slot) and, during a backward, the residuals of the one chunk it
+  recomputes (its layers only); the last stage's loss terms as `activations`."""
   t = pipeline.table(cfg, mesh)
   _, S, G = pipeline.program_table(t)
   chunk = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=cfg.model.n_layers // t.chunks))
   out = activations(chunk, mesh, remat, kernel, packed_segments, logits_residual=False)
   out["stash"] = (S + 1 + G + 1) * pipeline.act_bytes(cfg, mesh)
+  out["embedded"] = (t.m + 1) * pipeline.act_bytes(cfg, mesh)
   return out
+
+
+def pipeline_lines(cfg, rows: list[Row]) -> dict[str, tuple[int, str]]:
+  """Mesh pipeline > 1, the bill's lines that differ: the gradient a backward makes of one chunk (float32)
+  before adding it, and no stacked weight casts (each block casts its weights inside its remat)."""
+  v = cfg.pipeline.virtual_stages
+  f32 = lambda keep: sum(math.prod(r.device_shape) * 4 * r.count for r in rows if keep(r))  # noqa: E731
+  layers = f32(lambda r: r.path.startswith("layers"))
+  head = f32(lambda r: not r.path.startswith("layers") and (r.path != "embed" or cfg.model.tie_embeddings))
+  restack = f"; v={v}: the stage's layers in chunk order too, {human(layers)}" if v > 1 else ""
+  return {"grad_accumulator": (layers // v + head + (layers if v > 1 else 0),
+                               f"float32 gradient of one chunk (1/{v} of the stage's layers) and the head, made by a "
+                               f"backward before it is added to the gradients{restack}"),
+          "weight_residuals": (0, "none: a backward recomputes its chunk from the chunk input and each block casts "
+                               "its weights inside its remat (no stacked casts in the compiled program)")}
 
 
 def workspace(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segments: int = 0,
@@ -340,6 +357,8 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
       "workspace": (max(work.values()) - gathered["layers"], "transient peak beyond the gathered weights, the larger "
                     "phase of: " + ", ".join(f"{k} {human(v)}" for k, v in work.items())),
   }
+  if piped:
+    lines.update(pipeline_lines(cfg, rows))
   items = {k: v for k, (v, _) in lines.items()}
   notes = {k: note for k, (_, note) in lines.items()}
   items["margin"] = int(margin * sum(items.values()))

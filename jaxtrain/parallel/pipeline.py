@@ -21,9 +21,10 @@ from jaxtrain.parallel import placement as placement_lib, plan as plan_lib, sche
 AXIS = "pipeline"
 ACT = ("batch", "act_length", "act_embed")  # a chunk's input/output activation
 IDLE, FWD, BWD, BWD_X, BWD_W = range(5)  # branches of the per-tick switch: BWD whole, or as B (X) and W
-# columns of the per-(tick, device) table given to the program, then one per link (`links`): the slot an
-# activation (then a gradient) arriving over it lands in
-BRANCH, MB, CHUNK, GCHUNK, SLOT, GSLOT = range(6)
+# columns of the per-(tick, device) table given to the program (XSLOT: where chunk 0's input gradient replaces
+# its input), then one per link (`links`): the slot an activation (then a gradient) arriving over it lands in
+BRANCH, MB, CHUNK, GCHUNK, SLOT, GSLOT, XSLOT = range(7)
+NCOL = 7
 
 
 def stages(mesh) -> int:
@@ -81,39 +82,46 @@ def links(t: schedule_lib.Table) -> list[tuple[tuple[int, int], ...]]:
 
 
 def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int]:
-  """The table as int32 (ticks, p, 6 + 2 x links) columns, and the stash and gradient slot counts (+1 trash)."""
+  """The table as int32 (ticks, p, NCOL + 2 x links) columns, and the stash and gradient slot counts (+1 trash)."""
   p, last, F, B = t.p, t.chunks - 1, schedule_lib.F, schedule_lib.B
   stash = [schedule_lib.assign_slots(iv) for iv in t.stash_intervals()]
   grads = [schedule_lib.assign_slots(iv) for iv in t.grad_intervals()]
   S, G = max(max(n for _, n in stash), 1), max(max(n for _, n in grads), 1)
   ls = links(t)
   link = {pair: k for k, pairs in enumerate(ls) for pair in pairs}
-  out = np.zeros((t.ticks, p, 6 + 2 * len(ls)), np.int32)
-  out[:, :, SLOT], out[:, :, GSLOT], out[:, :, 6:6 + len(ls)], out[:, :, 6 + len(ls):] = S, G, S, G
+  out = np.zeros((t.ticks, p, NCOL + 2 * len(ls)), np.int32)
+  out[:, :, SLOT], out[:, :, GSLOT], out[:, :, XSLOT] = S, G, t.m
+  out[:, :, NCOL:NCOL + len(ls)], out[:, :, NCOL + len(ls):] = S, G
   kinds = {F: FWD, B: BWD_X if t.split else BWD, schedule_lib.W: BWD_W}
+  first = {F: FWD, B: IDLE, schedule_lib.W: BWD} if t.split else kinds  # chunk 0's W also gives its input gradient
   for tick, row in enumerate(t.grid):
     for s, op in enumerate(row):
       if op is None:
         continue
       c, r = t.chunk_of(s, op.chunk), out[tick, s]
-      r[BRANCH], r[MB], r[CHUNK], r[GCHUNK] = kinds[op.kind], op.mb, op.chunk, c
-      if c > 0:  # the chunk's stashed input (chunk 0 re-embeds the tokens)
+      r[BRANCH], r[MB], r[CHUNK], r[GCHUNK] = (first if c == 0 else kinds)[op.kind], op.mb, op.chunk, c
+      if c > 0:  # the chunk's stashed input (chunk 0 reads the embedded tokens)
         r[SLOT] = stash[s][0][(op.mb, c)]
       if op.kind == F and c < last:  # the activation goes to chunk c + 1's device
         d = t.device_of(c + 1)[0]
-        out[tick, d, 6 + link[(s, d)]] = stash[d][0][(op.mb, c + 1)]
+        out[tick, d, NCOL + link[(s, d)]] = stash[d][0][(op.mb, c + 1)]
       if op.kind == B and c > 0:  # the input gradient goes to chunk c - 1's device
         d = t.device_of(c - 1)[0]
-        out[tick, d, 6 + len(ls) + link[(d, s)]] = grads[d][0][(op.mb, c - 1)]
+        out[tick, d, NCOL + len(ls) + link[(d, s)]] = grads[d][0][(op.mb, c - 1)]
+      if c == 0 and r[BRANCH] == BWD:  # its input is used for the last time: its gradient takes its slot
+        r[XSLOT] = op.mb
       if op.kind != F and c < last:
         r[GSLOT] = grads[s][0][(op.mb, c)]
   return out, S, G
 
 
-def chunk_order(t: schedule_lib.Table) -> np.ndarray | None:
-  """(v, p) global chunk of each (local chunk, device), or None where that is j*p + s (a plain reshape)."""
+def reversed_rows(t: schedule_lib.Table) -> list[bool]:
+  """Per local chunk j: whether devices hold global chunks in reverse (zbv's second row: 2p-1-s), else j*p + s."""
   order = np.array([[t.chunk_of(s, j) for s in range(t.p)] for j in range(t.v)])
-  return None if (order.ravel() == np.arange(t.chunks)).all() else order
+  rev = [t.p > 1 and order[j, 0] > order[j, 1] for j in range(t.v)]
+  assert all((row == j * t.p + (np.arange(t.p)[::-1] if r else np.arange(t.p))).all()
+             for j, (row, r) in enumerate(zip(order, rev))), order
+  return rev
 
 
 def grads_fn(cfg, mesh, plan):
@@ -136,44 +144,53 @@ def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metric
   n_moe = mc.n_layers if mc.moe_experts else 0
   t = (schedule_lib.build_forward if forward_only else schedule_lib.build)(cfg.pipeline.schedule, p, m, v)
   prog, S, G = program_table(t)
-  order = chunk_order(t)
   # Only the branches this table uses are compiled (a table may have no idle tick).
   used = sorted(set(prog[..., BRANCH].flat))
   prog[..., BRANCH] = np.searchsorted(used, prog[..., BRANCH])
   n_valid = jnp.sum(batch["loss_mask"] > 0)
   denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
   mbs = placement_lib.split_microbatches(batch, m, plan)
-  # (layers, ...) -> (v, p, layers per chunk, ...): [j, s] is global chunk j*p + s (zbv: its V), so
+  # (layers, ...) -> (v, p, layers per chunk, ...): [j, s] is global chunk j*p + s (zbv: 2p-1-s on j = 1), so
   # device s gets its v chunks. For v = 1 this matches the stored split (no traffic);
   # for v > 1 XLA moves the layers between devices (an all-to-all each way).
   lc = mc.n_layers // (p * v)
-  to_chunks, from_chunks = _reorder(order, p * v, lc)
-  layers = jax.tree.map(lambda a: to_chunks(a).reshape(v, p, lc, *a.shape[1:]), params["layers"])
+  rev = reversed_rows(t)
+  # (a permute over `pipeline` for a reversed row: a gather by chunk index would all-reduce whole layer stacks)
+  flip = lambda x: jnp.stack([x[j, ::-1] if r else x[j] for j, r in enumerate(rev)]) if any(rev) else x  # noqa: E731
+  layers = jax.tree.map(lambda a: flip(a.reshape(v, p, lc, *a.shape[1:])), params["layers"])
   rest = {k: x for k, x in params.items() if k != "layers"}
-  body = functools.partial(_run, graphdef, mc, plan, jnp.asarray(prog), used, links(t), S, G, p, v, m, n_moe,
-                           jnp.dtype(mc.dtype))
-  out = sharding.manual(body, mesh, (P(None, AXIS), P(), P(), P(), P()), (P(None, AXIS), P(), P(), P(), P(None, AXIS)),
-                        axis_names={AXIS})(layers, rest, mbs, denom, jnp.asarray(loss_scale, jnp.float32))
-  g_layers, g_rest, loss_sum, moe, load = out
+  state = nnx.state(nnx.merge(graphdef, params))  # the layers' logical axes, in `params`' leaf order
+  axes = jax.tree.unflatten(jax.tree.structure(params["layers"]), [x.get_metadata()["axes"] for x in jax.tree.leaves(
+      state["layers"], is_leaf=lambda x: isinstance(x, nnx.Variable))])
+  # The tokens are embedded here, from the table as stored; inside the region XLA would gather the whole float32
+  # table for every op of chunk 0, and build its whole gradient (llama3.1-70b: 3.9 GiB each). Chunk 0's backward
+  # puts its input gradient in its input's slot (+1 discard slot), and the table's gradient is this lookup's vjp.
+  dt = jnp.dtype(mc.dtype)
+
+  def embed(e):  # rows as the table's (d_model split) until cast: XLA would move them to the batch split in float32
+    rows = plan.constrain(jnp.take(e, mbs["inputs"], axis=0), (None, None, None, "embed"))
+    return plan.constrain(rows.astype(dt), (None, *ACT))
+  x0, embed_vjp = jax.vjp(embed, params["embed"])
+  x0 = plan.constrain(jnp.concatenate([x0, jnp.zeros_like(x0[:1])]), (None, *ACT))
+  head = [k for k in rest if k != "embed" or mc.tie_embeddings]  # what the last chunk differentiates
+  body = functools.partial(_run, graphdef, mc, plan, jnp.asarray(prog), used, links(t), S, G, p, v, m, n_moe, dt,
+                           axes, head)
+  out = sharding.manual(body, mesh, (P(None, AXIS), P(), P(), P(), P(), P()),
+                        (P(None, AXIS), P(), P(), P(), P(None, AXIS), P()),
+                        axis_names={AXIS})(layers, rest, mbs, x0, denom, jnp.asarray(loss_scale, jnp.float32))
+  g_layers, g_rest, loss_sum, moe, load, g_x0 = out
   if forward_only:
     return {"loss": loss_sum / denom, "loss_sum": loss_sum, "tokens": n_valid}
-  g = {**g_rest, "layers": jax.tree.map(lambda a: from_chunks(a.reshape(mc.n_layers, *a.shape[3:])), g_layers)}
+  g_embed = embed_vjp(g_x0[:m].astype(dt))[0]
+  g_rest["embed"] = g_rest["embed"] + g_embed if mc.tie_embeddings else g_embed
+  g = {**g_rest, "layers": jax.tree.map(lambda a: flip(a).reshape(mc.n_layers, *a.shape[3:]), g_layers)}
   g = {k: g[k] for k in params}  # the params' key order
   res = loss_sum / denom, jax.tree.map(lambda x: x / loss_scale, g), n_valid
   if not moe_metrics:
     return res
   moe["aux"] = moe["aux"] / max(n_moe, 1)  # summed over layers; step's totals hold the mean over layers
-  moe["load"] = from_chunks(load.reshape(mc.n_layers, -1))[:n_moe]  # (v, p, layers per chunk, X): global order
+  moe["load"] = flip(load).reshape(mc.n_layers, -1)[:n_moe]  # (v, p, layers per chunk, X): global order
   return *res, moe_balance.update_metrics(moe, m)
-
-
-def _reorder(order, n_chunks, lc):
-  """(to chunk order, back to layer order) on (layers, ...) arrays: a static gather, or identities."""
-  if order is None:
-    return (lambda a: a), (lambda a: a)
-  idx = (order.reshape(-1, 1) * lc + np.arange(lc)).ravel()
-  inv = np.argsort(idx)
-  return (lambda a: a[idx]), (lambda a: a[inv])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -192,7 +209,8 @@ class StagePlan(plan_lib.Plan):
                            axis_names=rest)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
 
 
-def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, layers, rest, mbs, denom, scale):
+def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, axes, head, layers, rest, mbs, x0, denom,
+         scale):
   """The per-device program: scan over ticks, switch on this device's table entry."""
   fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
   plan = StagePlan(**{**fields, "mesh": jax.sharding.get_abstract_mesh()})  # the mesh seen inside
@@ -208,13 +226,11 @@ def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, layers
   run_block = nnx.remat(block_of, policy=policy, prevent_cse=False) if use_remat else block_of
   module = lambda rest, chunk: nnx.merge(graphdef, {**rest, "layers": chunk})  # noqa: E731
 
-  def embed(rest, tokens):
-    # from a table gathered whole: XLA's SPMD partitioner aborts on a gather from a table split over fsdp and
-    # tensor inside a partial-manual region, and split over fsdp alone (d_model) the split backward crashes
-    return act(jnp.take(plan.constrain(rest["embed"], (None, None)), tokens, axis=0).astype(dt))
-
   def stage(chunk, x, mb):
     """One chunk's layers: output, MoE totals (summed aux, dropped, assigned), load (layers, X)."""
+    # the chunk's weights as stored (split over fsdp), so that their gradient is too: unconstrained, the
+    # backward of the layers' scan all-reduces each layer's weight gradient and stacks the chunk's whole
+    chunk = jax.tree.map(lambda a, ax: plan.constrain(a, (None, *ax[1:])), chunk, axes)
     model = module(rest, chunk)
     tables = model_lib.rope_tables(mb["positions"], mc)
     y, stats = model_lib._scan_blocks(run_block, model.layers, x, tables, mb["segment_ids"])
@@ -244,64 +260,70 @@ def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, layers
     return (jax.tree.map(lambda a, g: a.at[j].add(g.astype(jnp.float32)), acc_layers, g_chunk),
             jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_rest, g_rest))
 
-  # Branches: (accumulators, local chunk index, chunk params, stashed input, output gradient, microbatch,
-  # first, last); the model's first chunk embeds, its last runs head and loss (lax.conds: one copy of the layers).
-  def forward(acc, j, chunk, x, dy, mb, first, last):
-    y, tot, load = stage(chunk, jax.lax.cond(first, lambda: embed(rest, mb["inputs"]), lambda: x), mb)
+  # Branches: (accumulators, local chunk index, chunk params, chunk input, output gradient, microbatch, last);
+  # the model's last chunk runs head and loss (a lax.cond: one copy of the layers).
+  def forward(acc, j, chunk, x, dy, mb, last):
+    y, tot, load = stage(chunk, x, mb)
     loss = jax.lax.cond(last, lambda: head_loss(rest, y, mb), lambda: f32)
     return result(acc, y=y, loss=loss, tot=tot, load=load)
 
-  def loss_of(dy, mb, first, last):
-    """The chunk's share of the objective as a function of (chunk params, rest, chunk input)."""
-    def objective(c, r, x):
-      y, tot, _ = stage(c, jax.lax.cond(first, lambda: embed(r, mb["inputs"]), lambda: x), mb)
+  def loss_of(dy, mb, last):
+    """The chunk's share of the objective as a function of (chunk params, head params, chunk input)."""
+    def objective(c, h, x):
+      y, tot, _ = stage(c, x, mb)
       # last chunk: the scaled loss; else <y, dy>, whose gradient is the vjp with dy
-      out = jax.lax.cond(last, lambda: head_loss(r, y, mb) * (scale / denom),
+      out = jax.lax.cond(last, lambda: head_loss({**rest, **h}, y, mb) * (scale / denom),
                          lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)))
       return out + tot["aux"] * aux_ct
     return objective
 
-  def backward(acc, j, chunk, x, dy, mb, first, last):
-    g_chunk, g_rest, dx = jax.grad(loss_of(dy, mb, first, last), argnums=(0, 1, 2))(chunk, rest, x)
-    return result(add(acc, j, g_chunk, g_rest), dx=act(dx.astype(dt)))
+  heads = {k: rest[k] for k in head}
+
+  def backward(acc, j, chunk, x, dy, mb, last):
+    g_chunk, g_head, dx = jax.grad(loss_of(dy, mb, last), argnums=(0, 1, 2))(chunk, heads, x)
+    return result(add(acc, j, g_chunk, g_head), dx=act(dx.astype(dt)))
 
   # Split backward (zero-bubble schedules): B and W each recompute the chunk's forward from the stashed
   # input; B differentiates w.r.t. the input only (no weight-gradient matmuls), W w.r.t. the weights only
   # (it redoes the activation gradients inside the chunk, which the weights' need).
-  def backward_x(acc, j, chunk, x, dy, mb, first, last):
-    return result(acc, dx=act(jax.grad(loss_of(dy, mb, first, last), argnums=2)(chunk, rest, x).astype(dt)))
+  def backward_x(acc, j, chunk, x, dy, mb, last):
+    return result(acc, dx=act(jax.grad(loss_of(dy, mb, last), argnums=2)(chunk, heads, x).astype(dt)))
 
-  def backward_w(acc, j, chunk, x, dy, mb, first, last):
-    return result(add(acc, j, *jax.grad(loss_of(dy, mb, first, last), argnums=(0, 1))(chunk, rest, x)))
+  def backward_w(acc, j, chunk, x, dy, mb, last):
+    return result(add(acc, j, *jax.grad(loss_of(dy, mb, last), argnums=(0, 1))(chunk, heads, x)))
 
   branches = [(lambda acc, *_: result(acc), forward, backward, backward_x, backward_w)[k] for k in used]
 
   def tick(carry, row_PxK):
-    stash, gbuf, acc_layers, acc_rest, loss, tot, acc_load = carry
+    stash, gbuf, x0, acc_layers, acc_rest, loss, tot, acc_load = carry
     r = row_PxK[s]
     mb = jax.tree.map(lambda a: a[r[MB]], mbs)
     chunk = jax.tree.map(lambda a: a[r[CHUNK]], layers)
     c = r[GCHUNK]
-    out = jax.lax.switch(r[BRANCH], branches, (acc_layers, acc_rest), r[CHUNK], chunk, stash[r[SLOT]],
-                         gbuf[r[GSLOT]], mb, c == 0, c == p * v - 1)
+    x = jnp.where(c == 0, x0[r[MB]], stash[r[SLOT]])  # chunk 0: the embedded tokens
+    out = jax.lax.switch(r[BRANCH], branches, (acc_layers, acc_rest), r[CHUNK], chunk, x, gbuf[r[GSLOT]], mb,
+                         c == p * v - 1)
+    x0 = x0.at[r[XSLOT]].set(out["dx"])  # chunk 0's input gradient (else into the discard slot)
     acc_layers, acc_rest = out["acc"]
     tot = jax.tree.map(jnp.add, tot, out["moe"])
     acc_load = acc_load.at[r[CHUNK]].add(out["load"])  # forwards only (the other branches give zeros)
     for k, pairs in enumerate(links):  # (s, s): zbv's turn stays on the device
       same = pairs[0][0] == pairs[0][1]
-      stash = stash.at[r[6 + k]].set(out["y"] if same else jax.lax.ppermute(out["y"], AXIS, pairs))
+      stash = stash.at[r[NCOL + k]].set(out["y"] if same else jax.lax.ppermute(out["y"], AXIS, pairs))
       back = [(b, a) for a, b in pairs]
-      gbuf = gbuf.at[r[6 + len(links) + k]].set(out["dx"] if same else jax.lax.ppermute(out["dx"], AXIS, back))
-    return (stash, gbuf, acc_layers, acc_rest, loss + out["loss"], tot, acc_load), None
+      gbuf = gbuf.at[r[NCOL + len(links) + k]].set(out["dx"] if same else jax.lax.ppermute(out["dx"], AXIS, back))
+    return (stash, gbuf, x0, acc_layers, acc_rest, loss + out["loss"], tot, acc_load), None
 
   buf = lambda n: plan.constrain(jnp.zeros((n + 1, b, L, D), dt), (None, *ACT))  # noqa: E731
-  carry = (buf(S), buf(G), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers),
-           jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), rest), f32,
+  carry = (buf(S), buf(G), x0, jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers),
+           jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), heads), f32,
            {"aux": f32, "dropped": f32, "assigned": f32}, zeros_load)
-  (_, _, acc_layers, acc_rest, loss, tot, acc_load), _ = jax.lax.scan(tick, carry, prog)
-  # chunk gradients stay on their device; the rest's (embedding, norm, head) are summed over it
-  acc_rest, loss, tot = jax.lax.psum((acc_rest, loss, tot), AXIS)
-  return jax.tree.map(lambda a: a[:, None], acc_layers), acc_rest, loss, tot, acc_load[:, None]
+  (_, _, g_x0, acc_layers, acc_rest, loss, tot, acc_load), _ = jax.lax.scan(tick, carry, prog)
+  # chunk gradients stay on their device; the head's and chunk 0's input gradients (device 0's) are summed over it
+  # (in float32: exact, as the others are zeros; a bfloat16 all-reduce here crashes XLA:CPU, jax 0.10.2)
+  g_x0 = jnp.where(s == 0, g_x0, jnp.zeros((), dt)).astype(jnp.float32)
+  acc_rest, loss, tot, g_x0 = jax.lax.psum((acc_rest, loss, tot, g_x0), AXIS)
+  return jax.tree.map(lambda a: a[:, None], acc_layers), acc_rest, loss, tot, acc_load[:, None], g_x0
 
 
 def act_bytes(cfg, mesh) -> int:
@@ -319,8 +341,9 @@ def traffic(cfg, mesh, rows) -> dict[str, int]:
   out = {f"activations + grads, ppermute x{sends} per tick ({t.ticks} ticks; on average {useful / p:.0f} of a "
          f"device's {sends * t.ticks} sends carry data)": sends * t.ticks * act}
   ring = 2 * (p - 1) / p
-  other = sum(math.prod(r.device_shape) * r.count for r in rows if not r.path.startswith("layers"))
-  out["grad all-reduce (embedding, final norm, head)"] = int(ring * other * 4)
+  head = sum(math.prod(r.device_shape) * r.count for r in rows
+             if not r.path.startswith("layers") and (r.path != "embed" or cfg.model.tie_embeddings))
+  out["grad all-reduce (final norm, head; chunk 0's input gradients)"] = int(ring * (head * 4 + (t.m + 1) * act))
   if cfg.pipeline.virtual_stages > 1:
     stack = sum(math.prod(r.device_shape) * r.count for r in rows if r.path.startswith("layers"))
     out["layer stack to chunks and grads back (all-to-all)"] = int(2 * (p - 1) * stack * 4)

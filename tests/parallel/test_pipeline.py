@@ -189,6 +189,15 @@ def test_compiled_program_is_a_pipeline(runs):
   assert "all-gather" not in hlo
 
 
+def test_embedding_table_is_not_gathered_whole(runs):
+  """pp=2,fsdp=2,tp=2: the tokens are embedded before the pipeline region, from the table as stored; inside it
+  XLA gathered the whole float32 table (vocab x d_model) for every op of chunk 0 (llama3.1-70b: 3.9 GiB)."""
+  _, c = runs("pp=2,fsdp=2,tp=2", *SCHEDULES["1f1b"], "train.loss_chunk_tokens=8")
+  m = cfg_of().model
+  gathered = re.findall(r"= (\S+) all-gather(?:-start)?\(", c.as_text())
+  assert gathered and not [g for g in gathered if g.startswith(f"f32[{m.vocab_size},{m.d_model}]{{")], gathered
+
+
 @pytest.mark.parametrize("extra,msg", [
     (["model.scan_layers=false"], "needs model.scan_layers=true"),
     (["model.n_layers=6"], "model.n_layers=6 must divide into pipeline=4"),
