@@ -219,11 +219,15 @@ def pipeline_activations(cfg, mesh, remat: str = "none", kernel: str = "xla", pa
   """Mesh pipeline > 1: a device keeps the schedule's stash and gradient slots (chunk inputs and output
   gradients, one microbatch each, +1 discard slot each), the embedded tokens of every microbatch (chunk 0's
   inputs, then their gradients; +1 discard slot) and, during a backward, the residuals of the one chunk it
-  recomputes (its layers only); the last stage's loss terms as `activations`."""
+  recomputes (its layers only: no final norm)."""
   t = pipeline.table(cfg, mesh)
   _, S, G = pipeline.program_table(t)
   chunk = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=cfg.model.n_layers // t.chunks))
   out = activations(chunk, mesh, remat, kernel, packed_segments, logits_residual=False)
+  # the final norm's residuals are dead before a chunk's layers run backward (llama3.1-70b pp=4: no float32
+  # (T, D) buffer at the layer-phase peak); the rope tables stay
+  del out["rope_and_final_norm"]
+  out["rope"] = int(_dims(cfg, mesh)["T"] * 4 * cfg.model.head_dim)
   out["stash"] = (S + 1 + G + 1) * pipeline.act_bytes(cfg, mesh)
   out["embedded"] = (t.m + 1) * pipeline.act_bytes(cfg, mesh)
   return out
@@ -266,10 +270,10 @@ def _gathered(r: Row, mesh) -> int:
                    for a in (e if isinstance(e, tuple) else (e,)) if a in sharding.RULES["batch"])
 
 
-def gathered_weights(cfg, rows: list[Row], mesh) -> dict[str, int]:
-  """Compute-dtype matmul weights per device: `layers`, 2 layers' gathered over FSDP at once
-  (running + next/re-gathered, as comms.py); `lm_head`, gathered for the logits; `stored`,
-  the layers' as stored (sharded), which the backward keeps (the bill's weight_residuals)."""
+def gathered_weights(cfg, rows: list[Row], mesh, at_once: int = 2) -> dict[str, int]:
+  """Compute-dtype matmul weights per device: `layers`, `at_once` layers' gathered over FSDP at once
+  (2: running + next/re-gathered, as comms.py; a pipeline's peak holds one, measured); `lm_head`, gathered for
+  the logits; `stored`, the layers' as stored (sharded), which the backward keeps (the bill's weight_residuals)."""
   s = np.dtype(cfg.model.dtype).itemsize
   out = {"layers": 0, "lm_head": 0, "stored": 0}
   for r in rows:
@@ -277,7 +281,7 @@ def gathered_weights(cfg, rows: list[Row], mesh) -> dict[str, int]:
       continue  # not a matmul weight
     full = math.prod(r.device_shape) * _gathered(r, mesh) * s * r.count
     if r.path.startswith(("layers", "dense_layers")):  # a pipeline device holds n_layers / pipeline of them
-      out["layers"] += 2 * (full * mesh.shape.get("pipeline", 1) // cfg.model.n_layers)
+      out["layers"] += at_once * (full * mesh.shape.get("pipeline", 1) // cfg.model.n_layers)
       out["stored"] += math.prod(r.device_shape) * s * r.count
     else:
       out["lm_head"] += full
@@ -319,7 +323,8 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   piped = mesh.shape.get("pipeline", 1) > 1
   act = (pipeline_activations if piped else functools.partial(activations, logits_residual=False))(
       cfg, mesh, remat, kernel, packed)
-  gathered = gathered_weights(cfg, rows, mesh)
+  # pipeline: XLA:GPU's peak (a chunk's layer phase, beside two gradient stacks) holds one layer's gathered weights
+  gathered = gathered_weights(cfg, rows, mesh, 1 if piped else 2)
   work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
   if plan.offload == "host":  # the update brings one unit's master and moments at a time, and makes new ones
     work["offload update phase"] = gathered["layers"] + 2 * offload_unit_bytes(setup)
@@ -349,8 +354,9 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
       "activations": (sum(act.values()), f"kept for backward: remat {remat}, attention {kernel}, one microbatch"
                       + (" through one pipeline chunk, and the schedule's stash" if piped else "") + ": "
                       + ", ".join(f"{k} {human(v)}" for k, v in act.items())),
-      "gathered_weights": (gathered["layers"], f"{cfg.model.dtype}, gathered over fsdp one layer at a time: 2 layers' "
-                           "matmul weights (the running one and the next/re-gathered one); lm_head "
+      "gathered_weights": (gathered["layers"], f"{cfg.model.dtype}, gathered over fsdp one layer at a time: "
+                           + ("1 layer's matmul weights (a pipeline's peak; measured)" if piped else "2 layers' matmul "
+                              "weights (the running one and the next/re-gathered one)") + "; lm_head "
                            f"{human(gathered['lm_head'])} is gathered during the loss phase"),
       "relaid_stacks": (relaid_stacks(rows), "float32 copies of the stacked weights gathered over fsdp on a minor "
                         "dimension, laid out again for the per-layer gathers (XLA:GPU)"),
