@@ -44,6 +44,11 @@ def l8b_full():
 
 
 @pytest.fixture(scope="module")
+def tiny_packed():
+  return _compiled("tiny", TINY_BF16)
+
+
+@pytest.fixture(scope="module")
 def l8b_none():
   return _compiled_with_hlo("llama3-8b", L8B + ["model.remat=none"])
 
@@ -54,8 +59,8 @@ def _state_and_batch_bytes(setup):
 
 
 @needs_plugin
-def test_tiny_and_llama_shaped_compile_for_8_h100s_with_arguments_equal_to_the_bill(l8b_full):
-  setup, c = _compiled("tiny", [])
+def test_tiny_and_llama_shaped_compile_for_8_h100s_with_arguments_equal_to_the_bill(tiny_packed, l8b_full):
+  setup, c = tiny_packed
   assert c["backend"] == "cuda" and c["device_kind"] == "NVIDIA H100 80GB HBM3", c
   assert c["arguments"] == _state_and_batch_bytes(setup)
   setup, c, _ = l8b_full
@@ -77,13 +82,13 @@ def test_full_remat_has_smaller_temporaries_than_none_on_the_gpu_compile(l8b_ful
 
 
 @needs_plugin
-def test_cudnn_packed_segments_without_an_lxl_buffer_and_the_line_names_it(l8b_full):
+def test_cudnn_packed_segments_without_an_lxl_buffer_and_the_line_names_it(l8b_full, tiny_packed):
   setup, c, _ = l8b_full
   assert c["cudnn_attention"]["ops"] >= 2 and c["cudnn_attention"]["per_step"] >= 2 * 2  # fwd + bwd, 2 layers
   assert c["square_buffers"] == [], c["square_buffers"]
   # Negative control: the same shapes through the L x L mask path do hold L x L buffers.
   _, masked = _compiled("tiny", TINY_BF16[:-1])
-  _, packed = _compiled("tiny", TINY_BF16)
+  _, packed = tiny_packed
   assert masked["cudnn_attention"]["ops"] >= 2 and masked["square_buffers"], masked["square_buffers"]
   assert packed["cudnn_attention"]["ops"] >= 2 and packed["square_buffers"] == [], packed["square_buffers"]
   # inspect's text names the kernel and the count of custom calls it found

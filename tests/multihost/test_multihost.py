@@ -149,33 +149,38 @@ def test_no_native_library_output_on_the_terminal(runs):
   assert "is connected to" in (runs[0] / "jaxtrain.log").read_text()  # gloo did connect: its lines are there
 
 
-def test_eval_on_processes_that_share_batch_rows(tmp_path):
-  """tp=8 across 2 processes: both hold every row, for training and for the held-out batches."""
-  cwd = tmp_path / "tp"
-  cwd.mkdir()
-  args = ["jaxtrain.train", "--mesh", "tp=8", "--workdir", "w", "--steps", "2", "--set", "model.dtype=float32",
-          "--set", "model.n_layers=1", "--set", "train.batch_size=4", "--set", "train.seq_len=32",
-          "--set", "train.eval_interval=2", "--set", "data.eval_fraction=0.05", "--set", "data.eval_batches=1",
-          "--set", "checkpoint.interval=0"]
-  codes = multihost.wait_all(multihost.launch(args, 2, cwd), TIMEOUT)
-  assert codes == [0, 0], multihost.log_of(cwd, 0)[-2000:] + multihost.log_of(cwd, 1)[-2000:]
-  recs = _records(cwd / "w")
-  assert "eval_loss" in recs[2] and np.isfinite(recs[2]["eval_loss"])
-
-
-def test_fresh_relative_workdirs_and_a_metrics_failure_on_process_0(tmp_path):
-  """Process 1 spells the shared workdir from another directory; --fresh moves the old checkpoints once, for
-  both; a metrics write failure on process 0 stops both after one rescue checkpoint, each with one line."""
+@pytest.fixture(scope="module")
+def tp8(tmp_path_factory):
+  """tp=8 over 2 processes (both hold every row), one launch for two tests: process 1 spells the shared workdir
+  from another directory, --fresh over a previous run's checkpoints, held-out batches every 2 steps, and a
+  metrics write failure on process 0 at step 3."""
+  tmp_path = tmp_path_factory.mktemp("tp8")
   (tmp_path / "w" / "checkpoints" / "2").mkdir(parents=True)  # a previous run's checkpoints
   (tmp_path / "sub").mkdir()
   args = ["jaxtrain.train", "--mesh", "tp=8", "--steps", "100", "--fresh", "--set", "model.dtype=float32",
           "--set", "model.n_layers=1", "--set", "train.batch_size=4", "--set", "train.seq_len=32",
-          "--set", "checkpoint.interval=2", "--set", "run.tensorboard=false"]
+          "--set", "checkpoint.interval=2", "--set", "run.tensorboard=false", "--set", "train.eval_interval=2",
+          "--set", "data.eval_fraction=0.05", "--set", "data.eval_batches=1"]
   procs = multihost.launch(args, 2, tmp_path, env={"JAXTRAIN_FAULTS": "metrics_enospc_at=3"},
                            each=lambda i: (tmp_path, ["--workdir", "w"]) if i == 0 else
                            (tmp_path / "sub", ["--workdir", "../w"]))
-  codes = multihost.wait_all(procs, 120)
-  logs = [multihost.log_of(tmp_path, i) for i in range(2)]
+  codes = multihost.wait_all(procs, TIMEOUT)
+  return tmp_path, codes, [multihost.log_of(tmp_path, i) for i in range(2)]
+
+
+def test_eval_on_processes_that_share_batch_rows(tp8):
+  """tp=8 across 2 processes: both hold every row, for training and for the held-out batches."""
+  tmp_path, codes, logs = tp8
+  assert codes == [1, 1], logs[0][-2000:] + logs[1][-2000:]
+  assert all("w/metrics.jsonl at step 3" in log for log in logs)  # both stopped for the injected failure only
+  recs = _records(tmp_path / "w")
+  assert "eval_loss" in recs[2] and np.isfinite(recs[2]["eval_loss"])
+
+
+def test_fresh_relative_workdirs_and_a_metrics_failure_on_process_0(tp8):
+  """Process 1 spells the shared workdir from another directory; --fresh moves the old checkpoints once, for
+  both; a metrics write failure on process 0 stops both after one rescue checkpoint, each with one line."""
+  tmp_path, codes, logs = tp8
   assert codes == [1, 1], logs[0][-2000:] + logs[1][-2000:]
   w = tmp_path / "w"
   moved = [p for p in w.iterdir() if p.name.startswith("checkpoints.fresh.")]

@@ -58,9 +58,9 @@ def _same_losses(a, b, steps):
     assert (a[s]["loss"], a[s]["grad_norm"]) == (b[s]["loss"], b[s]["grad_norm"]), s
 
 
-def test_exact_resume_is_bit_for_bit(run_cli, tmp_path, straight):
+def test_exact_resume_is_bit_for_bit(run_cli, tmp_path, straight, saved):
   w = tmp_path / "w"
-  _train(run_cli, w, "--steps", "3")
+  shutil.copytree(saved, w)  # a finished 3-step run
   r = _train(run_cli, w, "--steps", "6")
   assert "resumed from" in r.stdout and "at step 3" in r.stdout
   got, ref = _records(w), _records(straight)
@@ -138,10 +138,9 @@ def _tmpfs(path, size):
                         capture_output=True).returncode == 0
 
 
-def test_disk_full_reports_and_keeps_the_last_good_checkpoint(run_cli, tmp_path):
-  probe = tmp_path / "probe"
-  _train(run_cli, probe, "--steps", "1")
-  one = sum(p.stat().st_size for p in (probe / "checkpoints" / "1").rglob("*") if p.is_file())
+def test_disk_full_reports_and_keeps_the_last_good_checkpoint(run_cli, tmp_path, saved):
+  # the size of one checkpoint of this RUN: the saved run's (same arrays, whatever the step)
+  one = sum(p.stat().st_size for p in (saved / "checkpoints" / "3").rglob("*") if p.is_file())
   disk = tmp_path / "disk"
   env = None
   if not _tmpfs(disk, int(one * 1.6)):  # room for one checkpoint, not two
@@ -161,10 +160,10 @@ def test_disk_full_reports_and_keeps_the_last_good_checkpoint(run_cli, tmp_path)
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-  """A finished 2-step run to tamper with (copied per test)."""
+  """A finished 3-step run to resume and to tamper with (copied per test)."""
   w = tmp_path_factory.mktemp("saved") / "w"
   env = clean_env()
-  r = subprocess.run([sys.executable, "-m", "jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "2"],
+  r = subprocess.run([sys.executable, "-m", "jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "3"],
                      env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
   return w
@@ -174,16 +173,16 @@ def saved(tmp_path_factory):
 def test_corrupt_checkpoint_is_detected_and_named(run_cli, tmp_path, saved, damage):
   w = tmp_path / "w"
   shutil.copytree(saved, w)
-  manifest = json.loads((w / "checkpoints" / "2" / "manifest.json").read_text())
+  manifest = json.loads((w / "checkpoints" / "3" / "manifest.json").read_text())
   name = max(manifest["files"], key=lambda n: manifest["files"][n]["size"])  # the big array file
-  path = w / "checkpoints" / "2" / name
+  path = w / "checkpoints" / "3" / name
   blob = bytearray(path.read_bytes())
   if damage == "truncate":
     path.write_bytes(blob[: len(blob) // 2])
   else:
     blob[len(blob) // 2] ^= 0xFF
     path.write_bytes(blob)
-  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "3")
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "4")
   assert r.returncode == 1
   assert f"file {name}" in r.stderr and "damaged" in r.stderr
 
@@ -191,20 +190,20 @@ def test_corrupt_checkpoint_is_detected_and_named(run_cli, tmp_path, saved, dama
 def test_changed_config_or_tokenizer_aborts_unless_allowed(run_cli, tmp_path, saved):
   w = tmp_path / "w"
   shutil.copytree(saved, w)
-  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "3", "--set", "model.rope_theta=500000")
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "4", "--set", "model.rope_theta=500000")
   assert r.returncode == 2
   assert "model.rope_theta: 10000.0 -> 500000.0" in r.stderr and "--allow-mismatch model" in r.stderr
-  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "3", "--set", "train.lr=0.1")
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "4", "--set", "train.lr=0.1")
   assert r.returncode == 2 and "optim.lr: 0.003 -> 0.1" in r.stderr
   # A checkpoint written with another tokenizer.
-  mpath = w / "checkpoints" / "2" / "manifest.json"
+  mpath = w / "checkpoints" / "3" / "manifest.json"
   manifest = json.loads(mpath.read_text())
   manifest["fingerprint"]["tokenizer"] = "0123456789abcdef"
   mpath.write_text(json.dumps(manifest))
-  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "3")
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--steps", "4")
   assert r.returncode == 2 and "data.tokenizer: content 0123456789abcdef -> 'byte' (content " in r.stderr
-  r = _train(run_cli, w, "--steps", "3", "--allow-mismatch", "tokenizer")
-  assert "at step 2" in r.stdout and sorted(_records(w)) == [1, 2, 3]
+  r = _train(run_cli, w, "--steps", "4", "--allow-mismatch", "tokenizer")
+  assert "at step 3" in r.stdout and sorted(_records(w)) == [1, 2, 3, 4]
 
 
 def test_rotation_keeps_the_newest_and_every_nth(tmp_path):
@@ -223,7 +222,7 @@ def test_fresh_moves_old_checkpoints_aside(run_cli, tmp_path, saved):
   shutil.copytree(saved, w)
   r = _train(run_cli, w, "--steps", "1", "--fresh")
   assert "previous checkpoints moved to" in r.stdout and "resumed" not in r.stdout
-  assert list(w.glob("checkpoints.*/2/manifest.json")) and checkpoint.committed_steps(w / "checkpoints") == [1]
+  assert list(w.glob("checkpoints.*/3/manifest.json")) and checkpoint.committed_steps(w / "checkpoints") == [1]
 
 
 def _files(d):
@@ -239,8 +238,8 @@ def test_refused_and_idle_reruns_touch_nothing(run_cli, tmp_path, saved):
   r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--set", "model.rope_theta=500000")
   assert r.returncode == 2 and "model.rope_theta: 10000.0 -> 500000.0" in r.stderr
   assert _files(w) == before  # config.json still describes the checkpoints
-  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--set", "train.steps=2", "--allow-mismatch", "train")
-  assert r.returncode == 0 and "nothing to do: the run is at step 2 and train.steps is 2" in r.stdout
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--set", "train.steps=3", "--allow-mismatch", "train")
+  assert r.returncode == 0 and "nothing to do: the run is at step 3 and train.steps is 3" in r.stdout
   assert _files(w) == before  # no empty TensorBoard events file, no metrics copy
   r = run_cli("jaxtrain.train", *RUN, "--workdir", str(tmp_path / "new"), "--set", f"data.source={tmp_path / 'no'}")
   assert r.returncode == 2 and "does not exist" in r.stderr and not (tmp_path / "new").exists()
