@@ -3,7 +3,8 @@ block per device (tens of MiB for a train step) at every execution and frees it 
 above its mmap ceiling (32 MiB) with a fresh mapping each time, so every step the kernel maps it, zero-fills
 it page by page and unmaps it again: a third of the CPU time of a small tensor-parallel step without remat
 (docs/performance.md). `keep()` has glibc serve every block from its heaps and keep freed memory for the next
-step; the process then holds its peak memory instead of handing it back. Process-wide, glibc only."""
+step; the process then holds its peak memory instead of handing it back. Process-wide, glibc only. Not
+reached: a block above 64 MiB that a thread's own arena cannot hold, which glibc still maps each time."""
 
 from __future__ import annotations
 
