@@ -12,6 +12,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxtrain.core import cpu_heap
 from jaxtrain.core.config import Config, OptimConfig
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import cpu_dots, loss as xent, moe_balance, mtp as mtp_lib, transformer as model_lib
@@ -269,6 +270,8 @@ class Setup:
     self.cfg, self.mesh = cfg, mesh
     check_fits_mesh(cfg, mesh)
     cpu_dots.install()  # bfloat16 matmuls on XLA:CPU with float32 sums, as on GPUs: the fast CPU kernel
+    if mesh.devices.flat[0].platform == "cpu":
+      cpu_heap.keep()  # the step's temporaries reused, not mapped and zero-filled anew at every step
     self.plan = plan or plan_lib.build(cfg, mesh)  # decided once; the model only follows it
     self.graphdef, abstract_state = model_lib.abstract(cfg.model, cfg.train.seed)
     self.n_params, self.notes = model_lib.param_count(abstract_state), []
