@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     sizes = mesh_lib.parse(args.mesh)
     if -1 not in sizes.values():  # before the mesh is built: it may need simulated devices
       _check_one_device(baselines, args.mesh, math.prod(sizes.values()))
-    started = cli.start(args, "jaxtrain.bench")  # the trainer's start-up: its XLA flags, its mesh
+    started = cli.start(args, "jaxtrain.bench", runs_steps=True)  # the trainer's start-up: its XLA flags, its mesh
     if args.compare:
       return _compare(args, started.mesh, out, baselines)
     _check_one_device(baselines, args.mesh, started.mesh.size)

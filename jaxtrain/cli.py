@@ -45,9 +45,10 @@ class Started:
 
 
 def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: list[str] = (), cfg=None,
-          simulate_hosts: bool = False) -> Started:
+          simulate_hosts: bool = False, runs_steps: bool = False) -> Started:
   """Config (or `cfg`, e.g. a checkpoint's), XLA flags, distributed runtime, mesh, in that order.
-  `simulate_hosts`: a multi-host mesh on one process simulates its hosts (inspect)."""
+  `simulate_hosts`: a multi-host mesh on one process simulates its hosts (inspect). `runs_steps` (train, bench, generate):
+  on CPU devices, the process-wide settings that make steps fast (`cpu_settings`)."""
   from jaxtrain.core import config
   from jaxtrain.parallel import distributed
   from jaxtrain.parallel import mesh as mesh_lib
@@ -77,7 +78,17 @@ def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: 
     if jax.process_index() != 0:  # process 0 alone reports progress
       sys.stdout = open(os.devnull, "w")
   started.mesh = mesh_lib.build(sizes, dcn=dcn, simulate_hosts=simulate_hosts)
+  if runs_steps and started.mesh.devices.flat[0].platform == "cpu":
+    cpu_settings()
   return started
+
+
+def cpu_settings() -> None:
+  """Process-wide, once, for commands that run steps on CPU devices: bfloat16 matmuls lowered with float32 sums
+  (the fast XLA:CPU kernel, the values GPUs give), and the step's temporaries reused from the heap."""
+  from jaxtrain.core import cpu_dots, cpu_heap
+  cpu_dots.install()
+  cpu_heap.keep()
 
 
 def _check_batch(cfg, sizes: dict[str, int]) -> None:

@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     if (longest := max(map(len, prompts))) + args.max_new_tokens > limit:
       raise UserError(f"--max-new-tokens {args.max_new_tokens}: the longest prompt ({longest} tokens) plus the new "
                       f"tokens must fit the model's context of {limit} positions ({source})")
-    started = cli.start(args, "jaxtrain.generate", cfg=cfg)
+    started = cli.start(args, "jaxtrain.generate", cfg=cfg, runs_steps=True)
     set_prog(started.prog)
     out, summary = decode.from_checkpoint(cfg, started.mesh, step_dir, prompts, args.max_new_tokens,
                                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     name = config.run_name(args.config)
     workdir = files.user_path(args.workdir if args.workdir is not None else f"runs/{name}", "--workdir")
     loop.allowed_mismatches(args.allow_mismatch)
-    started = cli.start(args, "jaxtrain")
+    started = cli.start(args, "jaxtrain", runs_steps=True)
     set_prog(started.prog)
     t0 = time.perf_counter()
     summary = loop.run(started.cfg, started.mesh, workdir, name, stop_at=args.steps, fresh=args.fresh,

@@ -30,6 +30,9 @@ def pytest_configure(config):
   if not gpu:  # also where a plugin imported jax before the variable was set
     jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
   jax.config.update("jax_num_cpu_devices", 8)
+  if not gpu:  # what the commands that run steps set up on CPU devices (jaxtrain.cli.start)
+    from jaxtrain import cli
+    cli.cpu_settings()
 
 
 @pytest.fixture

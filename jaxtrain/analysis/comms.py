@@ -14,7 +14,6 @@ from jaxtrain.core.errors import UserError
 from jaxtrain.parallel import expert_layout as moe_layout
 from jaxtrain.analysis.memory import Row
 from jaxtrain.parallel import sharding
-from jaxtrain.run import step as step_lib
 
 GRAD_BYTES = 4
 BATCH_LIKE = ("data", "fsdp", "expert", "sequence")
@@ -42,7 +41,7 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
         out[axis]["param all-gather (fwd+bwd)"] += 2 * k * (n - 1) * e * s
         out[axis]["grad reduce-scatter"] += k * (n - 1) * e * GRAD_BYTES
       elif axis == "data" and cfg.optim.zero_stage:  # master split over data: the compute copy is gathered once
-        cast = r.path.rsplit("/", 1)[-1] in step_lib.CAST_AT_USE
+        cast = r.role.cast_at_use
         out[axis]["param all-gather (compute copy, once)"] += int((n - 1) / n * e * (s if cast else 4))
         if cfg.optim.zero_stage == 2:
           out[axis]["grad reduce-scatter"] += int(k * (n - 1) / n * e * GRAD_BYTES)
@@ -59,7 +58,7 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
     if sharding.axis_ways("vocab", m.vocab_size, mesh) > 1:
       out["tensor"]["embedding + LM head all-reduce"] += int(k * ring * T * m.d_model * (4 + s))
     for r in rows:
-      if len(r.shape) >= 2 and "tensor" not in _axes_of(r.spec) and r.path != "embed":
+      if len(r.shape) >= 2 and "tensor" not in _axes_of(r.spec) and r.role.kind != "embedding":
         out["tensor"]["grad all-reduce (weights replicated over tensor)"] += int(
             k * ring * math.prod(r.device_shape) * r.count * GRAD_BYTES)
 

@@ -16,10 +16,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxtrain.core.errors import UserError
+from jaxtrain.model import roles
 from jaxtrain.parallel import devices, pipeline
 from jaxtrain.parallel import sharding
-from jaxtrain.core.errors import UserError
-from jaxtrain.run import step as step_lib
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -59,6 +59,7 @@ class Row:
   dtype: str
   bytes: int  # per device, one instance
   count: int = 1
+  role: roles.Role | None = None  # what the parameter is (jaxtrain.model.roles)
 
 
 def param_rows(setup) -> list[Row]:
@@ -72,7 +73,7 @@ def param_rows(setup) -> list[Row]:
     dshape = tuple(sh.shard_shape(var.shape))
     dtype = np.dtype(var.dtype)
     rows.append(Row("/".join(map(str, keys)), tuple(var.get_metadata()["axes"]), spec, tuple(var.shape), dshape,
-                    dtype.name, math.prod(dshape) * dtype.itemsize))
+                    dtype.name, math.prod(dshape) * dtype.itemsize, role=roles.of(setup.cfg.model, keys)))
   return rows
 
 
@@ -107,7 +108,7 @@ def state_bytes(setup) -> dict[str, int]:
 
 def offload_unit_bytes(setup) -> int:
   """Per-device bytes of master and moments of the largest unit the offloaded update brings to the device at
-  once (`step.streamed_update`): one non-layer parameter, or one layer (a slice of a scanned stack)."""
+  once (`offload.streamed_update`): one non-layer parameter, or one layer (a slice of a scanned stack)."""
   units = collections.Counter()
   shards = jax.tree.leaves(setup.state_shardings)
   for (path, sds), sh in zip(jax.tree_util.tree_leaves_with_path(jax.eval_shape(setup.init)), shards, strict=True):
@@ -133,8 +134,8 @@ def step_bytes(setup) -> dict[str, int]:
   flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(setup.abstract_params))
   for (path, x), c, g in zip(flat, jax.tree.leaves(setup.param_shardings), jax.tree.leaves(setup.grad_shardings),
                              strict=True):
-    cast = getattr(path[-1], "key", None) in step_lib.CAST_AT_USE
-    out["compute"] += math.prod(c.shard_shape(x.shape)) * (s if cast else 4) if setup.separate_compute else 0
+    cast = roles.of(setup.cfg.model, path).cast_at_use
+    out["compute"] += math.prod(c.shard_shape(x.shape)) * (s if cast else 4) if setup.layout.separate else 0
     out["gradients"] += math.prod(g.shard_shape(x.shape)) * 4
   return out
 
@@ -238,8 +239,8 @@ def pipeline_lines(cfg, rows: list[Row]) -> dict[str, tuple[int, str]]:
   before adding it, and no stacked weight casts (each block casts its weights inside its remat)."""
   v = cfg.pipeline.virtual_stages
   f32 = lambda keep: sum(math.prod(r.device_shape) * 4 * r.count for r in rows if keep(r))  # noqa: E731
-  layers = f32(lambda r: r.path.startswith("layers"))
-  head = f32(lambda r: not r.path.startswith("layers") and (r.path != "embed" or cfg.model.tie_embeddings))
+  layers = f32(lambda r: r.role.layer)
+  head = f32(lambda r: r.role.head)
   restack = f"; v={v}: the stage's layers in chunk order too, {human(layers)}" if v > 1 else ""
   return {"grad_accumulator": (layers // v + head + (layers if v > 1 else 0),
                                f"float32 gradient of one chunk (1/{v} of the stage's layers) and the head, made by a "
@@ -277,10 +278,10 @@ def gathered_weights(cfg, rows: list[Row], mesh, at_once: int = 2) -> dict[str, 
   s = np.dtype(cfg.model.dtype).itemsize
   out = {"layers": 0, "lm_head": 0, "stored": 0}
   for r in rows:
-    if len(r.shape) - ("layers" in r.axes) < 2 or (r.path == "embed" and not cfg.model.tie_embeddings):
-      continue  # not a matmul weight
+    if not r.role.matmul:
+      continue
     full = math.prod(r.device_shape) * _gathered(r, mesh) * s * r.count
-    if r.path.startswith(("layers", "dense_layers")):  # a pipeline device holds n_layers / pipeline of them
+    if r.role.layer:  # a pipeline device holds n_layers / pipeline of them
       out["layers"] += at_once * (full * mesh.shape.get("pipeline", 1) // cfg.model.n_layers)
       out["stored"] += math.prod(r.device_shape) * s * r.count
     else:
@@ -326,20 +327,20 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   # pipeline: XLA:GPU's peak (a chunk's layer phase, beside two gradient stacks) holds one layer's gathered weights
   gathered = gathered_weights(cfg, rows, mesh, 1 if piped else 2)
   work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
-  if plan.offload == "host":  # the update brings one unit's master and moments at a time, and makes new ones
+  if plan.cfg.optim.offload == "host":  # the update brings one unit's master and moments at a time, and makes new ones
     work["offload update phase"] = gathered["layers"] + 2 * offload_unit_bytes(setup)
-  p, host = plan.zero_stage, "host" if plan.offload == "host" else ""
+  p, host = plan.zero_stage, "host" if plan.cfg.optim.offload == "host" else ""
   stored = (f"in host memory ({human(st['params'])} of master per device)" if host else
             "float32, " + ("sharded like the params" if p == 0 else "split over data too (zero_stage)"))
   grads = "float32, " + ("split over data (zero_stage 2)" if p == 2 else "sharded like the params")
   on_device = lambda part: 0 if host else st[part]  # noqa: E731
   kept = st["params"] + st["adam_m"] + st["adam_v"]  # offload: the master read for the compute copy, the state
   moved = (f"; per step {human(st['params'] + 2 * kept)} to the device, {human(kept)} back (the master for the "
-           "compute copy, master and moments in both passes of step.streamed_update)") if host else ""
+           "compute copy, master and moments in both passes of offload.streamed_update)") if host else ""
   lines = {  # name: (bytes per device, how it is counted)
       "params": (made["compute"], f"compute copy: matmul weights {cfg.model.dtype}, norms float32, gathered for "
-                 "the step") if setup.separate_compute else (st["params"], "float32; they are the master copy"),
-      "master": (on_device("params"), f"float32 master weights, {stored}{moved}") if setup.separate_compute
+                 "the step") if setup.layout.separate else (st["params"], "float32; they are the master copy"),
+      "master": (on_device("params"), f"float32 master weights, {stored}{moved}") if setup.layout.separate
                 else (0, "none: the params are the master"),
       "gradients": (made["gradients"], grads),
       "grad_accumulator": (made["gradients"], f"float32 sum over {t.microbatches} microbatches, {grads}")

@@ -127,10 +127,10 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
     c = rep["compiled"] = compiled_memory(setup)
     if c["available"]:
       i = b.items
-      state = i["master"] + i["adam_m"] + i["adam_v"] + i["counters"] + (0 if setup.separate_compute else i["params"])
+      state = i["master"] + i["adam_m"] + i["adam_v"] + i["counters"] + (0 if setup.layout.separate else i["params"])
       c["analytic"] = {"arguments": state + i["batch"], "outputs": state,
                        "temporaries": b.total - state - i["batch"], "total": b.total}
-      offload, placed = target.offload == "host", c["host_arguments"] > 0
+      offload, placed = target.cfg.optim.offload == "host", c["host_arguments"] > 0
       c["total"] -= c["host_arguments"]  # on the device
       c["ratio"] = c["total"] / b.total
       c["ratio_without_margin"] = c["total"] / (b.total - i["margin"])

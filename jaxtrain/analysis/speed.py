@@ -178,6 +178,7 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
   import jax
   from jaxtrain.analysis import baselines as baselines_lib, costs, fit, memory
   from jaxtrain.model import flops
+  from jaxtrain.parallel import devices
   from jaxtrain.parallel import mesh as mesh_lib
   from jaxtrain.run import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
@@ -190,7 +191,7 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
     unpacked = unpacked or all((b["segment_ids"] == b["segment_ids"][:, :1]).all() for b in batches)
   valid = [int((b["loss_mask"] > 0).sum()) for b in batches]
   flops_per_step = flops.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
-  peak = flops.peak_flops(dev0.device_kind)
+  peak = devices.peak_flops(dev0.device_kind)
   measured = measure_peak(dev0) if measure else None
   n_rounds = rounds if baselines else 1
   progress = lambda text: print(f"bench: {text}", flush=True)  # noqa: E731 (long work gets a line, not a silent minute)

@@ -12,7 +12,8 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.model import transformer as model_lib
-from jaxtrain.parallel import pipeline, plan as plan_lib, schedule as schedule_lib
+from jaxtrain.model.layers import rope_tables
+from jaxtrain.parallel import pipeline, schedule as schedule_lib
 
 
 def slot_costs(setup) -> dict:
@@ -21,7 +22,6 @@ def slot_costs(setup) -> dict:
   residuals a W would keep if B saved them instead (jax.vjp's, for the same chunk)."""
   # lowered for one local device: FLOPs do not depend on the layout (the target's compiler may give no analysis)
   cfg, mc = setup.cfg, setup.cfg.model
-  plan = plan_lib.local(mc)
   t = pipeline.table(cfg, setup.mesh)
   lc, rows, L = mc.n_layers // t.chunks, cfg.train.batch_size // cfg.train.microbatches, cfg.train.seq_len
   params = nnx.to_pure_dict(setup.abstract_params)
@@ -31,13 +31,10 @@ def slot_costs(setup) -> dict:
   chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), params["layers"])
   x = jax.ShapeDtypeStruct((rows, L, mc.d_model), jnp.dtype(mc.dtype))
   pos = jax.ShapeDtypeStruct((rows, L), jnp.int32)
-  use_remat, policy = model_lib.remat_policy(mc.remat)
-  block_of = lambda block, x, tables, seg: block(x, tables, seg, plan)  # noqa: E731
-  run_block = nnx.remat(block_of, policy=policy, prevent_cse=False) if use_remat else block_of
 
-  def objective(c, x, dy, pos, rest):  # <y, dy>: its gradients are the chunk's vjp with dy
+  def objective(c, x, dy, pos, rest):  # <y, dy>: its gradients are the chunk's vjp with dy (one device's math)
     model = nnx.merge(setup.graphdef, {**rest, "layers": c})
-    y, _ = model_lib._scan_blocks(run_block, model.layers, x, model_lib.rope_tables(pos, mc), jnp.zeros_like(pos))
+    y, _ = model_lib.run_stack(model.layers, x, rope_tables(pos, mc), jnp.zeros_like(pos), mc.remat)
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
 
   fns = {"F": objective, "B": jax.grad(objective, argnums=1), "W": jax.grad(objective, argnums=0),

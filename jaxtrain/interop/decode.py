@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import transformer as model_lib
+from jaxtrain.model import ops, transformer as model_lib
 from jaxtrain.parallel import plan as plan_lib, sharding
 
 
@@ -157,7 +157,8 @@ def _functions(cfg, mesh, graphdef, B: int, S: int):
   plan = plan_lib.build(cfg, mesh)
 
   def step(params, tokens, pos, seg, cache, key, temperature, top_p):
-    logits, cache = nnx.merge(graphdef, params).decode(tokens, pos, seg, cache, plan)
+    with ops.use(plan):
+      logits, cache = nnx.merge(graphdef, params).decode(tokens, pos, seg, cache)
     return sample(logits[:, -1], key, temperature, top_p), cache
 
   def next_(params, tok_B, pos_B, cache, key, temperature, top_p):

@@ -413,6 +413,7 @@ def run_import(plan: ImportPlan, mesh) -> Path:
       shutil.copyfile(plan.tokenizer, w / "tokenizer.json")
     (w / f"{plan.name}.toml").write_text(plan.toml)
   setup = step_lib.Setup(cfg, mesh)
+  cfg = setup.cfg  # with what the mesh implies (a pipeline's stacked layers)
   by_path = {t.path: t for t in table(cfg.model)}
   safe_open, nread = _safetensors().safe_open, [0]
 

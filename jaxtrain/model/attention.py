@@ -1,101 +1,12 @@
-"""Which attention kernel runs (`select`, once, by the execution plan, for the device the
-step is compiled for): cuDNN fused attention, packed segments on Hopper+, or the XLA reference.
-model.attention=cudnn where a condition fails is a one-line error, never a silent fallback.
-"""
+"""The reference attention kernels, plain math: causal grouped-query attention within segments (training), and
+over a KV cache (decoding). Which kernel a run uses is the execution plan's choice (jaxtrain.parallel.kernels)."""
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.core.errors import UserError
-from jaxtrain.parallel import devices
-
 NEG_INF = -1e30  # finite, so a fully masked row (padding) gives no NaN
-
-
-def select(model_cfg, seq_len: int | None = None, info: devices.Info | None = None) -> tuple[str, str]:
-  """("cudnn" | "xla", reason) for the target device `info` (default: the first local one)."""
-  want = model_cfg.attention
-  if want == "xla":
-    return "xla", "model.attention=xla"
-  info = info or devices.of()
-  E, dt = model_cfg.head_dim, model_cfg.dtype
-  if model_cfg.attention_type == "mla":  # q/k width (v is zero-padded to it)
-    E = model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim
-  problem = next((why for failed, why in (  # the first condition cuDNN does not meet
-      (not info.cuda, f"backend is {info.platform}, not a CUDA GPU"),
-      (dt not in ("bfloat16", "float16"), f"model.dtype={dt} (cuDNN needs bfloat16 or float16)"),
-      (E % 8 or E > info.max_head_dim,
-       f"model.head_dim={E} (cuDNN needs a multiple of 8, at most {info.max_head_dim} on this GPU)"),
-      (seq_len is not None and seq_len % 2, f"train.seq_len={seq_len} is odd (cuDNN needs it even)")) if failed), None)
-  if problem is None:
-    how = (f"segments as packed offsets, at most {model_cfg.attention_max_segments} per row"
-           if uses_packed(model_cfg, info) else "segments as an L x L mask" + (
-               " (the packed layout needs jax's private cuDNN module, which this jax lacks)"
-               if info.packed and model_cfg.attention_max_segments > 0 else ""))
-    return "cudnn", f"cuDNN fused attention (causal; {how})"
-  if want == "cudnn":
-    raise UserError(f"model.attention=cudnn is not supported here: {problem}; use auto or xla")
-  return "xla", f"reference XLA attention: {problem}"
-
-
-def fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, implementation: str = "cudnn"):
-  """Causal GQA with segment masking through `jax.nn.dot_product_attention` (the tests run
-  it with implementation="xla" on CPU to check the masking plumbing)."""
-  mask_Bx1xLxL = (seg_BxL[:, :, None] == seg_BxL[:, None, :])[:, None]
-  return jax.nn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask=mask_Bx1xLxL, is_causal=True,
-                                      implementation=implementation).astype(q_BxLxHxE.dtype)
-
-
-def uses_packed(model_cfg, info: devices.Info) -> bool:
-  return info.packed and model_cfg.attention_max_segments > 0 and packed_module() is not None
-
-
-@functools.cache
-def packed_module():
-  """jax's cuDNN attention with packed segments (a private module, so probed once, when the plan is made):
-  None where it or what `packed` uses is missing; the plan then takes the L x L mask path."""
-  try:
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-    assert callable(cudnn.dot_product_attention) and cudnn.MaskType.PADDING_CAUSAL
-    return cudnn
-  except Exception:  # noqa: BLE001 (any change there means: not usable)
-    return None
-
-
-def segments_per_row(seg_BxL):
-  """Number of segments (runs of equal ids) in each row; numpy or jax arrays."""
-  return 1 + (seg_BxL[:, 1:] != seg_BxL[:, :-1]).sum(axis=1)
-
-
-def segment_offsets(seg_BxL, max_segments: int):
-  """Each row's segments (runs of equal ids, at most M) in cuDNN's packed layout: (lengths,
-  starts), int32 (B, M) and (B, M + 1); unused slots are -1."""
-  B, L = seg_BxL.shape
-  M = max_segments
-  new_BxL = jnp.concatenate([jnp.ones((B, 1), bool), seg_BxL[:, 1:] != seg_BxL[:, :-1]], axis=1)
-  ordinal_BxL = jnp.cumsum(new_BxL, axis=1, dtype=jnp.int32) - 1
-  rows_Bx1 = jnp.arange(B)[:, None]
-  lengths_BxM = jnp.zeros((B, M), jnp.int32).at[rows_Bx1, ordinal_BxL].add(1, mode="drop")
-  pos_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-  starts_BxM1 = jnp.full((B, M + 1), L, jnp.int32).at[rows_Bx1, ordinal_BxL].min(pos_BxL, mode="drop")
-  used_BxM1 = jnp.concatenate([lengths_BxM, jnp.zeros((B, 1), jnp.int32)], axis=1) > 0
-  return jnp.where(lengths_BxM > 0, lengths_BxM, -1), jnp.where(used_BxM1, starts_BxM1, -1)
-
-
-def packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, max_segments: int):
-  """Causal GQA within segments through cuDNN's packed layout (Hopper or later): O(L)
-  lengths and offsets, no L x L mask. Private jax module (`packed_module`): re-check on a jax upgrade."""
-  cudnn = packed_module()
-  lengths_BxM, starts_BxM1 = segment_offsets(seg_BxL, max_segments)
-  out = cudnn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, q_seqlen=lengths_BxM, kv_seqlen=lengths_BxM,
-                                    q_offsets=starts_BxM1, kv_offsets=starts_BxM1,
-                                    scale=q_BxLxHxE.shape[-1] ** -0.5, mask_type=cudnn.MaskType.PADDING_CAUSAL,
-                                    qkv_layout="BTNH")
-  return out.astype(q_BxLxHxE.dtype)
 
 
 def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype=jnp.float32):

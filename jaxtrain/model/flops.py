@@ -7,9 +7,9 @@ for QK^T and PV, halved by causal masking. MFU counts padding too (the device co
 
 from __future__ import annotations
 
-from jaxtrain.parallel import devices
 from jaxtrain.core.config import ModelConfig
 from jaxtrain.model import mla
+
 
 def matmul_params(m: ModelConfig) -> int:
   """Weights that take part in a matmul per token (everything but norms and the lookup)."""
@@ -28,12 +28,6 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
   qk_v = (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) if m.attention_type == "mla" else 2 * m.head_dim
   forward = 2 * matmul_params(m) + m.n_layers * 2 * seq_len * m.n_heads * qk_v / 2
   return 3 * forward
-
-
-def peak_flops(device_kind: str) -> float | None:
-  """Peak dense bf16 FLOP/s of a device kind from `devices.TABLE`; None where unknown (e.g. CPU)."""
-  entry = devices.of(device_kind).entry
-  return entry.peak_bf16_flops if entry else None
 
 
 def fp8_label(mode: str) -> str:

@@ -7,83 +7,82 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.parallel import sharding
+from jaxtrain.model import ops
 
 
-def nll_sum(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens: int, gather: bool = True):
-  """sum of weight * (logsumexp(logits) - logits[target]) in float32, in chunks of `chunk_tokens` per device;
-  0 = the plain loss (the target logit a gather unless `gather=False`: a one-hot product)."""
+def nll_sum(h_BxLxD, w_DxV, targets_BxL, weights_BxL, chunk_tokens: int = 0, logits_dtype: str = "float32",
+            gather: bool = True, grad_scale=1.0):
+  """sum of weight * (logsumexp(logits) - logits[target]) in float32, in chunks of `chunk_tokens` per device
+  (train.loss_chunk_tokens); 0 = the plain loss (the target logit a gather unless `gather=False`: a one-hot
+  product). `logits_dtype`: model.head_logits_dtype. `grad_scale`: the factor the caller multiplies this sum
+  by before differentiating (loss scale / tokens): the chunked loss forms its gradient already scaled, as the
+  autodiff of the plain loss does, so a float16 head gradient is as finite as the plain one's."""
   weights_BxL = weights_BxL.astype(jnp.float32)
   if chunk_tokens <= 0:
-    return _plain(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, gather)
-  return _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens)
+    return _plain(h_BxLxD, w_DxV, targets_BxL, weights_BxL, jnp.dtype(logits_dtype), gather)
+  scale = jnp.asarray(grad_scale, jnp.float32)
+  return _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, jnp.dtype(logits_dtype), chunk_tokens, scale)
 
 
-def _plain(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, gather):
+def _plain(h_BxLxD, w_DxV, targets_BxL, weights_BxL, logits_dtype, gather):
   """The whole (B, L, V) float32 logits at once (the reference, and train.loss_chunk_tokens=0)."""
   logits_BxLxV = jnp.einsum("bld,dv->blv", h_BxLxD, w_DxV.astype(h_BxLxD.dtype),
-                            preferred_element_type=jnp.dtype(plan.head_logits_dtype)).astype(jnp.float32)
+                            preferred_element_type=logits_dtype).astype(jnp.float32)
   axes = ("batch", "length", "act_vocab")
   if not gather:
-    return jnp.sum(_token_nll(logits_BxLxV, targets_BxL, axes, plan) * weights_BxL)
-  logits_BxLxV = plan.constrain(logits_BxLxV, axes)
+    return jnp.sum(_token_nll(logits_BxLxV, targets_BxL, axes) * weights_BxL)
+  logits_BxLxV = ops.constrain(logits_BxLxV, axes)
   target_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
   return jnp.sum((jax.nn.logsumexp(logits_BxLxV, axis=-1) - target_BxL) * weights_BxL)
 
 
-def _token_nll(logits, targets, axes, plan):
+def _token_nll(logits, targets, axes):
   """logsumexp - target logit per token, the target logit as sum(logits * one_hot): no gather over the vocab split."""
-  logits = plan.constrain(logits, axes)
-  hot = plan.constrain(jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axes)
+  logits = ops.constrain(logits, axes)
+  hot = ops.constrain(jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axes)
   return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * hot, axis=-1)
 
 
-def chunk_layout(B: int, L: int, plan, chunk_tokens: int) -> tuple[int, int, int]:
-  """(sw, n, c): length = sw (mesh split) x n chunks x c, c the largest divisor with local rows * c <= chunk_tokens."""
-  bw, sw = _ways(B, L, plan)
+def chunk_layout(B: int, L: int, chunk_tokens: int) -> tuple[int, int, int]:
+  """(sw, n, c): length = sw (mesh split) x n chunks x c, c the largest divisor with local rows * c <= chunk_tokens
+  (the split as ops says, i.e. the installed plan's)."""
+  bw, sw = ops.current().ways(("batch", "length"), (B, L))
   local_len = L // sw
   want = max(1, chunk_tokens // max(B // bw, 1))
   c = max(d for d in range(1, min(want, local_len) + 1) if local_len % d == 0)
   return sw, local_len // c, c
 
 
-def _ways(B: int, L: int, plan) -> tuple[int, int]:
-  """How many ways the mesh splits the batch and the length of the tokens."""
-  spec = plan.spec(("batch", "length"), (B, L)) if plan.mesh is not None else (None, None)
-  return sharding.ways(spec[0], plan.mesh), sharding.ways(spec[1], plan.mesh)
-
-
-def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens):
+def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, ld, chunk_tokens, scale):
   """The gradient is computed in the forward pass, chunk by chunk (a fused linear cross-entropy): the
   bf16 weight is gathered once, its gradient summed per device over the chunks and reduce-scattered
-  once, and no logits are recomputed; the backward pass only scales the saved gradients."""
+  once, and no logits are recomputed; the backward pass only rescales the saved gradients."""
   B, L, _ = h_BxLxD.shape
-  G, S = _ways(B, L, plan)
-  _, n, c = chunk_layout(B, L, plan, chunk_tokens)
+  G, S = ops.current().ways(("batch", "length"), (B, L))
+  _, n, c = chunk_layout(B, L, chunk_tokens)
   # the head is a tensor-parallel region: it takes the hidden states whole along `tensor`
   h_axes = ("batch", "length", "act_embed")
-  h_BxLxD = plan.constrain(h_BxLxD, h_axes)
+  h_BxLxD = ops.constrain(h_BxLxD, h_axes)
 
   def split(x_BxL_):
     """(B, L, ...) -> (n, G, B/G, S, c, ...): chunk i is positions i*c .. i*c+c-1 of each device's slice;
     G and S are the mesh's batch and length splits, so per-device sums stay per device."""
     rest = x_BxL_.shape[2:]
     x = jnp.moveaxis(x_BxL_.reshape(G, B // G, S, n, c, *rest), 3, 0)
-    return plan.constrain(x, (None, "batch", None, "length", None, *(("act_embed",) if rest else ())))
+    return ops.constrain(x, (None, "batch", None, "length", None, *(("act_embed",) if rest else ())))
 
-  def run(h_BxLxD, w_DxV, targets_BxL, weights_BxL, grad: bool):
+  def run(h_BxLxD, w_DxV, targets_BxL, weights_BxL, scale, grad: bool):
     V = w_DxV.shape[1]
     # gathered here, once, to the layout the chunks use (whole over fsdp, split over tensor like the logits)
-    w16_DxV = plan.constrain(w_DxV.astype(h_BxLxD.dtype), (None, "act_vocab"))
+    w16_DxV = ops.constrain(w_DxV.astype(h_BxLxD.dtype), (None, "act_vocab"))
     axes = ("batch", None, "length", None, "act_vocab")
-    ld = jnp.dtype(plan.head_logits_dtype)  # the logits' and their gradient's dtype at the matmuls
 
     def chunk(carry, xs):
       total, dw_GxSxDxV = carry
       h_GxBxSxCxD, t_GxBxSxC, wt_GxBxSxC = xs
-      logits = plan.constrain(jnp.einsum("gbscd,dv->gbscv", h_GxBxSxCxD, w16_DxV,
-                                         preferred_element_type=ld).astype(jnp.float32), axes)
-      hot = plan.constrain(jax.nn.one_hot(t_GxBxSxC, V, dtype=jnp.float32), axes)
+      logits = ops.constrain(jnp.einsum("gbscd,dv->gbscv", h_GxBxSxCxD, w16_DxV,
+                                        preferred_element_type=ld).astype(jnp.float32), axes)
+      hot = ops.constrain(jax.nn.one_hot(t_GxBxSxC, V, dtype=jnp.float32), axes)
       # logsumexp as jax.nn.logsumexp computes it, and below its gradient in the order autodiff has it
       top = jnp.max(logits, axis=-1, keepdims=True)
       top = jnp.where(jnp.isfinite(top), top, 0)
@@ -93,51 +92,52 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, plan, chunk_tokens):
       total = total + jnp.sum((lse - jnp.sum(logits * hot, axis=-1)) * wt_GxBxSxC)
       if not grad:
         return (total, dw_GxSxDxV), None
-      # d(loss)/d(logits), into both products in the logits' dtype as the autodiff of the plain loss has it
-      dlogits = (exp * (wt_GxBxSxC / sumexp)[..., None] - hot * wt_GxBxSxC[..., None]).astype(ld)
+      # d(scale * loss)/d(logits), into both products in the logits' dtype as the autodiff of the plain loss has
+      # it: scaled before the cast, so that a float16 gradient is finite where the plain loss's is
+      dlogits = ((exp * (wt_GxBxSxC / sumexp)[..., None] - hot * wt_GxBxSxC[..., None]) * scale).astype(ld)
       dh = jax.lax.dot_general(dlogits, w16_DxV, (((4,), (1,)), ((), ())), preferred_element_type=jnp.float32)
       dw = jax.lax.dot_general(h_GxBxSxCxD, dlogits, (((1, 3), (1, 3)), ((0, 2), (0, 2))),
                                preferred_element_type=jnp.float32)
       return (total, dw_GxSxDxV + dw), dh
 
-    dw0 = plan.constrain(jnp.zeros((G, S) + w_DxV.shape if grad else (), jnp.float32),
+    dw0 = ops.constrain(jnp.zeros((G, S) + w_DxV.shape if grad else (), jnp.float32),
                          ("batch", "length", None, "act_vocab") if grad else ())
     xs = (split(h_BxLxD), split(targets_BxL), split(weights_BxL))
     (total, dw_GxSxDxV), dh = jax.lax.scan(chunk, (jnp.float32(0), dw0), xs)
     if not grad:
       return total
-    dh_BxLxD = plan.constrain(jnp.moveaxis(dh, 0, 3).reshape(h_BxLxD.shape), h_axes)
+    dh_BxLxD = ops.constrain(jnp.moveaxis(dh, 0, 3).reshape(h_BxLxD.shape), h_axes)
     # the one reduction over the devices' tokens: a reduce-scatter to the weight's own layout, in the
     # compute dtype like every layer weight's gradient (lax.reduce: jnp.sum would sum bfloat16 in float32)
     dw16 = dw_GxSxDxV.astype(h_BxLxD.dtype)
-    dw_DxV = plan.constrain(jax.lax.reduce(dw16, jnp.zeros((), dw16.dtype), jax.lax.add, (0, 1)), ("embed", "vocab"))
-    return total, (dh_BxLxD, dw_DxV)
+    dw_DxV = ops.constrain(jax.lax.reduce(dw16, jnp.zeros((), dw16.dtype), jax.lax.add, (0, 1)), ("embed", "vocab"))
+    return total, (dh_BxLxD, dw_DxV, scale)
 
   # every array an argument: a custom_vjp must not close over traced values (it breaks inside the pipeline)
   @jax.custom_vjp
-  def loss(h_BxLxD, w_DxV, targets_BxL, weights_BxL):
-    return run(h_BxLxD, w_DxV, targets_BxL, weights_BxL, grad=False)
+  def loss(h_BxLxD, w_DxV, targets_BxL, weights_BxL, scale):
+    return run(h_BxLxD, w_DxV, targets_BxL, weights_BxL, scale, grad=False)
 
-  def fwd(h_BxLxD, w_DxV, targets_BxL, weights_BxL):
-    return run(h_BxLxD, w_DxV, targets_BxL, weights_BxL, grad=True)
+  def fwd(h_BxLxD, w_DxV, targets_BxL, weights_BxL, scale):
+    return run(h_BxLxD, w_DxV, targets_BxL, weights_BxL, scale, grad=True)
 
   def bwd(res, g):
-    dh_BxLxD, dw_DxV = res
-    return (g * dh_BxLxD).astype(h_BxLxD.dtype), (g * dw_DxV).astype(w_DxV.dtype), None, None
+    dh_BxLxD, dw_DxV, scale = res
+    unscale = g / scale  # 1 exactly when the caller's factor is `scale`
+    return ((unscale * dh_BxLxD).astype(h_BxLxD.dtype), (unscale * dw_DxV.astype(jnp.float32)).astype(w_DxV.dtype),
+            None, None, None)
 
   loss.defvjp(fwd, bwd)
-  return loss(h_BxLxD, w_DxV, targets_BxL, weights_BxL)
+  return loss(h_BxLxD, w_DxV, targets_BxL, weights_BxL, scale)
 
 
 def temp_bytes(vocab: int, d_model: int, batch: int, seq: int, chunk_tokens: int, dtype: str = "bfloat16",
                device=None) -> int:
   """XLA's temporary bytes of the compiled loss + gradient on one `device` (default: local backend)."""
   from jax.sharding import SingleDeviceSharding
-  from jaxtrain.parallel import plan as plan_lib
   sh = SingleDeviceSharding(device) if device is not None else None
   arg = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
-  plan = plan_lib.local()
-  f = jax.value_and_grad(lambda h, w, t, m: nll_sum(h, w, t, m, plan, chunk_tokens), argnums=(0, 1))
+  f = jax.value_and_grad(lambda h, w, t, m: nll_sum(h, w, t, m, chunk_tokens), argnums=(0, 1))
   lowered = jax.jit(f).lower(arg((batch, seq, d_model), jnp.dtype(dtype)), arg((d_model, vocab), jnp.float32),
                              arg((batch, seq), jnp.int32), arg((batch, seq), jnp.int32))
   return lowered.compile().memory_analysis().temp_size_in_bytes

@@ -1,6 +1,6 @@
 """Multi-head latent attention (DeepSeek-V2/V3): queries through an optional low-rank projection, keys and values
 from one compressed latent C (plus a RoPE key part R shared by every head). Training expands the latent to per-head
-k/v and calls plan.attend; decoding caches only (latent, RoPE key) per token and attends in latent space with the
+k/v and calls ops' attention kernel; decoding caches only (latent, RoPE key) per token and attends in latent space with the
 up-projections absorbed into q and the output. B batch, L length, D d_model, H heads, Q q_lora_rank,
 C kv_lora_rank, N qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim, S cache slots."""
 
@@ -11,21 +11,18 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.model import rope as rope_lib
+from jaxtrain.model import ops, rope as rope_lib
 from jaxtrain.model.attention import NEG_INF
+from jaxtrain.model.layers import RMSNorm, param as _param, rope
 
 LATENT_EPS = 1e-6  # the latent norms keep DeepSeek's eps whatever model.norm_eps says (as transformers does)
 
 
-def _param(rngs, shape, axes, std):
-  return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
-
-
 class MLA(nnx.Module):
-  """`norm` and `rope`: the transformer's RMSNorm class and rotary function (passed in: model/ has no cycles)."""
+  """Every projection (wq or wq_a/wq_b, wkv_a, wkv_b, wo) runs as ops says (FP8 included); decoding's absorbed
+  latent-space products are float32 math of the cached latent."""
 
-  def __init__(self, cfg, rngs: nnx.Rngs, norm, rope):
-    RMSNorm, self.rope = norm, rope
+  def __init__(self, cfg, rngs: nnx.Rngs):
     D, H, Q, C, std = cfg.d_model, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.init_std
     # The latent (Q, C) dimension of the up-projections is stored split like d_model (FSDP): with heads unsplit
     # (no tensor axis) they would otherwise be whole on every device.
@@ -42,30 +39,31 @@ class MLA(nnx.Module):
     self.wo = _param(rngs, (H, V, D), ("heads", "head_dim", "embed"), std)
     self.dims = (N, R, C)
     self.scale = rope_lib.softmax_scale(cfg)  # YaRN's mscale^2 on the usual (N + R)^-0.5
+    self.logits_dtype = cfg.attention_logits_dtype
 
   def _q_and_latent(self, x_BxLxD, tables):
     """(q nope part (B,L,H,N), RoPE'd q part (B,L,H,R), normed latent (B,L,C), RoPE'd key part (B,L,R))."""
-    (N, _, C), rope = self.dims, self.rope
+    N, _, C = self.dims
     dt = x_BxLxD.dtype
     if hasattr(self, "wq_a"):
-      q_BxLxQ = self.q_norm(x_BxLxD @ self.wq_a[...].astype(dt))
-      q_BxLxHxE = jnp.einsum("blq,qhe->blhe", q_BxLxQ, self.wq_b[...].astype(dt))
+      q_BxLxQ = self.q_norm(ops.matmul(x_BxLxD, self.wq_a[...].astype(dt)))
+      q_BxLxHxE = ops.einsum("blq,qhe->blhe", q_BxLxQ, self.wq_b[...].astype(dt))
     else:
-      q_BxLxHxE = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
-    kv_BxLxCR = x_BxLxD @ self.wkv_a[...].astype(dt)
+      q_BxLxHxE = ops.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
+    kv_BxLxCR = ops.matmul(x_BxLxD, self.wkv_a[...].astype(dt))
     c_BxLxC = self.kv_norm(kv_BxLxCR[..., :C])
     k_rot_BxLxR = rope(kv_BxLxCR[..., None, C:], tables)[:, :, 0]
     return q_BxLxHxE[..., :N], rope(q_BxLxHxE[..., N:], tables), c_BxLxC, k_rot_BxLxR
 
-  def __call__(self, x_BxLxD, rope_tables, seg_BxL, plan, cache=None):
+  def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None):
     """As Attention: the attention output (B, L, D); with a latent `cache`, (output, updated cache)."""
     N, R, C = self.dims
     dt = x_BxLxD.dtype
     q_nope_BxLxHxN, q_rot_BxLxHxR, c_BxLxC, k_rot_BxLxR = self._q_and_latent(x_BxLxD, rope_tables)
     if cache is not None:
       o_BxLxHxV, cache = self._decode(q_nope_BxLxHxN, q_rot_BxLxHxR, c_BxLxC, k_rot_BxLxR, seg_BxL, cache)
-      return jnp.einsum("blhv,hvd->bld", o_BxLxHxV, self.wo[...].astype(dt)), cache
-    kv_BxLxHxNV = jnp.einsum("blc,che->blhe", c_BxLxC, self.wkv_b[...].astype(dt))
+      return ops.einsum("blhv,hvd->bld", o_BxLxHxV, self.wo[...].astype(dt)), cache
+    kv_BxLxHxNV = ops.einsum("blc,che->blhe", c_BxLxC, self.wkv_b[...].astype(dt))
     H = kv_BxLxHxNV.shape[2]
     k_BxLxHxE = jnp.concatenate(
         [kv_BxLxHxNV[..., :N], jnp.broadcast_to(k_rot_BxLxR[:, :, None], (*k_rot_BxLxR.shape[:2], H, R))], axis=-1)
@@ -73,11 +71,11 @@ class MLA(nnx.Module):
     if self.scale != 1.0:  # the kernels scale by E^-0.5; YaRN's extra factor rides on q
       q_BxLxHxE = q_BxLxHxE * jnp.asarray(self.scale, dt)
     heads = ("batch", "length", "act_heads", None)
-    q_BxLxHxE, k_BxLxHxE = plan.constrain(q_BxLxHxE, heads), plan.constrain(k_BxLxHxE, heads)
-    v_BxLxHxV = plan.constrain(kv_BxLxHxNV[..., N:], heads)
+    q_BxLxHxE, k_BxLxHxE = ops.constrain(q_BxLxHxE, heads), ops.constrain(k_BxLxHxE, heads)
+    v_BxLxHxV = ops.constrain(kv_BxLxHxNV[..., N:], heads)
     qkv = checkpoint_name(q_BxLxHxE, "q"), checkpoint_name(k_BxLxHxE, "k"), checkpoint_name(v_BxLxHxV, "v")
-    o_BxLxHxV = checkpoint_name(plan.attend(*qkv, seg_BxL), "attn_out")
-    return jnp.einsum("blhv,hvd->bld", o_BxLxHxV, self.wo[...].astype(dt))
+    o_BxLxHxV = checkpoint_name(ops.current().attend(*qkv, seg_BxL, self.logits_dtype), "attn_out")
+    return ops.einsum("blhv,hvd->bld", o_BxLxHxV, self.wo[...].astype(dt))
 
   def _decode(self, q_nope_BxTxHxN, q_rot_BxTxHxR, c_BxTxC, k_rot_BxTxR, seg_BxT, cache):
     """Writes this chunk's latent and RoPE key at slot `start`, then attends over the cache in latent space:

@@ -77,3 +77,9 @@ def of(device=None) -> Info:
   # CUDA devices report a numeric capability ("9.0"), ROCm a gfx name (not CUDA)
   cap = _capability(getattr(device, "compute_capability", "")) if device.platform == "gpu" else (0, 0)
   return Info(kind, key, device.platform, cap)
+
+
+def peak_flops(device_kind: str) -> float | None:
+  """Peak dense bf16 FLOP/s of a device kind from `TABLE` (the MFU denominator); None where unknown (e.g. CPU)."""
+  entry = of(device_kind).entry
+  return entry.peak_bf16_flops if entry else None

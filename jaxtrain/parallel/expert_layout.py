@@ -3,12 +3,12 @@ positions on one device) and buffer sizes: one answer for the layer, the config 
 
 from __future__ import annotations
 
-import math
 
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.parallel import sharding
 from jaxtrain.core.errors import UserError
+from jaxtrain.model.moe import capacity, group_fits
+from jaxtrain.parallel import sharding
 
 AXES = ("moe_batch", "moe_length", None)
 
@@ -28,16 +28,6 @@ def local_shape(cfg, mesh) -> tuple[int, int]:
   B, L = cfg.train.batch_size // cfg.train.microbatches, cfg.train.seq_len
   spec = token_spec(mesh, B, L)
   return B // sharding.ways(spec[0], mesh), L // sharding.ways(spec[1], mesh)
-
-
-def group_fits(G: int, L: int, b: int, n: int) -> bool:
-  """A group lies on one device of b rows x n positions: G divides n, or n = L and G is a multiple of L dividing b*L."""
-  return n % G == 0 or (n == L and G % L == 0 and (b * L) % G == 0)
-
-
-def capacity(tokens: int, experts: int, top_k: int, factor: float) -> int:
-  """Slots per expert and group: ceil(factor * G * k / X); factor 0 = G (never overflows)."""
-  return tokens if factor == 0 else max(1, math.ceil(factor * tokens * top_k / experts))
 
 
 def dropless_bound(tokens: int, experts: int, top_k: int, ep: int) -> int:

@@ -1,22 +1,26 @@
-"""Pipeline parallelism: one SPMD program, manual over `pipeline` only, that scans a static schedule and runs
-per tick idle, forward or backward of one chunk (recomputing from the stashed input), the backward whole or
-split into B (input gradient) and W (weight gradient); same math as `step.grads`."""
+"""Pipeline parallelism: an executor of the gradient contract (jaxtrain.run.grads) that runs the microbatches'
+forward and backward work as a static schedule says. One SPMD program, manual over `pipeline` only, scans the
+schedule's ticks and runs per tick idle, forward or backward of one chunk of layers (recomputing from the stashed
+input), the backward whole or split into B (input gradient) and W (weight gradient). The objective, its weights,
+the microbatches and the gradient layout are the contract's; only the order of the work is the pipeline's."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import loss as xent, moe_balance, transformer as model_lib
-from jaxtrain.parallel import placement as placement_lib, plan as plan_lib, schedule as schedule_lib, sharding
+from jaxtrain.model import loss as xent, moe_balance, ops, roles, transformer as model_lib
+from jaxtrain.model.layers import rope_tables
+from jaxtrain.parallel import schedule as schedule_lib, sharding
 
 AXIS = "pipeline"
 ACT = ("batch", "act_length", "act_embed")  # a chunk's input/output activation
@@ -124,208 +128,246 @@ def reversed_rows(t: schedule_lib.Table) -> list[bool]:
   return rev
 
 
-def grads_fn(cfg, mesh, plan):
-  """A function with `step.grads`'s contract (moe_metrics=True form) for this mesh."""
-  return functools.partial(grads, cfg=cfg, mesh=mesh, plan=plan)
+def executor(cfg, mesh):
+  """The gradient contract's executor for this mesh: (token loss sum, scaled gradient sum, MoE totals)."""
+  return functools.partial(_execute, cfg=cfg, mesh=mesh)
 
 
-def eval_loss(graphdef, params, batch, microbatches: int, plan, *, cfg, mesh):
-  """`step.eval_loss` through the pipeline: the schedule's chunk placement, forwards only."""
-  return grads(graphdef, params, batch, microbatches, cfg=cfg, mesh=mesh, plan=plan, forward_only=True)
-
-
-def grads(graphdef, params, batch, microbatches: int, loss_scale=1.0, moe_metrics: bool = False, *, cfg, mesh,
-          plan, forward_only: bool = False):
-  """`step.grads` run as a pipeline: (loss, grads, n_valid[, moe metrics]). Backwards are seeded with
-  loss_scale / n_valid; each layer's aux loss enters with loss_scale / (microbatches * MoE layers).
-  `forward_only`: `step.eval_loss`'s {loss, loss_sum, tokens} from the forwards alone."""
-  p, v, m = stages(mesh), cfg.pipeline.virtual_stages, microbatches
-  mc = cfg.model
-  n_moe = mc.n_layers if mc.moe_experts else 0
-  t = (schedule_lib.build_forward if forward_only else schedule_lib.build)(cfg.pipeline.schedule, p, m, v)
-  prog, S, G = program_table(t)
-  # Only the branches this table uses are compiled (a table may have no idle tick).
-  used = sorted(set(prog[..., BRANCH].flat))
-  prog[..., BRANCH] = np.searchsorted(used, prog[..., BRANCH])
-  n_valid = jnp.sum(batch["loss_mask"] > 0)
-  denom = jnp.maximum(n_valid, 1).astype(jnp.float32)
-  mbs = placement_lib.split_microbatches(batch, m, plan)
-  # (layers, ...) -> (v, p, layers per chunk, ...): [j, s] is global chunk j*p + s (zbv: 2p-1-s on j = 1), so
-  # device s gets its v chunks. For v = 1 this matches the stored split (no traffic);
-  # for v > 1 XLA moves the layers between devices (an all-to-all each way).
-  lc = mc.n_layers // (p * v)
-  rev = reversed_rows(t)
-  # (a permute over `pipeline` for a reversed row: a gather by chunk index would all-reduce whole layer stacks)
-  flip = lambda x: jnp.stack([x[j, ::-1] if r else x[j] for j, r in enumerate(rev)]) if any(rev) else x  # noqa: E731
-  layers = jax.tree.map(lambda a: flip(a.reshape(v, p, lc, *a.shape[1:])), params["layers"])
-  rest = {k: x for k, x in params.items() if k != "layers"}
-  state = nnx.state(nnx.merge(graphdef, params))  # the layers' logical axes, in `params`' leaf order
-  axes = jax.tree.unflatten(jax.tree.structure(params["layers"]), [x.get_metadata()["axes"] for x in jax.tree.leaves(
-      state["layers"], is_leaf=lambda x: isinstance(x, nnx.Variable))])
-  # The tokens are embedded here, from the table as stored; inside the region XLA would gather the whole float32
-  # table for every op of chunk 0, and build its whole gradient (llama3.1-70b: 3.9 GiB each). Chunk 0's backward
-  # puts its input gradient in its input's slot (+1 discard slot), and the table's gradient is this lookup's vjp.
-  dt = jnp.dtype(mc.dtype)
-
-  def embed(e):  # rows as the table's (d_model split) until cast: XLA would move them to the batch split in float32
-    rows = plan.constrain(jnp.take(e, mbs["inputs"], axis=0), (None, None, None, "embed"))
-    return plan.constrain(rows.astype(dt), (None, *ACT))
-  x0, embed_vjp = jax.vjp(embed, params["embed"])
-  x0 = plan.constrain(jnp.concatenate([x0, jnp.zeros_like(x0[:1])]), (None, *ACT))
-  head = [k for k in rest if k != "embed" or mc.tie_embeddings]  # what the last chunk differentiates
-  body = functools.partial(_run, graphdef, mc, plan, jnp.asarray(prog), used, links(t), S, G, p, v, m, n_moe, dt,
-                           axes, head)
-  out = sharding.manual(body, mesh, (P(None, AXIS), P(), P(), P(), P(), P()),
-                        (P(None, AXIS), P(), P(), P(), P(None, AXIS), P()),
-                        axis_names={AXIS})(layers, rest, mbs, x0, denom, jnp.asarray(loss_scale, jnp.float32))
-  g_layers, g_rest, loss_sum, moe, load, g_x0 = out
-  if forward_only:
-    return {"loss": loss_sum / denom, "loss_sum": loss_sum, "tokens": n_valid}
-  g_embed = embed_vjp(g_x0[:m].astype(dt))[0]
-  g_rest["embed"] = g_rest["embed"] + g_embed if mc.tie_embeddings else g_embed
-  g = {**g_rest, "layers": jax.tree.map(lambda a: flip(a).reshape(mc.n_layers, *a.shape[3:]), g_layers)}
-  g = {k: g[k] for k in params}  # the params' key order
-  res = loss_sum / denom, jax.tree.map(lambda x: x / loss_scale, g), n_valid
-  if not moe_metrics:
-    return res
-  moe["aux"] = moe["aux"] / max(n_moe, 1)  # summed over layers; step's totals hold the mean over layers
-  moe["load"] = flip(load).reshape(mc.n_layers, -1)[:n_moe]  # (v, p, layers per chunk, X): global order
-  return *res, moe_balance.update_metrics(moe, m)
+def forward_executor(cfg, mesh):
+  """The evaluation executor: the microbatches' summed token loss, forwards only, chunks placed as in training."""
+  def run(objective, params, mbs):
+    return _execute(objective, params, mbs, None, None, cfg=cfg, mesh=mesh, forward_only=True)[0]
+  return run
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class StagePlan(plan_lib.Plan):
-  """The plan inside the pipeline region. cuDNN attention's custom partitioning cannot read a partially
-  manual region's shardings (jax 0.10.2: "'GSPMDSharding' object has no attribute 'spec'"), so there it
-  runs in a nested shard_map, manual over the other axes too: attention is local to its rows and heads."""
+class _Static:
+  """What the program inside the region knows at trace time."""
+  objective: Any
+  plan: Any
+  prog: Any  # the table, (ticks, p, columns) int32
+  used: list  # branch kinds the table uses
+  links: list
+  S: int  # stash slots
+  G: int  # gradient slots
+  p: int
+  v: int
+  m: int
+  dt: Any
+  axes: Any  # each layer weight's logical axes (leading `layers` included)
+  head: list  # the non-layer parameters the last chunk differentiates (roles: head)
+  grad_specs: Any  # (layers, rest) PartitionSpecs of the gradients' layout (ZeRO), or None
+  forward_only: bool
 
-  def attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
-    if self.attention != "cudnn":
-      return super().attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
-    q, kv = (self.spec(("batch", "length", h, None), x.shape) for h, x in (("act_heads", q_BxLxHxE),
-                                                                             ("act_kv_heads", k_BxLxKxE)))
-    rest = {a for a in self.mesh.axis_names if a != AXIS}
-    return sharding.manual(super().attend, self.mesh, (q, kv, kv, self.spec(("batch", "length"), seg_BxL.shape)), q,
-                           axis_names=rest)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+
+def _execute(objective, params, mbs, w, grad_sharding, *, cfg, mesh, forward_only=False):
+  plan, mc = ops.current(), cfg.model
+  p, v, m = stages(mesh), cfg.pipeline.virtual_stages, mbs["inputs"].shape[0]
+  t = (schedule_lib.build_forward if forward_only else schedule_lib.build)(cfg.pipeline.schedule, p, m, v)
+  prog, S, G = program_table(t)
+  used = sorted(set(prog[..., BRANCH].flat))  # only the branches this table uses are compiled
+  prog[..., BRANCH] = np.searchsorted(used, prog[..., BRANCH])
+  # (layers, ...) -> (v, p, layers per chunk, ...): [j, s] is global chunk j*p + s (zbv: 2p-1-s on j = 1), so
+  # device s gets its v chunks. For v = 1 this matches the stored split (no traffic); for v > 1 XLA moves the
+  # layers between devices (an all-to-all each way). A reversed row is a permute over `pipeline` (a gather by
+  # chunk index would all-reduce whole layer stacks).
+  lc, rev = mc.n_layers // (p * v), reversed_rows(t)
+  flip = lambda x: jnp.stack([x[j, ::-1] if r else x[j] for j, r in enumerate(rev)]) if any(rev) else x  # noqa: E731
+  layers = jax.tree.map(lambda a: flip(a.reshape(v, p, lc, *a.shape[1:])), params["layers"])
+  rest = {k: x for k, x in params.items() if k != "layers"}
+  state = nnx.state(objective.model(params))  # the layers' logical axes, in `params`' leaf order
+  axes = jax.tree.unflatten(jax.tree.structure(params["layers"]), [x.get_metadata()["axes"] for x in jax.tree.leaves(
+      state["layers"], is_leaf=lambda x: isinstance(x, nnx.Variable))])
+  x0, embed_vjp = jax.vjp(lambda e: _embed(plan, e, mbs["inputs"], jnp.dtype(mc.dtype)), params["embed"])
+  x0 = plan.constrain(jnp.concatenate([x0, jnp.zeros_like(x0[:1])]), (None, *ACT))
+  head = [k for k in rest if all(r.head for r in jax.tree.leaves(roles.tree(mc, {k: rest[k]})))]
+  specs = None if grad_sharding is None else jax.tree.map(lambda sh: sh.spec, (
+      grad_sharding["layers"], {k: grad_sharding[k] for k in head}))
+  static = _Static(objective, plan, jnp.asarray(prog), used, links(t), S, G, p, v, m, jnp.dtype(mc.dtype), axes,
+                   head, specs, forward_only)
+  w = w if w is not None else jnp.float32(0)  # evaluation: no objective weights
+  out = sharding.manual(functools.partial(_region, static), mesh, (P(None, AXIS), P(), P(), P(), P()),
+                        (P(None, AXIS), P(), P(), P(), P(None, AXIS), P(), P()), axis_names={AXIS})(
+      layers, rest, mbs, x0, w)
+  g_layers, g_rest, loss_sum, moe, load, head_load, g_x0 = out
+  if forward_only:
+    return loss_sum, None, None
+  g_embed = embed_vjp(g_x0[:m].astype(jnp.dtype(mc.dtype)))[0].astype(jnp.float32)
+  g_rest = {**{k: jnp.zeros(x.shape, jnp.float32) for k, x in rest.items()}, **g_rest}
+  g_rest["embed"] = g_rest["embed"] + g_embed
+  g = {**g_rest, "layers": jax.tree.map(lambda a: flip(a).reshape(mc.n_layers, *a.shape[3:]), g_layers)}
+  g = {k: g[k] for k in params}  # the params' key order
+  g = g if grad_sharding is None else jax.lax.with_sharding_constraint(g, grad_sharding)
+  rows = [flip(load).reshape(mc.n_layers, -1)[:len(moe_balance.moe_layers(mc))]]  # (v, p, lc, X): global order
+  moe["load"] = jnp.concatenate(rows + ([head_load[None]] if moe_balance.mtp_is_moe(mc) else []))
+  return loss_sum, g, moe
 
 
-def _run(graphdef, mc, plan, prog, used, links, S, G, p, v, m, n_moe, dt, axes, head, layers, rest, mbs, x0, denom,
-         scale):
-  """The per-device program: scan over ticks, switch on this device's table entry."""
-  fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
-  plan = StagePlan(**{**fields, "mesh": jax.sharding.get_abstract_mesh()})  # the mesh seen inside
-  s = jax.lax.axis_index(AXIS)
-  layers = jax.tree.map(lambda a: a[:, 0], layers)  # (v, layers per chunk, ...)
-  b, L = mbs["inputs"].shape[1:]
-  D = mc.d_model
-  act = lambda x: plan.constrain(x, ACT)  # noqa: E731
-  aux_ct = scale / (m * max(n_moe, 1))  # d objective / d (one layer's aux loss of one microbatch)
-  use_remat, policy = model_lib.remat_policy(mc.remat)
+def _embed(plan, e, tokens, dt):
+  """The tokens of every microbatch embedded before the region, from the table as stored: inside, XLA would gather
+  the whole float32 table for every op of chunk 0, and build its whole gradient (llama3.1-70b: 3.9 GiB each).
+  Rows stay split like the table's d_model until cast: XLA would move them to the batch split in float32."""
+  rows = plan.constrain(jnp.take(e, tokens, axis=0), (None, None, None, "embed"))
+  return plan.constrain(rows.astype(dt), (None, *ACT))
 
-  block_of = lambda block, x, tables, seg: block(x, tables, seg, plan)  # noqa: E731
-  run_block = nnx.remat(block_of, policy=policy, prevent_cse=False) if use_remat else block_of
-  module = lambda rest, chunk: nnx.merge(graphdef, {**rest, "layers": chunk})  # noqa: E731
 
-  def stage(chunk, x, mb):
-    """One chunk's layers: output, MoE totals (summed aux, dropped, assigned), load (layers, X)."""
+def _region(static: _Static, layers, rest, mbs, x0, w):
+  """The per-device program: the tick scan under the plan as seen inside the region."""
+  plan = dataclasses.replace(static.plan, mesh=jax.sharding.get_abstract_mesh())
+  with ops.use(plan):
+    return _Ticks(static, plan, layers, rest, mbs, w).run(x0)
+
+
+class _Ticks:
+  """The branches of one tick (idle, forward, backward or its B and W halves) on this device's chunks."""
+
+  def __init__(self, static: _Static, plan, layers, rest, mbs, w):
+    self.st, self.plan, self.rest, self.mbs, self.w = static, plan, rest, mbs, w
+    self.layers = jax.tree.map(lambda a: a[:, 0], layers)  # (v, layers per chunk, ...)
+    self.s = jax.lax.axis_index(AXIS)
+    b, L = mbs["inputs"].shape[1:]
+    D, X = static.objective.cfg.model.d_model, max(static.objective.cfg.model.moe_experts, 1)
+    self.zero_act = self.act(jnp.zeros((b, L, D), static.dt))
+    self.zeros_load = jnp.zeros((jax.tree.leaves(self.layers)[0].shape[1], X), jnp.float32)
+    self.zero_head_load = jnp.zeros((X,), jnp.float32)
+    self.heads = {k: rest[k] for k in static.head}
+
+  def act(self, x):
+    return self.plan.constrain(x, ACT)
+
+  def keep(self, g_chunks, g_head, lead: int = 1):
+    """Chunk and head gradients in the gradients' layout (ZeRO-2: split over data too) where it is pinned; `lead`:
+    the dimensions before a layer's own (a chunk's layers; the accumulator's chunks too)."""
+    if self.st.grad_specs is None:
+      return g_chunks, g_head
+    specs_l, specs_h = self.st.grad_specs
+    put = lambda g, spec: jax.lax.with_sharding_constraint(g, NamedSharding(self.plan.mesh, spec))  # noqa: E731
+    return (jax.tree.map(lambda g, sp: put(g, P(*(None,) * lead, *sp[1:])), g_chunks, specs_l),
+            jax.tree.map(put, g_head, specs_h))
+
+  def stage(self, chunk, x, mb):
+    """One chunk's layers: output, its MoE stats (list per layer)."""
+    mc = self.st.objective.cfg.model
     # the chunk's weights as stored (split over fsdp), so that their gradient is too: unconstrained, the
     # backward of the layers' scan all-reduces each layer's weight gradient and stacks the chunk's whole
-    chunk = jax.tree.map(lambda a, ax: plan.constrain(a, (None, *ax[1:])), chunk, axes)
-    model = module(rest, chunk)
-    tables = model_lib.rope_tables(mb["positions"], mc)
-    y, stats = model_lib._scan_blocks(run_block, model.layers, x, tables, mb["segment_ids"])
-    tot = {k: sum((st[k] for st in stats), jnp.float32(0)) for k in ("dropped", "assigned")}
-    tot["aux"] = sum((moe_balance.aux_loss(mc, [st]) for st in stats), jnp.float32(0))  # jaxtrain convention
-    load = jnp.stack([st["load"] for st in stats]) if stats else zeros_load[0]
-    return act(y), tot, load
+    chunk = jax.tree.map(lambda a, ax: self.plan.constrain(a, (None, *ax[1:])), chunk, self.st.axes)
+    model = self.st.objective.model({**self.rest, "layers": chunk})
+    y, stats = model_lib.run_stack(model.layers, x, rope_tables(mb["positions"], mc), mb["segment_ids"], mc.remat)
+    return self.act(y), stats
 
-  def head_loss(rest_p, y, mb):
-    model = module(rest_p, jax.tree.map(lambda a: a[0], layers))
-    return xent.nll_sum(model.final_norm(y), model.head_weight(), mb["targets"], mb["loss_mask"], plan,
-                        plan.loss_chunk_tokens, gather=False)
+  def head_terms(self, head_params, y, mb):
+    """(objective of the terms after the last block, token loss sum, the MTP block's MoE stats)."""
+    obj = self.st.objective
+    model = obj.model({**self.rest, **head_params, "layers": jax.tree.map(lambda a: a[0], self.layers)})
+    out, ce, stats = obj.head(model, model.final_norm(y), mb, self.w, gather=False)
+    return out + obj.aux(stats, self.w), ce, stats
 
-  zero_act = act(jnp.zeros((b, L, D), dt))
-  zeros_load = jnp.zeros((v, jax.tree.leaves(layers)[0].shape[1], max(mc.moe_experts, 1)), jnp.float32)
-  f32 = jnp.float32(0)
+  def head_loss(self, y, mb):
+    """The token loss sum alone (evaluation)."""
+    obj = self.st.objective
+    model = obj.model({**self.rest, "layers": jax.tree.map(lambda a: a[0], self.layers)})
+    c = obj.cfg
+    return xent.nll_sum(model.final_norm(y), model.head_weight(), mb["targets"], mb["loss_mask"],
+                        c.train.loss_chunk_tokens, c.model.head_logits_dtype, gather=False)
 
-  def result(acc, y=zero_act, dx=zero_act, loss=f32, tot=None, load=None):
-    tot = tot or {"aux": f32, "dropped": f32, "assigned": f32}
-    load = zeros_load[0] if load is None else load
-    return {"y": y, "dx": dx, "acc": acc, "loss": loss, "moe": tot, "load": load}
+  def result(self, acc, y=None, dx=None, loss=0.0, moe=None, load=None, head_load=None):
+    f32 = jnp.float32
+    moe = moe or {"aux": f32(0), "dropped": f32(0), "assigned": f32(0)}
+    return {"y": self.zero_act if y is None else y, "dx": self.zero_act if dx is None else dx, "acc": acc,
+            "loss": f32(loss), "moe": moe, "load": self.zeros_load if load is None else load,
+            "head_load": self.zero_head_load if head_load is None else head_load}
 
-  def add(acc, j, g_chunk, g_rest):
-    """The float32 accumulators (layers, rest) plus local chunk j's gradients, inside the branch: the
-    switch then returns the accumulators (aliased in place), not gradient-sized values from every branch."""
-    acc_layers, acc_rest = acc
+  def add(self, acc, j, g_chunk, g_head):
+    """The float32 accumulators (layers, head) plus local chunk j's gradients, inside the branch: the switch then
+    returns the accumulators (aliased in place), not gradient-sized values from every branch."""
+    acc_layers, acc_head = acc
+    g_chunk, g_head = self.keep(g_chunk, g_head)
     return (jax.tree.map(lambda a, g: a.at[j].add(g.astype(jnp.float32)), acc_layers, g_chunk),
-            jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_rest, g_rest))
+            jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_head, g_head))
+
+  def totals(self, stats):
+    """A chunk's (or the head's) MoE totals: its share of the aux loss, dropped and assigned, load rows."""
+    tot = {"aux": self.st.objective.aux_share(stats) if stats else jnp.float32(0),
+           **{k: sum((s[k] for s in stats), jnp.float32(0)) for k in ("dropped", "assigned")}}
+    return tot, jnp.stack([s["load"] for s in stats]) if stats else None
 
   # Branches: (accumulators, local chunk index, chunk params, chunk input, output gradient, microbatch, last);
-  # the model's last chunk runs head and loss (a lax.cond: one copy of the layers).
-  def forward(acc, j, chunk, x, dy, mb, last):
-    y, tot, load = stage(chunk, x, mb)
-    loss = jax.lax.cond(last, lambda: head_loss(rest, y, mb), lambda: f32)
-    return result(acc, y=y, loss=loss, tot=tot, load=load)
+  # the model's last chunk runs the head terms (a lax.cond: one copy of the layers).
+  def idle(self, acc, *_):
+    return self.result(acc)
 
-  def loss_of(dy, mb, last):
+  def forward(self, acc, j, chunk, x, dy, mb, last):
+    y, stats = self.stage(chunk, x, mb)
+    tot, load = self.totals(stats)
+    if self.st.forward_only:
+      return self.result(acc, y=y, loss=jax.lax.cond(last, lambda: self.head_loss(y, mb), lambda: jnp.float32(0)))
+
+    def head():
+      _, ce, head_stats = self.head_terms(self.heads, y, mb)
+      h_tot, h_load = self.totals(head_stats)
+      return ce, h_tot, self.zero_head_load if h_load is None else h_load[0]
+    zero = (jnp.float32(0), jax.tree.map(jnp.zeros_like, tot), self.zero_head_load)
+    ce, h_tot, h_load = jax.lax.cond(last, head, lambda: zero)
+    return self.result(acc, y=y, loss=ce, moe=jax.tree.map(jnp.add, tot, h_tot), load=load, head_load=h_load)
+
+  def objective_of(self, dy, mb, last):
     """The chunk's share of the objective as a function of (chunk params, head params, chunk input)."""
     def objective(c, h, x):
-      y, tot, _ = stage(c, x, mb)
-      # last chunk: the scaled loss; else <y, dy>, whose gradient is the vjp with dy
-      out = jax.lax.cond(last, lambda: head_loss({**rest, **h}, y, mb) * (scale / denom),
+      y, stats = self.stage(c, x, mb)
+      # last chunk: the head terms; else <y, dy>, whose gradient is the vjp with dy
+      out = jax.lax.cond(last, lambda: self.head_terms(h, y, mb)[0],
                          lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)))
-      return out + tot["aux"] * aux_ct
+      return out + self.st.objective.aux(stats, self.w)
     return objective
 
-  heads = {k: rest[k] for k in head}
-
-  def backward(acc, j, chunk, x, dy, mb, last):
-    g_chunk, g_head, dx = jax.grad(loss_of(dy, mb, last), argnums=(0, 1, 2))(chunk, heads, x)
-    return result(add(acc, j, g_chunk, g_head), dx=act(dx.astype(dt)))
+  def backward(self, acc, j, chunk, x, dy, mb, last):
+    g_chunk, g_head, dx = jax.grad(self.objective_of(dy, mb, last), argnums=(0, 1, 2))(chunk, self.heads, x)
+    return self.result(self.add(acc, j, g_chunk, g_head), dx=self.act(dx.astype(self.st.dt)))
 
   # Split backward (zero-bubble schedules): B and W each recompute the chunk's forward from the stashed
   # input; B differentiates w.r.t. the input only (no weight-gradient matmuls), W w.r.t. the weights only
   # (it redoes the activation gradients inside the chunk, which the weights' need).
-  def backward_x(acc, j, chunk, x, dy, mb, last):
-    return result(acc, dx=act(jax.grad(loss_of(dy, mb, last), argnums=2)(chunk, heads, x).astype(dt)))
+  def backward_x(self, acc, j, chunk, x, dy, mb, last):
+    dx = jax.grad(self.objective_of(dy, mb, last), argnums=2)(chunk, self.heads, x)
+    return self.result(acc, dx=self.act(dx.astype(self.st.dt)))
 
-  def backward_w(acc, j, chunk, x, dy, mb, last):
-    return result(add(acc, j, *jax.grad(loss_of(dy, mb, last), argnums=(0, 1))(chunk, heads, x)))
+  def backward_w(self, acc, j, chunk, x, dy, mb, last):
+    return self.result(self.add(acc, j, *jax.grad(self.objective_of(dy, mb, last), argnums=(0, 1))(
+        chunk, self.heads, x)))
 
-  branches = [(lambda acc, *_: result(acc), forward, backward, backward_x, backward_w)[k] for k in used]
-
-  def tick(carry, row_PxK):
-    stash, gbuf, x0, acc_layers, acc_rest, loss, tot, acc_load = carry
-    r = row_PxK[s]
-    mb = jax.tree.map(lambda a: a[r[MB]], mbs)
-    chunk = jax.tree.map(lambda a: a[r[CHUNK]], layers)
+  def tick(self, carry, row_PxK):
+    stash, gbuf, x0, acc, loss, tot, acc_load, head_load = carry
+    st, r = self.st, row_PxK[self.s]
+    mb = jax.tree.map(lambda a: a[r[MB]], self.mbs)
+    chunk = jax.tree.map(lambda a: a[r[CHUNK]], self.layers)
     c = r[GCHUNK]
     x = jnp.where(c == 0, x0[r[MB]], stash[r[SLOT]])  # chunk 0: the embedded tokens
-    out = jax.lax.switch(r[BRANCH], branches, (acc_layers, acc_rest), r[CHUNK], chunk, x, gbuf[r[GSLOT]], mb,
-                         c == p * v - 1)
+    branches = [(self.idle, self.forward, self.backward, self.backward_x, self.backward_w)[k] for k in st.used]
+    out = jax.lax.switch(r[BRANCH], branches, acc, r[CHUNK], chunk, x, gbuf[r[GSLOT]], mb, c == st.p * st.v - 1)
     x0 = x0.at[r[XSLOT]].set(out["dx"])  # chunk 0's input gradient (else into the discard slot)
-    acc_layers, acc_rest = out["acc"]
     tot = jax.tree.map(jnp.add, tot, out["moe"])
     acc_load = acc_load.at[r[CHUNK]].add(out["load"])  # forwards only (the other branches give zeros)
-    for k, pairs in enumerate(links):  # (s, s): zbv's turn stays on the device
+    for k, pairs in enumerate(st.links):  # (s, s): zbv's turn stays on the device
       same = pairs[0][0] == pairs[0][1]
       stash = stash.at[r[NCOL + k]].set(out["y"] if same else jax.lax.ppermute(out["y"], AXIS, pairs))
       back = [(b, a) for a, b in pairs]
-      gbuf = gbuf.at[r[NCOL + len(links) + k]].set(out["dx"] if same else jax.lax.ppermute(out["dx"], AXIS, back))
-    return (stash, gbuf, x0, acc_layers, acc_rest, loss + out["loss"], tot, acc_load), None
+      gbuf = gbuf.at[r[NCOL + len(st.links) + k]].set(
+          out["dx"] if same else jax.lax.ppermute(out["dx"], AXIS, back))
+    return (stash, gbuf, x0, out["acc"], loss + out["loss"], tot, acc_load, head_load + out["head_load"]), None
 
-  buf = lambda n: plan.constrain(jnp.zeros((n + 1, b, L, D), dt), (None, *ACT))  # noqa: E731
-  carry = (buf(S), buf(G), x0, jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers),
-           jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), heads), f32,
-           {"aux": f32, "dropped": f32, "assigned": f32}, zeros_load)
-  (_, _, g_x0, acc_layers, acc_rest, loss, tot, acc_load), _ = jax.lax.scan(tick, carry, prog)
-  # chunk gradients stay on their device; the head's and chunk 0's input gradients (device 0's) are summed over it
-  # (in float32: exact, as the others are zeros; a bfloat16 all-reduce here crashes XLA:CPU, jax 0.10.2)
-  g_x0 = jnp.where(s == 0, g_x0, jnp.zeros((), dt)).astype(jnp.float32)
-  acc_rest, loss, tot, g_x0 = jax.lax.psum((acc_rest, loss, tot, g_x0), AXIS)
-  return jax.tree.map(lambda a: a[:, None], acc_layers), acc_rest, loss, tot, acc_load[:, None], g_x0
-
-
+  def run(self, x0):
+    st, f32 = self.st, jnp.float32
+    buf = lambda n: self.plan.constrain(jnp.zeros((n + 1, *self.zero_act.shape), st.dt), (None, *ACT))  # noqa: E731
+    acc = self.keep(jax.tree.map(lambda a: jnp.zeros(a.shape, f32), self.layers),
+                    jax.tree.map(lambda a: jnp.zeros(a.shape, f32), self.heads), lead=2)
+    carry = (buf(st.S), buf(st.G), x0, acc, f32(0), {"aux": f32(0), "dropped": f32(0), "assigned": f32(0)},
+             jnp.zeros((st.v, *self.zeros_load.shape), f32), self.zero_head_load)
+    (_, _, g_x0, (acc_layers, acc_head), loss, tot, acc_load, head_load), _ = jax.lax.scan(self.tick, carry, st.prog)
+    # chunk gradients stay on their device; the head's and chunk 0's input gradients (device 0's) are summed over
+    # it (in float32: exact, as the others are zeros; a bfloat16 all-reduce here crashes XLA:CPU, jax 0.10.2)
+    g_x0 = jnp.where(self.s == 0, g_x0, jnp.zeros((), st.dt)).astype(f32)
+    acc_head, loss, tot, head_load, g_x0 = jax.lax.psum((acc_head, loss, tot, head_load, g_x0), AXIS)
+    return jax.tree.map(lambda a: a[:, None], acc_layers), acc_head, loss, tot, acc_load[:, None], head_load, g_x0
 def act_bytes(cfg, mesh) -> int:
   """Bytes of one chunk input on one device (a microbatch's tokens x d_model, compute dtype)."""
   return sharding.tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
@@ -342,9 +384,9 @@ def traffic(cfg, mesh, rows) -> dict[str, int]:
          f"device's {sends * t.ticks} sends carry data)": sends * t.ticks * act}
   ring = 2 * (p - 1) / p
   head = sum(math.prod(r.device_shape) * r.count for r in rows
-             if not r.path.startswith("layers") and (r.path != "embed" or cfg.model.tie_embeddings))
+             if r.role.head)
   out["grad all-reduce (final norm, head; chunk 0's input gradients)"] = int(ring * (head * 4 + (t.m + 1) * act))
   if cfg.pipeline.virtual_stages > 1:
-    stack = sum(math.prod(r.device_shape) * r.count for r in rows if r.path.startswith("layers"))
+    stack = sum(math.prod(r.device_shape) * r.count for r in rows if r.role.stacked)
     out["layer stack to chunks and grads back (all-to-all)"] = int(2 * (p - 1) * stack * 4)
   return out

@@ -1,4 +1,4 @@
-"""Which rows of each global batch this process feeds, the global arrays they become; the microbatch split."""
+"""Which rows of each global batch this process feeds, and the global arrays they become."""
 
 from __future__ import annotations
 
@@ -37,11 +37,3 @@ class Placement:
     self.plan.check_rows(local["segment_ids"])
     return {k: jax.make_array_from_process_local_data(self.sharding, v, self.shape) for k, v in local.items()}
 
-
-def split_microbatches(batch, k: int, plan):
-  """(B, L) -> (k, B/k, L), microbatch i = rows i, i+k, ... so no row changes device."""
-  def split(x_BxL):
-    B, L = x_BxL.shape
-    x_kxbxL = x_BxL.reshape(B // k, k, L).swapaxes(0, 1)
-    return plan.constrain(x_kxbxL, (None, "batch", "length"))
-  return jax.tree.map(split, batch)

@@ -156,16 +156,16 @@ def manual(fn, mesh, in_specs, out_specs, **kw):
 
 
 def storage_sharding(sh: NamedSharding, shape: tuple[int, ...], over_data: bool, memory_kind: str | None = None,
-                     notes: list[str] | None = None, where: str = "") -> NamedSharding:
+                     notes: list[str] | None = None, where: str = "", stacked: bool = False) -> NamedSharding:
   """Where the fp32 master and Adam moments of a parameter computed with sharding `sh` live: ZeRO-1/2
   (`over_data`) also split them over `data`, on the fsdp-sharded dimension if `data` divides what is
-  left of it, else the largest one it divides (not a scanned layer stack's short axis, which each layer
-  slices; none: replicated over data, noted); offload puts them in `memory_kind` (pinned_host)."""
+  left of it, else the largest one it divides (never a scanned layer stack's leading axis, `stacked`, which each
+  layer slices; none: replicated over data, noted); offload puts them in `memory_kind` (pinned_host)."""
   spec = list(sh.spec) + [None] * (len(shape) - len(sh.spec))
   data = sh.mesh.shape.get("data", 1)
   if over_data and data > 1:
     left = [shape[i] // ways(spec[i], sh.mesh) for i in range(len(shape))]
-    order = sorted(range(len(shape)), key=lambda i: ("fsdp" not in axes_of(spec[i]), -left[i]))
+    order = sorted(range(int(stacked), len(shape)), key=lambda i: ("fsdp" not in axes_of(spec[i]), -left[i]))
     fit = [i for i in order if left[i] % data == 0]
     if fit:
       entry = ("data", *axes_of(spec[fit[0]]))

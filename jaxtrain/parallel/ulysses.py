@@ -45,7 +45,7 @@ def describe(model_cfg, mesh, rules) -> str:
           f"device" + (f", KV heads repeated x{r}" if r > 1 else ""))
 
 
-def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, plan):
+def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, plan, logits_dtype: str = "float32"):
   """Causal GQA with segment masking over the plan's sequence axis: reshard to heads, local kernel, reshard back."""
   mesh, AXIS = plan.mesh, plan.sequence_axis
   q_spec = plan.spec(("batch", "length", "act_heads", None), q_BxLxHxE.shape)
@@ -63,7 +63,8 @@ def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, plan):
   head_spec, seg_spec = P(q_spec[0], None, heads, None), P(q_spec[0], None)  # whole sequences, a share of heads
   to_heads = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, head_spec))  # noqa: E731
   # check_vma: the kernel is all local, so the transpose needs no psum over the axes the specs leave out
-  o_BxLxHxE = jax.shard_map(plan.local_attend, mesh=mesh, in_specs=(head_spec, head_spec, head_spec, seg_spec),
+  kernel = lambda *qkv_seg: plan.local_attend(*qkv_seg, logits_dtype)  # noqa: E731
+  o_BxLxHxE = jax.shard_map(kernel, mesh=mesh, in_specs=(head_spec, head_spec, head_spec, seg_spec),
                             out_specs=head_spec)(
       to_heads(q_BxLxHxE), to_heads(k_BxLxRxE), to_heads(v_BxLxRxE), seg_BxL)
   return jax.lax.with_sharding_constraint(o_BxLxHxE, NamedSharding(mesh, q_spec))

@@ -16,7 +16,7 @@ from jaxtrain.analysis import fit
 from jaxtrain.core.config import MISMATCH_CATEGORIES
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import flops
-from jaxtrain.parallel import mesh as mesh_lib, pipeline
+from jaxtrain.parallel import devices, mesh as mesh_lib, pipeline
 from jaxtrain.run import checkpoint, lock as lock_lib, metrics, observe, progress as progress_lib, runfiles
 from jaxtrain.run import step as step_lib
 
@@ -116,6 +116,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   asked = f"--steps asks for {stop_at}" if stop_at else f"train.steps is {cfg.train.steps}"
   stop_at = stop_at or cfg.train.steps
   setup = step_lib.Setup(cfg, mesh)
+  cfg = setup.cfg  # with what the mesh implies, as the plan line says
   fit.check(setup, cfg.run.fit_check)
   # Every check that can refuse the run comes before anything in the workdir is written, moved or created.
   current = checkpoint.fingerprint(cfg, data.tokenizer_digest(cfg), data.source_digest(cfg))
@@ -133,7 +134,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     print(f"jaxtrain: {config_name} ({setup.n_params:,} params), mesh {mesh_text} "
           f"on {mesh.size} {dev.platform} device(s) [{dev.device_kind}], workdir {workdir}")
     print(setup.plan.describe())
-    if setup.grads_fn is not None:
+    if setup.pipelined:
       print(pipeline.describe(cfg, mesh))
     if setup.notes:
       print(f"sharding: {len(setup.notes)} dimension(s) replicated where the mesh axis does not divide them, e.g. "
@@ -156,7 +157,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     preempt = Preemption(jax.process_count() > 1)
     profiler = observe.Profiler(cfg.run.profile_steps, workdir / "profile", enabled=jax.process_index() == 0)
     flops_per_step = flops.flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
-    peak = flops.peak_flops(dev.device_kind)
+    peak = devices.peak_flops(dev.device_kind)
     peak_total = peak * mesh.size if peak else None
     runlog = runfiles.RunLog(workdir, jax.process_index())  # library noise -> <workdir>/jaxtrain.log
     t0 = time.perf_counter()

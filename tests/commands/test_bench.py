@@ -10,6 +10,7 @@ import pytest
 from jaxtrain import bench
 from jaxtrain.analysis import speed
 from jaxtrain.model import flops
+from jaxtrain.parallel import devices
 
 TINY = ["--set", "train.batch_size=4", "--set", "train.seq_len=64"]
 STATS = {"median", "min", "max", "p25", "p75", "n"}
@@ -106,7 +107,7 @@ def test_measure_peak_counts_2mnk_flops_per_product_it_waits_for(monkeypatch):
     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
     ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA B200", 2250e12), ("cpu", None)])
 def test_peak_table_by_device_kind(kind, peak):
-  assert flops.peak_flops(kind) == peak
+  assert devices.peak_flops(kind) == peak
 
 
 @pytest.mark.parametrize("args, words", [

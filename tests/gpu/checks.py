@@ -67,6 +67,7 @@ def measure_step(tiny: bool, device, remat: str) -> dict:
   from jaxtrain.analysis import speed as bench
   from jaxtrain.analysis import gpu_compile
   from jaxtrain.model import flops
+  from jaxtrain.parallel import devices
   from jaxtrain.run import step as step_lib
   cfg = load_config(tiny, [f"model.remat={remat}"])
   s = shape(tiny)
@@ -81,7 +82,7 @@ def measure_step(tiny: bool, device, remat: str) -> dict:
   t = cfg.train
   median = float(np.median(times))
   fl = flops.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
-  table = flops.peak_flops(device.device_kind)
+  table = devices.peak_flops(device.device_kind)
   return {"config": s["config"], "remat": remat, "attention": setup.plan.attention, "batch_size": t.batch_size,
           "seq_len": t.seq_len, "compile_s": side.compile_s, "step_time_s": bench.stats(times),
           "tokens_per_s": t.batch_size * t.seq_len / median, "mfu": fl / median / table if table else None,

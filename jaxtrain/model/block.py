@@ -1,0 +1,78 @@
+"""One decoder block: pre-norm attention (grouped-query, or MLA) and a pre-norm MLP or MoE, residual adds.
+B batch, L length, D d_model, H heads, K kv heads, E head_dim."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtrain.core.config import ModelConfig
+from jaxtrain.model import ops
+from jaxtrain.model.attention import cached_attention
+from jaxtrain.model.layers import MLP, RMSNorm, param, rope
+from jaxtrain.model.mla import MLA
+from jaxtrain.model.moe import MoE
+
+RESIDUAL = ("batch", "act_length", "act_embed")  # the residual stream between blocks
+WHOLE = ("batch", "length", "act_embed")  # a norm's output entering a tensor-parallel region, whole along length
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    D, H, K, E, std = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.init_std
+    self.wq = param(rngs, (D, H, E), ("embed", "heads", "head_dim"), std)
+    self.wk = param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
+    self.wv = param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
+    self.wo = param(rngs, (H, E, D), ("heads", "head_dim", "embed"), std)
+    if cfg.qk_norm:  # Qwen3: one scale over head_dim shared by every head, so replicated under tensor
+      self.q_norm, self.k_norm = RMSNorm(E, cfg.norm_eps), RMSNorm(E, cfg.norm_eps)
+    self.qk_norm, self.logits_dtype = cfg.qk_norm, cfg.attention_logits_dtype
+
+  def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None):
+    """With a KV `cache` (decoding) returns (output, updated {"k", "v"})."""
+    dt = x_BxLxD.dtype
+    q_BxLxHxE = ops.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
+    k_BxLxKxE = ops.einsum("bld,dke->blke", x_BxLxD, self.wk[...].astype(dt))
+    v_BxLxKxE = ops.einsum("bld,dke->blke", x_BxLxD, self.wv[...].astype(dt))
+    if self.qk_norm:
+      q_BxLxHxE, k_BxLxKxE = self.q_norm(q_BxLxHxE), self.k_norm(k_BxLxKxE)
+    q_BxLxHxE = ops.constrain(rope(q_BxLxHxE, rope_tables), ("batch", "length", "act_heads", None))
+    k_BxLxKxE = ops.constrain(rope(k_BxLxKxE, rope_tables), ("batch", "length", "act_kv_heads", None))
+    v_BxLxKxE = ops.constrain(v_BxLxKxE, ("batch", "length", "act_kv_heads", None))
+    qkv = checkpoint_name(q_BxLxHxE, "q"), checkpoint_name(k_BxLxKxE, "k"), checkpoint_name(v_BxLxKxE, "v")
+    if cache is not None:
+      o_BxLxHxE, cache = cached_attention(*qkv, seg_BxL, cache)
+      return ops.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt)), cache
+    o_BxLxHxE = checkpoint_name(ops.current().attend(*qkv, seg_BxL, self.logits_dtype), "attn_out")
+    return ops.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe_layer: bool = False):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.attn = MLA(cfg, rngs) if cfg.attention_type == "mla" else Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.mlp = MoE(cfg, rngs) if moe_layer else MLP(cfg, rngs)
+
+  def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None):
+    """(x, MoE stats or None)[, updated KV cache]."""
+    h_BxLxD = ops.constrain(self.attn_norm(x_BxLxD), WHOLE)
+    if cache is None:
+      x_BxLxD = x_BxLxD + self.attn(h_BxLxD, rope_tables, seg_BxL)
+    else:
+      a_BxLxD, cache = self.attn(h_BxLxD, rope_tables, seg_BxL, cache)
+      x_BxLxD = x_BxLxD + a_BxLxD
+    x_BxLxD = ops.constrain(x_BxLxD, RESIDUAL)
+    h_BxLxD = ops.constrain(self.mlp_norm(x_BxLxD), WHOLE)
+    y_BxLxD, stats = self.mlp(h_BxLxD, cache is not None) if isinstance(self.mlp, MoE) else (self.mlp(h_BxLxD), None)
+    out = ops.constrain(x_BxLxD + y_BxLxD, RESIDUAL), stats
+    return out if cache is None else (*out, cache)
+
+
+def empty_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
+  """One grouped-query layer's KV cache of `length` slots per row."""
+  shape = (batch, length, cfg.n_kv_heads, cfg.head_dim)
+  return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}

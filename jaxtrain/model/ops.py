@@ -1,0 +1,73 @@
+"""How the model's math runs on devices, decided outside the model. The model calls the functions below; the step
+installs an `Ops` (the execution plan of jaxtrain.parallel.plan) around its trace with `use`. With none installed
+they are the one-device reference: no annotations, the reference attention, every projection a plain einsum, the
+experts on one device. This is how parallelism reaches a plain model: sharding constraints at block boundaries, the
+attention kernel, the MoE dispatch and the FP8 projections are all an `Ops` method."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.model import attention, moe_kernels
+
+
+class Ops:
+  """The one-device reference; a plan overrides what its mesh and device need."""
+
+  def constrain(self, x: jax.Array, axes) -> jax.Array:
+    """`x` annotated with logical axes (names of the rules table; None = replicated)."""
+    return x
+
+  def ways(self, axes, shape) -> tuple[int, ...]:
+    """How many devices split each dimension of an array with these logical axes."""
+    return (1,) * len(shape)
+
+  def attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype: str = "float32"):
+    """Causal grouped-query attention within segments; `logits_dtype`: the reference kernel's scores."""
+    return attention.attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, jnp.dtype(logits_dtype))
+
+  def project(self, fn, x, w, *args):
+    """A projection: the bilinear `fn(x, w, *args)` (einsum, ragged_dot). The FP8 policy replaces it."""
+    return fn(x, w, *args)
+
+  def experts(self, x_BxLxD, idx_BxLxk, w_BxLxk, weights, group: int, capacity: int | None):
+    """(y (B, L, D) float32, dropped assignments) of the routed experts; `capacity` None: dropless, else slots
+    per expert in each group of `group` consecutive positions."""
+    if capacity is None:
+      return moe_kernels.grouped_ffn_BxL(x_BxLxD, idx_BxLxk, w_BxLxk, weights, "ragged_dot"), jnp.float32(0)
+    return moe_kernels.capacity_ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, group, capacity)
+
+
+_CURRENT: contextvars.ContextVar[Ops] = contextvars.ContextVar("jaxtrain_ops", default=Ops())
+
+
+def current() -> Ops:
+  return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def use(ops: Ops):
+  """Runs the model's math as `ops` says while the block traces (installed by the step, the pipeline's region,
+  decoding)."""
+  token = _CURRENT.set(ops)
+  try:
+    yield ops
+  finally:
+    _CURRENT.reset(token)
+
+
+def constrain(x, axes):
+  return current().constrain(x, axes)
+
+
+def einsum(spec: str, x, w):
+  """A projection written as an einsum (activation first, weight second)."""
+  return current().project(lambda a, b: jnp.einsum(spec, a, b), x, w)
+
+
+def matmul(x, w):
+  return current().project(jnp.matmul, x, w)

@@ -1,0 +1,76 @@
+"""The one parameter-role table: for every parameter of every model family, what it is to the rest of jaxtrain.
+The optimizer (decay), the compute copy of ZeRO and offload (cast at use), MoE balancing (router bias), the pipeline
+(head, stacked), the memory bill and the Hugging Face maps read it here, never from a name of their own.
+
+A parameter's kind comes from its leaf name (KINDS: every name a model family has; an unknown one is an error, so a
+new parameter must say what it is). Weight decay is by rule: every matrix is decayed except the kinds listed in
+NOT_DECAYED. The rest follows from where the parameter sits in the tree and from the config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxtrain.core.config import ModelConfig
+
+KINDS = {
+    "embed": "embedding",
+    "lm_head": "matrix",
+    # attention (grouped-query; MLA's low-rank projections), MLP and experts, MTP's input projection
+    **dict.fromkeys(("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wkv_b"), "matrix"),
+    **dict.fromkeys(("w_gate", "w_up", "w_down", "eh_proj"), "matrix"),
+    "router": "router",  # a matrix the router uses in float32
+    "router_bias": "router_bias",  # aux-loss-free balancing: no gradient, moved by moe_balance
+    "scale": "norm",
+}
+# Matrices not decayed: the embedding (a rare token's row would shrink between the updates that touch it).
+NOT_DECAYED = frozenset({"embedding"})
+MATRICES = frozenset({"matrix", "embedding", "router"})
+CAST_AT_USE = frozenset({"matrix", "embedding"})  # used in the compute dtype (the router computes in float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+  kind: str
+  decayed: bool  # AdamW's weight decay applies
+  cast_at_use: bool  # the model casts it to the compute dtype at every use: its compute copy can be kept so
+  router_bias: bool  # moved by the aux-loss-free balancing rule, never by a gradient
+  head: bool  # used after the last block (final norm, output head, MTP; the embedding when the head needs it)
+  output: bool  # the output projection (lm_head, or the embedding when tied)
+  layer: bool  # in one of the decoder blocks (`layers`, `dense_layers`)
+  stacked: bool  # has a leading `layers` axis (a scanned stack, model.scan_layers)
+
+  @property
+  def matmul(self) -> bool:
+    """A weight of a matmul (not a norm scale, a bias, or a lookup table that is not also the head)."""
+    return self.kind in ("matrix", "router") or self.output
+
+
+def keys_of(path) -> tuple[str, ...]:
+  """A tree path (jax key entries, or strings) as plain names."""
+  return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def of(cfg: ModelConfig, path) -> Role:
+  """The role of the parameter at `path` (e.g. ("layers", 3, "attn", "wq") or jax key entries)."""
+  names = keys_of(path)
+  leaf, top = names[-1], names[0]
+  if leaf not in KINDS:
+    raise KeyError(f"parameter {'/'.join(names)}: {leaf!r} has no role in jaxtrain.model.roles.KINDS")
+  kind = KINDS[leaf]
+  head_needs_embedding = cfg.tie_embeddings or cfg.mtp_layers > 0  # the MTP module embeds the targets
+  return Role(kind=kind, decayed=kind in MATRICES and kind not in NOT_DECAYED, cast_at_use=kind in CAST_AT_USE,
+              router_bias=kind == "router_bias",
+              head=top in ("final_norm", "lm_head", "mtp") or (top == "embed" and head_needs_embedding),
+              output=top == "lm_head" or (top == "embed" and cfg.tie_embeddings), layer=top in ("layers", "dense_layers"), stacked=cfg.scan_layers and top in cfg.stacks())
+
+
+def tree(cfg: ModelConfig, params):
+  """A tree of `Role`s shaped like `params` (a pure dict, or any tree of arrays)."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: of(cfg, path), params)
+
+
+def mask(cfg: ModelConfig, params, field: str):
+  """A tree of bools shaped like `params`: the roles' `field`."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: getattr(of(cfg, path), field), params)

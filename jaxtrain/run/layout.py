@@ -1,0 +1,66 @@
+"""Where the train state lives and the parameters the step computes with: the stored layout of master and moments
+(ZeRO-1/2 also split them over `data`, offload puts them in host memory), the gradients' layout (ZeRO-2: split over
+`data` too) and the compute copy the step differentiates. The update's math never changes with the layout."""
+
+from __future__ import annotations
+
+import jax
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxtrain.model import roles
+from jaxtrain.parallel import sharding
+
+
+def _on_device(tree):
+  return jax.tree.map(lambda sh: sh.with_memory_kind("device"), tree)
+
+
+class Layout:
+  """The shardings of (params as computed, params as stored, optimizer state, gradients) for one plan."""
+
+  def __init__(self, cfg, plan, opt: optax.GradientTransformation, abstract_params, param_sh, notes: list[str]):
+    self.cfg, self.param = cfg, param_sh
+    mesh = plan.mesh
+    host = "pinned_host" if cfg.optim.offload == "host" else None
+
+    def stored(path, sh, x):
+      where = jax.tree_util.keystr(path, simple=True, separator="/")
+      return sharding.storage_sharding(sh, x.shape, plan.zero_stage > 0, host, notes, where,
+                                       stacked=roles.of(cfg.model, path).stacked)
+    self.stored = jax.tree_util.tree_map_with_path(stored, param_sh, abstract_params)
+    replicated = NamedSharding(mesh, P())
+    self.opt = optax.tree_map_params(opt, lambda _, sh: sh, jax.eval_shape(opt.init, abstract_params), self.stored,
+                                     transform_non_params=lambda _: replicated)
+    self.offload = host is not None
+    self.separate = plan.zero_stage > 0 or self.offload  # else the master is what the step computes with
+    # pinned for ZeRO (stage 1 too: XLA would split the gradients like the update's operands otherwise)
+    self.grads = _on_device(self.stored) if plan.zero_stage == 2 else param_sh
+    self.grad_sharding = self.grads if plan.zero_stage > 0 else None  # where the step pins the gradients
+
+  def compute(self, master):
+    """The parameters the step computes with, from the stored float32 master (itself without ZeRO or offload)."""
+    if not self.separate:
+      return master
+    return compute_copy(self.cfg.model, master, self.param, self.cfg.model.dtype,
+                        _on_device(self.stored) if self.offload else None)
+
+  def device_state(self):
+    """(master, optimizer state) shardings in device memory: where the offloaded update brings each unit."""
+    return _on_device((self.stored, self.opt))
+
+
+def compute_copy(model_cfg, params, shardings, dtype, fetch=None):
+  """The parameters the step computes with, from the float32 master: weights cast at use (the role table's) taken
+  in the compute `dtype` and brought to their compute `shardings` (an all-gather over data with ZeRO, a host to
+  device copy with offload), then seen as float32 again. The model's own cast makes them exactly the values a
+  float32 master gives, and the gradients (and their sums) are float32 as without it. `fetch` (offload): the
+  master's own shardings in device memory, where it goes before the cast (XLA moves host arrays to and from the
+  device; it runs no arithmetic on them outside `compute_on`)."""
+  def low(path, p, sh, dev):
+    p = p if fetch is None else jax.device_put(p, dev)
+    return jax.device_put(p.astype(dtype) if roles.of(model_cfg, path).cast_at_use else p, sh)
+  # the barrier keeps the gathered copy whole: XLA would otherwise re-gather each layer at each use (ZeRO-3)
+  copy = jax.lax.optimization_barrier(jax.tree_util.tree_map_with_path(low, params, shardings, fetch or shardings))
+  copy = jax.lax.with_sharding_constraint(copy, shardings)  # the barrier's output too, else it may stay split
+  return jax.tree.map(lambda c, p: c.astype(p.dtype), copy, params)
