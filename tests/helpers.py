@@ -1,6 +1,7 @@
 """Shared test helpers: a clean subprocess environment, a mesh from a spec on the first N
 simulated devices, the plan and a short loss trajectory for a config."""
 
+import dataclasses
 import math
 import os
 
@@ -13,7 +14,7 @@ from jaxtrain.analysis import gpu_compile
 from jaxtrain.core import config
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import plan as plan_lib
-from jaxtrain.run import step
+from jaxtrain.run import grads as grads_lib, step
 
 # Set by this test process (or a developer's shell) for in-process simulated devices or
 # fault injection; a subprocess that stands for a user's run must not inherit them.
@@ -38,6 +39,32 @@ def mesh_of(spec: str):
 def plan_of(mesh, *sets):
   """The execution plan the trainer would build for tiny (plus `sets`) on `mesh`."""
   return plan_lib.build(config.load("tiny", list(sets)), mesh)
+
+
+def moe_ffn(x_BxLxD, router, w_gate, w_up, w_down, *, top_k: int, capacity_factor: float, plan=None,
+            group_size: int = 0, dropless: bool = False, decoding: bool = False):
+  """The routed experts as the MoE layer runs them (jaxtrain.model.moe): routing, the capacity group and slots, then
+  the experts where `plan` says (None: one device, the reference). (y float32, stats with dropped/assigned)."""
+  import jax.numpy as jnp
+  from jaxtrain.model import moe, ops
+  B, L, _ = x_BxLxD.shape
+  X = router.shape[1]
+  idx, w, stats = moe.route(x_BxLxD, router, top_k)
+  group = group_size if group_size and moe.group_fits(group_size, L, B, L) and not (decoding and L % group_size) else L
+  cap = None if dropless else moe.capacity(group, X, top_k, capacity_factor)
+  with ops.use(plan or ops.Ops()):
+    y, dropped = ops.current().experts(x_BxLxD, idx, w, (w_gate, w_up, w_down), group, cap)
+  return y, {**stats, "dropped": dropped, "assigned": jnp.float32(B * L * top_k)}
+
+
+def with_microbatches(cfg, k: int):
+  return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=k))
+
+
+def grads_of(cfg, graphdef, params, batch, microbatches: int | None = None, loss_scale=1.0):
+  """(loss, unscaled gradient, n_valid) of one update by the gradient contract, on one device (no plan installed)."""
+  cfg = cfg if microbatches is None else with_microbatches(cfg, microbatches)
+  return grads_lib.grads(grads_lib.Objective(graphdef, cfg), params, batch, loss_scale)[:3]
 
 
 def trajectory(cfg, spec: str, steps: int):

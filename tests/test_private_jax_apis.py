@@ -46,8 +46,7 @@ def test_without_the_key_value_client_process_0_hashes_every_file(tmp_path, monk
 
 def test_without_the_packed_cudnn_module_the_plan_takes_the_mask_path(monkeypatch):
   from jax._src.cudnn import fused_attention_stablehlo as fa
-  from jaxtrain.model import attention
-  from jaxtrain.parallel import devices
+  from jaxtrain.parallel import devices, kernels as attention
   m = config.load("tiny", ["model.dtype=bfloat16", "model.attention_max_segments=8"]).model
   h100 = devices.of("H100")
   attention.packed_module.cache_clear()
@@ -96,7 +95,7 @@ def test_without_the_dot_lowering_bfloat16_matmuls_keep_xlas_kernel(monkeypatch,
   import jax
   import jax.numpy as jnp
   from jax._src.lax import lax
-  from jaxtrain.model import cpu_dots
+  from jaxtrain.core import cpu_dots
   monkeypatch.delattr(lax, "_dot_general_lower")
   cpu_dots.install.cache_clear()
   try:

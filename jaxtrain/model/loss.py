@@ -107,10 +107,13 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, ld, chunk_tokens, scale):
     if not grad:
       return total
     dh_BxLxD = ops.constrain(jnp.moveaxis(dh, 0, 3).reshape(h_BxLxD.shape), h_axes)
-    # the one reduction over the devices' tokens: a reduce-scatter to the weight's own layout, in the
-    # compute dtype like every layer weight's gradient (lax.reduce: jnp.sum would sum bfloat16 in float32)
+    # the one reduction over the devices' tokens: a reduce-scatter to the weight's own layout, in the compute
+    # dtype like every layer weight's gradient (jnp.sum would sum bfloat16 in float32). reduce_sum, not lax.reduce
+    # with a traced zero: that lowers its add through jax, which inside a partly manual shard_map (the pipeline)
+    # wraps it in a sharding constraint, so the collective's reducer ends in a copy and XLA:CPU's
+    # all-reduce-promotion (bf16 -> f32) aborts: "Invalid binary instruction opcode copy"
     dw16 = dw_GxSxDxV.astype(h_BxLxD.dtype)
-    dw_DxV = ops.constrain(jax.lax.reduce(dw16, jnp.zeros((), dw16.dtype), jax.lax.add, (0, 1)), ("embed", "vocab"))
+    dw_DxV = ops.constrain(jax.lax.reduce_sum(dw16, (0, 1)), ("embed", "vocab"))
     return total, (dh_BxLxD, dw_DxV, scale)
 
   # every array an argument: a custom_vjp must not close over traced values (it breaks inside the pipeline)

@@ -193,7 +193,7 @@ def _execute(objective, params, mbs, w, grad_sharding, *, cfg, mesh, forward_onl
   if forward_only:
     return loss_sum, None, None
   g_embed = embed_vjp(g_x0[:m].astype(jnp.dtype(mc.dtype)))[0].astype(jnp.float32)
-  g_rest = {**{k: jnp.zeros(x.shape, jnp.float32) for k, x in rest.items()}, **g_rest}
+  g_rest = {**{k: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), x) for k, x in rest.items()}, **g_rest}
   g_rest["embed"] = g_rest["embed"] + g_embed
   g = {**g_rest, "layers": jax.tree.map(lambda a: flip(a).reshape(mc.n_layers, *a.shape[3:]), g_layers)}
   g = {k: g[k] for k in params}  # the params' key order

@@ -44,9 +44,10 @@ class Streamer:
     self.leaves, self.treedef = self.flat(opt_state)
     (self.dev_m, self.dev_s), (self.host_m, self.host_s) = [(m, self.flat(st)[0]) for m, st in shardings]
 
-  def flat(self, tree):
-    """AdamW's state as leaves, each params-shaped dict (mu, nu) one leaf."""
-    return jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, dict) and x.keys() == self.keys)
+  def flat(self, tree, keys=None):
+    """AdamW's state as leaves, each params-shaped dict (mu, nu; with these `keys`, default the master's) one leaf."""
+    keys = self.keys if keys is None else keys
+    return jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, dict) and x.keys() == keys)
 
   def unit(self, picks, m_tree, s_leaves, apply, after):
     """AdamW on what `picks` take of a params-shaped dict, fetched once `after` (the previous unit's flag) is known;
@@ -60,7 +61,7 @@ class Streamer:
     p, st = jax.device_put((p, st), (pick_sh(self.dev_m), sub(self.dev_s, pick_sh)))
     upd, new_st = self.adamw.update(pick(self.g), self.treedef.unflatten(st), p)
     new_p = moe_balance.add(optax.apply_updates(p, upd), pick_sparse(self.delta))  # the bias moves where it lives
-    new_st = self.flat(new_st)[0]
+    new_st = self.flat(new_st, p.keys())[0]
     if apply is not None:
       new_p, new_st = jax.tree.map(lambda n, o: jnp.where(apply, n, o), (new_p, new_st), (p, st))
     return jax.device_put((new_p, new_st), (pick_sh(self.host_m), sub(self.host_s, pick_sh))), all_finite(new_p)

@@ -12,8 +12,13 @@ from flax import nnx
 from jaxtrain.core import config
 from jaxtrain.analysis import fit, memory
 from jaxtrain.model import transformer as model_lib
-from jaxtrain.run import step
+from jaxtrain.run import grads as grads_lib, step
 from tests.helpers import mesh_of
+
+
+def _loss_sum(cfg, graphdef, params, mb):
+  """The summed next-token loss of one microbatch, one device: what the backward keeps residuals for."""
+  return grads_lib.Objective(graphdef, cfg).loss_sum(params, mb)
 
 LLAMA3_8B = 8_030_261_248
 
@@ -114,7 +119,7 @@ def test_activation_formula_matches_what_autodiff_saves():
     params = nnx.to_pure_dict(abstract)
     mb = {k: jax.ShapeDtypeStruct((2, 32), jnp.int32) for k in ("inputs", "targets", "positions", "segment_ids",
                                                                  "loss_mask")}
-    keep = lambda p, b: jax.tree.leaves(jax.vjp(lambda q: step.token_loss_sum(graphdef, q, b), p)[1])  # noqa: E731
+    keep = lambda p, b: jax.tree.leaves(jax.vjp(lambda q: _loss_sum(cfg, graphdef, q, b), p)[1])  # noqa: E731
     saved = sum(x.size * x.dtype.itemsize for x in jax.eval_shape(keep, params, mb))
     setup = step.Setup(cfg, mesh_of("dp=1"))
     rows = memory.grouped(memory.param_rows(setup))
@@ -191,7 +196,7 @@ def _saved_bytes(cfg, n_layers):
   params = nnx.to_pure_dict(abstract)
   mb = {k: jax.ShapeDtypeStruct((2, 32), jnp.int32) for k in ("inputs", "targets", "positions", "segment_ids",
                                                                "loss_mask")}
-  keep = lambda p, b: jax.tree.leaves(jax.vjp(lambda q: step.token_loss_sum(graphdef, q, b), p)[1])  # noqa: E731
+  keep = lambda p, b: jax.tree.leaves(jax.vjp(lambda q: _loss_sum(cfg, graphdef, q, b), p)[1])  # noqa: E731
   return sum(x.size * x.dtype.itemsize for x in jax.eval_shape(keep, params, mb)), cfg
 
 

@@ -1,4 +1,4 @@
-"""cuDNN fused attention (`attention.fused(..., implementation="cudnn")`, and cuDNN's
+"""cuDNN fused attention (`kernels.fused(..., implementation="cudnn")`, and cuDNN's
 packed-offsets layout on Hopper) against the float32 reference: outputs and dQ/dK/dV through
 `jax.vjp` with a random cotangent, on unpacked rows and on rows of SEGMENTS documents. The
 same `fused` call with the XLA implementation is a control.
@@ -52,12 +52,12 @@ def _reference(tiny: bool, layout: str):
 
 def _kernel(name, info):
   """(the function, or None and why it does not apply to this device)."""
-  from jaxtrain.model import attention
+  from jaxtrain.parallel import kernels
   if name == "xla_fused":
-    return (lambda *a: attention.fused(*a, implementation="xla")), None
+    return (lambda *a: kernels.fused(*a, implementation="xla")), None
   if name == "cudnn":
-    return (lambda *a: attention.fused(*a, implementation="cudnn")), None if info.cuda else "no GPU"
-  return ((lambda *a: attention.packed(*a, max_segments=SEGMENTS)),
+    return (lambda *a: kernels.fused(*a, implementation="cudnn")), None if info.cuda else "no GPU"
+  return ((lambda *a: kernels.packed(*a, max_segments=SEGMENTS)),
           None if info.packed else "no GPU" if not info.cuda else "needs compute capability >= 9.0")
 
 

@@ -10,12 +10,19 @@ import pytest
 from flax import nnx
 
 from jaxtrain.core import config
-from jaxtrain.model import transformer as model_lib
-from jaxtrain.parallel import plan as plan_lib
-from jaxtrain.run import step
-from jaxtrain.model import loss as xent
 from jaxtrain.core.errors import UserError
-from tests.helpers import mesh_of
+from jaxtrain.model import loss as xent, ops, transformer as model_lib
+from jaxtrain.parallel import plan as plan_lib
+from jaxtrain.run import grads as grads_lib, step
+from tests.helpers import mesh_of, with_microbatches
+
+
+def under(plan, fn):
+  """`fn` traced with `plan` installed (as the step installs it)."""
+  def run(*args):
+    with ops.use(plan):
+      return fn(*args)
+  return run
 
 
 def rel(got, want):
@@ -53,24 +60,23 @@ def test_chunked_vocab_parallel_loss_and_grads_equal_float64(head, spec, chunk):
   (h, w, t, m), want = head
   mesh = mesh_of(spec)
   plan = plan_lib.build(config.load("tiny"), mesh)
-  f = jax.jit(jax.value_and_grad(lambda h, w: xent.nll_sum(h, w, t, m, plan, chunk), argnums=(0, 1)))
+  f = jax.jit(under(plan, jax.value_and_grad(lambda h, w: xent.nll_sum(h, w, t, m, chunk), argnums=(0, 1))))
   loss, (dh, dw) = f(h, jax.device_put(w, plan.sharding(("embed", "vocab"), w.shape)))
   if chunk:  # more than one chunk per device, and chunks within each device's share
-    sw, n, c = xent.chunk_layout(B, L, plan, chunk)
+    sw, n, c = under(plan, lambda: xent.chunk_layout(B, L, chunk))()
     assert n > 1 and sw * n * c == L
   assert abs(float(loss) - want["loss"]) <= 1e-6 * want["loss"]
   assert rel(dh, want["h"]) <= 1e-6 and rel(dw, want["w"]) <= 1e-6
-  alone = jax.jit(lambda h, w: xent.nll_sum(h, w, t, m, plan, chunk))(h, w)  # no gradient taken: eval's path
+  alone = jax.jit(under(plan, lambda h, w: xent.nll_sum(h, w, t, m, chunk)))(h, w)  # no gradient taken: eval's path
   assert abs(float(alone) - want["loss"]) <= 1e-6 * want["loss"]
 
 
 def test_chunk_layout_keeps_within_the_budget_and_divides_the_length():
-  one = plan_lib.local()
-  assert xent.chunk_layout(4, 32, one, 16) == (1, 8, 4)  # 4 rows x 4 positions
-  assert xent.chunk_layout(1, 24, one, 10) == (1, 3, 8)  # largest divisor of 24 <= 10
-  assert xent.chunk_layout(8, 16, one, 4) == (1, 16, 1)  # rows alone exceed the budget: one position
+  assert xent.chunk_layout(4, 32, 16) == (1, 8, 4)  # one device: 4 rows x 4 positions
+  assert xent.chunk_layout(1, 24, 10) == (1, 3, 8)  # largest divisor of 24 <= 10
+  assert xent.chunk_layout(8, 16, 4) == (1, 16, 1)  # rows alone exceed the budget: one position
   sp = plan_lib.build(config.load("tiny"), mesh_of("dp=2,sp=4"))
-  assert xent.chunk_layout(4, 32, sp, 8) == (4, 2, 4)  # 2 local rows x 4 of a device's 8 positions
+  assert under(sp, lambda: xent.chunk_layout(4, 32, 8))() == (4, 2, 4)  # 2 local rows x 4 of a device's 8 positions
 
 
 # ---- the train step's gradients: packed segments, masks, microbatches, loss scale -------
@@ -95,7 +101,7 @@ def _batch(bsz, length):
 
 @pytest.fixture(scope="module")
 def train_grads():
-  """(spec, tied, chunk) -> (loss, grads) of `step.grads` over 2 microbatches at loss scale 4."""
+  """(spec, tied, chunk) -> (loss, grads) of the gradient contract over 2 microbatches at loss scale 4."""
   batch = _batch(4, 32)
   cache = {}
 
@@ -106,7 +112,8 @@ def train_grads():
       setup = step.Setup(cfg, mesh_of(spec))
       params = jax.device_put(nnx.to_pure_dict(nnx.state(model_lib.Transformer(cfg.model, nnx.Rngs(0)))),
                               setup.state_shardings["params"])
-      g = jax.jit(lambda p, b: step.grads(setup.graphdef, p, b, 2, 4.0, plan=setup.plan)[:2])
+      objective = grads_lib.Objective(setup.graphdef, with_microbatches(setup.cfg, 2))
+      g = jax.jit(under(setup.plan, lambda p, b: grads_lib.grads(objective, p, b, 4.0)[:2]))
       cache[spec, tied, chunk] = jax.device_get(g(params, setup.device_batch(batch)))
     return cache[spec, tied, chunk]
   return run
@@ -131,7 +138,7 @@ def test_compiled_step_gathers_the_output_weight_once_and_reduces_its_gradient_o
   from jaxtrain.analysis import gpu_compile as gc
   cfg = config.load("tiny", ["train.loss_chunk_tokens=128"])  # 4 rows x 128 positions per device
   setup = step.Setup(cfg, mesh_of("fsdp=4"))
-  assert xent.chunk_layout(16, 128, setup.plan, 128)[1] == 4
+  assert under(setup.plan, lambda: xent.chunk_layout(16, 128, 128))()[1] == 4
   hlo = gc.Hlo.parse(setup.step.lower(*gc.abstract_inputs(setup)).compile().as_text())
   D, V = cfg.model.d_model, cfg.model.vocab_size
   head = re.compile(rf"\[({D},{V}|{V},{D})\]")
@@ -181,9 +188,37 @@ def test_bfloat16_head_logits_round_the_logits_and_their_gradient_once(head, spe
   errs = {}
   for dt in ("bfloat16", "float32"):
     plan = plan_lib.build(config.load("tiny", [f"model.head_logits_dtype={dt}"]), mesh)
-    f = jax.jit(jax.value_and_grad(lambda h, w: xent.nll_sum(h, w, t, m, plan, chunk), argnums=(0, 1)))
+    f = jax.jit(under(plan, jax.value_and_grad(lambda h, w: xent.nll_sum(h, w, t, m, chunk, dt), argnums=(0, 1))))
     loss, (dh, dw) = f(h.astype(jax.numpy.bfloat16), jax.device_put(w, plan.sharding(("embed", "vocab"), w.shape)))
     errs[dt] = (abs(float(loss) - want_loss) / want_loss, rel(dh, want_h), rel(dw, want_w))
   # the gradients are summed in float32 and returned rounded to bfloat16 (the compute dtype): 2^-9 in both
   assert errs["bfloat16"][0] <= 1e-6 and errs["bfloat16"][1] <= 4e-3 and errs["bfloat16"][2] <= 4e-3, errs
   assert errs["float32"][0] > 100 * errs["bfloat16"][0], errs
+
+
+# ---- float16: the chunked head gradient is formed already scaled, as the plain loss's is ----
+
+def test_float16_chunked_head_gradient_is_finite_where_the_plain_one_is():
+  """16,384 float16 tokens of one target with h ~ 8: the head weight's gradient column sums to ~ -120,000
+  unscaled, past float16's 65,504, but the step differentiates sum * loss_scale / n_valid (here 2048 / 16384): the
+  plain loss's autodiff scales d(logits) before its matmul and stays finite, so must the chunked loss (on main it
+  summed, cast to float16, then scaled: inf)."""
+  N, D2, V2 = 16384, 8, 16
+  rng = np.random.default_rng(3)
+  h = (8.0 + rng.random((1, N, D2))).astype(np.float16)
+  w = (0.01 * rng.normal(size=(D2, V2))).astype(np.float32)
+  t, m = np.zeros((1, N), np.int32), np.ones((1, N), np.int32)
+  scale = np.float32(2048.0 / N)
+  logits = h.astype(np.float64) @ w.astype(np.float64)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  want = np.einsum("bnd,bnv->dv", h.astype(np.float64), scale * (p - np.eye(V2)[t]))
+  assert np.abs(want / scale).max() > 65504 > np.abs(want).max()  # unscaled: past float16; scaled: within
+  grads = {}
+  for chunk in (0, 1024):
+    f = jax.jit(jax.grad(lambda h, w: scale * xent.nll_sum(h, w, t, m, chunk, grad_scale=scale), argnums=(0, 1)))
+    grads[chunk] = [np.asarray(g, np.float64) for g in f(h, w)]
+  for chunk, (dh, dw) in grads.items():
+    assert np.isfinite(dw).all() and np.isfinite(dh).all(), chunk
+    assert rel(dw, want) <= 2e-3, (chunk, rel(dw, want))  # float16 rounding of d(logits) and of the sum
+  np.testing.assert_allclose(grads[1024][0], grads[0][0], rtol=2e-3, atol=1e-6)

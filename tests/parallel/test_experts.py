@@ -11,10 +11,8 @@ import pytest
 
 from jaxtrain.run import loop
 from jaxtrain.core import config
-from jaxtrain.model import transformer as model_lib
-from jaxtrain.parallel import experts as moe
-from jaxtrain.parallel import plan as plan_lib
-from tests.helpers import mesh_of, plan_of
+from jaxtrain.model import moe, transformer as model_lib
+from tests.helpers import mesh_of, moe_ffn, plan_of
 
 
 def _silu(x):
@@ -44,7 +42,7 @@ def _weights(rng, D, X, F):
 def _layer(mesh, **kw):
   plan = plan_of(mesh, "model.moe_experts=8")
   assert plan.moe == "all_to_all"
-  return jax.jit(lambda *args: moe.moe_ffn(*args, **kw, plan=plan))
+  return jax.jit(lambda *args: moe_ffn(*args, **kw, plan=plan))
 
 
 @pytest.mark.parametrize("spec", ["ep=4", "ep=2,fsdp=2,tp=2"])
@@ -78,7 +76,7 @@ def test_expert_ffn_never_all_gathers_its_buffers_over_fsdp():
   plan = plan_of(mesh_of("fsdp=2,ep=2"), "model.moe_experts=4")
 
   def loss(x, *w):
-    return jnp.sum(moe.moe_ffn(x, *w, top_k=k, capacity_factor=1.0, plan=plan)[0] ** 2)
+    return jnp.sum(moe_ffn(x, *w, top_k=k, capacity_factor=1.0, plan=plan)[0] ** 2)
 
   hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(x, *ws).compile().as_text()
   gathered = [tuple(map(int, s.split(","))) for s in re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", hlo)]
@@ -106,20 +104,18 @@ def test_dropped_tokens_match_a_hand_count():
   np.testing.assert_array_equal(np.asarray(y)[dropped], 0.0)  # dropped: nothing added to the residual
   np.testing.assert_allclose(np.asarray(y)[~dropped], ref[~dropped], rtol=1e-4, atol=1e-5)
   # Groups are one sequence by default, whatever the mesh: one device drops the same.
-  y1, stats = jax.jit(lambda *a: moe.moe_ffn(*a, top_k=1, capacity_factor=1.0, plan=plan_lib.local()))(
+  y1, stats = jax.jit(lambda *a: moe_ffn(*a, top_k=1, capacity_factor=1.0))(
       x, router, wg, wu, wd)
   assert float(stats["dropped"]) == 3 + 6
   np.testing.assert_allclose(y1, y, rtol=1e-6, atol=1e-6)
   # One group of both rows (16 tokens): capacity 4 per expert. Expert 0 gets 5 (drops 1),
   # expert 3 gets 9 (drops 5).
-  _, stats = jax.jit(lambda *a: moe.moe_ffn(*a, top_k=1, capacity_factor=1.0, plan=plan_lib.local(),
-                                            group_size=16))(x, router, wg, wu, wd)
+  _, stats = jax.jit(lambda *a: moe_ffn(*a, top_k=1, capacity_factor=1.0, group_size=16))(x, router, wg, wu, wd)
   assert float(stats["dropped"]) == 1 + 5
 
   # Generation feeds fewer positions than a group of 64: each row's fed positions are one
   # group there, exactly as with the default group size (same drops, same output).
-  y64, stats = jax.jit(lambda *a: moe.moe_ffn(*a, top_k=1, capacity_factor=1.0, plan=plan_lib.local(),
-                                              group_size=64))(x, router, wg, wu, wd)
+  y64, stats = jax.jit(lambda *a: moe_ffn(*a, top_k=1, capacity_factor=1.0, group_size=64))(x, router, wg, wu, wd)
   assert float(stats["dropped"]) == 3 + 6
   np.testing.assert_array_equal(y64, y1)
 

@@ -1,4 +1,4 @@
-"""model.fp8=tensorwise (jaxtrain/model/fp8.py): one FP8 matmul against float32 within the bound the formats
+"""model.fp8=tensorwise (jaxtrain/parallel/fp8.py): one FP8 matmul against float32 within the bound the formats
 predict, the loss curve against bf16's, and the same FP8 math on a sharded mesh as on one device."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.core import config
-from jaxtrain.model import fp8
+from jaxtrain.parallel import fp8
 from tests.helpers import trajectory
 
 # Unit roundoff of a format with m explicit mantissa bits: 2^-(m+1); half the subnormal spacing 2^(emin-m-1).
@@ -93,3 +93,44 @@ def test_inspect_labels_an_fp8_run_and_says_mfu_keeps_the_bf16_peak():
   assert "compute bfloat16, FP8 projections (model.fp8=tensorwise)" in text.splitlines()[0]
   assert "MFU of an FP8 run keeps the bf16 peak as its denominator" in text
   assert "FP8" not in report.render(report.report(config.load("tiny"), mesh_of("data=1"), "tiny"))
+
+
+def _e4m3_casts(jaxpr) -> int:
+  """Casts to float8_e4m3fn in a jaxpr and every jaxpr inside it (custom_vjp bodies, scans, conds)."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == "convert_element_type" and eqn.params.get("new_dtype") == jnp.float8_e4m3fn
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (list, tuple)) else [p]):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          n += _e4m3_casts(inner)
+  return n
+
+
+def test_fp8_covers_every_projection_of_mla_moe_and_mtp():
+  """DeepSeek-shaped: MLA with a low-rank query, dense and MoE layers with a shared expert, an MTP block. Every
+  projection matrix the role table lists (all but the output head, the embedding and the router) runs in FP8 once
+  in the forward pass: two e4m3 casts (input and weight) each (on main MLA's and MTP's ran in bfloat16)."""
+  from flax import nnx
+  from jaxtrain.model import ops, roles, transformer as model_lib
+  from jaxtrain.parallel import plan as plan_lib
+  from jaxtrain.run import grads as grads_lib
+  cfg = config.load("deepseek-v3-tiny", ["model.fp8=tensorwise", "model.mtp_layers=1", "model.mtp_weight=0.3", "model.scan_layers=false",
+                                         "train.batch_size=2", "train.seq_len=16", "train.loss_chunk_tokens=0"])
+  m = cfg.model
+  assert m.attention_type == "mla" and m.q_lora_rank and m.mtp_layers and m.moe_experts and m.moe_shared_experts
+  graphdef, state = model_lib.abstract(m)
+  params = nnx.to_pure_dict(state)
+  projections = [path for path, r in jax.tree_util.tree_leaves_with_path(roles.tree(m, params))
+                 if r.kind == "matrix" and not r.output]
+  assert any("wkv_b" in str(p) for p in projections) and any("eh_proj" in str(p) for p in projections)
+  batch = {k: jax.ShapeDtypeStruct((2, 16), jnp.int32) for k in ("inputs", "targets", "loss_mask", "segment_ids",
+                                                                    "positions")}
+  objective, plan = grads_lib.Objective(graphdef, cfg), plan_lib.local(cfg)
+
+  def forward(p, b):
+    with ops.use(plan):
+      w, _ = grads_lib.weights(cfg, b, 1.0)
+      return objective(p, b, w)[0]
+  assert _e4m3_casts(jax.make_jaxpr(forward)(params, batch).jaxpr) == 2 * len(projections)

@@ -3,6 +3,7 @@ exact resume and resharding, the 1F1B memory bound, and the shape of the compile
 
 Every compiled run is shared through the module-scoped `runs` cache."""
 
+import dataclasses
 import json
 import re
 
@@ -199,10 +200,9 @@ def test_embedding_table_is_not_gathered_whole(runs):
 
 
 @pytest.mark.parametrize("extra,msg", [
-    (["model.scan_layers=false"], "needs model.scan_layers=true"),
     (["model.n_layers=6"], "model.n_layers=6 must divide into pipeline=4"),
     (["train.microbatches=2"], "train.microbatches=2 must be >= the pipeline stages (4)"),
-    (["pipeline.schedule=interleaved"], "needs pipeline.virtual_stages >= 2"),
+    (["pipeline.schedule=interleaved", "pipeline.virtual_stages=3"], "model.n_layers=8 must divide into pipeline=4"),
 ])
 def test_bad_pipeline_setups_are_one_line_errors(extra, msg):
   with pytest.raises(UserError, match=re.escape(msg)) as e:
@@ -210,6 +210,24 @@ def test_bad_pipeline_setups_are_one_line_errors(extra, msg):
   assert "\n" not in str(e.value)
   with pytest.raises(UserError, match="sequence=2 is not supported"):
     step.check_fits_mesh(cfg_of(), mesh_of("pp=2,sp=2"))
+
+
+@pytest.mark.parametrize("extra,want,note", [
+    (["model.scan_layers=false"], {"scan_layers": True}, "model.scan_layers=true (pipeline=4"),
+    (["pipeline.schedule=zbv"], {"virtual_stages": 2}, "pipeline.virtual_stages=2 (pipeline.schedule=zbv"),
+    (["pipeline.schedule=interleaved"], {"virtual_stages": 2}, "pipeline.virtual_stages=2 (pipeline.schedule=inter"),
+])
+def test_settings_a_pipeline_implies_are_set_and_said(extra, want, note):
+  """A pipeline runs stacked layers, zbv two chunks per device, interleaved at least two: set, not demanded, and
+  named in the plan line; the same config without a pipeline axis keeps what the user wrote."""
+  from jaxtrain.parallel import plan as plan_lib
+  cfg = cfg_of(*extra)
+  plan = plan_lib.build(cfg, mesh_of("pp=4"))
+  got = {**dataclasses.asdict(plan.cfg.model), **dataclasses.asdict(plan.cfg.pipeline)}
+  assert {k: got[k] for k in want} == want and note in plan.describe()
+  step.check_fits_mesh(plan.cfg, mesh_of("pp=4"))
+  assert plan_lib.build(cfg, mesh_of("dp=4")).cfg == cfg and "set by the mesh" not in plan_lib.build(
+      cfg, mesh_of("dp=4")).describe()
 
 
 def test_start_up_line_names_the_schedule():

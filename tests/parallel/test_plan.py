@@ -9,7 +9,8 @@ import pytest
 
 from jaxtrain.core import config
 from jaxtrain.core.errors import UserError
-from jaxtrain.parallel import plan as plan_lib
+from jaxtrain.model import attention as attention_lib
+from jaxtrain.parallel import kernels, plan as plan_lib
 from jaxtrain.run import step
 from tests.helpers import mesh_of
 
@@ -17,9 +18,9 @@ from tests.helpers import mesh_of
 def test_the_plan_decides_the_kernel_once_and_it_is_what_runs(monkeypatch):
   cfg = config.load("tiny", ["model.dtype=float32", "train.batch_size=4", "train.seq_len=32", "model.n_layers=1"])
   called = []
-  real = plan_lib.KERNELS["xla"]  # the spies compute the reference (cuDNN cannot run on CPU)
-  for name in ("xla", "cudnn"):
-    monkeypatch.setitem(plan_lib.KERNELS, name, lambda *a, name=name, **kw: called.append(name) or real(*a, **kw))
+  real = attention_lib.attention  # the spies compute the reference (cuDNN cannot run on CPU)
+  monkeypatch.setattr(attention_lib, "attention", lambda *a, **kw: called.append("xla") or real(*a, **kw))
+  monkeypatch.setattr(kernels, "fused", lambda *a, **kw: called.append("cudnn") or real(*a[:4]))
   for spec, forced, want in [("dp=2", None, "xla"), ("dp=2", "cudnn", "cudnn"), ("sp=2", None, "ring")]:
     mesh = mesh_of(spec)
     plan = plan_lib.build(cfg, mesh)

@@ -12,7 +12,7 @@ from jaxtrain import data
 from jaxtrain.analysis import comms, gpu_compile, memory
 from jaxtrain.core import config
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import attention as attention_lib
+from jaxtrain.parallel import kernels
 from jaxtrain.parallel import plan as plan_lib
 from jaxtrain.run import step
 from tests.helpers import mesh_of, needs_plugin, trajectory
@@ -28,7 +28,7 @@ def test_batches_hold_packed_documents():
   it = data.batches(CFG)
   seg = next(it)["segment_ids"]
   it.close()
-  assert attention_lib.segments_per_row(seg).max() > 1
+  assert kernels.segments_per_row(seg).max() > 1
 
 
 @pytest.fixture(scope="module")

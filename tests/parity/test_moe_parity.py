@@ -14,14 +14,14 @@ from flax import nnx
 from jaxtrain import data
 from jaxtrain.run import checkpoint
 from jaxtrain.core import config
-from jaxtrain.model import transformer as model_lib
-from jaxtrain.parallel import experts as moe
-from jaxtrain.model import moe_balance
+from jaxtrain.model import moe, moe_balance, transformer as model_lib
+from jaxtrain.model.layers import MLP
+from jaxtrain.model.moe import MoE
 from jaxtrain.parallel import expert_layout as moe_layout
 from jaxtrain.parallel import plan as plan_lib
 from jaxtrain.run import step
 from jaxtrain.core.errors import UserError
-from tests.helpers import mesh_of
+from tests.helpers import mesh_of, moe_ffn
 
 STEPS = 3
 # moe-tiny (4 experts, top-2, both layers MoE) at the default capacity factor 1.25, float32,
@@ -146,11 +146,11 @@ def _weights(rng, D, X, F):
 def _dropless_layer(spec, kernel):
   """The dropless layer as the plan for (moe-tiny with 8 experts, dropless) on `spec` runs it, kernel forced."""
   cfg = config.load("moe-tiny", ["model.moe_experts=8", "model.moe_dropless=true"])
-  plan = plan_lib.local(cfg.model) if spec is None else plan_lib.build(cfg, mesh_of(spec))
+  plan = plan_lib.local(cfg) if spec is None else plan_lib.build(cfg, mesh_of(spec))
   plan = dataclasses.replace(plan, moe_kernel=kernel)
 
   def run(*args):
-    return moe.moe_ffn(*args, top_k=2, capacity_factor=1.0, plan=plan)[0]
+    return moe_ffn(*args, top_k=2, capacity_factor=1.0, plan=plan, dropless=True)[0]
   return run
 
 
@@ -293,7 +293,7 @@ def test_shared_fine_grained_sigmoid_biased_layer_equals_reference(dropless):
   """moe-deepseek-tiny's MoE layer (16 experts of width 64 != d_ff, 1 shared, sigmoid router,
   a routing bias) against the numpy loop plus a plain SwiGLU shared expert."""
   m = DEEPSEEK.model
-  layer = model_lib.MoE(m, nnx.Rngs(0))
+  layer = MoE(m, nnx.Rngs(0))
   rng = np.random.default_rng(3)
   layer.router_bias[...] = jnp.asarray(rng.standard_normal(m.moe_experts) * 0.05, jnp.float32)
   layer.router[...] = layer.router[...] * 30  # sharper scores: the bias changes some choices, not all
@@ -302,7 +302,7 @@ def test_shared_fine_grained_sigmoid_biased_layer_equals_reference(dropless):
     layer.cfg = config.load("moe-deepseek-tiny", SMALL_DS + ["model.moe_dropless=false",
                                                              "model.moe_capacity_factor=0"]).model
   graphdef, state = nnx.split(layer)
-  y, _ = _fast(lambda st, x: nnx.merge(graphdef, st)(x, plan_lib.local(layer.cfg)), state, x)
+  y, _ = _fast(lambda st, x: nnx.merge(graphdef, st)(x), state, x)
   assert layer.w_gate.shape == (16, m.d_model, 64) and layer.shared.w_gate.shape == (m.d_model, 64)
   s = layer.shared
   shared = (_silu(np.asarray(x) @ np.asarray(s.w_gate[...])) * (np.asarray(x) @ np.asarray(s.w_up[...]))) @ np.asarray(
@@ -327,8 +327,8 @@ def test_first_dense_layers_and_parameter_count():
   assert model_lib.param_count(nnx.state(net)) == want
   # The dense layer computes a plain SwiGLU MLP of width d_ff.
   x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 3, D)), jnp.float32)
-  mlp = model_lib.MLP(m, nnx.Rngs(0))  # what layer 0 is
-  np.testing.assert_allclose(mlp(x, plan_lib.local(m)), (_silu(np.asarray(x @ mlp.w_gate[...])) * np.asarray(x @ mlp.w_up[...]))
+  mlp = MLP(m, nnx.Rngs(0))  # what layer 0 is
+  np.testing.assert_allclose(mlp(x), (_silu(np.asarray(x @ mlp.w_gate[...])) * np.asarray(x @ mlp.w_up[...]))
                              @ np.asarray(mlp.w_down[...]), rtol=1e-5, atol=1e-6)
 
 

@@ -1,4 +1,4 @@
-"""Global-norm gradient clipping, done by the optimizer (`step.optimizer`): the clipped
+"""Global-norm gradient clipping, done by the optimizer (`optimizer.optimizer`): the clipped
 gradient against a hand-written numpy clip, the state layout it leaves alone, and the
 train step clipping the unscaled gradient (any loss scale gives the same update)."""
 
@@ -11,8 +11,8 @@ from flax import nnx
 from jaxtrain import data
 from jaxtrain.core import config
 from jaxtrain.model import transformer as model_lib
-from jaxtrain.parallel import plan as plan_lib
-from jaxtrain.run import step
+from jaxtrain.run import optimizer as optim_lib, step
+from tests.helpers import grads_of, mesh_of
 
 # b1=b2=0: Adam's m=g, v=g^2, so with eps=1 the update is -lr * g / (|g| + 1): it depends on the
 # gradient's scale, so a clip shows. warmup=1: the first update runs at lr. No weight decay.
@@ -23,7 +23,7 @@ G = {"wq": np.array([3.0, -4.0], np.float32), "embed": np.array([[12.0]], np.flo
 
 def _first_update(clip: float):
   cfg = config.load("tiny", [*PROBE, f"optim.grad_clip={clip}"])
-  opt = step.optimizer(cfg)
+  opt = optim_lib.optimizer(cfg)
   params = jax.tree.map(jnp.zeros_like, G)
   updates, _ = opt.update(jax.tree.map(jnp.asarray, G), opt.init(params), params)
   return {k: np.asarray(v) for k, v in updates.items()}
@@ -52,8 +52,8 @@ def test_a_clip_changes_the_update_and_a_loose_one_does_not():
 def test_clipping_leaves_the_optimizer_state_layout_as_it_was():
   """Checkpoints hold the optimizer state: with or without clipping it is AdamW's pytree."""
   params = jax.tree.map(jnp.zeros_like, G)
-  on = step.optimizer(config.load("tiny", ["optim.grad_clip=1.0"])).init(params)
-  off = step.optimizer(config.load("tiny", ["optim.grad_clip=0"])).init(params)
+  on = optim_lib.optimizer(config.load("tiny", ["optim.grad_clip=1.0"])).init(params)
+  off = optim_lib.optimizer(config.load("tiny", ["optim.grad_clip=0"])).init(params)
   assert jax.tree.structure(on) == jax.tree.structure(off)
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(on)[0]]
   assert paths[:3] == ["[0].count", "[0].mu['embed']", "[0].mu['wq']"], paths  # what old checkpoints hold
@@ -70,7 +70,7 @@ def test_the_step_clips_the_unscaled_gradient_and_logs_the_norm_before_it(clip_o
   it = data.batches(base)
   batch = {k: jnp.asarray(v) for k, v in next(it).items()}
   it.close()
-  _, g, _ = step.grads(graphdef, params, batch, 1)
+  _, g, _ = grads_of(base, graphdef, params, batch)
   norm = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g))))
   clip = norm * clip_over_norm
   cfg = config.load("tiny", ["model.dtype=float32", "train.batch_size=4", "train.seq_len=32", *PROBE,
@@ -78,11 +78,11 @@ def test_the_step_clips_the_unscaled_gradient_and_logs_the_norm_before_it(clip_o
   factor = min(1.0, clip / norm)
   want = jax.tree.map(lambda p, x: np.asarray(p) - 0.5 * (np.asarray(x) * factor) / (np.abs(np.asarray(x) * factor) + 1),
                       params, g)
-  opt = step.optimizer(cfg)
+  setup = step.Setup(cfg, mesh_of("dp=1"))
   for scale in (1.0, 1024.0):
-    state = step.init_state(cfg, opt, params)
+    state = step.init_state(cfg, setup.opt, jax.tree.map(jnp.array, params))  # a copy: the step donates it
     state["loss_scale"] = {"scale": jnp.float32(scale), "good_steps": jnp.int32(0)}
-    new, metrics = step.train_step(graphdef, opt, cfg, plan_lib.local(cfg.model), state, batch)
+    new, metrics = setup.step(state, batch)
     assert not bool(metrics["skipped"]) and float(metrics["grad_norm"]) == pytest.approx(norm, rel=1e-5)
     for path, got in jax.tree_util.tree_flatten_with_path(new["params"])[0]:
       ref = want

@@ -1,4 +1,4 @@
-"""The learning-rate schedule (`step.lr_schedule`, the one kind the config has: linear
+"""The learning-rate schedule (`optim_lib.lr_schedule`, the one kind the config has: linear
 warmup, then cosine to lr * min_lr_ratio) at every step of short runs, against tables
 worked out by hand from the formula below; eager and under jit with the int32 count the
 optimizer passes it.
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.core import config
-from jaxtrain.run import step
+from jaxtrain.run import optimizer as optim_lib, step
 
 C30 = 0.8660254037844386  # cos(pi/6) = -cos(5pi/6)
 C45 = 0.7071067811865476  # cos(pi/4) = -cos(3pi/4)
@@ -54,7 +54,7 @@ TABLES = {
 def test_schedule_matches_the_hand_computed_table_at_every_step(name):
   sets, table = TABLES[name]
   cfg = config.load("tiny", sets)
-  lr = step.lr_schedule(cfg.optim, cfg.train.steps)
+  lr = optim_lib.lr_schedule(cfg.optim, cfg.train.steps)
   want = np.asarray(table)
   eager = np.asarray([float(lr(s)) for s in range(len(table))])
   counts = jnp.arange(len(table), dtype=jnp.int32)  # the optimizer's count dtype
@@ -70,7 +70,7 @@ def test_default_schedule_spot_values():
   cfg = config.load("tiny")
   o = cfg.optim
   assert (o.lr, o.warmup_steps, cfg.train.steps, o.min_lr_ratio) == (3e-3, 5, 20, 0.1)  # the table's premise
-  lr = step.lr_schedule(o, cfg.train.steps)
+  lr = optim_lib.lr_schedule(o, cfg.train.steps)
   got = [float(lr(s)) for s in (0, 3, 4, 5, 10, 20, 25)]
   np.testing.assert_allclose(got, [6e-4, 2.4e-3, 3e-3, 3e-3, 2.325e-3, 3e-4, 3e-4], rtol=2e-6)
 

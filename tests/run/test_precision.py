@@ -13,7 +13,7 @@ from jaxtrain.model import transformer as model_lib
 from jaxtrain.run import precision
 from jaxtrain.run import progress
 from jaxtrain.run import step
-from tests.helpers import mesh_of
+from tests.helpers import grads_of, mesh_of
 
 
 def _batches(cfg, n):
@@ -118,7 +118,7 @@ def _wq_grad(dtype, mode):
   params = nnx.to_pure_dict(nnx.state(model_lib.Transformer(cfg.model, nnx.Rngs(0))))
   batch = {k: jnp.asarray(v) for k, v in _batches(cfg, 1)[0].items()}
   scale = precision.init(cfg)["scale"]
-  _, g, _ = jax.jit(step.grads, static_argnums=(0, 3))(graphdef, params, batch, 1, scale)
+  _, g, _ = jax.jit(lambda p, b, s: grads_of(cfg, graphdef, p, b, loss_scale=s))(params, batch, scale)
   return np.asarray(g["layers"][0]["attn"]["wq"])
 
 

@@ -9,10 +9,9 @@ from flax import nnx
 
 from jaxtrain import data
 from jaxtrain.core import config
-from jaxtrain.model import transformer as model_lib
-from jaxtrain.parallel import plan as plan_lib
-from jaxtrain.run import step
-from tests.helpers import mesh_of
+from jaxtrain.model import roles, transformer as model_lib
+from jaxtrain.run import optimizer as optim_lib, step
+from tests.helpers import grads_of, mesh_of
 
 
 def _setup():
@@ -23,15 +22,15 @@ def _setup():
   # Uneven valid-token counts: microbatch i (rows i, i+4 with k=4) keeps a different share.
   keep = np.array([128, 3, 60, 0, 128, 17, 90, 1])[:, None] > np.arange(128)[None, :]
   batch["loss_mask"] = batch["loss_mask"] * jnp.asarray(keep, jnp.int32)
-  return graphdef, params, batch
+  return cfg, graphdef, params, batch
 
 
 def test_accumulation_equals_one_big_batch():
-  graphdef, params, batch = _setup()
+  cfg, graphdef, params, batch = _setup()
   counts = [int(batch["loss_mask"][i::4].sum()) for i in range(4)]
   assert len(set(counts)) == 4, counts  # the microbatches really differ in valid tokens
-  loss1, g1, n1 = jax.jit(step.grads, static_argnums=(0, 3))(graphdef, params, batch, 1)
-  loss4, g4, n4 = jax.jit(step.grads, static_argnums=(0, 3))(graphdef, params, batch, 4)
+  loss1, g1, n1 = jax.jit(lambda p, b: grads_of(cfg, graphdef, p, b, microbatches=1))(params, batch)
+  loss4, g4, n4 = jax.jit(lambda p, b: grads_of(cfg, graphdef, p, b, microbatches=4))(params, batch)
   assert int(n1) == int(n4) == sum(counts)
   np.testing.assert_allclose(loss4, loss1, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g4), jax.tree.leaves(g1)):
@@ -39,8 +38,8 @@ def test_accumulation_equals_one_big_batch():
 
 
 def test_loss_is_the_mean_over_valid_tokens_of_the_whole_update():
-  graphdef, params, batch = _setup()
-  loss, _, _ = step.grads(graphdef, params, batch, 4)
+  cfg, graphdef, params, batch = _setup()
+  loss, _, _ = grads_of(cfg, graphdef, params, batch, microbatches=4)
   # Independent reference: per-token NLL from log_softmax, averaged over all valid tokens.
   logits = nnx.merge(graphdef, params)(batch["inputs"], batch["positions"], batch["segment_ids"])
   nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], -1)[..., 0]
@@ -53,26 +52,28 @@ def test_loss_is_the_mean_over_valid_tokens_of_the_whole_update():
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
   cfg = config.load("tiny", ["train.steps=100", "optim.warmup_steps=10", "optim.lr=1.0", "optim.min_lr_ratio=0.1"])
-  lr = step.lr_schedule(cfg.optim, cfg.train.steps)
+  lr = optim_lib.lr_schedule(cfg.optim, cfg.train.steps)
   np.testing.assert_allclose([lr(0), lr(4), lr(9)], [0.1, 0.5, 1.0], rtol=1e-6)
   np.testing.assert_allclose([lr(10), lr(55), lr(100)], [1.0, 0.55, 0.1], rtol=1e-5)
 
 
-def test_weight_decay_mask_covers_projections_only():
-  cfg = config.load("tiny")
+def test_weight_decay_mask_covers_matrices_but_the_embedding():
+  cfg = config.load("tiny", ["model.moe_experts=4", "model.moe_bias_rate=0.01"])
   _, state = model_lib.abstract(cfg.model)
-  mask = step.decay_mask(nnx.to_pure_dict(state))
+  mask = roles.mask(cfg.model, nnx.to_pure_dict(state), "decayed")
   assert mask["layers"][0]["attn"]["wq"] and mask["layers"][1]["mlp"]["w_down"] and mask["lm_head"]
+  assert mask["layers"][0]["mlp"]["router"]  # a matrix like the others (it was silently left out)
   assert not mask["embed"] and not mask["final_norm"]["scale"] and not mask["layers"][0]["attn_norm"]["scale"]
+  assert not mask["layers"][0]["mlp"]["router_bias"]
 
 
 def test_grad_norm_is_logged_before_clipping():
-  graphdef, params, batch = _setup()
-  _, g, _ = step.grads(graphdef, params, batch, 1)
+  cfg, graphdef, params, batch = _setup()
+  _, g, _ = grads_of(cfg, graphdef, params, batch, microbatches=1)
   unclipped = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g))))
   cfg = config.load("tiny", ["model.dtype=float32", "train.batch_size=8", "optim.grad_clip=1e-3"])
-  opt = step.optimizer(cfg)
-  _, metrics = step.train_step(graphdef, opt, cfg, plan_lib.local(cfg.model), step.init_state(cfg, opt, params), batch)
+  setup = step.Setup(cfg, mesh_of("dp=1"))
+  _, metrics = setup.step(step.init_state(cfg, setup.opt, params), batch)
   assert unclipped > 1.0 and float(metrics["grad_norm"]) == pytest.approx(unclipped, rel=1e-5)
 
 
@@ -81,10 +82,10 @@ def test_a_non_finite_update_is_skipped_and_moves_nothing():
   opt = optax.sgd(1e38)
   state = opt.init(params)
   g = {"w": jnp.full((4,), 100.0)}  # finite gradient, step of 1e40: the new params overflow float32
-  new, new_state, applied = jax.jit(lambda p, s, g: step.guarded_update(opt, p, s, g, True))(params, state, g)
+  new, new_state, applied = jax.jit(lambda p, s, g: optim_lib.guarded_update(opt, p, s, g, True))(params, state, g)
   assert not bool(applied)
   np.testing.assert_array_equal(new["w"], params["w"])
-  new, _, applied = step.guarded_update(optax.sgd(0.1), params, state, g, jnp.bool_(True))
+  new, _, applied = optim_lib.guarded_update(optax.sgd(0.1), params, state, g, jnp.bool_(True))
   assert bool(applied) and float(new["w"][0]) == pytest.approx(1 - 10.0)
 
 

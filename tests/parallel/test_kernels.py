@@ -1,5 +1,5 @@
-"""Kernel choice for the target device, and the packed-segment description cuDNN gets
-(checked on CPU: the mask the offsets describe equals the reference's segment mask)."""
+"""Attention kernel choice for the target device (jaxtrain.parallel.kernels), and the packed-segment description
+cuDNN gets (checked on CPU: the mask the offsets describe equals the reference's segment mask)."""
 
 import dataclasses
 
@@ -8,13 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.model import attention
 from jaxtrain.core import config
-from jaxtrain.parallel import plan as plan_lib
 from jaxtrain.core.errors import UserError
+from jaxtrain.model import attention
+from jaxtrain.parallel import devices, kernels, plan as plan_lib
 from tests.helpers import trajectory
-
-from jaxtrain.parallel import devices
 
 H100, A100 = devices.of("H100"), devices.of("A100")
 CFG = config.load("tiny", ["model.dtype=float32", "model.n_layers=2", "model.d_model=32", "model.d_ff=64",
@@ -23,10 +21,10 @@ CFG = config.load("tiny", ["model.dtype=float32", "model.n_layers=2", "model.d_m
 
 def test_selection_follows_the_target_device_not_the_host():
   m = dataclasses.replace(config.load("tiny").model, dtype="bfloat16", attention_max_segments=8)
-  assert attention.select(m, 128, H100) == ("cudnn", "cuDNN fused attention (causal; segments as packed offsets, "
+  assert kernels.select(m, 128, H100) == ("cudnn", "cuDNN fused attention (causal; segments as packed offsets, "
                                                      "at most 8 per row)")
-  assert attention.select(m, 128, A100)[1].endswith("segments as an L x L mask)")  # packed needs Hopper
-  assert attention.select(m, 128, devices.of(jax.devices("cpu")[0]))[0] == "xla"  # what this host is
+  assert kernels.select(m, 128, A100)[1].endswith("segments as an L x L mask)")  # packed needs Hopper
+  assert kernels.select(m, 128, devices.of(jax.devices("cpu")[0]))[0] == "xla"  # what this host is
 
 
 def _mask_from_offsets(lengths, starts, L):
@@ -48,12 +46,12 @@ def test_segment_offsets_describe_exactly_the_reference_mask():
     rows.append(np.repeat(np.arange(len(cuts) + 1) + 1, np.diff(np.concatenate([[0], cuts, [L]]))))
   rows[0][-5:] = 0  # trailing padding is a segment of its own, as in the reference
   seg = np.stack(rows).astype(np.int32)
-  lengths, starts = (np.asarray(a) for a in jax.jit(attention.segment_offsets, static_argnums=1)(seg, M))
+  lengths, starts = (np.asarray(a) for a in jax.jit(kernels.segment_offsets, static_argnums=1)(seg, M))
   assert lengths.shape == (6, M) and starts.shape == (6, M + 1)
   for b in range(6):
     want = (seg[b][:, None] == seg[b][None, :]) & np.tri(L, dtype=bool)
     np.testing.assert_array_equal(_mask_from_offsets(lengths[b], starts[b][:M], L), want)
-    used = int(attention.segments_per_row(seg[b:b + 1])[0])
+    used = int(kernels.segments_per_row(seg[b:b + 1])[0])
     assert (lengths[b, used:] == -1).all() and (starts[b, used:] == -1).all()
 
 
@@ -72,26 +70,26 @@ def test_a_row_with_more_segments_than_the_bound_is_refused():
 
 def test_attention_selection_picks_the_reference_on_cpu():
   bf16 = dataclasses.replace(CFG, dtype="bfloat16", head_dim=64)
-  impl, reason = attention.select(bf16, 128)
+  impl, reason = kernels.select(bf16, 128)
   assert impl == "xla" and "cpu" in reason
-  assert attention.select(dataclasses.replace(bf16, attention="xla"))[0] == "xla"
+  assert kernels.select(dataclasses.replace(bf16, attention="xla"))[0] == "xla"
   with pytest.raises(UserError, match="model.attention=cudnn is not supported here: backend is cpu"):
-    attention.select(dataclasses.replace(bf16, attention="cudnn"), 128)
+    kernels.select(dataclasses.replace(bf16, attention="cudnn"), 128)
 
 
 def test_attention_selection_rules_on_a_gpu():
   """The conditions, for an A100 target (head_dim at most 128) and an H100 (256)."""
   bf16 = dataclasses.replace(CFG, dtype="bfloat16", head_dim=64)
-  assert attention.select(bf16, 128, info=devices.of("A100"))[0] == "cudnn"
+  assert kernels.select(bf16, 128, info=devices.of("A100"))[0] == "cudnn"
   for cfg, seq, why in [(dataclasses.replace(bf16, dtype="float32"), 128, "model.dtype=float32"),
                         (dataclasses.replace(bf16, head_dim=60), 128, "model.head_dim=60"),
                         (dataclasses.replace(bf16, head_dim=192), 128, "model.head_dim=192"),
                         (bf16, 127, "train.seq_len=127")]:
-    impl, reason = attention.select(cfg, seq, info=devices.of("A100"))
+    impl, reason = kernels.select(cfg, seq, info=devices.of("A100"))
     assert impl == "xla" and why in reason
     with pytest.raises(UserError, match=why):
-      attention.select(dataclasses.replace(cfg, attention="cudnn"), seq, info=devices.of("A100"))
-  assert attention.select(dataclasses.replace(bf16, head_dim=192), 128, info=devices.of("H100"))[0] == "cudnn"
+      kernels.select(dataclasses.replace(cfg, attention="cudnn"), seq, info=devices.of("A100"))
+  assert kernels.select(dataclasses.replace(bf16, head_dim=192), 128, info=devices.of("H100"))[0] == "cudnn"
 
 
 def test_fused_call_masks_segments_like_the_reference():
@@ -101,7 +99,7 @@ def test_fused_call_masks_segments_like_the_reference():
   B, L, H, K, E = 2, 12, 4, 2, 8
   q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in [(B, L, H, E), (B, L, K, E), (B, L, K, E)])
   for seg in (jnp.asarray([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12]), jnp.ones((B, L), jnp.int32)):
-    f = lambda q, k, v: attention.fused(q, k, v, seg, implementation="xla")
+    f = lambda q, k, v: kernels.fused(q, k, v, seg, implementation="xla")
     r = lambda q, k, v: attention.attention(q, k, v, seg)
     np.testing.assert_allclose(f(q, k, v), r(q, k, v), rtol=1e-5, atol=1e-5)
     gf = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(q, k, v)

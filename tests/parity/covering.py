@@ -1,0 +1,165 @@
+"""The pairwise matrix of jaxtrain's options: a covering array where every pair of option values that can run
+together is in some row, each row a config and mesh that must equal its one-device run; and one row per refused
+pair, which must be refused in one line naming both options. `python -m tests.parity.covering` prints it.
+
+A factor may be conditional (`when`): a schedule only means something with a pipeline, the sequence attention with a
+sequence axis, the routing bias with experts. A pair counts as covered only in a row where both are in force. The
+generator is greedy (each new row takes the values that cover the most uncovered pairs, in a seeded order), so the
+matrix is the same on every machine."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass
+
+AXES = ("data", "fsdp", "tensor", "sequence", "expert", "pipeline")
+
+
+@dataclass(frozen=True)
+class Factor:
+  name: str
+  levels: tuple
+  when: tuple[str, tuple] | None = None  # (factor, the levels it needs) to be in force
+
+  def active(self, row: dict) -> bool:
+    return self.when is None or row.get(self.when[0]) in self.when[1]
+
+
+FACTORS = (
+    *(Factor(a, (1, 2)) for a in AXES),
+    Factor("sequence_attention", ("ring", "ulysses"), when=("sequence", (2,))),
+    Factor("sequence_parallel", (False, True)),
+    Factor("schedule", ("1f1b", "interleaved", "zb-h1", "zbv"), when=("pipeline", (2,))),
+    Factor("zero_stage", (0, 1, 2)),
+    Factor("offload", ("none", "host")),
+    Factor("remat", ("none", "full", "save_dots")),
+    Factor("scan_layers", (False, True)),
+    Factor("microbatches", (1, 2)),
+    Factor("attention", ("mha", "gqa", "mla")),
+    Factor("tied", (False, True)),
+    Factor("qk_norm", (False, True)),
+    Factor("moe", ("dense", "capacity", "dropless")),
+    Factor("routing_bias", (False, True), when=("moe", ("capacity", "dropless"))),
+    Factor("mtp", (False, True)),
+    Factor("fp8", ("none", "tensorwise")),
+    Factor("dtype", ("float32", "bfloat16", "float16")),
+)
+BY_NAME = {f.name: f for f in FACTORS}
+
+# Pairs refused in one line, with the words the refusal must contain (both options named) and why.
+REFUSED = {
+    (("pipeline", 2), ("sequence", 2)): (("pipeline=2", "sequence=2"), "the pipeline's region is manual over "
+                                         "`pipeline` only; ring and Ulysses attention would nest their own regions"),
+    (("pipeline", 2), ("microbatches", 1)): (("train.microbatches=1", "pipeline"), "every stage needs a microbatch"),
+}
+
+
+def feasible(row: dict) -> bool:
+  """What a row must satisfy besides the refusals: at most 8 devices (the suite's), every factor set."""
+  return math.prod(row[a] for a in AXES) <= 8
+
+
+def refused(row: dict) -> list[tuple]:
+  """The refused pairs a row holds."""
+  return [pair for pair in REFUSED if all(row.get(n) == v and BY_NAME[n].active(row) for n, v in pair)]
+
+
+def _pairs(row: dict) -> set:
+  act = [(f.name, row[f.name]) for f in FACTORS if f.active(row)]
+  return {tuple(sorted(p)) for p in itertools.combinations(act, 2)}
+
+
+def all_pairs() -> set:
+  """Every pair of (factor, level) that some feasible, unrefused row holds with both in force."""
+  out = set()
+  for a, b in itertools.combinations(FACTORS, 2):
+    for la, lb in itertools.product(a.levels, b.levels):
+      pair = tuple(sorted([(a.name, la), (b.name, lb)]))
+      if _completable(dict(pair)):
+        out.add(pair)
+  return out
+
+
+def _completable(fixed: dict) -> bool:
+  """Whether a feasible unrefused row holds `fixed` with every factor of it in force."""
+  row = _complete(fixed, random.Random(0), None)
+  return row is not None and all(BY_NAME[n].active(row) for n in fixed)
+
+
+def _complete(fixed: dict, rng: random.Random, want: set | None):
+  """A feasible, unrefused row holding `fixed`: factors in a seeded order, each the level that covers most of
+  `want` with what is chosen so far (None: the first that keeps the row possible)."""
+  row = dict(fixed)
+  for name in fixed:  # a conditional factor's value means something only with its condition
+    if (when := BY_NAME[name].when) is not None:
+      if row.setdefault(when[0], when[1][0]) not in when[1]:
+        return None
+  # the factors others depend on first, so that `when` can be honoured
+  order = sorted((f for f in FACTORS if f.name not in row), key=lambda f: (f.when is not None, rng.random()))
+  for f in order:
+    levels = list(f.levels)
+    rng.shuffle(levels)
+    best = None
+    for lv in levels:
+      trial = {**row, f.name: lv}
+      if not _possible(trial):
+        continue
+      gain = 0 if want is None else sum(
+          1 for other, olv in trial.items() if other != f.name and BY_NAME[other].active(trial) and f.active(trial)
+          and tuple(sorted([(f.name, lv), (other, olv)])) in want)
+      if best is None or gain > best[0]:
+        best = (gain, lv)
+    if best is None:
+      return None
+    row[f.name] = best[1]
+  return row if feasible(row) and not refused(row) else None
+
+
+def _possible(partial: dict) -> bool:
+  """A partial row that can still be completed: within the device budget with the rest at 1, nothing refused."""
+  if math.prod(partial.get(a, 1) for a in AXES) > 8:
+    return False
+  return not [pair for pair in REFUSED if all(partial.get(n) == v for n, v in pair)]
+
+
+def matrix(seed: int = 0, candidates: int = 30) -> list[dict]:
+  """Rows covering every pair of `all_pairs` (greedy: the best of `candidates` seeded rows at each step)."""
+  rng = random.Random(seed)
+  want, rows = all_pairs(), []
+  while want:
+    first = sorted(want)[0]  # an uncovered pair seeds every candidate: progress is guaranteed
+    best = None
+    for _ in range(candidates):
+      row = _complete(dict(first), rng, want)
+      if row is None or not all(BY_NAME[n].active(row) for n, _ in first):
+        continue
+      gain = len(_pairs(row) & want)
+      if best is None or gain > best[0]:
+        best = (gain, row)
+    if best is None:
+      raise AssertionError(f"no row holds {first}")
+    rows.append(best[1])
+    want -= _pairs(best[1])
+  return rows
+
+
+def refusal_rows() -> list[tuple[dict, tuple, str]]:
+  """One row per refused pair, every other factor at its first level that refuses nothing else: (row, words,
+  why)."""
+  out = []
+  for pair, (words, why) in REFUSED.items():
+    row = dict(pair)
+    for f in FACTORS:
+      if f.name not in row:
+        row[f.name] = next(lv for lv in f.levels if refused({**row, f.name: lv}) == [pair])
+    out.append((row, words, why))
+  return out
+
+
+if __name__ == "__main__":
+  rows = matrix()
+  print(f"{len(rows)} rows cover {len(all_pairs())} pairs; {len(REFUSED)} refused pairs")
+  for r in rows:
+    print({k: v for k, v in r.items() if BY_NAME[k].active(r)})

@@ -1,0 +1,95 @@
+"""Every pair of options is the same run or a one-line refusal: the rows of the pairwise covering array
+(tests/parity/covering.py) each train 2 steps on their mesh and on one device, the losses and gradient norms equal
+at the tolerance of their dtype; the refused pairs stop with a one-line error naming both options.
+
+Tolerances, relative, per step on loss and grad norm, as the parity tests of each have them: float32 1e-5;
+float16 (loss-scaled) 1e-4, as the pipeline's float16 parity test; bfloat16 2e-2 and FP8 5e-2 (rounding to 8 and 4
+bits of mantissa after a reduction in another order can move the gradient norm by one rounding step of a large
+element; measured below 1e-2 and 2e-2 on these rows, docs/parallelism.md)."""
+
+import numpy as np
+import pytest
+
+from jaxtrain import data
+from jaxtrain.core import config
+from jaxtrain.core.errors import UserError
+from jaxtrain.run import step
+from tests.helpers import mesh_of
+from tests.parity import covering
+
+STEPS = 2
+BASE = ["model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.head_dim=8", "model.d_ff=64",
+        "model.vocab_size=384", "train.batch_size=16", "train.seq_len=16", "train.steps=20", "optim.warmup_steps=1",
+        "train.loss_chunk_tokens=32", "loss_scale.initial=1024", "run.tensorboard=false"]
+ATTENTION = {"mha": ["model.n_kv_heads=4"], "gqa": ["model.n_kv_heads=2"],
+             "mla": ["model.attention_type=mla", "model.q_lora_rank=16", "model.kv_lora_rank=16",
+                     "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8"]}
+MOE = {"dense": [], "capacity": ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_expert_d_ff=32"],
+       "dropless": ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_expert_d_ff=32", "model.moe_dropless=true"]}
+TOLERANCE = {"float32": 1e-5, "float16": 1e-4, "bfloat16": 2e-2}
+FP8_TOLERANCE = 5e-2
+
+
+def overrides(row: dict) -> list[str]:
+  """The config of a matrix row (what is not in force stays at the default)."""
+  on = lambda name: covering.BY_NAME[name].active(row)  # noqa: E731
+  sets = [*BASE, *ATTENTION[row["attention"]], *MOE[row["moe"]],
+          f"model.tie_embeddings={str(row['tied']).lower()}", f"model.qk_norm={str(row['qk_norm']).lower()}",
+          f"model.remat={row['remat']}", f"model.scan_layers={str(row['scan_layers']).lower()}",
+          f"model.fp8={row['fp8']}", f"model.dtype={row['dtype']}", f"optim.zero_stage={row['zero_stage']}",
+          f"optim.offload={row['offload']}", f"train.microbatches={row['microbatches']}",
+          f"run.sequence_parallel={str(row['sequence_parallel']).lower()}"]
+  if row["mtp"]:
+    sets += ["model.mtp_layers=1", "model.mtp_weight=0.3"]
+  if on("routing_bias") and row["routing_bias"]:
+    sets += ["model.moe_bias_rate=0.01"]
+  if on("sequence_attention"):
+    sets += [f"model.sequence_attention={row['sequence_attention']}"]
+  if on("schedule"):
+    sets += [f"pipeline.schedule={row['schedule']}"]
+  return sets
+
+
+def mesh_spec(row: dict) -> str:
+  return ",".join(f"{a}=2" for a in covering.AXES if row[a] == 2) or "data=1"
+
+
+def trajectory(cfg, spec: str) -> np.ndarray:
+  """(loss, grad_norm) of each of STEPS steps on mesh `spec` (the data the run would read)."""
+  setup = step.Setup(cfg, mesh_of(spec))
+  batches = data.batches(cfg)
+  state, out = setup.init(), []
+  try:
+    for _ in range(STEPS):
+      state, m = setup.step(state, setup.device_batch(next(batches)))
+      assert not bool(m["skipped"]), f"a step was skipped on {spec}"
+      out.append((float(m["loss"]), float(m["grad_norm"])))
+  finally:
+    batches.close()
+  return np.array(out)
+
+
+ROWS = covering.matrix()
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[f"row{i}:{mesh_spec(r)}" for i, r in enumerate(ROWS)])
+def test_a_row_of_the_matrix_equals_its_one_device_run(row):
+  cfg = config.load("tiny", overrides(row))
+  got = trajectory(cfg, mesh_spec(row))
+  ref = trajectory(cfg, "data=1")
+  rtol = FP8_TOLERANCE if row["fp8"] != "none" else TOLERANCE[row["dtype"]]
+  np.testing.assert_allclose(got, ref, rtol=rtol, err_msg=f"{mesh_spec(row)} {overrides(row)[len(BASE):]}")
+
+
+@pytest.mark.parametrize("row,words,why", covering.refusal_rows(), ids=lambda x: str(x)[:40])
+def test_a_refused_pair_is_one_line_naming_both_options(row, words, why):
+  with pytest.raises(UserError) as e:
+    step.Setup(config.load("tiny", overrides(row)), mesh_of(mesh_spec(row)))
+  msg = str(e.value)
+  assert "\n" not in msg and all(w in msg for w in words), (msg, words, why)
+
+
+def test_the_matrix_covers_every_pair_that_can_run():
+  covered = set().union(*(covering._pairs(r) for r in ROWS))  # noqa: SLF001
+  assert covering.all_pairs() <= covered and len(covered) > 1000
+  assert not any(covering.refused(r) for r in ROWS) and all(covering.feasible(r) for r in ROWS)
