@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
-from jaxtrain.interop import hf_deepseek
+from jaxtrain.interop import hf_deepseek, hf_rope
 
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")
 QWEN3 = ("qwen3", "qwen3_moe")
@@ -59,26 +59,14 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
   for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
     if not isinstance(hf.get(field), int):
       raise UserError(f"{where}: {field} is missing or not an integer")
-  # rope settings: new form (rope_parameters) or old (rope_theta + rope_scaling)
-  rope = dict(hf.get("rope_parameters") or {}) or {"rope_theta": hf.get("rope_theta", 10000.0),
-                                                  **(hf.get("rope_scaling") or {})}
-  rope.setdefault("rope_type", rope.pop("type", "default"))
   D, H = hf["hidden_size"], hf["num_attention_heads"]
   keys: dict[str, Any] = {
       "vocab_size": hf["vocab_size"], "d_model": D, "n_layers": hf["num_hidden_layers"], "n_heads": H,
       "n_kv_heads": hf.get("num_key_value_heads") or H, "head_dim": hf.get("head_dim") or D // H,
-      "d_ff": hf["intermediate_size"], "rope_theta": float(rope["rope_theta"]),
-      "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+      "d_ff": hf["intermediate_size"], "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+      "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+      **hf_rope.model_keys(hf_rope.parameters(hf, where), where),  # default, llama3 or yarn RoPE in every family
   }
-  if rope["rope_type"] == "llama3":
-    keys.update(rope_scaling="llama3", rope_factor=float(rope["factor"]),
-                rope_low_freq_factor=float(rope["low_freq_factor"]),
-                rope_high_freq_factor=float(rope["high_freq_factor"]),
-                rope_original_max_position=int(rope["original_max_position_embeddings"]))
-  elif rope["rope_type"] == "yarn":
-    keys.update(hf_deepseek.yarn_keys(rope, where))
-  elif rope["rope_type"] != "default":
-    raise UserError(f"{where}: rope type {rope['rope_type']!r} is not supported; allowed: default, llama3, yarn")
   if mt == "deepseek_v3":
     keys.update(hf_deepseek.model_keys(hf, where))
   if mt == "mixtral":  # HF Mixtral never drops tokens; router_aux_loss_coef means the same under the hf convention
