@@ -131,8 +131,9 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
   if fam == "mixtral" and m.moe_expert_d_ff not in (0, m.d_ff):
     raise UserError(f"model.moe_expert_d_ff={m.moe_expert_d_ff}: Mixtral experts are d_ff={m.d_ff} wide; only 0 or "
                     f"{m.d_ff} exports")
-  drop = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "architectures", "model_type",
-          "transformers_version", "sliding_window", "num_local_experts", "num_experts", "layer_types")
+  drop = ("rope_parameters", "rope_scaling", "rope_theta", "original_max_position_embeddings", "partial_rotary_factor",
+          "torch_dtype", "dtype", "architectures", "model_type", "transformers_version", "sliding_window",
+          "num_local_experts", "num_experts", "layer_types")  # the rope fields: hf_rope.hf_rope's alone count
   out = {k: v for k, v in base.items() if k not in drop}
   arch = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
           "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -142,11 +143,8 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
       vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff, num_hidden_layers=m.n_layers,
       num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, head_dim=m.head_dim, hidden_act="silu",
       rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings, torch_dtype=dtype,
-      rope_scaling=None if m.rope_scaling == "none" else {
-          "rope_type": "llama3", "factor": m.rope_factor, "low_freq_factor": m.rope_low_freq_factor,
-          "high_freq_factor": m.rope_high_freq_factor,
-          "original_max_position_embeddings": m.rope_original_max_position})
-  if m.rope_scaling == "llama3":
+      rope_scaling=hf_rope.hf_rope(m))
+  if m.rope_scaling != "none":  # the extended context
     out.setdefault("max_position_embeddings", int(m.rope_original_max_position * m.rope_factor))
   out.setdefault("max_position_embeddings", max(8192, cfg.train.seq_len))
   if fam == "mixtral":

@@ -203,6 +203,30 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, sharded_hf):
   assert not (tmp_path / "w").exists()  # nothing written before every check passed
 
 
+def yarn_round_trip(tmp_path, ref, rope, spec):
+  """`tmp_path / "hf"` (holding `ref`, built with YaRN `rope`) imported on `spec` gives transformers' logits; its
+  float32 export holds the same rope parameters as transformers reads them and gives the same logits again."""
+  import torch
+  import transformers
+  H.imported(tmp_path / "hf", tmp_path / "w", spec)
+  cfg, model, _ = H.load(tmp_path / "w", spec)
+  theirs = H.torch_logits(ref, IDS)
+  assert H.rel_err(H.jax_logits(model, IDS), theirs) < 1e-5
+  step_dir = runs.locate(tmp_path / "w", 0)
+  hf.run_export(cfg, mesh_of(spec), step_dir, tmp_path / "out", "float32", 10**9, tmp_path / "w")
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+  assert type(back) is type(ref)
+  assert {k: back.config.rope_parameters.get(k) for k in rope} == rope
+  np.testing.assert_array_equal(H.torch_logits(back, IDS), theirs)
+
+
+@pytest.mark.parametrize("rope,spec", [(H.LLAMA_YARN, "fsdp=1"), (H.LLAMA_YARN_MSCALE, "fsdp=2,tp=2")],
+                         ids=["betas", "mscale"])
+def test_llama_yarn_imports_and_exports_as_yarn(tmp_path, rope, spec):
+  ref = H.llama(tmp_path / "hf", rope_scaling=dict(rope))
+  yarn_round_trip(tmp_path, ref, rope, spec)
+
+
 _YARN = H.LLAMA_YARN
 _NO_ORIGINAL = {k: v for k, v in _YARN.items() if k != "original_max_position_embeddings"}
 # config.json edits of a saved YaRN Llama (rope_parameters LLAMA_YARN, max_position_embeddings 64); None: left out
