@@ -14,6 +14,14 @@ from tests.helpers import mesh_of
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8}
+# YaRN as Llama and Qwen3 take it (their own rope_theta: 100 puts the ramp inside the tiny heads, e.g. Llama's 4
+# frequencies ramp 0, 1/3, 2/3, 1); mscale with mscale_all_dim sets the cos/sin factor, mscale alone is ignored
+LLAMA_YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_position_embeddings": 16,
+              "beta_fast": 2.0, "beta_slow": 0.25}
+LLAMA_YARN_MSCALE = {**LLAMA_YARN, "mscale": 0.7, "mscale_all_dim": 1.0}
+QWEN3_YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_position_embeddings": 16,
+              "mscale": 2.0}
+QWEN3_YARN_MSCALE = {**QWEN3_YARN, "beta_fast": 4.0, "beta_slow": 0.5, "mscale": 1.0, "mscale_all_dim": 0.5}
 
 
 def llama(path, *, tied=False, rope_scaling=None, dtype="float32", vocab=96, seed=0):
@@ -90,14 +98,15 @@ def config_json(path):
   return json.loads((path / "config.json").read_text())
 
 
-def qwen3(path, *, tied=True, dtype="float32", seed=0):
+def qwen3(path, *, tied=True, dtype="float32", seed=0, rope_scaling=None):
   """A 2-layer GQA Qwen3 (q/k norms; head_dim 16, not d_model / heads = 8) saved to `path`; returns the torch model."""
   import torch
   import transformers
   torch.manual_seed(seed)
   cfg = transformers.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied,
-                                 rope_theta=10000.0, initializer_range=0.2, max_position_embeddings=64)
+                                 rope_theta=10000.0, rope_scaling=rope_scaling, initializer_range=0.2,
+                                 max_position_embeddings=64)
   m = transformers.Qwen3ForCausalLM(cfg).to(getattr(torch, dtype)).eval()
   _perturb_norms(m, seed)
   m.save_pretrained(path)

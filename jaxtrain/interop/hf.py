@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
-from jaxtrain.interop import hf_deepseek
+from jaxtrain.interop import hf_deepseek, hf_rope
 
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")
 QWEN3 = ("qwen3", "qwen3_moe")
@@ -59,26 +59,14 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
   for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
     if not isinstance(hf.get(field), int):
       raise UserError(f"{where}: {field} is missing or not an integer")
-  # rope settings: new form (rope_parameters) or old (rope_theta + rope_scaling)
-  rope = dict(hf.get("rope_parameters") or {}) or {"rope_theta": hf.get("rope_theta", 10000.0),
-                                                  **(hf.get("rope_scaling") or {})}
-  rope.setdefault("rope_type", rope.pop("type", "default"))
   D, H = hf["hidden_size"], hf["num_attention_heads"]
   keys: dict[str, Any] = {
       "vocab_size": hf["vocab_size"], "d_model": D, "n_layers": hf["num_hidden_layers"], "n_heads": H,
       "n_kv_heads": hf.get("num_key_value_heads") or H, "head_dim": hf.get("head_dim") or D // H,
-      "d_ff": hf["intermediate_size"], "rope_theta": float(rope["rope_theta"]),
-      "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+      "d_ff": hf["intermediate_size"], "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+      "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+      **hf_rope.model_keys(hf_rope.parameters(hf, where), where),  # default, llama3 or yarn RoPE in every family
   }
-  if rope["rope_type"] == "llama3":
-    keys.update(rope_scaling="llama3", rope_factor=float(rope["factor"]),
-                rope_low_freq_factor=float(rope["low_freq_factor"]),
-                rope_high_freq_factor=float(rope["high_freq_factor"]),
-                rope_original_max_position=int(rope["original_max_position_embeddings"]))
-  elif rope["rope_type"] == "yarn":
-    keys.update(hf_deepseek.yarn_keys(rope, where))
-  elif rope["rope_type"] != "default":
-    raise UserError(f"{where}: rope type {rope['rope_type']!r} is not supported; allowed: default, llama3, yarn")
   if mt == "deepseek_v3":
     keys.update(hf_deepseek.model_keys(hf, where))
   if mt == "mixtral":  # HF Mixtral never drops tokens; router_aux_loss_coef means the same under the hf convention
@@ -143,8 +131,9 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
   if fam == "mixtral" and m.moe_expert_d_ff not in (0, m.d_ff):
     raise UserError(f"model.moe_expert_d_ff={m.moe_expert_d_ff}: Mixtral experts are d_ff={m.d_ff} wide; only 0 or "
                     f"{m.d_ff} exports")
-  drop = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "architectures", "model_type",
-          "transformers_version", "sliding_window", "num_local_experts", "num_experts", "layer_types")
+  drop = ("rope_parameters", "rope_scaling", "rope_theta", "original_max_position_embeddings", "partial_rotary_factor",
+          "torch_dtype", "dtype", "architectures", "model_type", "transformers_version", "sliding_window",
+          "num_local_experts", "num_experts", "layer_types")  # the rope fields: hf_rope.hf_rope's alone count
   out = {k: v for k, v in base.items() if k not in drop}
   arch = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
           "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -154,11 +143,8 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
       vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff, num_hidden_layers=m.n_layers,
       num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, head_dim=m.head_dim, hidden_act="silu",
       rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings, torch_dtype=dtype,
-      rope_scaling=None if m.rope_scaling == "none" else {
-          "rope_type": "llama3", "factor": m.rope_factor, "low_freq_factor": m.rope_low_freq_factor,
-          "high_freq_factor": m.rope_high_freq_factor,
-          "original_max_position_embeddings": m.rope_original_max_position})
-  if m.rope_scaling == "llama3":
+      rope_scaling=hf_rope.hf_rope(m))
+  if m.rope_scaling != "none":  # the extended context
     out.setdefault("max_position_embeddings", int(m.rope_original_max_position * m.rope_factor))
   out.setdefault("max_position_embeddings", max(8192, cfg.train.seq_len))
   if fam == "mixtral":

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (`model_type` deepseek_v3) for interop/hf.py: its config.json fields <-> model.* keys, YaRN, and the
+"""DeepSeek-V3 (`model_type` deepseek_v3) for interop/hf.py: its config.json fields <-> model.* keys and the
 tensor rows of an MLA block (and of the multi-token-prediction layer checkpoints keep at index num_hidden_layers).
 
 DeepSeek lays each RoPE part out in interleaved pairs (x0, x1), (x2, x3), ...; jaxtrain rotates halves. Import
@@ -12,25 +12,7 @@ from typing import Any
 import numpy as np
 
 from jaxtrain.core.errors import UserError
-
-
-def yarn_keys(rope: dict, where: str) -> dict[str, Any]:
-  """rope_parameters of rope_type yarn -> model.rope_* keys."""
-  if rope.get("truncate", True) is not True or rope.get("attention_factor") is not None:
-    raise UserError(f"{where}: yarn rope with truncate=false or an explicit attention_factor is not supported")
-  for field in ("factor", "original_max_position_embeddings"):
-    if not isinstance(rope.get(field), (int, float)):
-      raise UserError(f"{where}: yarn rope needs a numeric {field}")
-  return {"rope_scaling": "yarn", "rope_factor": float(rope["factor"]),
-          "rope_original_max_position": int(rope["original_max_position_embeddings"]),
-          "rope_beta_fast": float(rope.get("beta_fast") or 32), "rope_beta_slow": float(rope.get("beta_slow") or 1),
-          "rope_mscale": float(rope.get("mscale") or 0), "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0)}
-
-
-def yarn_hf(m) -> dict[str, Any]:
-  return {"rope_type": "yarn", "rope_theta": m.rope_theta, "factor": m.rope_factor,
-          "original_max_position_embeddings": m.rope_original_max_position, "beta_fast": m.rope_beta_fast,
-          "beta_slow": m.rope_beta_slow, "mscale": m.rope_mscale, "mscale_all_dim": m.rope_mscale_all_dim}
+from jaxtrain.interop import hf_rope
 
 
 def model_keys(hf: dict, where: str) -> dict[str, Any]:
@@ -39,6 +21,8 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
                       ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
     if field in hf and hf[field] != want:
       raise UserError(f"{where}: {field}={hf[field]!r} is not supported; allowed: {want!r}")
+  if hf_rope.parameters(hf, where)["rope_type"] == "llama3":  # export takes none or yarn (HF's softmax mscale)
+    raise UserError(f"{where}: rope type 'llama3' is not supported for deepseek_v3; allowed: default, yarn")
   q_rank = hf.get("q_lora_rank")
   return {"attention_type": "mla", "q_lora_rank": q_rank or 0, "kv_lora_rank": hf["kv_lora_rank"],
           "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": hf["qk_rope_head_dim"],
@@ -67,9 +51,8 @@ def hf_config(cfg, out: dict) -> dict:
              qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, head_dim=m.qk_rope_head_dim,
              qk_head_dim=m.qk_nope_head_dim + m.qk_rope_head_dim, rope_interleave=True, attention_bias=False,
              num_nextn_predict_layers=m.mtp_layers,
-             rope_parameters=yarn_hf(m) if m.rope_scaling == "yarn" else (
-                 {"rope_type": "default", "rope_theta": m.rope_theta} if m.rope_scaling == "none" else None))
-  if out["rope_parameters"] is None:
+             rope_parameters={**(hf_rope.hf_rope(m) or {"rope_type": "default"}), "rope_theta": m.rope_theta})
+  if m.rope_scaling == "llama3":
     raise UserError(f"model.rope_scaling={m.rope_scaling}: a deepseek_v3 checkpoint takes none or yarn")
   if m.moe_experts:
     out.update(n_routed_experts=m.moe_experts, num_experts_per_tok=m.moe_top_k, first_k_dense_replace=m.moe_first_dense,

@@ -203,6 +203,99 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, sharded_hf):
   assert not (tmp_path / "w").exists()  # nothing written before every check passed
 
 
+def yarn_round_trip(tmp_path, ref, rope, spec):
+  """`tmp_path / "hf"` (holding `ref`, built with YaRN `rope`) imported on `spec` gives transformers' logits; its
+  float32 export holds the same rope parameters as transformers reads them and gives the same logits again."""
+  import torch
+  import transformers
+  H.imported(tmp_path / "hf", tmp_path / "w", spec)
+  cfg, model, _ = H.load(tmp_path / "w", spec)
+  theirs = H.torch_logits(ref, IDS)
+  assert H.rel_err(H.jax_logits(model, IDS), theirs) < 1e-5
+  step_dir = runs.locate(tmp_path / "w", 0)
+  hf.run_export(cfg, mesh_of(spec), step_dir, tmp_path / "out", "float32", 10**9, tmp_path / "w")
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+  assert type(back) is type(ref)
+  assert {k: back.config.rope_parameters.get(k) for k in rope} == rope
+  np.testing.assert_array_equal(H.torch_logits(back, IDS), theirs)
+
+
+@pytest.mark.parametrize("rope,spec", [(H.LLAMA_YARN, "fsdp=1"), (H.LLAMA_YARN_MSCALE, "fsdp=2,tp=2")],
+                         ids=["betas", "mscale"])
+def test_llama_yarn_imports_and_exports_as_yarn(tmp_path, rope, spec):
+  ref = H.llama(tmp_path / "hf", rope_scaling=dict(rope))
+  yarn_round_trip(tmp_path, ref, rope, spec)
+
+
+_YARN = H.LLAMA_YARN
+_NO_ORIGINAL = {k: v for k, v in _YARN.items() if k != "original_max_position_embeddings"}
+# config.json edits of a saved YaRN Llama (rope_parameters LLAMA_YARN, max_position_embeddings 64); None: left out
+YARN_EDITS = {
+    "original-from-max-position": {"rope_parameters": _NO_ORIGINAL},
+    "original-from-the-family-default": {"rope_parameters": _NO_ORIGINAL, "max_position_embeddings": None},
+    "top-level-original-wins": {"original_max_position_embeddings": 4},
+    "theta-from-top-level": {"rope_parameters": {k: v for k, v in _YARN.items() if k != "rope_theta"},
+                             "rope_theta": 100.0},
+    "legacy-rope-scaling": {"rope_parameters": None, "rope_theta": 100.0,
+                            "rope_scaling": {"type": "yarn", **{k: v for k, v in _YARN.items()
+                                                                if k not in ("rope_type", "rope_theta")}}},
+    "rope-scaling-wins": {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": _YARN},
+    "factor-from-max-position": {"rope_parameters": {**_YARN, "factor": None}, "max_position_embeddings": 128},
+    "zero-betas-are-defaults": {"rope_parameters": {**_YARN, "beta_fast": 0, "beta_slow": 0}},
+}
+
+
+@pytest.fixture(scope="module")
+def llama_yarn(tmp_path_factory):
+  d = tmp_path_factory.mktemp("yarn") / "hf"
+  H.llama(d, rope_scaling=dict(H.LLAMA_YARN))
+  return d
+
+
+@pytest.mark.parametrize("edit", sorted(YARN_EDITS))
+def test_yarn_fields_left_out_or_elsewhere_are_read_as_transformers_reads_them(tmp_path, llama_yarn, edit):
+  """cos and sin at positions 0..63 (past the original context, 16) equal transformers' rotary embedding of the
+  edited config.json."""
+  import torch
+  import transformers
+  c = {**H.config_json(llama_yarn), **YARN_EDITS[edit]}
+  shutil.copytree(llama_yarn, tmp_path / "hf")
+  (tmp_path / "hf" / "config.json").write_text(json.dumps({k: v for k, v in c.items() if v is not None}))
+  ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+  pos = torch.arange(64)[None]
+  with torch.no_grad():
+    cos, sin = ref.model.rotary_emb(torch.zeros(1), pos)
+  cfg = hf.plan_import(str(tmp_path / "hf"), str(tmp_path / "w"), ["model.dtype=float32"]).cfg
+  sin_ours, cos_ours = (np.asarray(t)[:, :, 0] for t in model_lib.rope_tables(pos.numpy(), cfg.model))
+  half = cfg.model.head_dim // 2
+  np.testing.assert_allclose(cos_ours, cos.numpy()[..., :half], rtol=0, atol=2e-6)
+  np.testing.assert_allclose(sin_ours, sin.numpy()[..., :half], rtol=0, atol=2e-6)
+
+
+def test_hf_config_defaults_are_transformers_defaults():
+  """The family defaults import fills in where config.json leaves out rope_theta or max_position_embeddings."""
+  import transformers
+  from jaxtrain.interop import hf_rope
+  for family, (theta, max_position) in hf_rope.DEFAULTS.items():
+    c = transformers.AutoConfig.for_model(family)
+    assert (c.rope_parameters["rope_theta"], c.max_position_embeddings) == (theta, max_position), family
+
+
+@pytest.mark.parametrize("changes,msg", [
+    ({"truncate": False}, "truncate=False is not supported; allowed: true"),
+    ({"truncate": None}, "truncate=None is not supported; allowed: true"),
+    ({"attention_factor": 1.5}, "attention_factor=1.5 is not supported; allowed: null"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported; allowed: 1"),
+    ({"factor": 0.5}, "factor=0.5 is not supported; allowed: a number >= 1"),
+    ({"factor": "4"}, "factor='4' is not supported; allowed: a number >= 1"),
+], ids=["truncate-false", "truncate-null", "attention-factor", "partial-rotary", "factor-below-1", "factor-string"])
+def test_yarn_variants_jaxtrain_cannot_hold_are_one_line_and_exit_2(tmp_path, capsys, llama_yarn, changes, msg):
+  rope = {**H.config_json(llama_yarn)["rope_parameters"], **changes}
+  src = _edited(llama_yarn, tmp_path / "hf", rope_parameters=rope)
+  assert msg in _one_line_exit_2(capsys, ["import", str(src), "--workdir", str(tmp_path / "w")])
+  assert not (tmp_path / "w").exists()
+
+
 # Published parameter counts (Meta's model cards / HF configs).
 PRESETS = {"llama3.2-1b": 1_235_814_400, "llama3.1-8b": 8_030_261_248, "llama3.1-70b": 70_553_706_496,
            "llama3.1-405b": 405_853_388_800, "llama3-8b": 8_030_261_248}

@@ -14,7 +14,8 @@ from jaxtrain.run import checkpoint, runs  # noqa: E402
 from tests import hf_models as H  # noqa: E402
 from tests.helpers import mesh_of, trajectory  # noqa: E402
 from tests.interop.test_generate import PROMPTS, _full_forward_greedy, _generate  # noqa: E402
-from tests.interop.test_hf import IDS, _bit_identical, _edited, _one_line_exit_2, _tensors  # noqa: E402
+from tests.interop.test_hf import (IDS, _bit_identical, _edited, _one_line_exit_2, _tensors,  # noqa: E402
+                                   yarn_round_trip)
 
 # family -> (builder, the mesh it is imported and generated on)
 FAMILIES = {"qwen3": (H.qwen3, "fsdp=2,tp=2"), "qwen3_moe": (H.qwen3_moe, "expert=2")}
@@ -49,6 +50,13 @@ def test_logits_match_transformers_after_import_and_after_export(imported, tmp_p
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
   assert type(back) is type(ref)
   np.testing.assert_array_equal(H.torch_logits(back, IDS), theirs)
+
+
+@pytest.mark.parametrize("rope,spec", [(H.QWEN3_YARN, "fsdp=1"), (H.QWEN3_YARN_MSCALE, "fsdp=2,tp=2")],
+                         ids=["mscale-alone", "mscale"])
+def test_qwen3_yarn_imports_and_exports_as_yarn(tmp_path, rope, spec):
+  ref = H.qwen3(tmp_path / "hf", rope_scaling=dict(rope))
+  yarn_round_trip(tmp_path, ref, rope, spec)
 
 
 def test_greedy_generation_equals_transformers_and_the_full_forward(imported):
