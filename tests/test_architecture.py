@@ -232,3 +232,76 @@ def test_the_layer_checks_find_known_violations():
       "jaxtrain.model.block (model) imports jaxtrain.parallel.plan (parallel); model may import only core, model",
       "jaxtrain.model.transformer (model) imports jaxtrain.run.step (run); model may import only core, model",
   ]
+
+
+# --- every module has its test file, tests/<package>/test_<module>.py (commands: tests/commands/test_<name>.py),
+# or is named here with the test that covers it and the words that show it does
+
+COVERED_BY = {
+    "jaxtrain.analysis.baselines.minimal": ("tests/analysis/test_baselines.py", "minimal"),
+    "jaxtrain.analysis.baselines.torch_model": ("tests/analysis/test_baselines.py", "torch_model"),
+    "jaxtrain.analysis.compare": ("tests/parity/test_moe_parity.py", "bench_compare"),
+    "jaxtrain.analysis.fit": ("tests/analysis/test_memory.py", "fit."),
+    "jaxtrain.analysis.report": ("tests/commands/test_inspect.py", "report"),
+    "jaxtrain.analysis.speed": ("tests/commands/test_bench.py", "speed"),
+    "jaxtrain.cli": ("tests/commands/test_flows.py", "exit"),
+    "jaxtrain.core.errors": ("tests/core/test_config.py", "UserError"),
+    "jaxtrain.core.files": ("tests/run/test_filecheck.py", "files"),
+    "jaxtrain.core.resources": ("tests/commands/test_launch.py", "resources"),
+    "jaxtrain.data.__main__": ("tests/commands/test_flows.py", "jaxtrain.data"),
+    "jaxtrain.data.readers": ("tests/data/test_prepare.py", "jsonl"),
+    "jaxtrain.data.shards": ("tests/data/test_prepare.py", "shards"),
+    "jaxtrain.data.tokenizer": ("tests/data/test_prepare.py", "tokenizer"),
+    "jaxtrain.generate": ("tests/interop/test_generate.py", "jaxtrain.generate"),
+    "jaxtrain.hf": ("tests/commands/test_flows.py", "hf_command"),
+    "jaxtrain.interop.decode": ("tests/interop/test_generate.py", "decode"),
+    "jaxtrain.interop.hf_deepseek": ("tests/interop/test_deepseek.py", "DeepseekV3"),
+    "jaxtrain.interop.hf_rope": ("tests/interop/test_hf.py", "hf_rope"),
+    "jaxtrain.model.attention": ("tests/model/test_transformer.py", "attention"),
+    "jaxtrain.model.block": ("tests/model/test_transformer.py", "Transformer"),
+    "jaxtrain.model.flops": ("tests/commands/test_bench.py", "flops"),
+    "jaxtrain.model.layers": ("tests/model/test_mtp.py", "layers"),
+    "jaxtrain.model.moe": ("tests/parallel/test_experts.py", "moe"),
+    "jaxtrain.model.moe_balance": ("tests/parity/test_moe_parity.py", "moe_balance"),
+    "jaxtrain.model.moe_kernels": ("tests/parity/test_moe_parity.py", "dropless"),
+    "jaxtrain.model.ops": ("tests/model/test_loss.py", "ops.use"),
+    "jaxtrain.model.rope": ("tests/model/test_mla.py", "rope"),
+    "jaxtrain.parallel.devices": ("tests/parallel/test_kernels.py", "devices"),
+    "jaxtrain.parallel.distributed": ("tests/multihost/test_multihost.py", "distributed"),
+    "jaxtrain.parallel.expert_layout": ("tests/parity/test_moe_parity.py", "moe_layout"),
+    "jaxtrain.parallel.experts_dropless": ("tests/parity/test_moe_parity.py", "dropless"),
+    "jaxtrain.parallel.placement": ("tests/multihost/test_multihost.py", "rows"),
+    "jaxtrain.run.faults": ("tests/recovery/test_recovery.py", "JAXTRAIN_FAULTS"),
+    "jaxtrain.run.grads": ("tests/run/test_step.py", "grads_of"),
+    "jaxtrain.run.layout": ("tests/parity/test_zero_parity.py", "layout"),
+    "jaxtrain.run.loop": ("tests/commands/test_train.py", "jaxtrain.train"),
+    "jaxtrain.run.observe": ("tests/commands/test_train.py", "profile_steps"),
+    "jaxtrain.run.offload": ("tests/parity/test_zero_parity.py", "offload"),
+    "jaxtrain.run.optimizer": ("tests/run/test_step.py", "optim_lib"),
+    "jaxtrain.run.progress": ("tests/run/test_precision.py", "progress"),
+    "jaxtrain.run.runfiles": ("tests/run/test_checkpoint.py", "runfiles"),
+    "jaxtrain.run.runs": ("tests/interop/test_hf.py", "runs"),
+}
+
+
+def own_test(module: str) -> pathlib.Path:
+  parts = module.split(".")[1:]
+  return ROOT.parent / ("tests/commands" if len(parts) == 1 else "tests") / pathlib.Path(*parts[:-1]) / \
+      f"test_{parts[-1]}.py"
+
+
+def test_every_module_has_its_test_file_or_a_named_one_that_covers_it():
+  missing, stale = [], []
+  for module in module_names(ROOT):
+    if module.count(".") == 0 or module.endswith(".__init__") or module_names(ROOT)[module].name == "__init__.py":
+      continue
+    if own_test(module).exists():
+      stale += [module] if module in COVERED_BY else []
+      continue
+    named = COVERED_BY.get(module)
+    path = ROOT.parent / named[0] if named else None
+    if path is None or not path.exists() or named[1] not in path.read_text():
+      missing.append(f"{module}: no {own_test(module).relative_to(ROOT.parent)}, and COVERED_BY names "
+                     f"{named or 'nothing'}")
+  assert not missing, "\n".join(missing)
+  assert not stale, f"have their own test file now, drop them from COVERED_BY: {stale}"

@@ -1,6 +1,6 @@
 """The analytic memory bill per device, from the real shardings, without allocating.
 
-Formulas: README, "The memory bill"; checked against XLA:GPU's compile there.
+Formulas: docs/inspect.md, "The memory bill"; checked against XLA:GPU's compile there (docs/gpu-compile.md).
 """
 
 from __future__ import annotations

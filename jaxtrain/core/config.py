@@ -54,8 +54,9 @@ class ModelConfig:
   rope_mscale: float = key(0.0, "yarn scaling: mscale of the cos/sin factor mscale(factor, this) / "
                            "mscale(factor, rope_mscale_all_dim); 0 (with rope_mscale_all_dim 0) = 0.1 ln(factor) + 1.",
                            math=True, min=0.0)
-  rope_mscale_all_dim: float = key(0.0, "yarn scaling: the softmax scale is multiplied by mscale(factor, this)^2 "
-                                   "(DeepSeek-V3: 1.0); 0 = not.", math=True, min=0.0)
+  rope_mscale_all_dim: float = key(0.0, "yarn scaling: with rope_mscale, the cos/sin factor's denominator; MLA also "
+                                   "multiplies its softmax scale by mscale(factor, this)^2 (DeepSeek-V3: 1.0); 0 = "
+                                   "not.", math=True, min=0.0)
   # Multi-head latent attention (DeepSeek-V2/V3): model/mla.py
   attention_type: Literal["gqa", "mla"] = key(
       "gqa", "gqa: q/k/v projections of n_heads/n_kv_heads x head_dim; mla: multi-head latent attention (the "

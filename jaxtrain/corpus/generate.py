@@ -50,8 +50,9 @@ def arithmetic(r: random.Random) -> str:
   return " ".join(f"{x} + {y} = {x + y}." for x, y in pairs)
 
 
-def main(n_docs: int = 2000, seed: int = 1234) -> None:
-  r, kinds, out = random.Random(seed), [town, story, counting, arithmetic], Path(__file__).with_name("bundled.jsonl")
+def main(n_docs: int = 2000, seed: int = 1234, out: Path | None = None) -> None:
+  r, kinds = random.Random(seed), [town, story, counting, arithmetic]
+  out = out or Path(__file__).with_name("bundled.jsonl")
   with out.open("w") as f:
     for i in range(n_docs):
       text = "\n\n".join(r.choice(kinds)(r) for _ in range(r.choice([1, 1, 1, 2, 3])))

@@ -1,4 +1,4 @@
-"""The prepared-data format: memory-mapped .npy token shards plus manifest.json (README, Data: Prepared format)."""
+"""The prepared-data format: memory-mapped .npy token shards plus manifest.json (docs/data.md, "Prepared format")."""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ annotation alone."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -53,6 +55,10 @@ def chunk_layout(B: int, L: int, chunk_tokens: int) -> tuple[int, int, int]:
   return sw, local_len // c, c
 
 
+H_AXES = ("batch", "length", "act_embed")  # the head is a tensor-parallel region: hidden states whole on `tensor`
+CHUNK_AXES = ("batch", None, "length", None, "act_vocab")  # a chunk's (G, B/G, S, c, V) logits
+
+
 def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, ld, chunk_tokens, scale):
   """The gradient is computed in the forward pass, chunk by chunk (a fused linear cross-entropy): the
   bf16 weight is gathered once, its gradient summed per device over the chunks and reduce-scattered
@@ -60,9 +66,7 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, ld, chunk_tokens, scale):
   B, L, _ = h_BxLxD.shape
   G, S = ops.current().ways(("batch", "length"), (B, L))
   _, n, c = chunk_layout(B, L, chunk_tokens)
-  # the head is a tensor-parallel region: it takes the hidden states whole along `tensor`
-  h_axes = ("batch", "length", "act_embed")
-  h_BxLxD = ops.constrain(h_BxLxD, h_axes)
+  h_BxLxD = ops.constrain(h_BxLxD, H_AXES)
 
   def split(x_BxL_):
     """(B, L, ...) -> (n, G, B/G, S, c, ...): chunk i is positions i*c .. i*c+c-1 of each device's slice;
@@ -72,41 +76,16 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, ld, chunk_tokens, scale):
     return ops.constrain(x, (None, "batch", None, "length", None, *(("act_embed",) if rest else ())))
 
   def run(h_BxLxD, w_DxV, targets_BxL, weights_BxL, scale, grad: bool):
-    V = w_DxV.shape[1]
     # gathered here, once, to the layout the chunks use (whole over fsdp, split over tensor like the logits)
     w16_DxV = ops.constrain(w_DxV.astype(h_BxLxD.dtype), (None, "act_vocab"))
-    axes = ("batch", None, "length", None, "act_vocab")
-
-    def chunk(carry, xs):
-      total, dw_GxSxDxV = carry
-      h_GxBxSxCxD, t_GxBxSxC, wt_GxBxSxC = xs
-      logits = ops.constrain(jnp.einsum("gbscd,dv->gbscv", h_GxBxSxCxD, w16_DxV,
-                                        preferred_element_type=ld).astype(jnp.float32), axes)
-      hot = ops.constrain(jax.nn.one_hot(t_GxBxSxC, V, dtype=jnp.float32), axes)
-      # logsumexp as jax.nn.logsumexp computes it, and below its gradient in the order autodiff has it
-      top = jnp.max(logits, axis=-1, keepdims=True)
-      top = jnp.where(jnp.isfinite(top), top, 0)
-      exp = jnp.exp(logits - top)
-      sumexp = jnp.sum(exp, axis=-1)
-      lse = jnp.log(sumexp) + top[..., 0]
-      total = total + jnp.sum((lse - jnp.sum(logits * hot, axis=-1)) * wt_GxBxSxC)
-      if not grad:
-        return (total, dw_GxSxDxV), None
-      # d(scale * loss)/d(logits), into both products in the logits' dtype as the autodiff of the plain loss has
-      # it: scaled before the cast, so that a float16 gradient is finite where the plain loss's is
-      dlogits = ((exp * (wt_GxBxSxC / sumexp)[..., None] - hot * wt_GxBxSxC[..., None]) * scale).astype(ld)
-      dh = jax.lax.dot_general(dlogits, w16_DxV, (((4,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-      dw = jax.lax.dot_general(h_GxBxSxCxD, dlogits, (((1, 3), (1, 3)), ((0, 2), (0, 2))),
-                               preferred_element_type=jnp.float32)
-      return (total, dw_GxSxDxV + dw), dh
-
     dw0 = ops.constrain(jnp.zeros((G, S) + w_DxV.shape if grad else (), jnp.float32),
-                         ("batch", "length", None, "act_vocab") if grad else ())
+                        ("batch", "length", None, "act_vocab") if grad else ())
     xs = (split(h_BxLxD), split(targets_BxL), split(weights_BxL))
-    (total, dw_GxSxDxV), dh = jax.lax.scan(chunk, (jnp.float32(0), dw0), xs)
+    step = functools.partial(_chunk, w16_DxV=w16_DxV, ld=ld, scale=scale, grad=grad)
+    (total, dw_GxSxDxV), dh = jax.lax.scan(step, (jnp.float32(0), dw0), xs)
     if not grad:
       return total
-    dh_BxLxD = ops.constrain(jnp.moveaxis(dh, 0, 3).reshape(h_BxLxD.shape), h_axes)
+    dh_BxLxD = ops.constrain(jnp.moveaxis(dh, 0, 3).reshape(h_BxLxD.shape), H_AXES)
     # the one reduction over the devices' tokens: a reduce-scatter to the weight's own layout, in the compute
     # dtype like every layer weight's gradient (jnp.sum would sum bfloat16 in float32). reduce_sum, not lax.reduce
     # with a traced zero: that lowers its add through jax, which inside a partly manual shard_map (the pipeline)
@@ -132,6 +111,31 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, ld, chunk_tokens, scale):
 
   loss.defvjp(fwd, bwd)
   return loss(h_BxLxD, w_DxV, targets_BxL, weights_BxL, scale)
+
+
+def _chunk(carry, xs, *, w16_DxV, ld, scale, grad: bool):
+  """One chunk of the scan: (running loss sum, running per-device weight gradient) and this chunk's d(loss)/d(h)."""
+  total, dw_GxSxDxV = carry
+  h_GxBxSxCxD, t_GxBxSxC, wt_GxBxSxC = xs
+  logits = ops.constrain(jnp.einsum("gbscd,dv->gbscv", h_GxBxSxCxD, w16_DxV,
+                                    preferred_element_type=ld).astype(jnp.float32), CHUNK_AXES)
+  hot = ops.constrain(jax.nn.one_hot(t_GxBxSxC, w16_DxV.shape[1], dtype=jnp.float32), CHUNK_AXES)
+  # logsumexp as jax.nn.logsumexp computes it, and below its gradient in the order autodiff has it
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0)
+  exp = jnp.exp(logits - top)
+  sumexp = jnp.sum(exp, axis=-1)
+  lse = jnp.log(sumexp) + top[..., 0]
+  total = total + jnp.sum((lse - jnp.sum(logits * hot, axis=-1)) * wt_GxBxSxC)
+  if not grad:
+    return (total, dw_GxSxDxV), None
+  # d(scale * loss)/d(logits), into both products in the logits' dtype as the autodiff of the plain loss has
+  # it: scaled before the cast, so that a float16 gradient is finite where the plain loss's is
+  dlogits = ((exp * (wt_GxBxSxC / sumexp)[..., None] - hot * wt_GxBxSxC[..., None]) * scale).astype(ld)
+  dh = jax.lax.dot_general(dlogits, w16_DxV, (((4,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  dw = jax.lax.dot_general(h_GxBxSxCxD, dlogits, (((1, 3), (1, 3)), ((0, 2), (0, 2))),
+                           preferred_element_type=jnp.float32)
+  return (total, dw_GxSxDxV + dw), dh
 
 
 def temp_bytes(vocab: int, d_model: int, batch: int, seq: int, chunk_tokens: int, dtype: str = "bfloat16",

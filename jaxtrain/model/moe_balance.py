@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxtrain.core.config import ModelConfig
+from jaxtrain.model import mtp
 
 
 def moe_layers(m: ModelConfig) -> list[int]:
@@ -16,7 +17,7 @@ def moe_layers(m: ModelConfig) -> list[int]:
 
 def mtp_is_moe(m: ModelConfig) -> bool:
   """The MTP block runs in training and routes its tokens to experts."""
-  return bool(m.mtp_layers and m.mtp_weight > 0 and m.is_moe_layer(m.n_layers))
+  return mtp.trains(m) and m.is_moe_layer(m.n_layers)
 
 
 def layer_count(m: ModelConfig) -> int:

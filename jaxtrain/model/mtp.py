@@ -30,6 +30,11 @@ class MTP(nnx.Module):
     return self.head_norm(x_BxLxD), stats
 
 
+def trains(cfg) -> bool:
+  """The module exists and its loss has a weight: it runs in training (else its parameters only sit there)."""
+  return bool(cfg.mtp_layers and cfg.mtp_weight > 0)
+
+
 def targets(mb):
   """(targets t_{i+2} (B, L), mask): position i counts where t_{i+1} and t_{i+2} both continue its document
   (the loss masks at i and i + 1); the last position has no t_{i+2} in the row."""

@@ -36,7 +36,7 @@ class Role:
   decayed: bool  # AdamW's weight decay applies
   cast_at_use: bool  # the model casts it to the compute dtype at every use: its compute copy can be kept so
   router_bias: bool  # moved by the aux-loss-free balancing rule, never by a gradient
-  head: bool  # used after the last block (final norm, output head, MTP; the embedding when the head needs it)
+  head: bool  # used after the last block: final norm, output head (the embedding when tied), the MTP module
   output: bool  # the output projection (lm_head, or the embedding when tied)
   layer: bool  # in one of the decoder blocks (`layers`, `dense_layers`)
   stacked: bool  # has a leading `layers` axis (a scanned stack, model.scan_layers)
@@ -59,10 +59,9 @@ def of(cfg: ModelConfig, path) -> Role:
   if leaf not in KINDS:
     raise KeyError(f"parameter {'/'.join(names)}: {leaf!r} has no role in jaxtrain.model.roles.KINDS")
   kind = KINDS[leaf]
-  head_needs_embedding = cfg.tie_embeddings or cfg.mtp_layers > 0  # the MTP module embeds the targets
   return Role(kind=kind, decayed=kind in MATRICES and kind not in NOT_DECAYED, cast_at_use=kind in CAST_AT_USE,
               router_bias=kind == "router_bias",
-              head=top in ("final_norm", "lm_head", "mtp") or (top == "embed" and head_needs_embedding),
+              head=top in ("final_norm", "lm_head", "mtp") or (top == "embed" and cfg.tie_embeddings),
               output=top == "lm_head" or (top == "embed" and cfg.tie_embeddings), layer=top in ("layers", "dense_layers"), stacked=cfg.scan_layers and top in cfg.stacks())
 
 

@@ -85,9 +85,11 @@ class Transformer(nnx.Module):
         moe_stats += [] if stats is None else [stats]
     return self.final_norm(x_BxLxD), moe_stats
 
-  def mtp_hidden(self, h_BxLxD, targets_BxL, tables, seg_BxL):
-    """The multi-token-prediction module on the final hidden states: (its head-normed hidden, MoE stats or None)."""
-    return self.mtp(h_BxLxD, self.embed_tokens(targets_BxL), tables, seg_BxL)
+  def mtp_hidden(self, h_BxLxD, targets_BxL, tables, seg_BxL, next_emb_BxLxD=None):
+    """The multi-token-prediction module on the final hidden states: (its head-normed hidden, MoE stats or None).
+    `next_emb_BxLxD`: the targets' embeddings where the caller looked them up (the pipeline, outside its region)."""
+    next_emb_BxLxD = self.embed_tokens(targets_BxL) if next_emb_BxLxD is None else next_emb_BxLxD
+    return self.mtp(h_BxLxD, next_emb_BxLxD, tables, seg_BxL)
 
   def decode(self, tokens_BxT, pos_BxT, seg_BxT, cache):
     """KV-cached forward of T new tokens into cache slots [start, start+T): (float32 logits (B, T, V), cache)."""

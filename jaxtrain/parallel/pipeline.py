@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import loss as xent, moe_balance, ops, roles, transformer as model_lib
+from jaxtrain.model import loss as xent, moe_balance, mtp as mtp_lib, ops, roles, transformer as model_lib
 from jaxtrain.model.layers import rope_tables
 from jaxtrain.parallel import schedule as schedule_lib, sharding
 
@@ -26,9 +26,11 @@ AXIS = "pipeline"
 ACT = ("batch", "act_length", "act_embed")  # a chunk's input/output activation
 IDLE, FWD, BWD, BWD_X, BWD_W = range(5)  # branches of the per-tick switch: BWD whole, or as B (X) and W
 # columns of the per-(tick, device) table given to the program (XSLOT: where chunk 0's input gradient replaces
-# its input), then one per link (`links`): the slot an activation (then a gradient) arriving over it lands in
-BRANCH, MB, CHUNK, GCHUNK, SLOT, GSLOT, XSLOT = range(7)
-NCOL = 7
+# its input; ESLOT: where the gradient of the MTP module's target embeddings, made by the last chunk's weight
+# gradient, replaces them), then one per link (`links`): the slot an activation (then a gradient) arriving over it
+# lands in
+BRANCH, MB, CHUNK, GCHUNK, SLOT, GSLOT, XSLOT, ESLOT = range(8)
+NCOL = 8
 
 
 def stages(mesh) -> int:
@@ -61,6 +63,12 @@ def check(cfg, mesh) -> None:
   if m.moe_experts and m.moe_aux_convention == "hf":
     raise UserError(f"model.moe_aux_convention=hf is not supported with mesh pipeline={p} (its loss pools every "
                     "layer's routing before the product); use moe_aux_convention=jaxtrain")
+  tp, ep = mesh.shape.get("tensor", 1), mesh.shape.get("expert", 1)
+  if tp > 1 and ep > 1 and mesh.devices.flat[0].platform == "cpu":
+    raise UserError(f"mesh pipeline={p} with tensor={tp} and expert={ep} does not run on CPU devices: XLA splits a "
+                    "stage's work between tensor and expert with collective-permutes, which XLA:CPU runs only when "
+                    "every device joins, and the stages take different branches (it deadlocks); drop one of the two "
+                    "axes here (XLA:GPU compiles it, its collective-permutes point to point)")
 
 
 def describe(cfg, mesh) -> str:
@@ -94,7 +102,7 @@ def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int]:
   ls = links(t)
   link = {pair: k for k, pairs in enumerate(ls) for pair in pairs}
   out = np.zeros((t.ticks, p, NCOL + 2 * len(ls)), np.int32)
-  out[:, :, SLOT], out[:, :, GSLOT], out[:, :, XSLOT] = S, G, t.m
+  out[:, :, SLOT], out[:, :, GSLOT], out[:, :, XSLOT], out[:, :, ESLOT] = S, G, t.m, t.m
   out[:, :, NCOL:NCOL + len(ls)], out[:, :, NCOL + len(ls):] = S, G
   kinds = {F: FWD, B: BWD_X if t.split else BWD, schedule_lib.W: BWD_W}
   first = {F: FWD, B: IDLE, schedule_lib.W: BWD} if t.split else kinds  # chunk 0's W also gives its input gradient
@@ -114,6 +122,8 @@ def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int]:
         out[tick, d, NCOL + len(ls) + link[(d, s)]] = grads[d][0][(op.mb, c - 1)]
       if c == 0 and r[BRANCH] == BWD:  # its input is used for the last time: its gradient takes its slot
         r[XSLOT] = op.mb
+      if c == last and r[BRANCH] in (BWD, BWD_W):  # the head's weight gradients, the target embeddings' with them
+        r[ESLOT] = op.mb
       if op.kind != F and c < last:
         r[GSLOT] = grads[s][0][(op.mb, c)]
   return out, S, G
@@ -154,10 +164,12 @@ class _Static:
   v: int
   m: int
   dt: Any
-  axes: Any  # each layer weight's logical axes (leading `layers` included)
+  axes: Any  # each parameter's logical axes (a layer weight's leading `layers` included)
   head: list  # the non-layer parameters the last chunk differentiates (roles: head)
   grad_specs: Any  # (layers, rest) PartitionSpecs of the gradients' layout (ZeRO), or None
   forward_only: bool
+  mtp: bool  # the MTP module trains: its target embeddings come in like the tokens', their gradient goes out
+  last_device: int  # the device of the model's last chunk
 
 
 def _execute(objective, params, mbs, w, grad_sharding, *, cfg, mesh, forward_only=False):
@@ -175,24 +187,26 @@ def _execute(objective, params, mbs, w, grad_sharding, *, cfg, mesh, forward_onl
   flip = lambda x: jnp.stack([x[j, ::-1] if r else x[j] for j, r in enumerate(rev)]) if any(rev) else x  # noqa: E731
   layers = jax.tree.map(lambda a: flip(a.reshape(v, p, lc, *a.shape[1:])), params["layers"])
   rest = {k: x for k, x in params.items() if k != "layers"}
-  state = nnx.state(objective.model(params))  # the layers' logical axes, in `params`' leaf order
-  axes = jax.tree.unflatten(jax.tree.structure(params["layers"]), [x.get_metadata()["axes"] for x in jax.tree.leaves(
-      state["layers"], is_leaf=lambda x: isinstance(x, nnx.Variable))])
-  x0, embed_vjp = jax.vjp(lambda e: _embed(plan, e, mbs["inputs"], jnp.dtype(mc.dtype)), params["embed"])
-  x0 = plan.constrain(jnp.concatenate([x0, jnp.zeros_like(x0[:1])]), (None, *ACT))
+  state = nnx.state(objective.model(params))  # every parameter's logical axes, in `params`' leaf order
+  axes = jax.tree.unflatten(jax.tree.structure(params), [x.get_metadata()["axes"] for x in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, nnx.Variable))])
+  mtp = mtp_lib.trains(mc) and not forward_only
+  tokens = (mbs["inputs"], mbs["targets"]) if mtp else (mbs["inputs"],)
+  embedded, embed_vjp = jax.vjp(lambda e: [_embed(plan, e, x, jnp.dtype(mc.dtype)) for x in tokens], params["embed"])
   head = [k for k in rest if all(r.head for r in jax.tree.leaves(roles.tree(mc, {k: rest[k]})))]
   specs = None if grad_sharding is None else jax.tree.map(lambda sh: sh.spec, (
       grad_sharding["layers"], {k: grad_sharding[k] for k in head}))
   static = _Static(objective, plan, jnp.asarray(prog), used, links(t), S, G, p, v, m, jnp.dtype(mc.dtype), axes,
-                   head, specs, forward_only)
+                   head, specs, forward_only, mtp, t.device_of(t.chunks - 1)[0])
   w = w if w is not None else jnp.float32(0)  # evaluation: no objective weights
+  slots = [plan.constrain(jnp.concatenate([x, jnp.zeros_like(x[:1])]), (None, *ACT)) for x in embedded]  # +discard
   out = sharding.manual(functools.partial(_region, static), mesh, (P(None, AXIS), P(), P(), P(), P()),
                         (P(None, AXIS), P(), P(), P(), P(None, AXIS), P(), P()), axis_names={AXIS})(
-      layers, rest, mbs, x0, w)
-  g_layers, g_rest, loss_sum, moe, load, head_load, g_x0 = out
+      layers, rest, mbs, slots, w)
+  g_layers, g_rest, loss_sum, moe, load, head_load, g_slots = out
   if forward_only:
     return loss_sum, None, None
-  g_embed = embed_vjp(g_x0[:m].astype(jnp.dtype(mc.dtype)))[0].astype(jnp.float32)
+  g_embed = embed_vjp([g[:m].astype(jnp.dtype(mc.dtype)) for g in g_slots])[0].astype(jnp.float32)
   g_rest = {**{k: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), x) for k, x in rest.items()}, **g_rest}
   g_rest["embed"] = g_rest["embed"] + g_embed
   g = {**g_rest, "layers": jax.tree.map(lambda a: flip(a).reshape(mc.n_layers, *a.shape[3:]), g_layers)}
@@ -211,11 +225,12 @@ def _embed(plan, e, tokens, dt):
   return plan.constrain(rows.astype(dt), (None, *ACT))
 
 
-def _region(static: _Static, layers, rest, mbs, x0, w):
-  """The per-device program: the tick scan under the plan as seen inside the region."""
+def _region(static: _Static, layers, rest, mbs, slots, w):
+  """The per-device program: the tick scan under the plan as seen inside the region. `slots`: the embedded tokens
+  (and the MTP module's embedded targets), m + 1 slots each (the last one a discard)."""
   plan = dataclasses.replace(static.plan, mesh=jax.sharding.get_abstract_mesh())
   with ops.use(plan):
-    return _Ticks(static, plan, layers, rest, mbs, w).run(x0)
+    return _Ticks(static, plan, layers, rest, mbs, w).run(slots)
 
 
 class _Ticks:
@@ -230,7 +245,9 @@ class _Ticks:
     self.zero_act = self.act(jnp.zeros((b, L, D), static.dt))
     self.zeros_load = jnp.zeros((jax.tree.leaves(self.layers)[0].shape[1], X), jnp.float32)
     self.zero_head_load = jnp.zeros((X,), jnp.float32)
-    self.heads = {k: rest[k] for k in static.head}
+    # the head's weights as stored too: left to propagation, XLA may feed their matmuls by collective-permutes,
+    # which XLA:CPU cannot run inside the last stage's branch (they wait for every device)
+    self.heads = {k: jax.tree.map(lambda a, ax: plan.constrain(a, ax), rest[k], static.axes[k]) for k in static.head}
 
   def act(self, x):
     return self.plan.constrain(x, ACT)
@@ -250,16 +267,17 @@ class _Ticks:
     mc = self.st.objective.cfg.model
     # the chunk's weights as stored (split over fsdp), so that their gradient is too: unconstrained, the
     # backward of the layers' scan all-reduces each layer's weight gradient and stacks the chunk's whole
-    chunk = jax.tree.map(lambda a, ax: self.plan.constrain(a, (None, *ax[1:])), chunk, self.st.axes)
+    chunk = jax.tree.map(lambda a, ax: self.plan.constrain(a, (None, *ax[1:])), chunk, self.st.axes["layers"])
     model = self.st.objective.model({**self.rest, "layers": chunk})
     y, stats = model_lib.run_stack(model.layers, x, rope_tables(mb["positions"], mc), mb["segment_ids"], mc.remat)
     return self.act(y), stats
 
-  def head_terms(self, head_params, y, mb):
-    """(objective of the terms after the last block, token loss sum, the MTP block's MoE stats)."""
+  def head_terms(self, head_params, y, e, mb):
+    """(objective of the terms after the last block, token loss sum, the MTP block's MoE stats); `e`: the MTP
+    module's target embeddings (None without MTP)."""
     obj = self.st.objective
     model = obj.model({**self.rest, **head_params, "layers": jax.tree.map(lambda a: a[0], self.layers)})
-    out, ce, stats = obj.head(model, model.final_norm(y), mb, self.w, gather=False)
+    out, ce, stats = obj.head(model, model.final_norm(y), mb, self.w, gather=False, next_emb_BxLxD=e)
     return out + obj.aux(stats, self.w), ce, stats
 
   def head_loss(self, y, mb):
@@ -270,10 +288,11 @@ class _Ticks:
     return xent.nll_sum(model.final_norm(y), model.head_weight(), mb["targets"], mb["loss_mask"],
                         c.train.loss_chunk_tokens, c.model.head_logits_dtype, gather=False)
 
-  def result(self, acc, y=None, dx=None, loss=0.0, moe=None, load=None, head_load=None):
+  def result(self, acc, y=None, dx=None, loss=0.0, moe=None, load=None, head_load=None, de=None):
     f32 = jnp.float32
     moe = moe or {"aux": f32(0), "dropped": f32(0), "assigned": f32(0)}
     return {"y": self.zero_act if y is None else y, "dx": self.zero_act if dx is None else dx, "acc": acc,
+            "de": self.zero_act if de is None else self.act(de.astype(self.st.dt)),
             "loss": f32(loss), "moe": moe, "load": self.zeros_load if load is None else load,
             "head_load": self.zero_head_load if head_load is None else head_load}
 
@@ -291,19 +310,19 @@ class _Ticks:
            **{k: sum((s[k] for s in stats), jnp.float32(0)) for k in ("dropped", "assigned")}}
     return tot, jnp.stack([s["load"] for s in stats]) if stats else None
 
-  # Branches: (accumulators, local chunk index, chunk params, chunk input, output gradient, microbatch, last);
-  # the model's last chunk runs the head terms (a lax.cond: one copy of the layers).
+  # Branches: (accumulators, local chunk index, chunk params, chunk input, output gradient, the MTP target
+  # embeddings, microbatch, last); the model's last chunk runs the head terms (a lax.cond: one copy of the layers).
   def idle(self, acc, *_):
     return self.result(acc)
 
-  def forward(self, acc, j, chunk, x, dy, mb, last):
+  def forward(self, acc, j, chunk, x, dy, e, mb, last):
     y, stats = self.stage(chunk, x, mb)
     tot, load = self.totals(stats)
     if self.st.forward_only:
       return self.result(acc, y=y, loss=jax.lax.cond(last, lambda: self.head_loss(y, mb), lambda: jnp.float32(0)))
 
     def head():
-      _, ce, head_stats = self.head_terms(self.heads, y, mb)
+      _, ce, head_stats = self.head_terms(self.heads, y, e, mb)
       h_tot, h_load = self.totals(head_stats)
       return ce, h_tot, self.zero_head_load if h_load is None else h_load[0]
     zero = (jnp.float32(0), jax.tree.map(jnp.zeros_like, tot), self.zero_head_load)
@@ -311,40 +330,45 @@ class _Ticks:
     return self.result(acc, y=y, loss=ce, moe=jax.tree.map(jnp.add, tot, h_tot), load=load, head_load=h_load)
 
   def objective_of(self, dy, mb, last):
-    """The chunk's share of the objective as a function of (chunk params, head params, chunk input)."""
-    def objective(c, h, x):
+    """The chunk's share of the objective as a function of (chunk params, head params, chunk input, MTP target
+    embeddings)."""
+    def objective(c, h, x, e):
       y, stats = self.stage(c, x, mb)
       # last chunk: the head terms; else <y, dy>, whose gradient is the vjp with dy
-      out = jax.lax.cond(last, lambda: self.head_terms(h, y, mb)[0],
+      out = jax.lax.cond(last, lambda: self.head_terms(h, y, e, mb)[0],
                          lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)))
       return out + self.st.objective.aux(stats, self.w)
     return objective
 
-  def backward(self, acc, j, chunk, x, dy, mb, last):
-    g_chunk, g_head, dx = jax.grad(self.objective_of(dy, mb, last), argnums=(0, 1, 2))(chunk, self.heads, x)
-    return self.result(self.add(acc, j, g_chunk, g_head), dx=self.act(dx.astype(self.st.dt)))
+  def backward(self, acc, j, chunk, x, dy, e, mb, last):
+    g_chunk, g_head, dx, de = jax.grad(self.objective_of(dy, mb, last), argnums=(0, 1, 2, 3))(
+        chunk, self.heads, x, e)
+    return self.result(self.add(acc, j, g_chunk, g_head), dx=self.act(dx.astype(self.st.dt)), de=de)
 
   # Split backward (zero-bubble schedules): B and W each recompute the chunk's forward from the stashed
   # input; B differentiates w.r.t. the input only (no weight-gradient matmuls), W w.r.t. the weights only
   # (it redoes the activation gradients inside the chunk, which the weights' need).
-  def backward_x(self, acc, j, chunk, x, dy, mb, last):
-    dx = jax.grad(self.objective_of(dy, mb, last), argnums=2)(chunk, self.heads, x)
+  def backward_x(self, acc, j, chunk, x, dy, e, mb, last):
+    dx = jax.grad(self.objective_of(dy, mb, last), argnums=2)(chunk, self.heads, x, e)
     return self.result(acc, dx=self.act(dx.astype(self.st.dt)))
 
-  def backward_w(self, acc, j, chunk, x, dy, mb, last):
-    return self.result(self.add(acc, j, *jax.grad(self.objective_of(dy, mb, last), argnums=(0, 1))(
-        chunk, self.heads, x)))
+  def backward_w(self, acc, j, chunk, x, dy, e, mb, last):
+    g_chunk, g_head, de = jax.grad(self.objective_of(dy, mb, last), argnums=(0, 1, 3))(chunk, self.heads, x, e)
+    return self.result(self.add(acc, j, g_chunk, g_head), de=de)
 
   def tick(self, carry, row_PxK):
-    stash, gbuf, x0, acc, loss, tot, acc_load, head_load = carry
+    stash, gbuf, slots, acc, loss, tot, acc_load, head_load = carry
     st, r = self.st, row_PxK[self.s]
     mb = jax.tree.map(lambda a: a[r[MB]], self.mbs)
     chunk = jax.tree.map(lambda a: a[r[CHUNK]], self.layers)
     c = r[GCHUNK]
-    x = jnp.where(c == 0, x0[r[MB]], stash[r[SLOT]])  # chunk 0: the embedded tokens
+    x = jnp.where(c == 0, slots[0][r[MB]], stash[r[SLOT]])  # chunk 0: the embedded tokens
+    e = slots[1][r[MB]] if st.mtp else None
     branches = [(self.idle, self.forward, self.backward, self.backward_x, self.backward_w)[k] for k in st.used]
-    out = jax.lax.switch(r[BRANCH], branches, acc, r[CHUNK], chunk, x, gbuf[r[GSLOT]], mb, c == st.p * st.v - 1)
-    x0 = x0.at[r[XSLOT]].set(out["dx"])  # chunk 0's input gradient (else into the discard slot)
+    out = jax.lax.switch(r[BRANCH], branches, acc, r[CHUNK], chunk, x, gbuf[r[GSLOT]], e, mb, c == st.p * st.v - 1)
+    # the input's gradient takes the slot of chunk 0's input (else the discard slot), the MTP target embeddings'
+    # that of theirs, once the last chunk's weight gradient has made it
+    slots = [slots[0].at[r[XSLOT]].set(out["dx"]), *([slots[1].at[r[ESLOT]].set(out["de"])] if st.mtp else [])]
     tot = jax.tree.map(jnp.add, tot, out["moe"])
     acc_load = acc_load.at[r[CHUNK]].add(out["load"])  # forwards only (the other branches give zeros)
     for k, pairs in enumerate(st.links):  # (s, s): zbv's turn stays on the device
@@ -353,21 +377,25 @@ class _Ticks:
       back = [(b, a) for a, b in pairs]
       gbuf = gbuf.at[r[NCOL + len(st.links) + k]].set(
           out["dx"] if same else jax.lax.ppermute(out["dx"], AXIS, back))
-    return (stash, gbuf, x0, out["acc"], loss + out["loss"], tot, acc_load, head_load + out["head_load"]), None
+    return (stash, gbuf, slots, out["acc"], loss + out["loss"], tot, acc_load, head_load + out["head_load"]), None
 
-  def run(self, x0):
+  def run(self, slots):
     st, f32 = self.st, jnp.float32
     buf = lambda n: self.plan.constrain(jnp.zeros((n + 1, *self.zero_act.shape), st.dt), (None, *ACT))  # noqa: E731
     acc = self.keep(jax.tree.map(lambda a: jnp.zeros(a.shape, f32), self.layers),
                     jax.tree.map(lambda a: jnp.zeros(a.shape, f32), self.heads), lead=2)
-    carry = (buf(st.S), buf(st.G), x0, acc, f32(0), {"aux": f32(0), "dropped": f32(0), "assigned": f32(0)},
+    carry = (buf(st.S), buf(st.G), slots, acc, f32(0), {"aux": f32(0), "dropped": f32(0), "assigned": f32(0)},
              jnp.zeros((st.v, *self.zeros_load.shape), f32), self.zero_head_load)
-    (_, _, g_x0, (acc_layers, acc_head), loss, tot, acc_load, head_load), _ = jax.lax.scan(self.tick, carry, st.prog)
-    # chunk gradients stay on their device; the head's and chunk 0's input gradients (device 0's) are summed over
-    # it (in float32: exact, as the others are zeros; a bfloat16 all-reduce here crashes XLA:CPU, jax 0.10.2)
-    g_x0 = jnp.where(self.s == 0, g_x0, jnp.zeros((), st.dt)).astype(f32)
-    acc_head, loss, tot, head_load, g_x0 = jax.lax.psum((acc_head, loss, tot, head_load, g_x0), AXIS)
-    return jax.tree.map(lambda a: a[:, None], acc_layers), acc_head, loss, tot, acc_load[:, None], head_load, g_x0
+    (_, _, g_slots, (acc_layers, acc_head), loss, tot, acc_load, head_load), _ = jax.lax.scan(
+        self.tick, carry, st.prog)
+    # chunk gradients stay on their device; the head's, chunk 0's input gradients (device 0's) and the MTP target
+    # embeddings' (the last chunk's device) are summed over it (in float32: exact, as the others are zeros; a
+    # bfloat16 all-reduce in this region aborts XLA:CPU's all-reduce promotion, jax 0.10.2)
+    owner = [self.s == 0, self.s == st.last_device]
+    g_slots = [jnp.where(o, g, jnp.zeros((), st.dt)).astype(f32) for o, g in zip(owner, g_slots)]
+    acc_head, loss, tot, head_load, g_slots = jax.lax.psum((acc_head, loss, tot, head_load, g_slots), AXIS)
+    return (jax.tree.map(lambda a: a[:, None], acc_layers), acc_head, loss, tot, acc_load[:, None], head_load,
+            g_slots)
 def act_bytes(cfg, mesh) -> int:
   """Bytes of one chunk input on one device (a microbatch's tokens x d_model, compute dtype)."""
   return sharding.tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize

@@ -40,14 +40,10 @@ def weights(cfg: Config, batch, loss_scale) -> tuple[Weights, jax.Array]:
   scale = jnp.asarray(loss_scale, jnp.float32)
   ce = scale / jnp.maximum(n_valid, 1).astype(jnp.float32)
   mtp = jnp.float32(0)
-  if mtp_runs(cfg):
+  if mtp_lib.trains(cfg.model):
     n_mtp = jnp.maximum(jnp.sum(mtp_lib.targets(batch)[1] > 0), 1).astype(jnp.float32)
     mtp = m.mtp_weight * scale / n_mtp
   return Weights(ce=ce, aux=scale / cfg.train.microbatches, mtp=mtp), n_valid
-
-
-def mtp_runs(cfg: Config) -> bool:
-  return bool(cfg.model.mtp_layers and cfg.model.mtp_weight > 0)
 
 
 class Objective:
@@ -60,19 +56,21 @@ class Objective:
   def model(self, params):
     return nnx.merge(self.graphdef, params)
 
-  def head(self, model, h_BxLxD, mb, w: Weights, gather: bool = True):
+  def head(self, model, h_BxLxD, mb, w: Weights, gather: bool = True, next_emb_BxLxD=None):
     """The terms after the last block, from its final-normed output: (objective without MoE aux, token loss sum,
     the MTP block's MoE stats as a list). `gather`: the plain loss takes the target logit by a gather (else a
-    one-hot product: no gather over the vocabulary's split, inside the pipeline)."""
+    one-hot product: no gather over the vocabulary's split, inside the pipeline). `next_emb_BxLxD`: the MTP
+    module's target embeddings, where the caller looked them up (the pipeline, outside its region)."""
     t, m = self.cfg.train, self.cfg.model
     loss = lambda h, targets, mask, scale: xent.nll_sum(  # noqa: E731
         h, model.head_weight(), targets, mask, t.loss_chunk_tokens, m.head_logits_dtype, gather, scale)
     ce = loss(h_BxLxD, mb["targets"], mb["loss_mask"], w.ce)
-    if not mtp_runs(self.cfg):
+    if not mtp_lib.trains(self.cfg.model):
       return w.ce * ce, ce, []
-    t2_BxL, m2_BxL = mtp_lib.targets(mb)
-    g_BxLxD, stats = model.mtp_hidden(h_BxLxD, mb["targets"], rope_tables(mb["positions"], m), mb["segment_ids"])
-    return w.ce * ce + w.mtp * loss(g_BxLxD, t2_BxL, m2_BxL, w.mtp), ce, [] if stats is None else [stats]
+    g_BxLxD, stats = model.mtp_hidden(h_BxLxD, mb["targets"], rope_tables(mb["positions"], m), mb["segment_ids"],
+                                      next_emb_BxLxD)
+    return w.ce * ce + w.mtp * loss(g_BxLxD, mb["mtp_targets"], mb["mtp_mask"], w.mtp), ce, [] if stats is None else [
+        stats]
 
   def aux_share(self, stats: list[dict]):
     """These MoE layers' share of the microbatch's aux loss (the mean over all `moe_balance.layer_count` layers;
@@ -97,6 +95,16 @@ class Objective:
     h_BxLxD, _ = model.hidden(mb["inputs"], mb["positions"], mb["segment_ids"])
     return xent.nll_sum(h_BxLxD, model.head_weight(), mb["targets"], mb["loss_mask"], self.cfg.train.loss_chunk_tokens,
                         self.cfg.model.head_logits_dtype)
+
+
+def with_mtp_targets(cfg: Config, batch):
+  """The batch with the MTP module's targets and mask (t_{i+2}), shifted once for the whole update: a shift along
+  the length inside the step would move data between the devices that split it (a collective-permute, which XLA:CPU
+  cannot run inside the pipeline's last-stage branch)."""
+  if not mtp_lib.trains(cfg.model):
+    return batch
+  t2_BxL, m2_BxL = mtp_lib.targets(batch)
+  return {**batch, "mtp_targets": t2_BxL, "mtp_mask": m2_BxL}
 
 
 def split_microbatches(batch, k: int):
@@ -132,7 +140,8 @@ def grads(objective: Objective, params, batch, loss_scale=1.0, grad_sharding=Non
   """(mean token loss, unscaled gradient, n_valid, MoE metrics) of one update, by `executor` (default: the scan)."""
   k = objective.cfg.train.microbatches
   w, n_valid = weights(objective.cfg, batch, loss_scale)
-  loss_sum, g, moe = executor(objective, params, split_microbatches(batch, k), w, grad_sharding)
+  mbs = split_microbatches(with_mtp_targets(objective.cfg, batch), k)
+  loss_sum, g, moe = executor(objective, params, mbs, w, grad_sharding)
   g = jax.tree.map(lambda x: x / jnp.asarray(loss_scale, x.dtype), g)
   return loss_sum / jnp.maximum(n_valid, 1), g, n_valid, moe_balance.update_metrics(moe, k)
 

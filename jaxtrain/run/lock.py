@@ -50,6 +50,7 @@ class WorkdirLock:
 
   def __init__(self, workdir: Path):
     self.path = Path(workdir) / NAME
+    self.created = not self.path.exists()  # a refused run removes the lock file it made
     self.note: str | None = None  # set when a dead run's record was taken over
     self._claimed = False  # the record is ours (locked, or unlocked where the filesystem has no locks)
     # One attempt, no waiting; never the soft (marker-file) fallback: unlink-on-release would lose the record.

@@ -218,9 +218,6 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     return summary
   except Exception as e:  # noqa: BLE001 (details to the log; the terminal gets one line)
     if runlog is None:  # refused before the run's files: nothing of it is written, the log included
-      if created and lock is not None:  # nor is a workdir it created left behind
-        runfiles.remove_new_workdir(workdir, lock)
-        lock = None  # released there
       raise
     raise runlog.ending(e, sinks.writer() if sinks else None) from None
   finally:
@@ -238,5 +235,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     finally:  # orbax's own errors (a barrier timeout when a peer is gone) still close the log and free the lock
       if runlog is not None:
         runlog.close()
-      if lock is not None:
+      if lock is not None and runlog is None:  # refused or nothing to do: no lock file or workdir of its own left
+        runfiles.remove_new(workdir if created else None, lock)
+      elif lock is not None:
         lock.release()

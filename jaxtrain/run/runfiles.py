@@ -48,13 +48,16 @@ def prepare_workdir(workdir: Path) -> None:
     raise UserError(f"--workdir {workdir}: cannot write there: {_why(e)}; give a writable directory") from None
 
 
-def remove_new_workdir(workdir: Path, lock) -> None:
-  """Undoes `prepare_workdir` for a refused run: its lock file goes while still held, then the workdir if empty."""
-  with contextlib.suppress(OSError):
-    lock.path.unlink()
+def remove_new(workdir: Path | None, lock) -> None:
+  """Undoes what a run that wrote nothing made: the lock file, while still held, where it made it; then `workdir`
+  (one it created) if empty."""
+  if lock.created:
+    with contextlib.suppress(OSError):
+      lock.path.unlink()
   lock.release()
-  with contextlib.suppress(OSError):
-    workdir.rmdir()
+  if workdir is not None:
+    with contextlib.suppress(OSError):
+      workdir.rmdir()
 
 
 def move_aside(path: Path, dest_dir: Path, reason: str) -> Path:

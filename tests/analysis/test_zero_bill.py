@@ -1,5 +1,5 @@
 """The bill, the traffic table and the compiled step under optim.zero_stage / optim.offload, against the seed's
-per-stage formulas (docs/memory.md, "ZeRO stages"): P parameters, N = data ways, float32 master and moments."""
+per-stage formulas (docs/inspect.md, "ZeRO stages and offload"): P parameters, N = data ways, float32 master and moments."""
 
 import pytest
 

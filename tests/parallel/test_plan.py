@@ -2,6 +2,7 @@
 compiled step runs that kernel."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -42,3 +43,54 @@ def test_the_plan_never_names_cudnn_where_the_ring_runs():
   # For an H100 target (compiled ahead of time on this machine) the plan picks cuDNN.
   h100 = type("Device", (), {"platform": "gpu", "compute_capability": "9.0", "device_kind": "NVIDIA H100"})()
   assert plan_lib.build(config.load("tiny"), mesh_of("dp=2"), device=h100).attention == "cudnn"
+
+
+def _compiled(sets, spec):
+  """(the plan's start-up line, the compiled step's HLO text, its memory analysis) for tiny + `sets` on `spec`."""
+  from jaxtrain.analysis import gpu_compile as gc
+  setup = step.Setup(config.load("tiny", ["model.dtype=float32", "train.batch_size=8", "train.seq_len=32",
+                                          "model.n_layers=2", *sets]), mesh_of(spec))
+  compiled = setup.step.lower(*gc.abstract_inputs(setup)).compile()
+  return setup.plan.describe(), compiled.as_text(), compiled.memory_analysis()
+
+
+# (config key, its two values, the mesh, the words each value puts in the plan line, what the program shows)
+CHOICES = [
+    ("model.remat", ("none", "full"), "dp=2", ("remat none", "remat full"),
+     lambda hlo, mem: len(re.findall(r" dot\(", hlo))),  # the recomputed forward's matmuls
+    ("run.sequence_parallel", ("false", "true"), "tp=2", ("", "sequence-parallel residual stream"),
+     lambda hlo, mem: len(re.findall(r"reduce-scatter\(", hlo))),
+    ("model.fp8", ("none", "tensorwise"), "dp=2", ("", "fp8 tensorwise"), lambda hlo, mem: "f8e4m3fn" in hlo),
+    ("optim.zero_stage", ("0", "2"), "dp=2", ("zero-0", "zero-2"), lambda hlo, mem: len(re.findall(
+        r"reduce-scatter\(", hlo))),
+    ("optim.offload", ("none", "host"), "dp=2", ("", "host memory"), lambda hlo, mem: mem.host_argument_size_in_bytes),
+    ("model.sequence_attention", ("ring", "ulysses"), "sp=2", ("ring attention", "ulysses over sequence=2"),
+     lambda hlo, mem: ("collective-permute" in hlo, "all-to-all" in hlo)),
+]
+
+
+@pytest.mark.parametrize("key,values,spec,words,shows", CHOICES, ids=[c[0] for c in CHOICES])
+def test_each_printed_choice_is_what_the_program_runs(key, values, spec, words, shows):
+  """One source per choice: changing the config key changes the plan line and the compiled program with it."""
+  lines, programs = [], []
+  for value, word in zip(values, words):
+    line, hlo, mem = _compiled([f"{key}={value}"], spec)
+    assert word in line, (key, value, line)
+    lines.append(line)
+    programs.append(shows(hlo, mem))
+  assert lines[0] != lines[1] and programs[0] != programs[1], (key, programs)
+
+
+def test_the_moe_kernel_and_groups_in_the_plan_line_are_what_runs():
+  """model.moe_dropless and model.moe_group_size: the plan line names the dispatch the step runs, and the losses
+  follow (capacity groups drop tokens, the dropless kernel drops none)."""
+  from tests.helpers import trajectory
+  base = ["model.dtype=float32", "train.batch_size=8", "train.seq_len=32", "model.moe_experts=4",
+          "model.moe_capacity_factor=0.5"]
+  runs = {}
+  for extra, word in ((["model.moe_group_size=8"], "capacity groups of 8 tokens"),
+                      ([], "capacity groups of 32 tokens"), (["model.moe_dropless=true"], "dropless, blocks")):
+    cfg = config.load("tiny", base + extra)
+    assert word in step.Setup(cfg, mesh_of("ep=2")).plan.describe()
+    runs[word] = trajectory(cfg, "ep=2", 1)[0, 0]
+  assert len(set(runs.values())) == 3, runs

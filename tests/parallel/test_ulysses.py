@@ -1,6 +1,7 @@
 """Ulysses sequence parallelism (model.sequence_attention=ulysses) against one device, in the compiled
 program (all-to-alls, no gathered K/V) and in the analytic traffic, plus the refused head splits."""
 
+import dataclasses
 import re
 
 import jax
@@ -109,3 +110,24 @@ def test_compiles_for_h100s_with_cudnn_inside_ulysses():
   figure = comms.traffic(cfg, setup.mesh, memory.grouped(memory.param_rows(setup)))["sequence"]
   assert figure["ulysses all-to-all q/k/v/out (fwd+bwd)"] == int(counted["all-to-all"]["bytes_per_step"] * 7 / 8)
   assert counted["all-gather"]["bytes_per_step"] == 2 * 256 * 4  # the segment ids, nothing else
+
+
+@pytest.mark.parametrize("spec", ["sp=2,tp=2", "pp=2,dp=2"])
+def test_mla_through_the_cudnn_path_equals_one_device(spec, monkeypatch):
+  """MLA's narrower v padded for cuDNN, under Ulysses and inside the pipeline's region, run on CPU with the cuDNN
+  kernel's XLA implementation in its place (the same call, masks and padding): the losses equal one device with
+  the reference kernel, float32."""
+  fused = kernels.fused
+  monkeypatch.setattr(kernels, "fused", lambda q, k, v, seg: fused(q, k, v, seg, implementation="xla"))
+  cfg = config.load("deepseek-v3-tiny", ["model.n_layers=2", "model.moe_first_dense=0", "model.dtype=float32",
+                                         "train.batch_size=4", "train.seq_len=32", "train.microbatches=2",
+                                         "model.sequence_attention=ulysses", "model.scan_layers=true",
+                                         "model.d_model=64", "model.moe_experts=8", "model.moe_n_group=2"])
+  ref = trajectory(cfg, "dp=1", 2)
+  real = plan_lib.build
+
+  def cudnn_plan(c, mesh, device=None):  # what an H100 decides
+    return dataclasses.replace(real(c, mesh, device), attention="cudnn")
+  monkeypatch.setattr(plan_lib, "build", cudnn_plan)
+  got = trajectory(cfg, spec, 2)
+  np.testing.assert_allclose(got, ref, rtol=1e-5)

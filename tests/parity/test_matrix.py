@@ -2,11 +2,13 @@
 (tests/parity/covering.py) each train 2 steps on their mesh and on one device, the losses and gradient norms equal
 at the tolerance of their dtype; the refused pairs stop with a one-line error naming both options.
 
-Tolerances, relative, per step on loss and grad norm, as the parity tests of each have them: float32 1e-5;
-float16 (loss-scaled) 1e-4, as the pipeline's float16 parity test; bfloat16 2e-2 and FP8 5e-2 (rounding to 8 and 4
-bits of mantissa after a reduction in another order can move the gradient norm by one rounding step of a large
-element; measured below 1e-2 and 2e-2 on these rows, docs/parallelism.md)."""
+Tolerances, relative, per step on loss and grad norm: float32 1e-5, as every parity test; float16 (loss-scaled)
+1e-3, its rounding step 2^-10 (a reduction in another order moves the gradient norm by a part of it: up to 4.3e-4
+measured on these rows); bfloat16 2e-2 and FP8 5e-2 (8 and 4 bits of mantissa: up to 2.0e-3 and 1.1e-7 measured
+here, the FP8 rows being float32 or float16 compute; the bounds leave room for a rounding step of a large
+element)."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -26,7 +28,8 @@ ATTENTION = {"mha": ["model.n_kv_heads=4"], "gqa": ["model.n_kv_heads=2"],
                      "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8"]}
 MOE = {"dense": [], "capacity": ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_expert_d_ff=32"],
        "dropless": ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_expert_d_ff=32", "model.moe_dropless=true"]}
-TOLERANCE = {"float32": 1e-5, "float16": 1e-4, "bfloat16": 2e-2}
+TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 2e-2}
+FAST = {"xla_backend_optimization_level": 0}  # LLVM at -O0, both sides: half the compile time
 FP8_TOLERANCE = 5e-2
 
 
@@ -54,19 +57,24 @@ def mesh_spec(row: dict) -> str:
   return ",".join(f"{a}=2" for a in covering.AXES if row[a] == 2) or "data=1"
 
 
-def trajectory(cfg, spec: str) -> np.ndarray:
-  """(loss, grad_norm) of each of STEPS steps on mesh `spec` (the data the run would read)."""
+def trajectory(cfg, spec: str, init=None):
+  """(loss, grad_norm) of each of STEPS steps on mesh `spec` (the data the run would read), and the initial state
+  on the host; `init`: start from that state (the one-device run's) instead of initializing again."""
   setup = step.Setup(cfg, mesh_of(spec))
   batches = data.batches(cfg)
-  state, out = setup.init(), []
+  out = []
   try:
-    for _ in range(STEPS):
-      state, m = setup.step(state, setup.device_batch(next(batches)))
+    state = setup.init() if init is None else jax.device_put(init, setup.state_shardings)
+    first = jax.device_get(state) if init is None else init
+    batch = setup.device_batch(next(batches))
+    compiled = setup.step.lower(state, batch).compile(FAST)
+    for i in range(STEPS):
+      state, m = compiled(state, batch if i == 0 else setup.device_batch(next(batches)))
       assert not bool(m["skipped"]), f"a step was skipped on {spec}"
       out.append((float(m["loss"]), float(m["grad_norm"])))
   finally:
     batches.close()
-  return np.array(out)
+  return np.array(out), first
 
 
 ROWS = covering.matrix()
@@ -75,8 +83,8 @@ ROWS = covering.matrix()
 @pytest.mark.parametrize("row", ROWS, ids=[f"row{i}:{mesh_spec(r)}" for i, r in enumerate(ROWS)])
 def test_a_row_of_the_matrix_equals_its_one_device_run(row):
   cfg = config.load("tiny", overrides(row))
-  got = trajectory(cfg, mesh_spec(row))
-  ref = trajectory(cfg, "data=1")
+  ref, init = trajectory(cfg, "data=1")
+  got, _ = trajectory(cfg, mesh_spec(row), init)
   rtol = FP8_TOLERANCE if row["fp8"] != "none" else TOLERANCE[row["dtype"]]
   np.testing.assert_allclose(got, ref, rtol=rtol, err_msg=f"{mesh_spec(row)} {overrides(row)[len(BASE):]}")
 

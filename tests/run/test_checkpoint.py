@@ -234,6 +234,7 @@ def test_refused_and_idle_reruns_touch_nothing(run_cli, tmp_path, saved):
   """A refused resume, a run with nothing to do, and bad data in a new workdir write, move and create nothing."""
   w = tmp_path / "w"
   shutil.copytree(saved, w)
+  (w / "jaxtrain.run.lock").unlink()  # as a run's files can be copied, or the lock file removed by hand
   before = _files(w)
   r = run_cli("jaxtrain.train", *RUN, "--workdir", str(w), "--set", "model.rope_theta=500000")
   assert r.returncode == 2 and "model.rope_theta: 10000.0 -> 500000.0" in r.stderr
@@ -245,6 +246,9 @@ def test_refused_and_idle_reruns_touch_nothing(run_cli, tmp_path, saved):
   assert r.returncode == 2 and "does not exist" in r.stderr and not (tmp_path / "new").exists()
   r = run_cli("jaxtrain.train", *RUN, "--workdir", str(tmp_path / "new"), "--resume-from", "2")
   assert r.returncode == 2 and "no committed checkpoint" in r.stderr and not (tmp_path / "new").exists()
+  (tmp_path / "empty").mkdir()  # an existing, empty workdir stays empty (on main the lock file was left there)
+  r = run_cli("jaxtrain.train", *RUN, "--workdir", str(tmp_path / "empty"), "--resume-from", "2")
+  assert r.returncode == 2 and "no committed checkpoint" in r.stderr and _files(tmp_path / "empty") == {}
 
 
 def test_only_saves_orbax_never_committed_are_removed(tmp_path):
