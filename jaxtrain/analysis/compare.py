@@ -29,6 +29,7 @@ def _variant(name, cfg, mesh, batches, first: dict):
   from jaxtrain.analysis import gpu_compile, speed
   from jaxtrain.run import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
+  cfg = setup.cfg  # with what the mesh implies
   sig = lambda tree: (jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)])  # noqa: E731
   if "state" in first and sig(first["state"]) == sig(jax.eval_shape(setup.init)):
     state = jax.device_put(first["state"], setup.state_shardings)

@@ -88,6 +88,7 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
   from jaxtrain.parallel import plan as plan_lib
   from jaxtrain.run import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
+  cfg = setup.cfg  # with what the mesh implies
   rows = memory.grouped(memory.param_rows(setup))
   target = plan_lib.build(cfg, mesh, device=device) if device else setup.plan
   b = memory.bill(setup, rows, margin, plan=target)

@@ -182,6 +182,7 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
   from jaxtrain.parallel import mesh as mesh_lib
   from jaxtrain.run import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
+  cfg = setup.cfg  # with what the mesh implies
   fit.check(setup, cfg.run.fit_check)
   dev0, t = mesh.devices.flat[0], cfg.train
   unpacked = "torch" in baselines  # SDPA's flash path masks causally only: every side gets unpacked rows

@@ -95,10 +95,7 @@ class MoE(nnx.Module):
     dt, c = x_BxLxD.dtype, self.cfg
     B, L, _ = x_BxLxD.shape
     bias = jax.lax.stop_gradient(self.router_bias[...]) if c.moe_bias_rate > 0 else None
-    # the router whole on every device (D x X, small): split over fsdp like the other weights, XLA would feed its
-    # matmul by collective-permutes, which XLA:CPU cannot run inside the pipeline's per-stage branches
-    router_DxX = ops.constrain(self.router[...], (None, None))
-    idx, w, stats = route(x_BxLxD, router_DxX, c.moe_top_k, c.moe_router, bias, c.moe_norm_top_k,
+    idx, w, stats = route(x_BxLxD, self.router[...], c.moe_top_k, c.moe_router, bias, c.moe_norm_top_k,
                           (c.moe_n_group, c.moe_topk_group), c.moe_routed_scale)
     weights = tuple(p[...].astype(dt) for p in (self.w_gate, self.w_up, self.w_down))
     G = group_size(c, B, L, decoding)

@@ -47,6 +47,12 @@ class Role:
     return self.kind in ("matrix", "router") or self.output
 
 
+def decayed(leaf: str) -> bool:
+  """Weight decay by rule, from a parameter's leaf name alone: every matrix but the NOT_DECAYED kinds."""
+  kind = KINDS.get(leaf)
+  return kind in MATRICES and kind not in NOT_DECAYED
+
+
 def keys_of(path) -> tuple[str, ...]:
   """A tree path (jax key entries, or strings) as plain names."""
   return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
@@ -59,7 +65,7 @@ def of(cfg: ModelConfig, path) -> Role:
   if leaf not in KINDS:
     raise KeyError(f"parameter {'/'.join(names)}: {leaf!r} has no role in jaxtrain.model.roles.KINDS")
   kind = KINDS[leaf]
-  return Role(kind=kind, decayed=kind in MATRICES and kind not in NOT_DECAYED, cast_at_use=kind in CAST_AT_USE,
+  return Role(kind=kind, decayed=decayed(leaf), cast_at_use=kind in CAST_AT_USE,
               router_bias=kind == "router_bias",
               head=top in ("final_norm", "lm_head", "mtp") or (top == "embed" and cfg.tie_embeddings),
               output=top == "lm_head" or (top == "embed" and cfg.tie_embeddings), layer=top in ("layers", "dense_layers"), stacked=cfg.scan_layers and top in cfg.stacks())

@@ -63,12 +63,6 @@ def check(cfg, mesh) -> None:
   if m.moe_experts and m.moe_aux_convention == "hf":
     raise UserError(f"model.moe_aux_convention=hf is not supported with mesh pipeline={p} (its loss pools every "
                     "layer's routing before the product); use moe_aux_convention=jaxtrain")
-  tp, ep = mesh.shape.get("tensor", 1), mesh.shape.get("expert", 1)
-  if tp > 1 and ep > 1 and mesh.devices.flat[0].platform == "cpu":
-    raise UserError(f"mesh pipeline={p} with tensor={tp} and expert={ep} does not run on CPU devices: XLA splits a "
-                    "stage's work between tensor and expert with collective-permutes, which XLA:CPU runs only when "
-                    "every device joins, and the stages take different branches (it deadlocks); drop one of the two "
-                    "axes here (XLA:GPU compiles it, its collective-permutes point to point)")
 
 
 def describe(cfg, mesh) -> str:
@@ -245,12 +239,25 @@ class _Ticks:
     self.zero_act = self.act(jnp.zeros((b, L, D), static.dt))
     self.zeros_load = jnp.zeros((jax.tree.leaves(self.layers)[0].shape[1], X), jnp.float32)
     self.zero_head_load = jnp.zeros((X,), jnp.float32)
-    # the head's weights as stored too: left to propagation, XLA may feed their matmuls by collective-permutes,
-    # which XLA:CPU cannot run inside the last stage's branch (they wait for every device)
+    # the head's weights as stored too, like a chunk's
     self.heads = {k: jax.tree.map(lambda a, ax: plan.constrain(a, ax), rest[k], static.axes[k]) for k in static.head}
 
   def act(self, x):
     return self.plan.constrain(x, ACT)
+
+  # The stages take different branches at the same tick. XLA:CPU runs a collective only when every device joins
+  # (the collective-permutes with which XLA splits a stage's work between its axes too), so on CPU every device
+  # computes every branch and selects its own: the same values, some times the work. Elsewhere, lax.switch/cond.
+  def switch(self, index, branches, *args):
+    if self.plan.platform != "cpu":
+      return jax.lax.switch(index, branches, *args)
+    outs = [b(*args) for b in branches]
+    return jax.tree.map(lambda *xs: jax.lax.select_n(index, *xs), *outs)
+
+  def cond(self, pred, true_fn, false_fn):
+    if self.plan.platform != "cpu":
+      return jax.lax.cond(pred, true_fn, false_fn)
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fn(), false_fn())
 
   def keep(self, g_chunks, g_head, lead: int = 1):
     """Chunk and head gradients in the gradients' layout (ZeRO-2: split over data too) where it is pinned; `lead`:
@@ -319,14 +326,14 @@ class _Ticks:
     y, stats = self.stage(chunk, x, mb)
     tot, load = self.totals(stats)
     if self.st.forward_only:
-      return self.result(acc, y=y, loss=jax.lax.cond(last, lambda: self.head_loss(y, mb), lambda: jnp.float32(0)))
+      return self.result(acc, y=y, loss=self.cond(last, lambda: self.head_loss(y, mb), lambda: jnp.float32(0)))
 
     def head():
       _, ce, head_stats = self.head_terms(self.heads, y, e, mb)
       h_tot, h_load = self.totals(head_stats)
       return ce, h_tot, self.zero_head_load if h_load is None else h_load[0]
     zero = (jnp.float32(0), jax.tree.map(jnp.zeros_like, tot), self.zero_head_load)
-    ce, h_tot, h_load = jax.lax.cond(last, head, lambda: zero)
+    ce, h_tot, h_load = self.cond(last, head, lambda: zero)
     return self.result(acc, y=y, loss=ce, moe=jax.tree.map(jnp.add, tot, h_tot), load=load, head_load=h_load)
 
   def objective_of(self, dy, mb, last):
@@ -335,7 +342,7 @@ class _Ticks:
     def objective(c, h, x, e):
       y, stats = self.stage(c, x, mb)
       # last chunk: the head terms; else <y, dy>, whose gradient is the vjp with dy
-      out = jax.lax.cond(last, lambda: self.head_terms(h, y, e, mb)[0],
+      out = self.cond(last, lambda: self.head_terms(h, y, e, mb)[0],
                          lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)))
       return out + self.st.objective.aux(stats, self.w)
     return objective
@@ -365,7 +372,7 @@ class _Ticks:
     x = jnp.where(c == 0, slots[0][r[MB]], stash[r[SLOT]])  # chunk 0: the embedded tokens
     e = slots[1][r[MB]] if st.mtp else None
     branches = [(self.idle, self.forward, self.backward, self.backward_x, self.backward_w)[k] for k in st.used]
-    out = jax.lax.switch(r[BRANCH], branches, acc, r[CHUNK], chunk, x, gbuf[r[GSLOT]], e, mb, c == st.p * st.v - 1)
+    out = self.switch(r[BRANCH], branches, acc, r[CHUNK], chunk, x, gbuf[r[GSLOT]], e, mb, c == st.p * st.v - 1)
     # the input's gradient takes the slot of chunk 0's input (else the discard slot), the MTP target embeddings'
     # that of theirs, once the last chunk's weight gradient has made it
     slots = [slots[0].at[r[XSLOT]].set(out["dx"]), *([slots[1].at[r[ESLOT]].set(out["de"])] if st.mtp else [])]

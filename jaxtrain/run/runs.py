@@ -36,6 +36,7 @@ def restore_params(cfg: config.Config, mesh, step_dir: Path):
   import orbax.checkpoint as ocp
   from jaxtrain.run import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
+  cfg = setup.cfg  # with what the mesh implies
   manifest = checkpoint.read_manifest(step_dir)
   checkpoint.verify(step_dir, manifest, cfg.checkpoint.verify)
   # the compute layout, in device memory, whatever the run's optim.zero_stage / optim.offload stored

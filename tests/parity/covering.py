@@ -54,13 +54,6 @@ REFUSED = {
                                          "`pipeline` only; ring and Ulysses attention would nest their own regions"),
     (("pipeline", 2), ("microbatches", 1)): (("train.microbatches=1", "pipeline"), "every stage needs a microbatch"),
 }
-# Refused on CPU devices only, three options at once (no pair of them is refused): (words, why).
-REFUSED_ON_CPU = {
-    (("pipeline", 2), ("tensor", 2), ("expert", 2)): (("pipeline=2", "tensor=2", "expert=2", "CPU"),
-                                                      "XLA:CPU runs a collective-permute only when every device "
-                                                      "joins; a stage's branch splits work between tensor and "
-                                                      "expert with them"),
-}
 
 
 def feasible(row: dict) -> bool:
@@ -69,8 +62,8 @@ def feasible(row: dict) -> bool:
 
 
 def refused(row: dict) -> list[tuple]:
-  """The refused pairs (and CPU-refused triples) a row holds."""
-  return [pair for pair in (*REFUSED, *REFUSED_ON_CPU)
+  """The refused pairs a row holds."""
+  return [pair for pair in REFUSED
           if all(row.get(n) == v and BY_NAME[n].active(row) for n, v in pair)]
 
 
@@ -129,7 +122,7 @@ def _possible(partial: dict) -> bool:
   """A partial row that can still be completed: within the device budget with the rest at 1, nothing refused."""
   if math.prod(partial.get(a, 1) for a in AXES) > 8:
     return False
-  return not [pair for pair in (*REFUSED, *REFUSED_ON_CPU) if all(partial.get(n) == v for n, v in pair)]
+  return not [pair for pair in REFUSED if all(partial.get(n) == v for n, v in pair)]
 
 
 def matrix(seed: int = 0, candidates: int = 30) -> list[dict]:
@@ -157,7 +150,7 @@ def refusal_rows() -> list[tuple[dict, tuple, str]]:
   """One row per refused pair, every other factor at its first level that refuses nothing else: (row, words,
   why)."""
   out = []
-  for pair, (words, why) in {**REFUSED, **REFUSED_ON_CPU}.items():
+  for pair, (words, why) in REFUSED.items():
     row = dict(pair)
     for f in FACTORS:
       if f.name not in row:

@@ -81,7 +81,7 @@ def test_the_optimizer_steps_with_the_schedule_of_its_count():
   cfg = config.load("tiny", ["optim.lr=1e-3", "optim.warmup_steps=4", "train.steps=10", "optim.min_lr_ratio=0.1",
                              "optim.b1=0", "optim.b2=0", "optim.eps=1e6", "optim.weight_decay=0",
                              "optim.grad_clip=0"])
-  opt = step.optimizer(cfg)
+  opt = optim_lib.optimizer(cfg)
   params = {"embed": jnp.zeros((2,), jnp.float32)}
   state = opt.init(params)
   g = {"embed": jnp.full((2,), 1e3, jnp.float32)}  # v = g^2 = 1e6, sqrt(v) = 1e3; update = -lr * 1e3 / (1e3 + 1e6)

@@ -12,7 +12,7 @@ from jaxtrain.run import metrics
 from jaxtrain.model import transformer as model_lib
 from jaxtrain.run import precision
 from jaxtrain.run import progress
-from jaxtrain.run import step
+from jaxtrain.run import optimizer as optim_lib, step
 from tests.helpers import grads_of, mesh_of
 
 
@@ -54,7 +54,7 @@ def test_injected_inf_skips_the_step_and_changes_nothing(dtype, tmp_path):
   after = jax.device_get(state)
   assert r2["skipped"] and not r1["skipped"]
   assert _leaves_equal(after["params"], before["params"]) and _leaves_equal(after["opt"], before["opt"])
-  assert after["step"] == before["step"] == 1 and r2["lr"] == float(step.lr_schedule(cfg.optim, cfg.train.steps)(1))
+  assert after["step"] == before["step"] == 1 and r2["lr"] == float(optim_lib.lr_schedule(cfg.optim, cfg.train.steps)(1))
   assert r2["tokens_seen"] == r1["tokens"] + r2["tokens"] and r2["tokens_updated"] == r1["tokens"]
   if dtype == "float16":
     assert after["loss_scale"]["scale"] == before["loss_scale"]["scale"] / 2

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxtrain.run.step import decay_mask
+from jaxtrain.model import roles
 
 
 def rms_norm(x, scale, eps):
@@ -66,7 +66,9 @@ def make_optimizer(t, steps: int):
     cosine = t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * progress)))
     return jnp.where(s < t.warmup_steps, t.lr * (s + 1) / max(t.warmup_steps, 1), cosine)
 
-  adamw = optax.adamw(lr, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=decay_mask)
+  decay = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
+      lambda path, _: roles.decayed(roles.keys_of(path)[-1]), p)
+  adamw = optax.adamw(lr, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=decay)
   return optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip > 0 else adamw
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jaxtrain.run.step import DECAYED
+from jaxtrain.model import roles
 
 
 class RMSNorm(nn.Module):
@@ -132,8 +132,10 @@ class TorchBaseline:
     self.model = Transformer(cfg.model).to(self.device)  # fp32 master weights, as jaxtrain
     load_jax_params(self.model, params)
     named = list(self.model.named_parameters())
-    groups = [{"params": [p for n, p in named if n.split(".")[-2] in DECAYED], "weight_decay": t.weight_decay},
-              {"params": [p for n, p in named if n.split(".")[-2] not in DECAYED], "weight_decay": 0.0}]
+    # jaxtrain's role table decides: "layers.0.wq.weight" is jaxtrain's wq, "final_norm.scale" a norm scale
+    decay = lambda n: roles.decayed(n.split(".")[-2] if n.endswith(".weight") else n.split(".")[-1])  # noqa: E731
+    groups = [{"params": [p for n, p in named if decay(n)], "weight_decay": t.weight_decay},
+              {"params": [p for n, p in named if not decay(n)], "weight_decay": 0.0}]
     self.opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.b1, t.b2), eps=t.eps, fused=self.device.type == "cuda")
     self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(t, cfg.train.steps))
     self.loss = torch.compile(loss_fn) if compile else loss_fn
