@@ -7,8 +7,8 @@ its share of the update's objective
 
 (n_valid, n_mtp: the valid targets of the whole update), so the summed gradient is already the token-normalized
 update's and per-token gradients stay in float16 range; each microbatch's gradient and their sum are kept in the
-gradient sharding (ZeRO: `grad_sharding`; stage 2 reduce-scatters). Out come the mean token loss, the unscaled gradient, n_valid and
-the MoE metrics. How the microbatches' forward and backward work is scheduled is an executor's: `accumulate` here
+gradient sharding (ZeRO: `grad_sharding`; stage 2 reduce-scatters). Out come the mean token loss, the unscaled
+gradient, n_valid and the MoE metrics. How the microbatches' forward and backward work is scheduled is an executor's: `accumulate` here
 (a scan) or the pipeline's schedule (jaxtrain.parallel.pipeline), which runs the same `Objective` in pieces."""
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def weights(cfg: Config, batch, loss_scale) -> tuple[Weights, jax.Array]:
 
 
 class Objective:
-  """One microbatch's share of the objective: whole (`__call__`), or as the pieces a pipeline schedules, the layer
-  stacks between `embed` and `head`."""
+  """One microbatch's share of the objective: whole (`__call__`), or in the pieces a pipeline schedules (its chunks
+  run the model's layer stacks, `head` the terms after them, `aux` each piece's MoE share)."""
 
   def __init__(self, graphdef, cfg: Config):
     self.graphdef, self.cfg = graphdef, cfg
@@ -69,8 +69,8 @@ class Objective:
       return w.ce * ce, ce, []
     g_BxLxD, stats = model.mtp_hidden(h_BxLxD, mb["targets"], rope_tables(mb["positions"], m), mb["segment_ids"],
                                       next_emb_BxLxD)
-    return w.ce * ce + w.mtp * loss(g_BxLxD, mb["mtp_targets"], mb["mtp_mask"], w.mtp), ce, [] if stats is None else [
-        stats]
+    mtp_sum = loss(g_BxLxD, mb["mtp_targets"], mb["mtp_mask"], w.mtp)
+    return w.ce * ce + w.mtp * mtp_sum, ce, [] if stats is None else [stats]
 
   def aux_share(self, stats: list[dict]):
     """These MoE layers' share of the microbatch's aux loss (the mean over all `moe_balance.layer_count` layers;

@@ -13,6 +13,8 @@ from jaxtrain.analysis import speed
 from jaxtrain.analysis.baselines import minimal
 from tests.helpers import mesh_of
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 # float32 everywhere; the baselines differ from jaxtrain only in summation order (and
 # optax's clip formula, norm/max(norm, c) against c/(norm+1e-6)).
 LOSS_RTOL, PARAM_ATOL = 2e-5, 2e-5

@@ -13,6 +13,8 @@ from jaxtrain.run import step as step_lib
 
 from tests.helpers import needs_plugin
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 
 def _compiled(sets):
   setup = step_lib.Setup(config.load("tiny", sets), gpu_compile.mesh("H100", "fsdp=8"))

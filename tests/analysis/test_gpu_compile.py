@@ -17,6 +17,8 @@ from jaxtrain.run import step as step_lib
 
 from tests.helpers import needs_plugin
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 # A 2-layer llama3-8b-shaped model: real layer widths, two scanned layers. L = 1536 equals
 # no other dimension, so an array with two dimensions of 1536 is an L x L buffer.
 L8B = ["model.n_layers=2", "model.scan_layers=true", "train.seq_len=1536", "train.batch_size=8",

@@ -2,11 +2,15 @@
 region (its custom partitioning fails in a partially manual region; the stage plan runs it fully manual)
 and the bill's arguments. Needs the CUDA plugin (the gpu-aot extra); skips without it."""
 
+import pytest
+
 from jaxtrain.analysis import gpu_compile, memory, report
 from jaxtrain.core import config
 from jaxtrain.run import step as step_lib
 
 from tests.helpers import needs_plugin
+
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
 
 
 @needs_plugin

@@ -7,6 +7,8 @@ from jaxtrain.core import config
 from jaxtrain.analysis import report
 from tests.helpers import mesh_of
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 N = 4
 TINY = ["train.microbatches=2", "train.batch_size=8"]
 

@@ -1,10 +1,14 @@
 """ZeRO stages and offload on XLA:GPU's compile for H100s (no GPU needed; the gpu-aot extra): llama3.1-8b,
 32 scanned layers, seq 4096, full remat."""
 
+import pytest
+
 from jaxtrain.analysis import gpu_compile, report
 from jaxtrain.core import config
 
 from tests.helpers import needs_plugin
+
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
 
 SHAPE = ["train.seq_len=4096", "model.remat=full"]
 

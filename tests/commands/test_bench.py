@@ -12,6 +12,8 @@ from jaxtrain.analysis import speed
 from jaxtrain.model import flops
 from jaxtrain.parallel import devices
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 TINY = ["--set", "train.batch_size=4", "--set", "train.seq_len=64"]
 STATS = {"median", "min", "max", "p25", "p75", "n"}
 SIDE = {"compile_s", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "mfu_vs_measured_peak",

@@ -17,6 +17,8 @@ from jaxtrain.run import loop, runs  # noqa: E402
 from tests import hf_models as H  # noqa: E402
 from tests.helpers import mesh_of  # noqa: E402
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):

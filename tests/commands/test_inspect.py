@@ -11,6 +11,8 @@ from jaxtrain.core import config
 from jaxtrain.model import flops
 from tests.helpers import clean_env, mesh_of
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 # The ratio compiled/analytic total that the README documents as agreement (XLA fuses
 # and reuses buffers the formula counts separately; measured 0.88-1.08 on tiny, 0.76 on
 # llama3-8b at fsdp=8,tp=8).

@@ -1,12 +1,15 @@
 """The built wheel: installed (not editable) into an empty directory, its presets ship
 inside it and the default run works."""
 
+import pytest
 import json
 import subprocess
 import sys
 
 from tests.conftest import REPO
 from tests.helpers import clean_env
+
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
 
 
 def test_a_built_wheel_runs_from_an_empty_directory(tmp_path):

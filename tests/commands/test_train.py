@@ -5,6 +5,8 @@ import json
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_sec", "step_time_s", "mfu"}
 
 

@@ -21,6 +21,8 @@ from tests.helpers import mesh_of  # noqa: E402
 from tests.interop.test_generate import PROMPTS, _full_forward_greedy  # noqa: E402
 from tests.interop.test_hf import _bit_identical, _tensors  # noqa: E402
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 IDS = np.random.default_rng(0).integers(0, 96, (2, 24))  # 24 positions: 3x YaRN's original context (8)
 
 

@@ -14,6 +14,8 @@ from jaxtrain.model import transformer as model_lib  # noqa: E402
 from tests import hf_models as H  # noqa: E402
 from tests.helpers import mesh_of  # noqa: E402
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 90]]  # different lengths: the second is left-padded
 
 

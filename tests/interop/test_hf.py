@@ -20,6 +20,8 @@ from jaxtrain.run import runs  # noqa: E402
 from tests import hf_models as H  # noqa: E402
 from tests.helpers import mesh_of  # noqa: E402
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 IDS = np.random.default_rng(0).integers(0, 96, (2, 24))  # 24 positions: 3x the llama3 original context (8)
 
 

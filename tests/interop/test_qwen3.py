@@ -17,6 +17,8 @@ from tests.interop.test_generate import PROMPTS, _full_forward_greedy, _generate
 from tests.interop.test_hf import (IDS, _bit_identical, _edited, _one_line_exit_2, _tensors,  # noqa: E402
                                    yarn_round_trip)
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 # family -> (builder, the mesh it is imported and generated on)
 FAMILIES = {"qwen3": (H.qwen3, "fsdp=2,tp=2"), "qwen3_moe": (H.qwen3_moe, "expert=2")}
 

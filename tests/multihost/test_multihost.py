@@ -15,6 +15,8 @@ from jaxtrain.run import checkpoint
 from tests.multihost import procs as multihost
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 TIMEOUT = 300
 RUN = ["jaxtrain.train", "--mesh", "dp=2,fsdp=2,tp=2,dcn.dp=2", "--set", "model.dtype=float32",
        "--set", "train.microbatches=2", "--set", "checkpoint.interval=2"]

@@ -78,12 +78,14 @@ def test_fp8_loss_curve_stays_within_the_measured_tolerance_of_bf16():
 def test_fp8_float32_losses_on_fsdp2_tp2_match_one_device():
   """Scales are global amaxes: the sharded run casts what one device casts (the forward, then one update from
   FP8 gradients). Two steps: after that a float32 reduction-order difference that moves a value across an e4m3
-  rounding boundary, normalized by Adam, reaches ~4e-4 at step 3. (Without FP8 the one-device losses differ by
-  more than 1e-4: a mesh that dropped the casts would fail here.)"""
+  rounding boundary, normalized by Adam, reaches ~4e-4 at step 3. Measured at step 2: 2.6e-5 (the head's gradient
+  is formed already multiplied by loss_scale / n_valid, as the plain loss's autodiff forms it, so its e5m2 roundings
+  fall where a reduction order puts them; 1e-5 before that). Without FP8 the one-device losses differ by more than
+  1e-4: a mesh that dropped the casts would fail here.)"""
   sets = ["model.dtype=float32", "train.steps=2", "model.n_layers=1", "train.seq_len=64"]
   one = trajectory(config.load("tiny", sets + ["model.fp8=tensorwise"]), "data=1", 2)[:, 0]
   mesh = trajectory(config.load("tiny", sets + ["model.fp8=tensorwise"]), "fsdp=2,tensor=2", 2)[:, 0]
-  np.testing.assert_allclose(mesh, one, rtol=0, atol=1e-5)
+  np.testing.assert_allclose(mesh, one, rtol=0, atol=5e-5)
 
 
 def test_inspect_labels_an_fp8_run_and_says_mfu_keeps_the_bf16_peak():

@@ -18,6 +18,8 @@ from jaxtrain.parallel import plan as plan_lib
 from jaxtrain.run import step
 from tests.helpers import mesh_of, needs_plugin, trajectory
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 # tiny in float32 with 2 KV heads for 8 query heads, on rows of 128 tokens that pack 1-3 documents each (boundaries
 # off the shard edges); scanned layers compile once.
 SETS = ["model.dtype=float32", "model.n_kv_heads=2", "model.scan_layers=true", "train.batch_size=8",
@@ -120,9 +122,11 @@ def test_mla_through_the_cudnn_path_equals_one_device(spec, monkeypatch):
   fused = kernels.fused
   monkeypatch.setattr(kernels, "fused", lambda q, k, v, seg: fused(q, k, v, seg, implementation="xla"))
   cfg = config.load("deepseek-v3-tiny", ["model.n_layers=2", "model.moe_first_dense=0", "model.dtype=float32",
-                                         "train.batch_size=4", "train.seq_len=32", "train.microbatches=2",
+                                         "train.batch_size=4", "train.seq_len=16", "train.microbatches=2",
                                          "model.sequence_attention=ulysses", "model.scan_layers=true",
-                                         "model.d_model=64", "model.moe_experts=8", "model.moe_n_group=2"])
+                                         "model.d_model=32", "model.n_heads=4", "model.moe_experts=4",
+                                         "model.moe_n_group=1", "model.moe_topk_group=1", "model.moe_top_k=2",
+                                         "model.moe_expert_d_ff=16", "model.d_ff=64"])
   ref = trajectory(cfg, "dp=1", 2)
   real = plan_lib.build
 

@@ -7,6 +7,8 @@ from jaxtrain.core import config
 from tests.helpers import trajectory
 from tests.parity.test_one_device_parity import STEPS, reference  # noqa: F401  (module fixture: the dense one-device run)
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 
 def _trajectory(spec: str, cfg=None):
   """(loss, grad_norm) per step on mesh `spec`; cfg defaults to test_parity's dense config."""

@@ -23,6 +23,8 @@ from jaxtrain.run import step
 from jaxtrain.core.errors import UserError
 from tests.helpers import mesh_of, moe_ffn
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 STEPS = 3
 # moe-tiny (4 experts, top-2, both layers MoE) at the default capacity factor 1.25, float32,
 # at the smallest widths that keep its structure (compiles dominate the time). Layers

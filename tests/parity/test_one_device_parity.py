@@ -7,6 +7,8 @@ from jaxtrain.core import config
 from jaxtrain.run import step
 from tests.helpers import mesh_of, trajectory
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 STEPS = 3
 CFG = config.load("tiny", ["model.dtype=float32", "train.microbatches=2"])
 

@@ -11,7 +11,9 @@ from flax import nnx
 
 from jaxtrain.core import config
 from jaxtrain.model import transformer as model_lib
-from jaxtrain.run import step as step_lib
+from jaxtrain.run import grads as grads_lib
+
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
 
 
 CFG = config.load("tiny", ["model.dtype=float32", "model.n_layers=2", "model.d_model=32", "model.d_ff=64",
@@ -31,7 +33,9 @@ def _loss_and_grads_of(graphdef, params):
   pos = jnp.asarray([list(range(9)) + list(range(7)), list(range(16))], jnp.int32)
   mb = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "positions": pos, "segment_ids": seg,
         "loss_mask": jnp.ones((B, L), bool)}
-  return jax.jit(jax.value_and_grad(lambda p: step_lib.token_loss_sum(graphdef, p, mb)))(params)
+  model_cfg = nnx.merge(graphdef, params).cfg
+  objective = grads_lib.Objective(graphdef, dataclasses.replace(config.load("tiny"), model=model_cfg))
+  return jax.jit(jax.value_and_grad(lambda p: objective.loss_sum(p, mb)))(params)
 
 
 @pytest.mark.parametrize("policy", ["full", "save_dots", "save_named", "offload_named"])

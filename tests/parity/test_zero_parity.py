@@ -14,6 +14,8 @@ from jaxtrain.core import config
 from jaxtrain.run import checkpoint, runs, step
 from tests.helpers import mesh_of, trajectory
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 STEPS = 2
 BASE = ["model.dtype=float32", "train.microbatches=2", "train.batch_size=8", "train.seq_len=32"]
 
@@ -23,7 +25,7 @@ def _run(spec: str, *sets: str):
   return trajectory(config.load("tiny", BASE + list(sets)), spec, STEPS)
 
 
-@pytest.mark.parametrize("spec, stage", [("dp=4", 1), ("dp=4", 2), ("dp=2,fsdp=2", 1), ("dp=2,fsdp=2", 2)])
+@pytest.mark.parametrize("spec, stage", [("dp=4", 1), ("dp=2,fsdp=2", 2)])  # the rest: the pairwise matrix
 def test_zero_stage_matches_single_device(spec, stage):
   got, ref = _run(spec, f"optim.zero_stage={stage}"), _run("dp=1")
   assert got[-1, 0] < got[0, 0]  # it trains
@@ -44,7 +46,8 @@ def test_offloaded_update_moves_the_routing_bias_where_the_master_lives(layers):
   the MTP block's) move as in the same run on device, bit for bit in float32 (on main: a 46-line traceback,
   "memory_space of all inputs passed to add must be the same")."""
   sets = ["model.n_layers=2", "model.moe_first_dense=0", "model.mtp_layers=1", "model.mtp_weight=0.3",
-          "model.dtype=float32", "train.batch_size=4", "train.seq_len=32", layers]
+          "model.dtype=float32", "train.batch_size=4", "train.seq_len=16", "model.d_model=32", "model.n_heads=4",
+          "model.moe_experts=8", "model.moe_n_group=2", "model.moe_expert_d_ff=16", "model.d_ff=64", layers]
 
   def biases(offload):
     cfg = config.load("deepseek-v3-tiny", [*sets, f"optim.offload={offload}"])

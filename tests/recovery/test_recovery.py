@@ -26,6 +26,8 @@ from jaxtrain.core.errors import UserError
 from jaxtrain.run.lock import WorkdirLock
 from tests.helpers import clean_env, mesh_of
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 SETS = ["model.n_layers=1", "train.batch_size=2", "train.seq_len=16", "checkpoint.interval=2"]
 RUN = ["--mesh", "dp=1"] + [a for s in SETS for a in ("--set", s)]
 

@@ -18,6 +18,8 @@ from jaxtrain.run import step
 from tests.core.test_config import CONTENT_KEYS, MATH_KEYS, RUN_KEYS
 from tests.helpers import clean_env, mesh_of
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 # Sharded, accumulating, packed: the data iterator state and the mesh both matter.
 RUN = ["--mesh", "fsdp=2,tp=2", "--set", "model.dtype=float32", "--set", "train.microbatches=2"]
 

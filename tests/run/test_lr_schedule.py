@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.core import config
-from jaxtrain.run import optimizer as optim_lib, step
+from jaxtrain.run import optimizer as optim_lib
 
 C30 = 0.8660254037844386  # cos(pi/6) = -cos(5pi/6)
 C45 = 0.7071067811865476  # cos(pi/4) = -cos(3pi/4)

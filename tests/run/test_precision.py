@@ -15,6 +15,8 @@ from jaxtrain.run import progress
 from jaxtrain.run import optimizer as optim_lib, step
 from tests.helpers import grads_of, mesh_of
 
+pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
+
 
 def _batches(cfg, n):
   it = data.batches(cfg)
