@@ -143,6 +143,7 @@ def test_every_key_declares_whether_it_changes_the_math_as_listed_here():
     assert field.metadata["content"] is (dotted in CONTENT_KEYS), dotted
 
 
+@pytest.mark.slow
 def test_a_run_key_leaves_the_losses_alone_and_a_math_key_changes_them():
   """Two keys of each list, trained: the independent check that the lists above are right."""
   from tests.helpers import trajectory

@@ -4,6 +4,7 @@ the token after next, written out by hand here; an MoE MTP block's routing enter
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxtrain.data import pipeline
@@ -117,6 +118,7 @@ def _aux_by_hand(m, stats):
   return sum(m.moe_aux_weight * s["balance"] + m.moe_z_weight * s["z"] for s in stats) / len(stats)
 
 
+@pytest.mark.slow
 def test_an_moe_mtp_block_enters_the_aux_loss():
   """The MoE layers' stats are the model's layer and the MTP block's: the update's aux loss is their mean, and the
   gradient is the hand-written objective's with that aux term (on main the MTP block's routing was left out)."""
@@ -138,6 +140,7 @@ def test_an_moe_mtp_block_enters_the_aux_loss():
   assert np.abs(router(g_aux)).max() > 1e-3 * np.abs(router(ref_g)).max()  # the aux term is visible there
 
 
+@pytest.mark.slow
 def test_an_moe_mtp_block_moves_its_routing_bias():
   """Aux-loss-free balancing: after an applied update the MTP block's bias moves by rate * sign(mean load - load),
   its load counted from its own routing (on main it never moved)."""

@@ -137,6 +137,7 @@ def test_moe_config_errors():
     config.load("moe-tiny", ["model.moe_top_k=5"])
 
 
+@pytest.mark.slow
 def test_metrics_log_moe_fields(tmp_path):
   cfg = config.load("moe-tiny", ["train.batch_size=4", "train.seq_len=32", "model.n_layers=1",
                                   "model.moe_capacity_factor=0.5"])
@@ -161,6 +162,7 @@ def test_moe_flops_count_the_active_experts_only():
   assert flops.matmul_params(m) == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", [2, 3])
 def test_a_prompt_generates_the_same_tokens_alone_and_in_a_batch(group):
   """Capacity groups of decoding stay within a row: with tight capacity (drops), a prompt's greedy output

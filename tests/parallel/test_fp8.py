@@ -4,6 +4,7 @@ predict, the loss curve against bf16's, and the same FP8 math on a sharded mesh 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxtrain.core import config
 from jaxtrain.parallel import fp8
@@ -65,6 +66,7 @@ def test_fp8_gradient_cast_passes_a_loss_scale_through_and_keeps_non_finite_valu
 LOSS_STEPS, LOSS_TOL = 10, 0.01
 
 
+@pytest.mark.slow
 def test_fp8_loss_curve_stays_within_the_measured_tolerance_of_bf16():
   sets = [f"train.steps={LOSS_STEPS}"]
   bf16 = trajectory(config.load("tiny", sets), "data=1", LOSS_STEPS)[:, 0]
@@ -75,6 +77,7 @@ def test_fp8_loss_curve_stays_within_the_measured_tolerance_of_bf16():
   assert f8[-1] < f8[0] - 1.0  # it trains
 
 
+@pytest.mark.slow
 def test_fp8_float32_losses_on_fsdp2_tp2_match_one_device():
   """Scales are global amaxes: the sharded run casts what one device casts (the forward, then one update from
   FP8 gradients). Two steps: after that a float32 reduction-order difference that moves a value across an e4m3

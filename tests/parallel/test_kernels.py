@@ -108,6 +108,7 @@ def test_fused_call_masks_segments_like_the_reference():
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bfloat16_attention_scores_track_float32_over_five_steps():
   sets = ["model.dtype=bfloat16", "train.batch_size=4", "train.seq_len=64", "model.n_layers=2"]
   f32 = trajectory(config.load("tiny", sets), "dp=1", 5)

@@ -76,6 +76,7 @@ CHOICES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key,values,spec,words,shows", CHOICES, ids=[c[0] for c in CHOICES])
 def test_each_printed_choice_is_what_the_program_runs(key, values, spec, words, shows):
   """One source per choice: changing the config key changes the plan line and the compiled program with it."""
@@ -88,6 +89,7 @@ def test_each_printed_choice_is_what_the_program_runs(key, values, spec, words, 
   assert lines[0] != lines[1] and programs[0] != programs[1], (key, programs)
 
 
+@pytest.mark.slow
 def test_the_moe_kernel_and_groups_in_the_plan_line_are_what_runs():
   """model.moe_dropless and model.moe_group_size: the plan line names the dispatch the step runs, and the losses
   follow (capacity groups drop tokens, the dropless kernel drops none)."""

@@ -4,6 +4,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from jaxtrain.core import config
 from jaxtrain.parallel import sharding
@@ -22,6 +23,7 @@ def _compiled_text(sequence_parallel: bool):
   return cfg, setup.step.lower(jax.eval_shape(setup.init), batch).compile().as_text()
 
 
+@pytest.mark.slow
 def test_sequence_parallel_splits_the_residual_stream_over_tensor():
   cfg, sp_hlo = _compiled_text(True)
   _, tp_hlo = _compiled_text(False)

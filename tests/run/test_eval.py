@@ -17,6 +17,7 @@ from jaxtrain.core.errors import UserError
 from tests.helpers import mesh_of
 
 
+@pytest.mark.slow
 def test_eval_step_is_the_token_mean_loss_on_a_sharded_mesh():
   cfg = config.load("tiny", ["model.dtype=float32", "train.microbatches=2", "data.eval_fraction=0.05"])
   setup = step.Setup(cfg, mesh_of("dp=2,tp=2"))
@@ -33,6 +34,7 @@ def test_eval_step_is_the_token_mean_loss_on_a_sharded_mesh():
   np.testing.assert_allclose(got["loss_sum"], float((nll * mask).sum()), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_run_records_eval_loss_every_interval(tmp_path):
   cfg = config.load("tiny", ["train.steps=4", "train.eval_interval=2", "data.eval_fraction=0.05",
                              "data.eval_batches=2", "model.dtype=float32", "model.n_layers=1"])

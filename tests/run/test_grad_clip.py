@@ -59,6 +59,7 @@ def test_clipping_leaves_the_optimizer_state_layout_as_it_was():
   assert paths[:3] == ["[0].count", "[0].mu['embed']", "[0].mu['wq']"], paths  # what old checkpoints hold
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clip_over_norm", [0.5, 10.0])
 def test_the_step_clips_the_unscaled_gradient_and_logs_the_norm_before_it(clip_over_norm):
   """Whatever the loss scale, the update is the PROBE formula on the unscaled gradient clipped

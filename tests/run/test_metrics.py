@@ -50,6 +50,7 @@ def _read_events(path):
   return out
 
 
+@pytest.mark.slow
 def test_tensorboard_scalars_and_profile_trace_next_to_metrics(run_cli, tmp_path):
   r = run_cli("jaxtrain.train", "--mesh", "dp=2", "--steps", "3", "--workdir", "w",
               "--set", "train.batch_size=4", "--set", "train.seq_len=32", "--set", "train.profile_steps=2-3",
