@@ -110,6 +110,9 @@ def main(prog: str, body: Callable[[Callable[[str], None]], int | None], interru
   try:
     return body(lambda p: name.__setitem__(0, p)) or 0
   except (UserError, RunAborted) as e:
+    if isinstance(e, RunAborted):
+      from jaxtrain.parallel import distributed
+      distributed.await_lost_peer_verdict(e)
     exit_with(e, name[0])
   except KeyboardInterrupt:
     print(interrupted, file=sys.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import time
 
 from jaxtrain.core import native
 from jaxtrain.core.errors import UserError
@@ -74,3 +75,21 @@ def initialize(cluster: Cluster | None, mesh_sizes: dict[str, int], heartbeat_ti
   jax.distributed.initialize(cluster.coordinator, num_processes=n, process_id=cluster.process_id,
                              initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
   native.tell("process", jax.process_index())
+  _heartbeat_s[0] = heartbeat_timeout_s
+
+
+_heartbeat_s = [0]  # set once the runtime runs with several processes
+# How a collective reports a peer that vanished mid-call (gloo on CPUs; NCCL's remote errors on GPUs)
+_PEER_GONE = ("Gloo", "Connection reset by peer", "Connection closed by peer", "remote process exited")
+
+
+def await_lost_peer_verdict(err: BaseException) -> None:
+  """A collective that fails because a peer died is reported before the runtime has missed its heartbeats, and
+  its text names no process. Wait (up to twice the heartbeat timeout) for the runtime's verdict: it ends this
+  process, and the native-output filter prints which process stopped answering and how far the run got. Returns
+  at once for any other error, or where the verdict does not come."""
+  chain, text = err, ""
+  while chain is not None:
+    text, chain = text + str(chain), chain.__cause__ or chain.__context__
+  if _heartbeat_s[0] and any(s in text for s in _PEER_GONE):
+    time.sleep(2 * _heartbeat_s[0] + 2)

@@ -84,3 +84,24 @@ def test_simulated_devices_are_asked_for_even_with_a_gpu_plugin_installed(monkey
   monkeypatch.setattr(jax.config, "update", lambda name, value: asked.__setitem__(name, value))
   mesh_lib.provide_cpu_devices(64)
   assert asked == {"jax_num_cpu_devices": 64}
+
+
+def test_a_collective_failed_by_a_lost_peer_waits_for_the_runtimes_verdict(monkeypatch):
+  """A multi-process run whose collective fails because a peer died (gloo's error names no process) waits for the
+  runtime's heartbeat verdict, which names the process; any other aborted run reports at once."""
+  from jaxtrain.core.errors import RunAborted
+  from jaxtrain.parallel import distributed
+  slept = []
+  monkeypatch.setattr(distributed.time, "sleep", slept.append)
+  monkeypatch.setattr(distributed, "_heartbeat_s", [5])
+  try:
+    raise RuntimeError("UNKNOWN: Gloo AllGather failed: Connection closed by peer")
+  except RuntimeError as e:
+    lost = RunAborted("checkpoint save at step 2 failed")
+    lost.__context__ = e
+  distributed.await_lost_peer_verdict(lost)
+  distributed.await_lost_peer_verdict(RunAborted("checkpoint save at step 2 failed: disk full"))
+  assert slept == [12]
+  monkeypatch.setattr(distributed, "_heartbeat_s", [0])  # one process: nothing to wait for
+  distributed.await_lost_peer_verdict(lost)
+  assert slept == [12]
