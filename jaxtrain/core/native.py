@@ -37,9 +37,13 @@ def lost_peer_line():
   # (process 0) shows as a closed connection. How far: the run's files (workdir = the log's folder).
   text = b"".join(recent).decode(errors="replace")
   named = re.search(r"stopped sending heartbeats\):\s*\n([\d, \n]+?)\n[A-Z]", text)
-  who = (f"process {', '.join(named.group(1).split())} stopped answering (no heartbeat within "
-         "distributed.heartbeat_timeout_s)" if named else "process 0 (the coordinator) is gone"
-         if told.get("process") != "0" else "a process is gone")
+  if named:
+    who = (f"process {', '.join(named.group(1).split())} stopped answering (no heartbeat within "
+           "distributed.heartbeat_timeout_s)")
+  elif "joined" not in told:  # start-up: the runtime gives up on a peer that never connected
+    who = "not every process joined within distributed.init_timeout_s (one did not start, or died starting)"
+  else:
+    who = "process 0 (the coordinator) is gone" if told.get("process") != "0" else "a process is gone"
   where, work = "", os.path.dirname(told.get("log", b"")) if "log" in told else None
   try:
     with open(os.path.join(work, b"metrics.jsonl"), "rb") as f:

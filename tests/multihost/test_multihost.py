@@ -126,7 +126,7 @@ def test_a_lost_process_makes_the_other_exit_within_the_bound(tmp_path):
   finally:
     for p in procs:
       p.kill()
-  assert code != 0 and took < 30, (code, took)
+  assert code != 0 and took < 5 + 10, (code, took)  # the heartbeat timeout, plus the abort and a loaded machine
   deadline = time.monotonic() + 10  # the line comes from the output filter, which may outlive the process
   while "error:" not in multihost.log_of(tmp_path, 0) and time.monotonic() < deadline:
     time.sleep(0.2)
@@ -139,6 +139,23 @@ def test_a_lost_process_makes_the_other_exit_within_the_bound(tmp_path):
                           r"every process to go on \(details in .*\)", l) for l in errors), errors
   log = (tmp_path / "w" / "jaxtrain.log").read_text()
   assert "stopped sending heartbeats" in log and "\n1\n" in log  # the runtime's own text, in the run's log
+
+
+def test_a_process_that_never_joins_ends_the_others_at_the_start_up_deadline(tmp_path):
+  """Process 1 never starts: process 0 waits distributed.init_timeout_s, then says so in one line (the heartbeats,
+  which name a lost process, only run once every process has joined)."""
+  procs = multihost.launch([*RUN, "--workdir", "w", "--set", "distributed.init_timeout_s=5"], 2, tmp_path)
+  procs[1].kill()
+  started = time.monotonic()
+  code = procs[0].wait(timeout=120)
+  took = time.monotonic() - started
+  assert code != 0 and took < 5 + 30, (code, took)  # the deadline, plus start-up on a loaded machine
+  deadline = time.monotonic() + 10
+  while "error:" not in multihost.log_of(tmp_path, 0) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  errors = [l for l in multihost.log_of(tmp_path, 0).splitlines() if "error" in l.lower()]
+  assert len(errors) == 1 and errors[0].startswith("jaxtrain[process 0]: error: not every process joined within "
+                                                   "distributed.init_timeout_s"), errors
 
 
 NATIVE = re.compile(r"^[IWEF]\d{4} |\[Gloo\]|\[SPMD\]|is connected to \d+ peer ranks|^\s+@\s+0x")
