@@ -69,6 +69,12 @@ PREPARE_FLAGS = {  # case: (extra flags, words of the one line)
     "shard-mb-past-float": (["--shard-mb", "1e400"], ["--shard-mb inf"]),
     "max-bad-records-negative": (["--max-bad-records", "-1"], ["--max-bad-records -1"]),
 }
+PREPARE_DIRS = {  # case: (what the --output directory holds, words of the one line)
+    "job-file-garbage": ({"prepare.json": "{not json"}, ["prepare.json", "unreadable"]),
+    "job-file-binary": ({"prepare.json": b"\xff\xfe"}, ["prepare.json", "unreadable"]),
+    "dataset-without-job": ({"manifest.json": "{}", "shard-00000.tokens.npy": "x"}, ["no prepare.json"]),
+    "shards-without-job": ({"shard-00000.json": "{}"}, ["no prepare.json"]),
+}
 MANIFESTS = {  # case: (edit of a good manifest.json, words of the one line)
     "json-list": (lambda d: (d / "manifest.json").write_text("[1, 2]"), ["manifest.json", "a JSON list"]),
     "json-number": (lambda d: (d / "manifest.json").write_text("3"), ["manifest.json", "a JSON number"]),
@@ -90,10 +96,18 @@ MANIFESTS = {  # case: (edit of a good manifest.json, words of the one line)
 }
 
 
-@pytest.mark.parametrize("case", [*PREPARE_FLAGS, *MANIFESTS])
+@pytest.mark.parametrize("case", [*PREPARE_FLAGS, *PREPARE_DIRS, *MANIFESTS])
 def test_bad_flags_and_manifests_are_one_line(case, tmp_path, capsys):
   src = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in texts(30)])
-  if case in PREPARE_FLAGS:
+  if case in PREPARE_DIRS:  # refused, and what was there is left as it was
+    held, words = PREPARE_DIRS[case]
+    (tmp_path / "o").mkdir()
+    for name, blob in held.items():
+      (tmp_path / "o" / name).write_bytes(blob if isinstance(blob, bytes) else blob.encode())
+    code, line = _one_line(["prepare", "--input", src, "--output", str(tmp_path / "o"), "--workers", "1"], capsys)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "o").iterdir()} == \
+        {k: v if isinstance(v, bytes) else v.encode() for k, v in held.items()}
+  elif case in PREPARE_FLAGS:
     flags, words = PREPARE_FLAGS[case]
     code, line = _one_line(["prepare", "--input", src, "--output", str(tmp_path / "o"), "--workers", "1", *flags],
                            capsys)
@@ -203,7 +217,7 @@ CORRUPT = {  # case: (edit, words of the one line)
     "row-past-end": (_index_edit(_last(lambda ix, i: ix.__setitem__((i, 1), ix[i, 1] + 5))),
                      ["shard-00001.index.npy", "row", "past the end"]),
     "row-start-past-end": (_index_edit(lambda ix, n: ix.__setitem__((2, 0), n + 10)),
-                           ["shard-00001.index.npy", "row 2 start"]),
+                           ["shard-00001.index.npy", "row 2 (start", "past the end"]),
     "id-at-vocab": (_tokens_edit(_set_at(7, 259)), ["shard-00001.tokens.npy", "token id 259", "offset 7", "index row"]),
     "id-above-model-vocab": (_tokens_edit(_set_at(20, 600)), ["shard-00001.tokens.npy", "token id 600", "offset 20"]),
     "id-dtype-max": (_tokens_edit(_set_at(-1, 65535)), ["shard-00001.tokens.npy", "token id 65535"]),
