@@ -152,9 +152,8 @@ def index_problem(path: Path, n_tokens: int, index: np.ndarray) -> str | None:
   end = np.concatenate([[0], np.cumsum(length)])  # where each row must start, given the lengths
   checks = [
       (length < 0, lambda i: f"length {length[i]} is negative"),
-      ((start < 0) | (start + length > n_tokens), lambda i: f"(start {start[i]}, length {length[i]}) ends at token "
-                                                            f"{start[i] + length[i]}, past the end of the shard's "
-                                                            f"{n_tokens} tokens"),
+      (start + length > n_tokens, lambda i: f"(start {start[i]}, length {length[i]}) ends at token "
+                                            f"{start[i] + length[i]}, past the end of the shard's {n_tokens} tokens"),
       (start != end[:-1], lambda i: f"start {start[i]} is not where row {i - 1} ends ({end[i]}): rows must be in "
                                     f"order, without gaps or overlap" if i else f"start {start[i]} is not 0"),
       ((train_from < 0) | (train_from > length), lambda i: f"first trainable token {train_from[i]} is outside its "

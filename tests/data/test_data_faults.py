@@ -344,7 +344,7 @@ def _alive(pid):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("case", ["while-tokenizing", "two-workers-busy"])
+@pytest.mark.parametrize("case", ["at-the-first-write", "after-a-finished-shard"])
 def test_helpers_of_a_killed_prepare_exit(case, tmp_path):
   r = np.random.default_rng(0)
   words = np.array(["alpha", "beta", "gamma", "delta", "\n"])
@@ -362,10 +362,10 @@ def test_helpers_of_a_killed_prepare_exit(case, tmp_path):
       time.sleep(0.2)
       kids = _children(proc.pid)
     assert len(kids) >= 3 and proc.poll() is None, kids
-    if case == "two-workers-busy":  # both workers inside a shard, not waiting for work
-      while time.monotonic() < deadline and not any((tmp_path / "o").glob("shard-*.json")):
-        time.sleep(0.1)
-      assert proc.poll() is None
+    pattern = "shard-*" if case == "at-the-first-write" else "shard-*.json"  # workers started; one done
+    while time.monotonic() < deadline and not any((tmp_path / "o").glob(pattern)):
+      time.sleep(0.05)
+    assert proc.poll() is None
   finally:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
