@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import math
 import multiprocessing
 import os
 import sys
+import threading
 import time
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -16,21 +19,55 @@ import tqdm
 
 from jaxtrain.data import readers, shards, tokenizer as tokenizer_lib
 from jaxtrain.core.errors import UserError
-from jaxtrain.core.files import sha256_file, write_json_atomic
+from jaxtrain.core.files import errno_text, sha256_file, write_json_atomic
 
 JOB, _worker_tok = "prepare.json", None
+MAX_SHARD_MB = 65536.0  # a unit is read into one worker's memory whole
+PARENT_POLL_S = 0.25
+
+
+class _Writes:
+  """A file numpy writes through Python's write(): a full disk is then OSError ENOSPC (numpy's own writes to a real
+  file report a short write, without the errno)."""
+
+  def __init__(self, f):
+    self.write, self.name = f.write, f.name
 
 
 def _save(directory: Path, name: str, array: np.ndarray) -> dict:
   tmp = directory / (name + ".tmp")
-  with open(tmp, "wb") as f:
-    np.save(f, array)
-  os.replace(tmp, directory / name)
+  try:
+    with open(tmp, "wb") as f:
+      np.save(_Writes(f), array)
+    os.replace(tmp, directory / name)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
   return {"name": name, "bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
 
 
-def _init_worker(spec, bos, eos):
+def _exit_with_parent(parent: int) -> None:
+  """A worker ends when the parent that started it is gone (killed: it never shuts the pool down), so no
+  worker, nor the resource tracker they keep alive, outlives it."""
+  if sys.platform.startswith("linux"):
+    try:  # immediate: the kernel signals this process when its parent dies
+      import ctypes
+      import signal
+      ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+      pass
+
+  def watch():  # portable, and covers a parent gone before the prctl above
+    while os.getppid() == parent:
+      time.sleep(PARENT_POLL_S)
+    os._exit(1)
+  threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def _init_worker(spec, bos, eos, parent=None):
   global _worker_tok
+  if parent is not None:
+    _exit_with_parent(parent)
   os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already: no extra tokenizer threads
   _worker_tok = tokenizer_lib.load(spec, bos, eos)
 
@@ -68,18 +105,25 @@ def _finished(out: Path, n: int, unit: list) -> dict | None:
   path = out / f"shard-{n:05d}.json"
   if not path.is_file():
     return None
-  meta = json.loads(path.read_text())
-  intact = all(shards.problem(out, entry, verify=True) is None for entry in meta["files"].values())
-  return meta if intact and meta["unit"] == unit else None
+  try:
+    meta = json.loads(path.read_text())
+    intact = all(shards.problem(out, entry, verify=True) is None for entry in meta["files"].values())
+    return meta if intact and meta["unit"] == unit else None
+  except (ValueError, TypeError, KeyError, AttributeError, OSError):  # unreadable: made again
+    return None
 
 
 def plan(inputs: list[str], tok, fields: dict, shard_mb: float, max_bad: int) -> dict:
   sources, units = [], []
   for i, name in enumerate(inputs):
     path = Path(name)
-    fmt, size = readers.file_format(path), path.stat().st_size
-    sources.append({"path": str(path.resolve()), "format": fmt, "bytes": size, "sha256": sha256_file(path)})
-    ranges = readers.plan_units(path, max(1, int(shard_mb * 2**20)))
+    fmt = readers.file_format(path)
+    try:
+      size, digest = path.stat().st_size, sha256_file(path)
+      ranges = readers.plan_units(path, max(1, int(shard_mb * 2**20)))
+    except OSError as e:
+      raise UserError(f"input {name!r} cannot be read ({errno_text(e.errno) if e.errno else e})") from None
+    sources.append({"path": str(path.resolve()), "format": fmt, "bytes": size, "sha256": digest})
     span = ranges[-1][1] if ranges else 1
     for a, b in ranges:  # input bytes of a unit: exact for text, proportional to row groups for Parquet
       units.append([i, a, b, b - a if fmt != "parquet" else round(size * (b - a) / span)])
@@ -91,36 +135,97 @@ def plan(inputs: list[str], tok, fields: dict, shard_mb: float, max_bad: int) ->
           "dtype": "uint16" if tok.vocab_size <= 1 << 16 else "uint32"}
 
 
+def _shown(value) -> str:
+  return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _check_options(inputs, workers, shard_mb, max_bad_records, prompt_field, completion_field) -> None:
+  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+    raise UserError(f"--workers {workers}: must be a positive integer")
+  if not isinstance(shard_mb, (int, float)) or not math.isfinite(shard_mb) or not 0 < shard_mb <= MAX_SHARD_MB:
+    raise UserError(f"--shard-mb {_shown(shard_mb)}: must be a number of megabytes above 0 and at most "
+                    f"{MAX_SHARD_MB:g} (a shard's input is read into memory whole)")
+  if isinstance(max_bad_records, bool) or not isinstance(max_bad_records, int) or max_bad_records < 0:
+    raise UserError(f"--max-bad-records {max_bad_records}: must be 0 or a positive integer")
+  if not inputs:
+    raise UserError("prepare needs at least one --input")
+  if (prompt_field is None) != (completion_field is None):
+    raise UserError("supervised data needs both --prompt-field and --completion-field")
+
+
+def _claim(out: Path, output: str, job: dict) -> bool:
+  """Checks that `out` is empty or holds this same job; True when the job file must still be written."""
+  if (out / JOB).is_file():
+    try:
+      same = json.loads((out / JOB).read_text()) == job
+    except (OSError, ValueError) as e:
+      raise UserError(f"{output!r} holds an unreadable {JOB} ({e}); choose another --output or empty it") from None
+    if not same:
+      raise UserError(f"{output!r} holds data prepared from other inputs or options; choose another --output or "
+                      "empty it")
+    return False
+  if out.is_dir() and ((out / shards.MANIFEST).exists() or any(out.glob("shard-*"))):
+    raise UserError(f"{output!r} holds shards or a {shards.MANIFEST} but no {JOB} (not this job's); choose another "
+                    "--output or empty it")
+  return True
+
+
 def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str = "text",
             prompt_field: str | None = None, completion_field: str | None = None, workers: int = 1,
             shard_mb: float = 64.0, max_bad_records: int = 0, bos_token: str | None = None,
             eos_token: str | None = None, progress: bool = True) -> dict:
   """Prepares `inputs` into `output`; returns the manifest (also written to output/manifest.json)."""
-  if workers < 1:
-    raise UserError(f"--workers {workers}: must be a positive integer")
-  if shard_mb <= 0 or max_bad_records < 0:
-    raise UserError("--shard-mb must be positive and --max-bad-records non-negative")
-  if not inputs:
-    raise UserError("prepare needs at least one --input")
-  if (prompt_field is None) != (completion_field is None):
-    raise UserError("supervised data needs both --prompt-field and --completion-field")
+  _check_options(inputs, workers, shard_mb, max_bad_records, prompt_field, completion_field)
   fields = {"prompt": prompt_field, "completion": completion_field} if prompt_field else {"text": text_field}
   tok = tokenizer_lib.load(tokenizer, bos_token, eos_token)
   job = plan(inputs, tok, fields, shard_mb, max_bad_records)
   out = Path(output)
   if out.exists() and not out.is_dir():
     raise UserError(f"--output {output}: is a file, not a directory; give a directory (created if missing)")
+  new_job, created = _claim(out, output, job), not out.exists()
   try:
     out.mkdir(parents=True, exist_ok=True)
   except OSError as e:
     raise UserError(f"--output {output}: cannot create that directory ({e.strerror})") from None
-  if (out / JOB).is_file():
-    if json.loads((out / JOB).read_text()) != job:
-      raise UserError(f"{output!r} holds data prepared from other inputs or options; choose another --output or empty it")
-  else:
-    write_json_atomic(out / JOB, job)
-  (out / shards.MANIFEST).unlink(missing_ok=True)  # no manifest until every shard is complete
+  # A manifest from before stays until the new one replaces it: the same job makes the same shards.
+  had_manifest = (out / shards.MANIFEST).is_file()
+  try:
+    if new_job:
+      write_json_atomic(out / JOB, job)
+    return _run(job, out, tok, workers, (tokenizer, bos_token, eos_token), progress)
+  except (OSError, BrokenProcessPool) as e:
+    why = (errno_text(e.errno) if getattr(e, "errno", None) else str(e) or type(e).__name__) + (
+        f" ({Path(e.filename).name})" if getattr(e, "filename", None) else "")
+    raise UserError(f"prepare into {out} stopped: {why}; "
+                    f"{_kept(out, job, had_manifest, new_job, created)}") from None
 
+
+def _kept(out: Path, job: dict, had_manifest: bool, new_job: bool, created: bool) -> str:
+  """After a failed write: removes what is of no use (temporaries, files of unfinished shards, and where no
+  shard is finished, the job this run wrote); says what is kept."""
+  kept_manifest = had_manifest and (out / shards.MANIFEST).is_file()
+  finished = {n for n in range(len(job["units"])) if (out / f"shard-{n:05d}.json").is_file()}
+  for path in out.glob("*"):
+    shard = path.name[6:11] if path.name.startswith("shard-") else ""
+    if path.name.endswith(".tmp") or (not kept_manifest and shard.isdigit() and int(shard) not in finished):
+      path.unlink(missing_ok=True)
+  if kept_manifest:
+    return f"the dataset that was there is untouched ({out / shards.MANIFEST})"
+  if finished:
+    return (f"kept {len(finished)} finished shard(s) of {len(job['units'])} in {out}; free space and re-run the "
+            "same command to resume")
+  if new_job:
+    (out / JOB).unlink(missing_ok=True)
+  if created:
+    try:
+      out.rmdir()
+    except OSError:
+      pass
+  return "nothing was kept"
+
+
+def _run(job: dict, out: Path, tok, workers: int, tok_args: tuple, progress: bool) -> dict:
+  """Tokenizes the shards not yet finished; writes and returns the manifest."""
   # Progress in shards, with input megabytes beside; finished shards of an earlier run count at once.
   units, metas, todo, done_mb = job["units"], {}, [], [0.0, sum(u[3] for u in job["units"]) / 2**20]
   bar = tqdm.tqdm(total=len(units), desc="prepare", disable=not progress or not sys.stderr.isatty(), file=sys.stderr,
@@ -136,15 +241,15 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
       todo.append(n)
     else:
       done(n, meta)
-  t0 = time.perf_counter()
-  if workers <= 1 or len(todo) <= 1:
+  t0, procs = time.perf_counter(), min(workers, len(todo)) if workers > 1 and len(todo) > 1 else 0
+  if not procs:
     for n in todo:
-      done(n, run_unit(job, n, output, tok))
+      done(n, run_unit(job, n, str(out), tok))
   else:
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold JAX or tokenizer threads
-    with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                initargs=(tokenizer, bos_token, eos_token)) as pool:
-      futures = {pool.submit(run_unit, job, n, output): n for n in todo}
+    with cf.ProcessPoolExecutor(procs, mp_context=ctx, initializer=_init_worker,
+                                initargs=(*tok_args, os.getpid())) as pool:
+      futures = {pool.submit(run_unit, job, n, str(out)): n for n in todo}
       try:
         for fut in cf.as_completed(futures):
           done(futures[fut], fut.result())
@@ -155,8 +260,9 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
   seconds = time.perf_counter() - t0
   manifest = _manifest(job, metas, out)
   fresh = sum(units[n][3] for n in todo)
+  ran = (f"{procs} worker processes" if procs else "1 worker, in this process" if todo else "nothing left to do")
   print(f"throughput: {fresh / 2**20:.2f} MB of input tokenized in {seconds:.2f}s = "
-        f"{fresh / 2**20 / max(seconds, 1e-9):.1f} MB/s ({len(todo)} shard(s) this run, {workers} worker(s))")
+        f"{fresh / 2**20 / max(seconds, 1e-9):.1f} MB/s ({len(todo)} shard(s) this run, {ran})")
   return manifest
 
 

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import json
 import mmap
+import re
 from pathlib import Path
 
 from jaxtrain.core.errors import UserError
 
 FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
 SEPARATOR = {"txt": b"\n\n", "jsonl": b"\n"}  # .txt documents are separated by a blank line
+# A .txt line ends in LF, CRLF or CR (as Python's universal newlines read it); a blank line is two line ends.
+_LINE_END = rb"(?:\r\n|\r(?!\n)|\n)"  # a CR before an LF is one line end with it, never two
+_BLANK_LINE = re.compile(_LINE_END * 2)
+
+
+def _lf(blob: bytes) -> bytes:
+  """.txt bytes with every line end (CRLF, CR) made LF, so documents and line numbers are those of the LF text."""
+  return blob.replace(b"\r\n", b"\n").replace(b"\r", b"\n") if b"\r" in blob else blob
 
 
 class BadRecord(Exception):
@@ -59,8 +68,14 @@ def plan_units(path: Path, unit_bytes: int) -> list[tuple[int, int]]:
   sep, units, start = SEPARATOR[fmt], [], 0
   with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
     while start < total:
-      cut = mm.find(sep, min(start + unit_bytes, total))
-      units.append((start, total if cut < 0 else cut + len(sep)))
+      at = min(start + unit_bytes, total)
+      if fmt == "txt":  # never cuts a CRLF in two: the match takes the whole pair
+        found = _BLANK_LINE.search(mm, max(at - 1, start))
+        cut = total if found is None else found.end()
+      else:
+        cut = mm.find(sep, at)
+        cut = total if cut < 0 else cut + len(sep)
+      units.append((start, cut))
       start = units[-1][1]
   return units
 
@@ -85,12 +100,15 @@ def read_unit(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
   with open(path, "rb") as f:
     f.seek(start)
     blob = f.read(end - start)
+  if fmt == "txt":
+    blob = _lf(blob)
   line0 = []
 
   def where(offset):  # file:line of byte `offset` of the unit; lines are counted only for errors
     if not line0:
       with open(path, "rb") as f:
-        line0.append(f.read(start).count(b"\n") + 1)
+        head = f.read(start)
+        line0.append((_lf(head) if fmt == "txt" else head).count(b"\n") + 1)
     return f"{path}:" + str(line0[0] + blob.count(b"\n", 0, offset))
 
   out, pos, sep = [], 0, SEPARATOR[fmt]
