@@ -20,8 +20,29 @@ def selects_gpu(markexpr: str) -> bool:
   return bool(re.search(r"(?<![\w-])gpu(?![\w-])", markexpr)) and not re.search(r"\bnot\s+gpu\b", markexpr)
 
 
+def _share_compiled_programs() -> None:
+  """One persistent compilation cache for the session: the xdist workers and every subprocess (which inherit the
+  environment) compile a program the first time any of them meets it and read it back afterwards. The tests build
+  the same small models over and over, in-process and through the commands; a cache hit skips XLA's compile,
+  which is most of a small test's time. The controller makes the folder and removes it at the end."""
+  if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # a worker (or a user's own cache): use what is given
+    return
+  import tempfile
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxtrain-test-cache-")
+  os.environ["JAXTRAIN_TEST_CACHE_OWNER"] = str(os.getpid())
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # small programs are the whole suite
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
+def pytest_unconfigure(config):
+  if os.environ.get("JAXTRAIN_TEST_CACHE_OWNER") == str(os.getpid()):
+    import shutil
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
 def pytest_configure(config):
   gpu = selects_gpu(config.getoption("markexpr") or "")
+  _share_compiled_programs()
   if gpu:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # children share the device
   else:
@@ -30,6 +51,9 @@ def pytest_configure(config):
   if not gpu:  # also where a plugin imported jax before the variable was set
     jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
   jax.config.update("jax_num_cpu_devices", 8)
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])  # if jax came in first
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   if not gpu:  # what the commands that run steps set up on CPU devices (jaxtrain.cli.start)
     from jaxtrain import cli
     cli.cpu_settings()
