@@ -10,7 +10,7 @@ from pathlib import Path
 
 from jaxtrain import cli
 from jaxtrain.analysis import speed
-from jaxtrain.core import files
+from jaxtrain.core import files, parse
 from jaxtrain.core.errors import UserError
 
 
@@ -36,7 +36,7 @@ def parse_args(argv=None):
 
 
 def parse_baselines(text: str) -> list[str]:
-  names = [n.strip() for n in text.split(",") if n.strip()]
+  names = parse.items(text, "--baseline")
   if names == ["none"]:
     return []
   if not names or len(set(names)) != len(names) or not set(names) <= set(speed.BASELINES):
