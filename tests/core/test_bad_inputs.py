@@ -53,6 +53,9 @@ def _traceback_cases(tmp):
       "set-underscore-only": (train.main, ["--set", "train.steps=_", *w], ["train.steps='_'", "not an integer"]),
       "set-trailing-underscore": (train.main, ["--set", "train.steps=1_", *w], ["train.steps='1_'"]),
       "profile-steps-double-minus": (train.main, ["--set", "run.profile_steps=--1", *w], ["run.profile_steps='--1'"]),
+      # ours, one line already before: kept so
+      "set-negative-width": (train.main, ["--set", "model.d_model=-4", *w], ["model.d_model=-4", "minimum"]),
+      "set-lr-nan": (train.main, ["--set", "optim.lr=nan", *w], ["optim.lr=nan", "finite"]),
   }
 
 
@@ -248,6 +251,13 @@ def test_mesh_parser_refuses_what_is_no_size(spec, words):
     mesh_lib.parse_full(spec)
   for w in words:
     assert w in str(e.value)
+
+
+def test_coordinator_port_in_ascii_digits():
+  from jaxtrain.parallel import distributed
+  with pytest.raises(UserError, match="HOST:PORT"):
+    distributed.cluster_from("host:\uff18\uff10", 1, 0)
+  assert distributed.cluster_from("host:80", 1, 0).coordinator == "host:80"
 
 
 def test_bench_compare_variants_refuse_empty_items():
