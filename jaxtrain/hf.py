@@ -41,7 +41,7 @@ def main(argv=None) -> int:
   def body(set_prog):
     workdir = files.user_path(args.workdir, "--workdir")
     if args.command == "import":
-      plan = hf.plan_import(args.hf_dir, str(workdir), args.set, args.name)
+      plan = hf.plan_import(args.hf_dir, str(workdir), args.set, args.name, cli=True)
       started = cli.start(args, prog, cfg=plan.cfg)
       set_prog(started.prog)
       path = hf.run_import(plan, started.mesh)

@@ -369,15 +369,16 @@ def _coerce(where: str, tp: Any, value: Any, *, from_text: bool) -> Any:
 
 @dataclasses.dataclass
 class _Given:
-  """Where a key got its value, to refuse a second, different one in the same layer (the file, --set, a variant),
-  and how to name it in the error."""
+  """Where a key got its value, to refuse a second, different one in the same layer (the file, --set, a variant):
+  the name it was written under and how to name it in the error."""
   layer: int
+  spelled: str
   value: Any
   label: str
 
 
 def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: bool, renamed: set[str],
-         given: dict[str, _Given], layer: int, label: str) -> None:
+         given: dict[str, _Given], layer: int, label: str, repeats: bool = False) -> None:
   spelled = dotted
   if dotted in RENAMED:
     renamed.add(dotted)
@@ -398,12 +399,13 @@ def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: 
                        (hi is not None and value > hi, f"is above its maximum {hi}")):
     if broken:
       raise UserError(f"{spelled}={value} {what}")
-  # A later layer (--set over the file) overrides; one key given twice in one layer with different values (also
-  # under its old and new names, train.lr and optim.lr) has no one meaning.
+  # A later layer (--set over the file) overrides. In one layer, one key under its old and new names (train.lr and
+  # optim.lr) with different values has no one meaning; nor, on a command line (`repeats`), one name given twice.
   prev = given.get(dotted)
-  if prev is not None and prev.value != value and prev.layer == layer:
+  if (prev is not None and prev.value != value and prev.layer == layer
+      and (prev.spelled != spelled or repeats)):
     raise UserError(f"{prev.label} and {label} both set {dotted} but differ; give it once")
-  given[dotted] = _Given(layer, value, label)
+  given[dotted] = _Given(layer, spelled, value, label)
   raw.setdefault(section, {})[name] = value
 
 
@@ -411,9 +413,11 @@ def preset_names() -> list[str]:
   return resources.names("configs")
 
 
-def from_dict(doc: dict[str, Any], overrides: list[str] = (), where: str = "config", then: list[str] = ()) -> Config:
+def from_dict(doc: dict[str, Any], overrides: list[str] = (), where: str = "config", then: list[str] = (),
+              cli: bool = False) -> Config:
   """A Config from nested {section: {key: value}} (TOML, or a stored config.json) plus overrides, then `then`
-  (a second layer of overrides, e.g. a bench variant's over --set)."""
+  (a second layer of overrides, e.g. a bench variant's over --set). `cli`: the overrides are a command line's
+  --set flags, where one key given twice with different values is refused (in code a later item wins)."""
   raw: dict[str, dict[str, Any]] = {}
   renamed: set[str] = set()
   given: dict[str, _Given] = {}
@@ -429,7 +433,7 @@ def from_dict(doc: dict[str, Any], overrides: list[str] = (), where: str = "conf
       if not eq or "." not in dotted:
         raise UserError(f"--set {item!r} must look like section.key=value")
       _set(raw, dotted.strip(), value.strip(), from_text=True, renamed=renamed, given=given, layer=layer,
-           label=f"--set {item.strip()}")
+           label=f"--set {item.strip()}", repeats=cli)
   if renamed:
     print(f"note: renamed config keys accepted: {', '.join(f'{k} -> {RENAMED[k]}' for k in sorted(renamed))}",
           file=sys.stderr)
@@ -445,9 +449,9 @@ def run_name(name_or_path: str) -> str:
   return path.stem if path.suffix == ".toml" or path.exists() else name_or_path
 
 
-def load(name_or_path: str = "tiny", overrides: list[str] = (), then: list[str] = ()) -> Config:
+def load(name_or_path: str = "tiny", overrides: list[str] = (), then: list[str] = (), cli: bool = False) -> Config:
   """Builds a Config from a preset (name in configs/ or a path) plus `section.key=value` overrides (then `then`,
-  which may override those)."""
+  which may override those); `cli` as in `from_dict`."""
   path = Path(name_or_path)
   if path.suffix == ".toml" or path.exists():
     if not path.is_file():
@@ -461,7 +465,7 @@ def load(name_or_path: str = "tiny", overrides: list[str] = (), then: list[str] 
     raise UserError(f"config file {str(path)!r} is not valid TOML: {e}") from None
   except (OSError, UnicodeDecodeError) as e:
     raise UserError(f"config file {str(path)!r} cannot be read: {e}") from None
-  return from_dict(doc, overrides, path.name, then)
+  return from_dict(doc, overrides, path.name, then, cli)
 
 
 def validate(cfg: Config) -> None:

@@ -365,7 +365,8 @@ class ImportPlan:
   tokenizer: Path | None
 
 
-def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | None = None) -> ImportPlan:
+def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | None = None,
+                cli: bool = False) -> ImportPlan:
   from jaxtrain.core import config
   from jaxtrain.run import checkpoint
   src, w = Path(hf_dir), Path(workdir)
@@ -400,7 +401,7 @@ def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | Non
   with tempfile.TemporaryDirectory() as tmp:
     path = Path(tmp) / "imported.toml"
     path.write_text(toml_text(sections, ""))
-    cfg = config.load(str(path), overrides)
+    cfg = config.load(str(path), overrides, cli=cli)
   for item in overrides:  # the written config records the overrides too
     dotted = item.partition("=")[0].strip()
     section, _, key = config.RENAMED.get(dotted, dotted).partition(".")

@@ -206,6 +206,10 @@ def test_equal_duplicates_pass_and_a_later_layer_overrides(tmp_path):
   assert config.load("tiny", ["optim.lr=1e-3"], then=["optim.lr=5e-4"]).optim.lr == 5e-4
   with pytest.raises(UserError, match="both set optim.lr"):
     config.load("tiny", ["optim.lr=1e-3"], then=["optim.lr=5e-4", "train.lr=4e-4"])
+  # one name twice: refused from a command line (as test_what_was_accepted_silently... shows), a later item wins in code
+  assert config.load("tiny", ["train.steps=3", "train.steps=4"]).train.steps == 4
+  with pytest.raises(UserError, match="--set train.steps=3 and --set train.steps=4 both set train.steps"):
+    config.load("tiny", ["train.steps=3", "train.steps=4"], cli=True)
 
 
 def test_unknown_xla_flag_warns_and_runs_only_when_asked(tmp_path, capsys):
