@@ -142,8 +142,10 @@ def _silent_cases(tmp):
                                   ["run.log_every=2", "train.log_every=3"]),
       "toml-old-and-new-name": (train.main, [*cfg("[train]\nlr = 1e-3\n[optim]\nlr = 2e-3\n", "lr.toml"), *w],
                                 ["[train] lr = 0.001", "[optim] lr = 0.002"]),
-      "toml-duplicate-in-table": (train.main, [*cfg("[train]\nsteps = 3\nsteps = 4\n", "dup.toml"), *w], ["not valid TOML"]),
-      "toml-unknown-section": (train.main, [*cfg("[trian]\nsteps = 3\n", "sec.toml"), *w], ["unknown config section 'trian'"]),
+      "toml-duplicate-in-table": (train.main, [*cfg("[train]\nsteps = 3\nsteps = 4\n", "dup.toml"), *w],
+                                  ["not valid TOML"]),
+      "toml-unknown-section": (train.main, [*cfg("[trian]\nsteps = 3\n", "sec.toml"), *w],
+                               ["unknown config section 'trian'"]),
       # mesh sizes that are not integers
       "preset-size-string": (inspect.main, preset('[axes]\ndata = "2"\n', "s.toml"), ["data = '2'", "not a size"]),
       "preset-size-bool": (inspect.main, preset("[axes]\ndata = true\n", "b.toml"), ["data = True", "not a size"]),
@@ -155,8 +157,9 @@ def _silent_cases(tmp):
       "set-exponent-int": (train.main, ["--set", "train.steps=1e3", *w], ["train.steps='1e3'", "not an integer"]),
       # unknown XLA flags
       "xla-unknown-flag": (train.main, ["--set", unknown, *w], ["--xla_jaxtrain_no_such_flag=1", "xla_flags_unknown"]),
-      "xla-unknown-among-known": (inspect.main, ["--set", "run.xla_flags_extra=--xla_gpu_enable_latency_hiding_scheduler=true "
-                                                 "--xla_jaxtrain_other=2"], ["--xla_jaxtrain_other=2"]),
+      "xla-unknown-among-known": (inspect.main, ["--set", "run.xla_flags_extra=--xla_jaxtrain_other=2 "
+                                                 "--xla_gpu_enable_latency_hiding_scheduler=true"],
+                                  ["--xla_jaxtrain_other=2"]),
       # empty list items
       "allow-mismatch-empty": (train.main, ["--allow-mismatch", "model,,train", *w], ["'model,,train'", "empty"]),
       "allow-mismatch-trailing": (train.main, ["--allow-mismatch", "model,", *w], ["'model,'", "item 2 of 2"]),
