@@ -10,7 +10,7 @@ from pathlib import Path
 
 from jaxtrain import cli
 from jaxtrain.analysis import speed
-from jaxtrain.core import files
+from jaxtrain.core import files, parse
 from jaxtrain.core.errors import UserError
 
 
@@ -36,7 +36,7 @@ def parse_args(argv=None):
 
 
 def parse_baselines(text: str) -> list[str]:
-  names = [n.strip() for n in text.split(",") if n.strip()]
+  names = parse.items(text, "--baseline")
   if names == ["none"]:
     return []
   if not names or len(set(names)) != len(names) or not set(names) <= set(speed.BASELINES):
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
       if value < lo:
         raise UserError(f"{flag} {value}: must be an integer >= {lo}")
     baselines = parse_baselines(args.baseline)
-    cfg = config.load(args.config, args.set)
+    cfg = config.load(args.config, args.set, cli=True)
     name = config.run_name(args.config)
     out = files.user_path(args.out, "--out") if args.out is not None else files.user_path(
         args.workdir if args.workdir is not None else f"runs/{name}", "--workdir") / "bench.json"

@@ -13,7 +13,14 @@ from jaxtrain.core.errors import RunAborted, UserError, exit_with
 
 
 class Parser(argparse.ArgumentParser):
-  """argparse that reports a bad flag in one line (no usage dump), exit 2."""
+  """argparse that reports a bad flag in one line (no usage dump), exit 2; `type=int` and `type=float` flags take
+  ASCII digits only (int() and float() also read full-width and other Unicode digits)."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    from jaxtrain.core import parse
+    self.register("type", int, parse.int_arg)
+    self.register("type", float, parse.float_arg)
 
   def error(self, message):
     exit_with(UserError(f"{message} (see --help)"), self.prog)
@@ -56,10 +63,10 @@ def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: 
   from jaxtrain.parallel import xla_flags
   from jaxtrain.core import native
   native.capture()  # before any backend starts: native library output goes to the run's log, not the terminal
-  started = Started(cfg if cfg is not None else config.load(args.config, [*args.set, *overrides]), None, prog)
+  started = Started(cfg if cfg is not None else config.load(args.config, [*args.set, *overrides], cli=True), None, prog)
   cfg_given, cfg = cfg, started.cfg
   observe.parse_steps(cfg.run.profile_steps)  # a bad value fails before any device starts
-  added = xla_flags.apply(cfg.run.xla_flags, xla_flags.extra(cfg))
+  added = xla_flags.apply(cfg.run.xla_flags, xla_flags.extra(cfg), unknown=cfg.run.xla_flags_unknown)
   if added:
     print(f"xla flags: {len(added)} added to XLA_FLAGS (preset {cfg.run.xla_flags})")
   if not mesh:

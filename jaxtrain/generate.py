@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from jaxtrain import cli
-from jaxtrain.core import files
+from jaxtrain.core import files, parse
 from jaxtrain.core.errors import UserError
 
 
@@ -33,6 +33,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def check_args(args) -> None:
+  if args.step is not None and args.step < 0:
+    raise UserError(f"--step {args.step}: a step is an integer >= 0")
+  if not 0 <= args.seed < 2**63:
+    raise UserError(f"--seed {args.seed}: must lie in [0, 2**63)")
   if args.max_new_tokens < 1:
     raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
   if not 0 <= args.temperature < float("inf"):  # also refuses nan
@@ -41,15 +45,14 @@ def check_args(args) -> None:
     raise UserError("--prompt '': give some text (or --prompt-ids with the ids to start from)")
   if not 0 < args.top_p <= 1:
     raise UserError(f"--top-p {args.top_p}: must lie in (0, 1]")
+  if args.prompt_ids is not None:
+    parse.int_items(args.prompt_ids, "--prompt-ids")  # before any checkpoint is read
 
 
 def prompts_of(args, tok, vocab_size: int) -> tuple[list[str] | None, list[list[int]]]:
   """(prompt texts, or None for --prompt-ids; token ids of each prompt)."""
   if args.prompt_ids is not None:
-    try:
-      ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-    except ValueError:
-      raise UserError(f"--prompt-ids {args.prompt_ids!r}: must be comma-separated integers") from None
+    ids = parse.int_items(args.prompt_ids, "--prompt-ids")
     if not ids or not all(0 <= i < vocab_size for i in ids):
       raise UserError(f"--prompt-ids {args.prompt_ids!r}: needs at least one id, each in [0, {vocab_size})")
     return None, [ids]

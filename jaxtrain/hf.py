@@ -41,15 +41,17 @@ def main(argv=None) -> int:
   def body(set_prog):
     workdir = files.user_path(args.workdir, "--workdir")
     if args.command == "import":
-      plan = hf.plan_import(args.hf_dir, str(workdir), args.set, args.name)
+      plan = hf.plan_import(args.hf_dir, str(workdir), args.set, args.name, cli=True)
       started = cli.start(args, prog, cfg=plan.cfg)
       set_prog(started.prog)
       path = hf.run_import(plan, started.mesh)
       print(f"config: {path}\nnext: python -m jaxtrain.train --workdir {plan.workdir} --config {path} --mesh ...")
     else:
       from jaxtrain.run import checkpoint, runs
-      if args.max_shard_gb <= 0:
-        raise UserError(f"--max-shard-gb {args.max_shard_gb}: must be positive")
+      if not 0 < args.max_shard_gb < float("inf"):  # also refuses nan
+        raise UserError(f"--max-shard-gb {args.max_shard_gb}: must be a finite number > 0")
+      if args.step is not None and args.step < 0:
+        raise UserError(f"--step {args.step}: a step is an integer >= 0")
       out = files.user_path(args.out, "--out")
       files.check_output_dir(out, "--out")  # before anything is read or written
       step_dir = runs.locate(workdir, args.step)

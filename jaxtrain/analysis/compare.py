@@ -4,6 +4,7 @@ round; per variant: step times, round medians, compile time and XLA's compiled m
 
 from __future__ import annotations
 
+from jaxtrain.core import parse as parse_lib
 from jaxtrain.core.errors import UserError
 
 
@@ -14,7 +15,7 @@ def parse(items: list[str]) -> list[tuple[str, list[str]]]:
     name, colon, sets = item.partition(":")
     if not colon or not name.strip():
       raise UserError(f"--compare {item!r} must look like NAME:section.key=value[,section.key=value...]")
-    out.append((name.strip(), [s.strip() for s in sets.split(",") if s.strip()]))
+    out.append((name.strip(), parse_lib.items(sets, f"--compare {name.strip()}:")))
   names = [n for n, _ in out]
   if len(set(names)) != len(names):
     raise UserError(f"--compare names must differ: {', '.join(names)}")
@@ -49,7 +50,7 @@ def run(base_name: str, base_sets: list[str], variants: list[tuple[str, list[str
   from jaxtrain.core import config
   from jaxtrain.parallel import mesh as mesh_lib
   from jaxtrain.run import step as step_lib
-  cfgs = {name: config.load(base_name, base_sets + sets) for name, sets in variants}
+  cfgs = {name: config.load(base_name, base_sets, then=sets) for name, sets in variants}
   cfg0 = next(iter(cfgs.values()))
   batches = speed.first_batches(cfg0, step_lib.Setup(cfg0, mesh), min(steps, 4), unpacked=False)
   first: dict = {}

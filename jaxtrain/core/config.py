@@ -10,7 +10,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from jaxtrain.core import resources
+from jaxtrain.core import parse, resources
 from jaxtrain.core.errors import UserError
 
 # Fingerprint categories (what --allow-mismatch names), and the category of each section's math keys.
@@ -215,8 +215,11 @@ class RunConfig:
   xla_flags: Literal["none", "gpu-default"] = key(
       "none", "XLA/NCCL flag preset applied before the backend starts (jaxtrain.parallel.xla_flags); unknown flags are "
       "dropped.", math=False)
-  xla_flags_extra: str = key("", "Extra XLA flags, space-separated (--xla_...=v), validated like the preset.",
-                             math=False)
+  xla_flags_extra: str = key("", "Extra XLA flags, space-separated (--xla_...=v), validated like the preset: one "
+                             "this jaxlib does not know stops the command (see xla_flags_unknown).", math=False)
+  xla_flags_unknown: Literal["error", "warn"] = key(
+      "error", "A flag of run.xla_flags_extra that this jaxlib does not know: error = stop with one line naming it; "
+      "warn = drop it with a warning and run. Does not change the math.", math=False)
   tensorboard: bool = key(True, "Also write the metrics as TensorBoard scalars to <workdir>/tb/ (process 0).",
                           math=False)
   profile_steps: str = key("", "Steps to trace with jax.profiler into <workdir>/profile/, e.g. '5-7' or '3'; "
@@ -344,10 +347,14 @@ def _coerce(where: str, tp: Any, value: Any, *, from_text: bool) -> Any:
     if tp is bool and value.lower() in ("true", "false"):
       value = value.lower() == "true"
     elif tp is int:
-      digits = value.replace("_", "")
-      if digits.isascii() and digits.lstrip("+-").isdigit():  # int() would take full-width digits
-        value = int(digits)
-    elif tp is float and value.isascii():
+      try:
+        value = parse.integer(value)
+      except ValueError as e:  # int() would take full-width digits; '--5' and '1e3' are not integers either
+        raise UserError(f"{where}={value!r} {e}") from None
+    elif tp is float:
+      if not value.isascii():  # float() too would take full-width digits
+        raise UserError(f"{where}={value!r} is not a number" + (
+            ": a number is written in ASCII digits (0-9)" if any(c.isdigit() for c in value) else ""))
       try:
         value = float(value)
       except ValueError:
@@ -360,7 +367,19 @@ def _coerce(where: str, tp: Any, value: Any, *, from_text: bool) -> Any:
   return float(value) if tp is float else value
 
 
-def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: bool, renamed: set[str]) -> None:
+@dataclasses.dataclass
+class _Given:
+  """Where a key got its value, to refuse a second, different one in the same layer (the file, --set, a variant):
+  the name it was written under and how to name it in the error."""
+  layer: int
+  spelled: str
+  value: Any
+  label: str
+
+
+def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: bool, renamed: set[str],
+         given: dict[str, _Given], layer: int, label: str, repeats: bool = False) -> None:
+  spelled = dotted
   if dotted in RENAMED:
     renamed.add(dotted)
     dotted = RENAMED[dotted]
@@ -372,14 +391,21 @@ def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: 
     raise UserError(f"unknown config key {dotted!r}; keys of [{section}]: {', '.join(fs)}")
   meta = fs[name].metadata
   tp = typing.get_type_hints(SECTIONS[section])[name]
-  value = _coerce(dotted, tp, value, from_text=from_text)
+  value = _coerce(spelled, tp, value, from_text=from_text)
   lo, hi = meta["min"], meta["max"]
   for broken, what in ((lo is not None and value < lo, f"is below its minimum {lo}"),
                        (lo is not None and meta["open_min"] and value == lo, f"must be greater than {lo}"),
                        (hi is not None and meta["open_max"] and value >= hi, f"must be less than {hi}"),
                        (hi is not None and value > hi, f"is above its maximum {hi}")):
     if broken:
-      raise UserError(f"{dotted}={value} {what}")
+      raise UserError(f"{spelled}={value} {what}")
+  # A later layer (--set over the file) overrides. In one layer, one key under its old and new names (train.lr and
+  # optim.lr) with different values has no one meaning; nor, on a command line (`repeats`), one name given twice.
+  prev = given.get(dotted)
+  if (prev is not None and prev.value != value and prev.layer == layer
+      and (prev.spelled != spelled or repeats)):
+    raise UserError(f"{prev.label} and {label} both set {dotted} but differ; give it once")
+  given[dotted] = _Given(layer, spelled, value, label)
   raw.setdefault(section, {})[name] = value
 
 
@@ -387,20 +413,27 @@ def preset_names() -> list[str]:
   return resources.names("configs")
 
 
-def from_dict(doc: dict[str, Any], overrides: list[str] = (), where: str = "config") -> Config:
-  """A Config from nested {section: {key: value}} (TOML, or a stored config.json) plus overrides."""
+def from_dict(doc: dict[str, Any], overrides: list[str] = (), where: str = "config", then: list[str] = (),
+              cli: bool = False) -> Config:
+  """A Config from nested {section: {key: value}} (TOML, or a stored config.json) plus overrides, then `then`
+  (a second layer of overrides, e.g. a bench variant's over --set). `cli`: the overrides are a command line's
+  --set flags, where one key given twice with different values is refused (in code a later item wins)."""
   raw: dict[str, dict[str, Any]] = {}
   renamed: set[str] = set()
+  given: dict[str, _Given] = {}
   for section, table in doc.items():
     if not isinstance(table, dict):
       raise UserError(f"{where}: top-level key {section!r} must be a [section]; sections: {', '.join(SECTIONS)}")
     for name, value in table.items():
-      _set(raw, f"{section}.{name}", value, from_text=False, renamed=renamed)
-  for item in overrides:
-    dotted, eq, value = item.partition("=")
-    if not eq or "." not in dotted:
-      raise UserError(f"--set {item!r} must look like section.key=value")
-    _set(raw, dotted.strip(), value.strip(), from_text=True, renamed=renamed)
+      _set(raw, f"{section}.{name}", value, from_text=False, renamed=renamed, given=given, layer=0,
+           label=f"{where} [{section}] {name} = {value!r}")
+  for layer, items in ((1, overrides), (2, then)):
+    for item in items:
+      dotted, eq, value = item.partition("=")
+      if not eq or "." not in dotted:
+        raise UserError(f"--set {item!r} must look like section.key=value")
+      _set(raw, dotted.strip(), value.strip(), from_text=True, renamed=renamed, given=given, layer=layer,
+           label=f"--set {item.strip()}", repeats=cli)
   if renamed:
     print(f"note: renamed config keys accepted: {', '.join(f'{k} -> {RENAMED[k]}' for k in sorted(renamed))}",
           file=sys.stderr)
@@ -416,8 +449,9 @@ def run_name(name_or_path: str) -> str:
   return path.stem if path.suffix == ".toml" or path.exists() else name_or_path
 
 
-def load(name_or_path: str = "tiny", overrides: list[str] = ()) -> Config:
-  """Builds a Config from a preset (name in configs/ or a path) plus `section.key=value` overrides."""
+def load(name_or_path: str = "tiny", overrides: list[str] = (), then: list[str] = (), cli: bool = False) -> Config:
+  """Builds a Config from a preset (name in configs/ or a path) plus `section.key=value` overrides (then `then`,
+  which may override those); `cli` as in `from_dict`."""
   path = Path(name_or_path)
   if path.suffix == ".toml" or path.exists():
     if not path.is_file():
@@ -431,7 +465,7 @@ def load(name_or_path: str = "tiny", overrides: list[str] = ()) -> Config:
     raise UserError(f"config file {str(path)!r} is not valid TOML: {e}") from None
   except (OSError, UnicodeDecodeError) as e:
     raise UserError(f"config file {str(path)!r} cannot be read: {e}") from None
-  return from_dict(doc, overrides, path.name)
+  return from_dict(doc, overrides, path.name, then, cli)
 
 
 def validate(cfg: Config) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxtrain.core import parse
 from jaxtrain.core.config import Config
 from jaxtrain.data import readers, shards, tokenizer as tokenizer_lib
 from jaxtrain.core.errors import UserError
@@ -23,7 +24,7 @@ MIX_TAG, STATE_VERSION = 0x4D4958, 1
 
 
 def source_specs(spec: str) -> list[str]:
-  return [s.strip() for s in spec.split(",") if s.strip()]
+  return parse.items(spec, "data.source")
 
 
 def _raw_path(spec: str) -> Path:
@@ -123,10 +124,13 @@ def _weights(cfg: Config, sets: list[shards.TokenSet]) -> np.ndarray:
     w = np.array([s.n_tokens for s in sets], np.float64)  # no weights: proportional to tokens
   else:
     try:
-      w = np.array([float(x) for x in cfg.data.weights.split(",")], np.float64)
+      xs = parse.items(cfg.data.weights, "data.weights")
+      if not all(x.isascii() for x in xs):  # float() would take full-width digits
+        raise ValueError(cfg.data.weights)
+      w = np.array([float(x) for x in xs], np.float64)
     except ValueError:
       raise UserError(f"data.weights={cfg.data.weights!r} must be comma-separated numbers") from None
-    if len(w) != len(sets) or (w <= 0).any():
+    if len(w) != len(sets) or not (np.isfinite(w) & (w > 0)).all():
       raise UserError(f"data.weights={cfg.data.weights!r} must hold {len(sets)} positive number(s), one per "
                       f"data source ({cfg.data.source!r})")
   return w / w.sum()

@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ import numpy as np
 
 from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
-from jaxtrain.interop import hf_deepseek, hf_rope
+from jaxtrain.interop import hf_deepseek, hf_fields as F, hf_rope
 
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")
 QWEN3 = ("qwen3", "qwen3_moe")
@@ -56,32 +57,30 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
                              ("attn_logit_softcapping", None, "null")):
     if hf.get(field) is not None and not (ok and ok(hf[field])):
       raise UserError(f"{where}: {field}={hf[field]!r} is not supported; allowed: {allowed}")
-  for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-    if not isinstance(hf.get(field), int):
-      raise UserError(f"{where}: {field} is missing or not an integer")
-  D, H = hf["hidden_size"], hf["num_attention_heads"]
+  size = lambda field, default=F.REQUIRED: F.get(hf, field, where, "int", default, least=1)  # noqa: E731
+  D, H = size("hidden_size"), size("num_attention_heads")
   keys: dict[str, Any] = {
-      "vocab_size": hf["vocab_size"], "d_model": D, "n_layers": hf["num_hidden_layers"], "n_heads": H,
-      "n_kv_heads": hf.get("num_key_value_heads") or H, "head_dim": hf.get("head_dim") or D // H,
-      "d_ff": hf["intermediate_size"], "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-      "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+      "vocab_size": size("vocab_size"), "d_model": D, "n_layers": size("num_hidden_layers"), "n_heads": H,
+      "n_kv_heads": size("num_key_value_heads", H), "head_dim": size("head_dim", D // H),
+      "d_ff": size("intermediate_size"), "norm_eps": F.get(hf, "rms_norm_eps", where, "number", 1e-6),
+      "tie_embeddings": F.get(hf, "tie_word_embeddings", where, "bool", False),
       **hf_rope.model_keys(hf_rope.parameters(hf, where), where),  # default, llama3 or yarn RoPE in every family
   }
   if mt == "deepseek_v3":
     keys.update(hf_deepseek.model_keys(hf, where))
   if mt == "mixtral":  # HF Mixtral never drops tokens; router_aux_loss_coef means the same under the hf convention
-    keys.update(moe_experts=hf.get("num_local_experts", 8), moe_top_k=hf.get("num_experts_per_tok", 2), moe_every=1,
+    keys.update(moe_experts=size("num_local_experts", 8), moe_top_k=size("num_experts_per_tok", 2), moe_every=1,
                 moe_capacity_factor=0.0, moe_dropless=True, moe_aux_convention="hf",
-                moe_aux_weight=float(hf.get("router_aux_loss_coef", 0.001)), moe_z_weight=0.0)
+                moe_aux_weight=F.get(hf, "router_aux_loss_coef", where, "number", 0.001, least=0), moe_z_weight=0.0)
   keys.update(_qwen3_keys(hf, where) if mt in QWEN3 else {})
   return keys
 
 
 def _qwen3_attention(hf: dict, where: str) -> dict:
   """Qwen3 configs carry a sliding_window that only applies with use_sliding_window (never in released ones)."""
-  if hf.get("use_sliding_window"):
+  if F.get(hf, "use_sliding_window", where, "bool", False):
     raise UserError(f"{where}: use_sliding_window=true is not supported; allowed: false (full attention)")
-  if any(t != "full_attention" for t in hf.get("layer_types") or []):
+  if any(t != "full_attention" for t in F.get(hf, "layer_types", where, "list", [])):
     raise UserError(f"{where}: layer_types={hf['layer_types']!r} is not supported; allowed: only 'full_attention'")
   return {**hf, "sliding_window": None}
 
@@ -91,21 +90,23 @@ def _qwen3_keys(hf: dict, where: str) -> dict[str, Any]:
   keys: dict[str, Any] = {"qk_norm": True}
   if hf["model_type"] == "qwen3" and not hf.get("head_dim"):
     keys["head_dim"] = 128  # Qwen3Config's default (Qwen3-MoE's attention falls back to d_model / heads, as Llama)
-  X = hf.get("num_experts", hf.get("num_local_experts", 128)) if hf["model_type"] == "qwen3_moe" else 0
+  int_ = lambda field, default, least=1: F.get(hf, field, where, "int", default, least)  # noqa: E731
+  X = int_("num_experts", int_("num_local_experts", 128, 0), 0) if hf["model_type"] == "qwen3_moe" else 0
   if not X:
     return keys
-  n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1
-  dense = sorted(hf.get("mlp_only_layers") or [])
+  n, step = hf["num_hidden_layers"], int_("decoder_sparse_step", 1)
+  dense = sorted(F.get(hf, "mlp_only_layers", where, "ints", [], least=0))
   moe = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
   # jaxtrain's layer rule (moe_first_dense, moe_every) must give the same MoE layers
   first = next((k for k in range(n + 1) if moe == [i for i in range(k, n) if (i + 1) % step == 0]), None)
   if first is None:
     raise UserError(f"{where}: mlp_only_layers={dense} with decoder_sparse_step={step} is not supported; allowed: "
                     "the first k layers dense (mlp_only_layers=[0, ..., k-1])")
-  keys.update(moe_experts=X, moe_top_k=hf.get("num_experts_per_tok", 8), moe_every=step, moe_first_dense=first,
-              moe_expert_d_ff=hf.get("moe_intermediate_size", 768), moe_norm_top_k=bool(hf.get("norm_topk_prob")),
+  keys.update(moe_experts=X, moe_top_k=int_("num_experts_per_tok", 8), moe_every=step, moe_first_dense=first,
+              moe_expert_d_ff=int_("moe_intermediate_size", 768),
+              moe_norm_top_k=F.get(hf, "norm_topk_prob", where, "bool", False),
               moe_capacity_factor=0.0, moe_dropless=True, moe_aux_convention="hf",
-              moe_aux_weight=float(hf.get("router_aux_loss_coef", 0.001)), moe_z_weight=0.0)
+              moe_aux_weight=F.get(hf, "router_aux_loss_coef", where, "number", 0.001, least=0), moe_z_weight=0.0)
   return keys
 
 
@@ -298,8 +299,29 @@ def read_headers(hf_dir: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
   return out
 
 
-def check_tensors(tensors: list[Tensor], headers: dict, hf_dir: Path, tied: bool) -> None:
-  """Every tensor present with the shape config.json implies; nothing we would silently drop."""
+def own_head(headers: dict) -> bool:
+  """Whether the checkpoint's lm_head.weight is a head of its own: present and not equal to the embedding.
+  transformers (5.x, PreTrainedModel.tie_weights) ties a tie_word_embeddings=true model's head to its embedding
+  only where the checkpoint lacks the head or holds the same values; a different head is kept, untied."""
+  if "lm_head.weight" not in headers or "model.embed_tokens.weight" not in headers:
+    return False
+  (fa, sa, _), (fb, sb, _) = headers["model.embed_tokens.weight"], headers["lm_head.weight"]
+  if sa != sb or len(sa) != 2:
+    return True
+  safe_open = _safetensors().safe_open
+  rows = max(1, 2**24 // max(1, sa[1]))  # 64 MB of float32 per side at a time
+  with safe_open(str(fa), framework="numpy") as a, safe_open(str(fb), framework="numpy") as b:
+    ea, hb = a.get_slice("model.embed_tokens.weight"), b.get_slice("lm_head.weight")
+    for r in range(0, sa[0], rows):  # compared as values (bfloat16 and float16 widen exactly), as torch.equal does
+      part = slice(r, min(r + rows, sa[0]))  # safetensors does not clip a slice
+      if not np.array_equal(ea[part].astype(np.float32), hb[part].astype(np.float32)):
+        return True
+  return False
+
+
+def check_tensors(tensors: list[Tensor], headers: dict, hf_dir: Path, tied: bool, head: bool = False) -> None:
+  """Every tensor present with the shape config.json implies; nothing we would silently drop (`head`: the
+  checkpoint's lm_head.weight differs from its embedding, so a tied model would drop it)."""
   want = {n: t.hf_shape for t in tensors for n in t.names.flat}
   for name, shape in want.items():
     if name not in headers:
@@ -309,6 +331,9 @@ def check_tensors(tensors: list[Tensor], headers: dict, hf_dir: Path, tied: bool
       raise UserError(f"{hf_dir}: tensor {name} has shape {list(got)}, config.json implies {list(shape)}")
     if dtype not in READABLE:
       raise UserError(f"{hf_dir}: tensor {name} has dtype {dtype}; readable: {', '.join(READABLE)}")
+  if tied and head:
+    raise UserError(f"{hf_dir}: lm_head.weight differs from model.embed_tokens.weight; model.tie_embeddings=true "
+                    "would drop it (leave tie_embeddings false: the head is imported as its own)")
   for name in headers:
     if name not in want and not name.endswith(IGNORED_SUFFIXES) and not (tied and name == "lm_head.weight"):
       what = "biases are not supported" if name.endswith(".bias") else "not part of a model jaxtrain represents"
@@ -340,7 +365,8 @@ class ImportPlan:
   tokenizer: Path | None
 
 
-def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | None = None) -> ImportPlan:
+def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | None = None,
+                cli: bool = False) -> ImportPlan:
   from jaxtrain.core import config
   from jaxtrain.run import checkpoint
   src, w = Path(hf_dir), Path(workdir)
@@ -350,33 +376,48 @@ def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | Non
     hf = json.loads((src / "config.json").read_text())
   except FileNotFoundError:
     raise UserError(f"{src}: config.json is missing") from None
-  except json.JSONDecodeError as e:
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise UserError(f"{src / 'config.json'}: not valid JSON ({e})") from None
+  except OSError as e:
+    raise UserError(f"{src / 'config.json'}: cannot be read ({e})") from None
+  if not isinstance(hf, dict):
+    raise UserError(f"{src / 'config.json'}: must hold a JSON object of fields, not {type(hf).__name__}")
   tok = src / "tokenizer.json"
   headers = read_headers(src)
   model = model_keys(hf, str(src / "config.json"))
   if hf.get("model_type") == "deepseek_v3":
     model.update(hf_deepseek.mtp_keys(hf, headers))
+  head = model["tie_embeddings"] and own_head(headers)
+  if head:  # as transformers loads it: the checkpoint's own head, untied
+    model["tie_embeddings"] = False
+    print(f"note: {src / 'config.json'} has tie_word_embeddings=true but lm_head.weight differs from "
+          "model.embed_tokens.weight: imported untied, with its own head (as transformers loads it)", file=sys.stderr)
+  try:  # the model keys config.json implies, checked before any override
+    config.from_dict({"model": model}, where=str(src / "config.json"))
+  except UserError as e:
+    raise UserError(f"{src / 'config.json'}: {e}") from None
   sections = {"model": model, "optim": {"lr": 1e-5, "warmup_steps": 10},
               "data": {"tokenizer": str(w.absolute() / "tokenizer.json") if tok.is_file() else "byte"}}
   with tempfile.TemporaryDirectory() as tmp:
     path = Path(tmp) / "imported.toml"
     path.write_text(toml_text(sections, ""))
-    cfg = config.load(str(path), overrides)
+    cfg = config.load(str(path), overrides, cli=cli)
   for item in overrides:  # the written config records the overrides too
     dotted = item.partition("=")[0].strip()
     section, _, key = config.RENAMED.get(dotted, dotted).partition(".")
     sections.setdefault(section, {})[key] = getattr(getattr(cfg, section), key)
   sections["model"] = dataclasses.asdict(cfg.model)  # every model key explicit
-  check_tensors(table(cfg.model), headers, src, cfg.model.tie_embeddings)
+  head = head or (cfg.model.tie_embeddings and own_head(headers))  # --set model.tie_embeddings=true
+  check_tensors(table(cfg.model), headers, src, cfg.model.tie_embeddings, head)
   if checkpoint.committed_steps(w / "checkpoints"):
     raise UserError(f"--workdir {w} already holds checkpoints; import into a new directory")
   name = name if name is not None else src.absolute().name
   if Path(name).name != name or name in (".", ".."):  # WORKDIR/NAME.toml stays inside the workdir
     raise UserError(f"--name {name!r}: must be a plain file name (no directory part)")
   files.check_output_dir(w, "--workdir")
-  text = toml_text(sections, f"Imported by `python -m jaxtrain.hf import {src}`: {hf['model_type']}, "
-                             f"{', '.join(hf.get('architectures') or [])}.")
+  arch = hf.get("architectures")
+  arch = ", ".join(map(str, arch)) if isinstance(arch, list) else str(arch or "")
+  text = toml_text(sections, f"Imported by `python -m jaxtrain.hf import {src}`: {hf['model_type']}, {arch}.")
   return ImportPlan(src, w, name, cfg, text, headers, tok if tok.is_file() else None)
 
 

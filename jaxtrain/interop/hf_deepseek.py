@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from jaxtrain.core.errors import UserError
-from jaxtrain.interop import hf_rope
+from jaxtrain.interop import hf_fields as F, hf_rope
 
 
 def model_keys(hf: dict, where: str) -> dict[str, Any]:
@@ -23,17 +23,18 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
       raise UserError(f"{where}: {field}={hf[field]!r} is not supported; allowed: {want!r}")
   if hf_rope.parameters(hf, where)["rope_type"] == "llama3":  # export takes none or yarn (HF's softmax mscale)
     raise UserError(f"{where}: rope type 'llama3' is not supported for deepseek_v3; allowed: default, yarn")
-  q_rank = hf.get("q_lora_rank")
-  return {"attention_type": "mla", "q_lora_rank": q_rank or 0, "kv_lora_rank": hf["kv_lora_rank"],
-          "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": hf["qk_rope_head_dim"],
-          "v_head_dim": hf["v_head_dim"], "n_kv_heads": hf["num_attention_heads"],
-          "head_dim": hf["qk_rope_head_dim"],
-          "moe_experts": hf["n_routed_experts"], "moe_top_k": hf["num_experts_per_tok"], "moe_every": 1,
-          "moe_first_dense": hf.get("first_k_dense_replace", 0), "moe_expert_d_ff": hf["moe_intermediate_size"],
-          "moe_shared_experts": hf.get("n_shared_experts") or 0, "moe_router": "sigmoid",
-          "moe_n_group": hf.get("n_group") or 1, "moe_topk_group": hf.get("topk_group") or 1,
-          "moe_routed_scale": float(hf.get("routed_scaling_factor", 1.0)),
-          "moe_norm_top_k": bool(hf.get("norm_topk_prob", True)), "moe_bias_rate": 1e-3,
+  def int_(field, default=F.REQUIRED, least=1):
+    return F.get(hf, field, where, "int", default, least)
+  rope_dim = int_("qk_rope_head_dim", least=2)
+  return {"attention_type": "mla", "q_lora_rank": int_("q_lora_rank", 0, 0), "kv_lora_rank": int_("kv_lora_rank"),
+          "qk_nope_head_dim": int_("qk_nope_head_dim"), "qk_rope_head_dim": rope_dim,
+          "v_head_dim": int_("v_head_dim"), "n_kv_heads": int_("num_attention_heads"), "head_dim": rope_dim,
+          "moe_experts": int_("n_routed_experts"), "moe_top_k": int_("num_experts_per_tok"), "moe_every": 1,
+          "moe_first_dense": int_("first_k_dense_replace", 0, 0), "moe_expert_d_ff": int_("moe_intermediate_size"),
+          "moe_shared_experts": int_("n_shared_experts", 0, 0), "moe_router": "sigmoid",
+          "moe_n_group": int_("n_group", 1), "moe_topk_group": int_("topk_group", 1),
+          "moe_routed_scale": F.get(hf, "routed_scaling_factor", where, "number", 1.0),
+          "moe_norm_top_k": F.get(hf, "norm_topk_prob", where, "bool", True), "moe_bias_rate": 1e-3,
           "moe_capacity_factor": 0.0, "moe_dropless": True, "moe_aux_weight": 0.0, "moe_z_weight": 0.0}
 
 

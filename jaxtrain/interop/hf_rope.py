@@ -6,10 +6,12 @@ included; a variant jaxtrain cannot compute (model/rope.py) is a one-line UserEr
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
 from jaxtrain.core.errors import UserError
+from jaxtrain.interop import hf_fields as F
 
 # transformers' defaults where config.json leaves the field out: (default_theta, max_position_embeddings)
 DEFAULTS = {"llama": (10000.0, 2048), "mistral": (10000.0, 131072), "mixtral": (1000000.0, 131072),
@@ -23,8 +25,10 @@ def parameters(hf: dict, where: str) -> dict[str, Any]:
   and partial_rotary_factor from the top level where the dict lacks them; a top-level
   original_max_position_embeddings before the dict's, else max_position_embeddings where the dict lacks one."""
   theta, max_position = DEFAULTS[hf["model_type"]]
+  max_position = F.get(hf, "max_position_embeddings", where, "int", max_position, least=1)
+  layer_types = F.get(hf, "layer_types", where, "list", [])
   rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-  if not isinstance(rope, dict) or any(k in LAYER_TYPES or k in (hf.get("layer_types") or ()) for k in rope):
+  if not isinstance(rope, dict) or any(k in LAYER_TYPES or k in layer_types for k in rope):
     raise UserError(f"{where}: rope_parameters={rope!r} is not supported; allowed: one dict for every layer")
   rope = dict(rope)
   rope.setdefault("rope_theta", hf.get("rope_theta", theta))
@@ -34,16 +38,17 @@ def parameters(hf: dict, where: str) -> dict[str, Any]:
   if rope["rope_type"] in SCALED:
     if "original_max_position_embeddings" in hf:
       rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
-    rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", max_position))
+    rope.setdefault("original_max_position_embeddings", max_position)
     if rope["rope_type"] == "yarn" and "factor" in rope and rope["factor"] is None:  # the context's extension
       original = _number(rope, "original_max_position_embeddings", where, "an integer >= 1", 1)
-      rope["factor"] = hf.get("max_position_embeddings", max_position) / original
+      rope["factor"] = max_position / original
   return rope
 
 
 def _number(rope: dict, field: str, where: str, allowed: str, least: float = 0.0, open_min: bool = False) -> float:
   v = rope.get(field)
-  ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and (v > least if open_min else v >= least)
+  ok = (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+        and (v > least if open_min else v >= least))
   if field not in rope:
     raise UserError(f"{where}: {rope['rope_type']} rope needs a numeric {field}")
   if not ok:

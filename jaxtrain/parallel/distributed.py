@@ -45,7 +45,7 @@ def cluster_from(coordinator: str | None, num_processes: int | None, process_id:
     if missing:
       raise UserError(f"multi-process runs need --coordinator, --num-processes and --process-id; missing {', '.join(missing)}")
     host, _, port = coordinator.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not (port.isascii() and port.isdigit()):  # isdigit() alone takes full-width digits
       raise UserError(f"--coordinator {coordinator!r} must look like HOST:PORT")
     if num_processes < 1 or not 0 <= process_id < num_processes:
       raise UserError(f"--process-id {process_id} must lie in [0, --num-processes={num_processes})")

@@ -7,7 +7,7 @@ import os
 import tomllib
 from pathlib import Path
 
-from jaxtrain.core import resources
+from jaxtrain.core import parse as parse_lib, resources
 from jaxtrain.core.errors import UserError
 
 MAX_SIMULATED = 4096  # simulated CPU devices take seconds per thousand to create, and memory
@@ -23,12 +23,17 @@ def _axis(name: str) -> str:
 
 
 def _size(given: str, text: str) -> int:
+  """A size: a positive integer in ASCII digits (the one integer reading, core/parse.py), or -1."""
   text = text.strip()
-  # ASCII digits only: int() would also take full-width or other Unicode digits.
-  size = int(text) if text.isascii() and text.lstrip("-").isdigit() else 0
+  try:
+    size = parse_lib.integer(text)
+  except ValueError:
+    size = 0
   if size == -1 or size >= 1:
     return size
-  raise UserError(f"mesh {given.strip()}={text.strip()}: size must be a positive integer (or -1 for one axis to fill the rest)")
+  ascii_only = "" if text.isascii() else "; an integer is written in ASCII digits (0-9)"
+  raise UserError(f"mesh {given.strip()}={text}: size must be a positive integer (or -1 for one axis to fill the "
+                  f"rest){ascii_only}")
 
 
 def preset_names() -> list[str]:
@@ -40,9 +45,16 @@ def _from_preset(path: Path) -> str:
     doc = tomllib.loads(path.read_text())
   except tomllib.TOMLDecodeError as e:
     raise UserError(f"mesh preset {str(path)!r} is not valid TOML: {e}") from None
+  except (OSError, UnicodeDecodeError) as e:
+    raise UserError(f"mesh preset {str(path)!r} cannot be read: {e}") from None
   axes, dcn = doc.get("axes"), doc.get("dcn", {})
   if not isinstance(axes, dict) or not isinstance(dcn, dict) or set(doc) - {"axes", "dcn", "description"}:
     raise UserError(f"mesh preset {str(path)!r} must hold an [axes] table (optionally [dcn] and a description)")
+  for table, prefix in ((axes, ""), (dcn, "dcn.")):
+    for k, v in table.items():  # TOML integers only: "2", 2.0 and true are not sizes
+      if not isinstance(v, int) or isinstance(v, bool):
+        raise UserError(f"mesh preset {str(path)!r}: {prefix}{k} = {v!r} is not a size; write an integer "
+                        "(e.g. data = 2)")
   return ",".join([f"{k}={v}" for k, v in axes.items()] + [f"dcn.{k}={v}" for k, v in dcn.items()])
 
 
@@ -54,7 +66,7 @@ def parse_full(spec: str) -> tuple[dict[str, int], dict[str, int]]:
       raise UserError(f"mesh {spec!r} is neither axis=size pairs (e.g. dp=8,tp=8) nor a preset; presets: {', '.join(preset_names())}")
     spec = _from_preset(path)
   sizes, dcn = {}, {}  # axis -> size; axis -> cross-host factor
-  for part in spec.split(","):
+  for part in parse_lib.items(spec, "--mesh"):
     name, eq, value = part.partition("=")
     if not eq:
       raise UserError(f"mesh entry {part!r} must look like axis=size (e.g. dp=8,tp=8)")

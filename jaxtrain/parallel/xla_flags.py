@@ -108,8 +108,11 @@ def validate(flags: list[str], cache: Path | None = None) -> tuple[list[str], li
   return [f for f in flags if known[name_of(f)]], [f for f in flags if not known[name_of(f)]]
 
 
-def apply(preset: str, extra: str = "", environ=os.environ, cache: Path | None = None) -> list[str]:
-  """Adds the known flags of preset and `extra` to environ["XLA_FLAGS"] (the user's win); returns the flags added."""
+def apply(preset: str, extra: str = "", environ=os.environ, cache: Path | None = None,
+          unknown: str = "error") -> list[str]:
+  """Adds the known flags of preset and `extra` to environ["XLA_FLAGS"] (the user's win); returns the flags added.
+  A flag of `extra` this jaxlib does not know is a UserError naming it, unless `unknown` is "warn"
+  (run.xla_flags_unknown); the preset's own are dropped with a warning (an older jaxlib may lack one)."""
   candidates = PRESETS[preset] + parse(extra)
   if not candidates:
     return []
@@ -117,6 +120,11 @@ def apply(preset: str, extra: str = "", environ=os.environ, cache: Path | None =
   taken = {name_of(f) for f in have}
   candidates = [f for f in candidates if name_of(f) not in taken]
   kept, dropped = validate(candidates, cache)
+  theirs = [f for f in dropped if f not in PRESETS[preset]]
+  if theirs and unknown != "warn":
+    import jaxlib
+    raise UserError(f"run.xla_flags_extra: {' '.join(theirs)}: not a flag this jaxlib ({jaxlib.__version__}) knows; "
+                    "correct the name, or --set run.xla_flags_unknown=warn to drop it and run")
   if dropped:
     print(f"warning: dropping XLA flag(s) this jaxlib does not know: {' '.join(dropped)}", file=sys.stderr)
   if kept:

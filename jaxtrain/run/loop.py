@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxtrain import data
 from jaxtrain.analysis import fit
+from jaxtrain.core import parse
 from jaxtrain.core.config import MISMATCH_CATEGORIES
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import flops
@@ -68,7 +69,7 @@ class Preemption:
 
 
 def allowed_mismatches(text: str) -> set[str]:
-  allowed = {w.strip() for w in text.split(",") if w.strip()}
+  allowed = set(parse.items(text, "--allow-mismatch"))
   if "all" in allowed:
     return set(MISMATCH_CATEGORIES)
   if bad := allowed - set(MISMATCH_CATEGORIES):

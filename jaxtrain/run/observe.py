@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jaxtrain.core import parse
 from jaxtrain.core.errors import UserError
 
 
@@ -13,7 +14,7 @@ def parse_steps(text: str) -> tuple[int, int] | None:
     return None
   a, _, b = text.strip().partition("-")
   try:
-    first, last = int(a), int(b or a)
+    first, last = parse.integer(a), parse.integer(b or a)  # ASCII digits only
   except ValueError:
     raise UserError(f"run.profile_steps={text!r}: write FIRST-LAST or one step, e.g. 5-7") from None
   if not 1 <= first <= last:

@@ -122,7 +122,8 @@ CONTENT_KEYS = {"data.source", "data.tokenizer"}
 RUN_KEYS = {
     "model.moe_grouped_matmul", "model.attention", "model.attention_max_segments", "model.remat",
     "train.microbatches", "train.max_skipped_in_a_row", "train.eval_interval", "train.loss_chunk_tokens",
-    "run.log_every", "run.sequence_parallel", "run.xla_flags", "run.xla_flags_extra", "run.tensorboard",
+    "run.log_every", "run.sequence_parallel", "run.xla_flags", "run.xla_flags_extra", "run.xla_flags_unknown",
+    "run.tensorboard",
     "run.profile_steps", "run.fit_check",
     "checkpoint.interval", "checkpoint.keep", "checkpoint.keep_every", "checkpoint.async_save", "checkpoint.on_damaged",
     "checkpoint.verify", "distributed.heartbeat_timeout_s", "distributed.init_timeout_s",

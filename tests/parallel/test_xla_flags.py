@@ -1,5 +1,5 @@
-"""XLA flags (jaxtrain.parallel.xla_flags): unknown flags are dropped with a warning, the
-verdicts are cached, and the gpu-default preset is known to this jaxlib."""
+"""XLA flags (jaxtrain.parallel.xla_flags): unknown flags stop the command, or with run.xla_flags_unknown=warn are
+dropped with a warning; the verdicts are cached, and the gpu-default preset is known to this jaxlib."""
 
 import subprocess
 import sys
@@ -12,7 +12,7 @@ def test_unknown_xla_flag_is_dropped_with_a_warning(tmp_path, capsys):
   cache = tmp_path / "flags.json"
   env = {"XLA_FLAGS": "--xla_dump_to=/tmp/user_choice"}
   added = xla_flags.apply("none", "--xla_jaxtrain_no_such_flag=1 --xla_gpu_enable_latency_hiding_scheduler=true "
-                          "--xla_dump_to=/tmp/ignored", environ=env, cache=cache)
+                          "--xla_dump_to=/tmp/ignored", environ=env, cache=cache, unknown="warn")
   assert added == ["--xla_gpu_enable_latency_hiding_scheduler=true"]
   assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/user_choice --xla_gpu_enable_latency_hiding_scheduler=true"
   err = capsys.readouterr().err.strip().splitlines()

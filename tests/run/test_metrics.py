@@ -55,6 +55,7 @@ def test_tensorboard_scalars_and_profile_trace_next_to_metrics(run_cli, tmp_path
   r = run_cli("jaxtrain.train", "--mesh", "dp=2", "--steps", "3", "--workdir", "w",
               "--set", "train.batch_size=4", "--set", "train.seq_len=32", "--set", "train.profile_steps=2-3",
               "--set", "train.xla_flags=gpu-default", "--set", "train.xla_flags_extra=--xla_jaxtrain_bogus=1",
+              "--set", "run.xla_flags_unknown=warn",
               "--set", "model.remat=save_named", env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
   assert r.returncode == 0, r.stderr[-2000:]
   assert "attention: xla (reference XLA attention: backend is cpu, not a CUDA GPU); remat save_named" in r.stdout
