@@ -247,6 +247,8 @@ COVERED_BY = {
     "jaxtrain.cli": ("tests/commands/test_flows.py", "exit"),
     "jaxtrain.core.errors": ("tests/core/test_config.py", "UserError"),
     "jaxtrain.core.files": ("tests/run/test_filecheck.py", "files"),
+    "jaxtrain.core.parse": ("tests/core/test_bad_inputs.py", "parse."),
+    "jaxtrain.interop.hf_fields": ("tests/core/test_bad_inputs.py", "config.json"),
     "jaxtrain.core.resources": ("tests/commands/test_launch.py", "resources"),
     "jaxtrain.data.__main__": ("tests/commands/test_flows.py", "jaxtrain.data"),
     "jaxtrain.data.readers": ("tests/data/test_prepare.py", "jsonl"),

@@ -46,6 +46,8 @@ os.write(2, b"W1123 21:56:38.777804    4138 spmd_partitioner.cc:656] [SPMD] Invo
 os.write(2, b"E1123 21:56:38.777804    4138 x.cc:1] an error record before the log is known\n")
 native.tell("log", sys.argv[1] + "/jaxtrain.log")
 native.tell("process", int(sys.argv[3]))
+if sys.argv[4] == "joined":  # what jaxtrain.parallel.distributed tells once jax.distributed.initialize returns
+  native.tell("joined", 1)
 print("jaxtrain: error: a Python error line", file=sys.stderr)
 if sys.argv[2] == "raise":
   native.LOST_PEER_GRACE_S = 0
@@ -57,8 +59,9 @@ os.write(2, b"F1123 21:56:38.777804    4138 x.cc:1] a fatal record\n*** Check fa
 """
 
 
-def _run(tmp_path, mode, stdin=b"", process=0):
-  r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), mode, str(process)], input=stdin, capture_output=True,
+def _run(tmp_path, mode, stdin=b"", process=0, joined=True):
+  r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), mode, str(process), "joined" if joined else "-"],
+                     input=stdin, capture_output=True,
                      env=clean_env(PYTHONPATH=REPO), timeout=60)
   log = (tmp_path / "jaxtrain.log").read_bytes().decode() if (tmp_path / "jaxtrain.log").exists() else ""
   return r, r.stderr.decode().splitlines(), log
@@ -74,16 +77,25 @@ def test_native_records_go_to_the_log_and_fatal_ones_to_the_terminal(tmp_path):
   assert "[SPMD] Involuntary full rematerialization" in log and log.count("is connected to 1 peer ranks") == 2
 
 
-@pytest.mark.parametrize("process, text, who", [
-    (0, LOST_PEER, "process 1 stopped answering (no heartbeat within distributed.heartbeat_timeout_s)"),
-    (1, LOST_COORDINATOR, "process 0 (the coordinator) is gone")])
-def test_a_lost_peer_is_one_line_naming_process_step_and_checkpoint(tmp_path, process, text, who):
+NEVER_JOINED = b"""\
+F1126 03:37:33.549515    6663 client.h:80] Terminating process because the JAX distributed service detected fatal \
+errors. This most likely indicates that another task died; see the other task logs for more details. absl::Status: \
+DEADLINE_EXCEEDED: Deadline Exceeded
+"""
+
+
+@pytest.mark.parametrize("process, text, who, joined", [
+    (0, LOST_PEER, "process 1 stopped answering (no heartbeat within distributed.heartbeat_timeout_s)", True),
+    (1, LOST_COORDINATOR, "process 0 (the coordinator) is gone", True),
+    (0, NEVER_JOINED, "not every process joined within distributed.init_timeout_s (one did not start, or died "
+                      "starting)", False)])
+def test_a_lost_peer_is_one_line_naming_process_step_and_checkpoint(tmp_path, process, text, who, joined):
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
   for step, committed in ((2, True), (3, False)):  # 3 never committed (no manifest)
     (tmp_path / "checkpoints" / str(step)).mkdir(parents=True)
     if committed:
       (tmp_path / "checkpoints" / str(step) / "manifest.json").write_text("{}")
-  r, err, log = _run(tmp_path, "lost", text, process)
+  r, err, log = _run(tmp_path, "lost", text, process, joined)
   assert r.returncode == -6
   assert sorted(err) == sorted([  # in any order: two processes write to the terminal
       "E1123 21:56:38.777804    4138 x.cc:1] an error record before the log is known",
@@ -100,4 +112,4 @@ def test_an_unexpected_error_of_a_multi_process_run_is_one_line(tmp_path):
   assert r.returncode == 1
   assert ("jaxtrain[process 0]: error: TimeoutError: Timed out while waiting for async_write_complete barrier. "
           f"(traceback in {tmp_path}/jaxtrain.log)") in err and len(err) == 3, err
-  assert "Traceback (most recent call last)" in log and 'line 14, in <module>' in log
+  assert "Traceback (most recent call last)" in log and 'line 16, in <module>' in log
