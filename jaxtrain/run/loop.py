@@ -87,14 +87,17 @@ def _sinks(cfg, workdir: Path, stop_at: int, resumed_at: int | None, carried: li
   return metrics.Sinks(sinks)
 
 
-def _same_run(current: dict, allowed: set[str]):
-  """A check of a checkpoint's manifest: one written by a different run is refused (before anything moves)."""
+def _same_run(current: dict, allowed: set[str], setup):
+  """A check of a checkpoint's manifest: one written by a different run is refused (before anything moves); an
+  allowed model mismatch still needs the same parameter shapes (checked before config.json is rewritten)."""
   def accept(step_dir: Path, manifest: dict) -> None:
     changed = {k: v for k, v in checkpoint.mismatches(manifest["fingerprint"], current).items() if k not in allowed}
     if changed:
       raise UserError(f"checkpoint {step_dir} was written by a different run: "
                       f"{'; '.join(changed.values())}; pass --allow-mismatch {','.join(changed)} to resume anyway, "
                       "or --fresh")
+    if "model" in allowed:
+      checkpoint.check_shapes(step_dir, setup.abstract_state()["params"])
   return accept
 
 
@@ -144,7 +147,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       print(f"--fresh: previous checkpoints moved to {runfiles.move_aside(ckdir, workdir, 'fresh')}")
     # Chosen and accepted (then later/damaged steps moved aside) before orbax lists the steps it has.
     step_dir = checkpoint.resume_point(ckdir, resume_from, ck.on_damaged, workdir / "checkpoints.aside", ck.verify,
-                                       accept=_same_run(current, allowed))
+                                       accept=_same_run(current, allowed, setup))
     at = checkpoint.read_manifest(step_dir)["progress"]["step"] if step_dir is not None else 0
     if at >= stop_at:
       print(f"nothing to do: the run is at step {at} and {asked}")
