@@ -152,8 +152,6 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     if at >= stop_at:
       print(f"nothing to do: the run is at step {at} and {asked}")
       return summary
-    if jax.process_index() == 0:
-      runfiles.write_json(workdir / "config.json", cfg.to_dict())
     ckpts = checkpoint.Checkpoints(ckdir, ck.keep, ck.keep_every, ck.async_save,
                                    is_writer=jax.process_index() == 0, verify=ck.verify)
     saves = progress_lib.Every(ck.interval)
@@ -165,6 +163,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     runlog = runfiles.RunLog(workdir, jax.process_index())  # library noise -> <workdir>/jaxtrain.log
     t0 = time.perf_counter()
     state, progress, manifest = _resume(ckpts, step_dir, setup, batches, mesh_text)
+    if jax.process_index() == 0:  # once the checkpoint is restored: a refused or failed resume rewrites nothing
+      runfiles.write_json(workdir / "config.json", cfg.to_dict())
     resumed_at = progress.step if state is not None else None
     state = setup.init() if state is None else state
     sinks = _sinks(cfg, workdir, stop_at, resumed_at, manifest.get("unwritten_metrics"))
