@@ -10,7 +10,7 @@ from pathlib import Path
 
 from jaxtrain import cli
 from jaxtrain.analysis import speed
-from jaxtrain.core import files, parse
+from jaxtrain.core import files, outputs, parse
 from jaxtrain.core.errors import UserError
 
 
@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     name = config.run_name(args.config)
     out = files.user_path(args.out, "--out") if args.out is not None else files.user_path(
         args.workdir if args.workdir is not None else f"runs/{name}", "--workdir") / "bench.json"
+    outputs.check(out, "--out", "file", sources=[args.config] if Path(args.config).is_file() else [])
     if not args.out:
       from jaxtrain.run import runfiles
       runfiles.prepare_workdir(out.parent)

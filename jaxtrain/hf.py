@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from jaxtrain import cli
-from jaxtrain.core import files
+from jaxtrain.core import files, outputs
 from jaxtrain.core.errors import UserError
 from jaxtrain.interop import hf
 
@@ -41,6 +41,7 @@ def main(argv=None) -> int:
   def body(set_prog):
     workdir = files.user_path(args.workdir, "--workdir")
     if args.command == "import":
+      outputs.check(workdir, "--workdir", "workdir", sources=[args.hf_dir])  # before anything is read or written
       plan = hf.plan_import(args.hf_dir, str(workdir), args.set, args.name, cli=True)
       started = cli.start(args, prog, cfg=plan.cfg)
       set_prog(started.prog)
@@ -53,7 +54,9 @@ def main(argv=None) -> int:
       if args.step is not None and args.step < 0:
         raise UserError(f"--step {args.step}: a step is an integer >= 0")
       out = files.user_path(args.out, "--out")
-      files.check_output_dir(out, "--out")  # before anything is read or written
+      # before anything is read or written: never the run, its checkpoints, a dataset or a model not exported here
+      outputs.check(out, "--out", "export", sources=[workdir / "checkpoints"])
+      files.check_output_dir(out, "--out")
       step_dir = runs.locate(workdir, args.step)
       started = cli.start(args, prog, cfg=runs.config_of(checkpoint.read_manifest(step_dir)))
       set_prog(started.prog)

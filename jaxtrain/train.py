@@ -11,7 +11,7 @@ import sys
 import time
 
 from jaxtrain import cli
-from jaxtrain.core import files
+from jaxtrain.core import files, outputs
 from jaxtrain.core.config import MISMATCH_CATEGORIES
 from jaxtrain.core.errors import UserError
 
@@ -54,6 +54,7 @@ def main(argv=None) -> int:
       resume_from = str(files.user_path(resume_from, "--resume-from"))
     name = config.run_name(args.config)
     workdir = files.user_path(args.workdir if args.workdir is not None else f"runs/{name}", "--workdir")
+    outputs.check(workdir, "--workdir", "workdir")  # never inside another run's files, a dataset or a model
     loop.allowed_mismatches(args.allow_mismatch)
     started = cli.start(args, "jaxtrain", runs_steps=True)
     set_prog(started.prog)

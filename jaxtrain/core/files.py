@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -21,11 +23,16 @@ def write_atomic(path: Path, text: str) -> None:
   """A crash leaves the old file or the new one, never a torn one."""
   path = Path(path)
   tmp = path.with_name(path.name + ".tmp")
-  with tmp.open("w") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  try:
+    with tmp.open("w") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:  # a full disk leaves no torn .tmp beside the file either
+    with contextlib.suppress(OSError):
+      tmp.unlink()
+    raise
 
 
 def write_json_atomic(path: Path, obj, indent: int = 1) -> None:
@@ -35,6 +42,27 @@ def write_json_atomic(path: Path, obj, indent: int = 1) -> None:
 def errno_text(code: int) -> str:
   """'No space left on device (ENOSPC)'."""
   return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+
+
+def errno_of(e: BaseException) -> int | None:
+  """The OS error code an exception carries, also where a library only put it in its text (tensorstore:
+  os_error_code=28, safetensors: os error 28)."""
+  if isinstance(getattr(e, "errno", None), int) and e.errno:
+    return e.errno
+  m = re.search(r"os_error_code='?(\d+)|os error (\d+)|\[Errno (\d+)\]", str(e))
+  return int(next(g for g in m.groups() if g)) if m else None
+
+
+def errno_in_chain(e: BaseException) -> int | None:
+  """The code that explains a failure: ENOSPC wherever it lies in the cause/context chain (a full disk is the root
+  cause, whatever was raised while handling it), else the outermost code."""
+  chain, seen = [], set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    chain.append(e)
+    e = e.__cause__ or e.__context__
+  codes = [c for c in map(errno_of, chain) if c]
+  return errno.ENOSPC if errno.ENOSPC in codes else (codes[0] if codes else None)
 
 
 def user_path(text: str, flag: str) -> Path:

@@ -38,7 +38,10 @@ def main(argv=None) -> int:
 
   def body(set_prog):
     if args.command == "prepare":
+      from jaxtrain.core import files, outputs
       from jaxtrain.data.prepare import prepare
+      outputs.check(files.user_path(args.output, "--output"), "--output", "dataset",  # before anything is read
+                    sources=[*args.input, *([args.tokenizer] if args.tokenizer != "byte" else [])])
       for flag, value in (("--bos-token", args.bos_token), ("--eos-token", args.eos_token)):
         if value is not None and args.tokenizer == "byte":
           raise UserError(f"{flag} {value!r}: the byte tokenizer's BOS and EOS are fixed (ids 1 and 2); {flag} "

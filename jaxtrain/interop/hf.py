@@ -5,10 +5,12 @@ tensor at a time onto its sharding; export writes one safetensors file at a time
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -19,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from jaxtrain.core import files
+from jaxtrain.core import files as files_lib, outputs  # files_lib: run_export names its shard list `files`
 from jaxtrain.core.errors import UserError
 from jaxtrain.interop import hf_deepseek, hf_fields as F, hf_rope
 
@@ -496,9 +499,9 @@ def run_import(plan: ImportPlan, mesh) -> Path:
 
 
 def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes: int, workdir: Path) -> None:
+  """Writes the HF checkpoint into `out`, replacing what an earlier export wrote there (EXPORT_RECORD) and nothing
+  else; a write failure (a full disk) removes this export's partial files and is one line."""
   import jax
-  from jax.experimental import multihost_utils
-  from jaxtrain.data import tokenizer as tokenizer_lib
   from jaxtrain.run import runs
   t0 = time.perf_counter()
   np_dtype = DTYPES[dtype]  # safetensors tags the file dtype from the numpy dtype
@@ -516,7 +519,52 @@ def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes
     size += it[3]
   n, me, total = len(files), jax.process_index(), sum(it[3] for it in items)
   fname = lambda i: f"model-{i + 1:05d}-of-{n:05d}.safetensors"  # noqa: E731
-  out.mkdir(parents=True, exist_ok=True)
+  tok = cfg.data.tokenizer != "byte"
+  written = [*map(fname, range(n)), INDEX, "config.json",
+             *(["tokenizer.json", *(f for f in HF_KEPT[1:] if (workdir / "hf" / f).is_file())] if tok else [])]
+  created = not out.exists()
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+    if me == 0:
+      _replace_earlier_export(out, written)
+    _write_shards(out, files, fname, params, np_dtype, me)
+    if me == 0:
+      _write_config(cfg, out, workdir, dtype, total, files, fname, tok)
+      files_lib.write_json_atomic(out / outputs.EXPORT_RECORD, _record(written, step_dir, workdir, dtype, True))
+  except OSError as e:
+    _remove_partial(out, written, created and me == 0)
+    raise UserError(f"--out {out}: cannot write the export ({files_lib.errno_text(e.errno) if e.errno else e}); "
+                    f"its partial files were removed, the checkpoint {step_dir} is untouched: free space (or fix "
+                    "--out) and run again") from None
+  print(f"exported step {step_dir.name} of {workdir} to {out}: {len(items)} tensors in {n} file(s), "
+        f"{total / 2**30:.2f} GiB {dtype}, in {time.perf_counter() - t0:.1f}s")
+
+
+def _record(written: list[str], step_dir: Path, workdir: Path, dtype: str, complete: bool) -> dict:
+  return {"written_by": "jaxtrain hf export", "complete": complete, "workdir": str(workdir), "step": step_dir.name,
+          "dtype": dtype, "files": sorted(written)}
+
+
+def _replace_earlier_export(out: Path, written: list[str]) -> None:
+  """An earlier export's files here (its record names them) go, and nothing else: its old shards (another shard
+  count names them differently), index and config. The record lists the old and the new files first, so an
+  export killed on the way leaves every file of its own named for the next one to remove."""
+  rec = out / outputs.EXPORT_RECORD
+  try:
+    old = json.loads(rec.read_text())["files"] if rec.is_file() else []
+    old = [f for f in old if isinstance(f, str) and Path(f).name == f]  # names of files of this directory only
+  except (OSError, ValueError, KeyError, TypeError):
+    old = []
+  files_lib.write_json_atomic(rec, {"written_by": "jaxtrain hf export", "complete": False,
+                                    "files": sorted(set(old) | set(written))})
+  for f in set(old) - set(written) | {INDEX, "config.json"}:  # the index and config are rewritten last
+    for p in (out / f, out / (f + ".tmp")):
+      p.unlink(missing_ok=True)
+
+
+def _write_shards(out: Path, files: list, fname, params, np_dtype, me: int) -> None:
+  import jax
+  from jax.experimental import multihost_utils
   _safetensors()
   from safetensors.numpy import save_file
   for i, entries in enumerate(files):
@@ -532,21 +580,40 @@ def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes
       if mine:
         shard[name] = arr
     if mine:
-      save_file(shard, out / fname(i), metadata={"format": "pt"})
+      tmp = out / (fname(i) + ".tmp")  # a file is whole or absent
+      try:
+        save_file(shard, tmp, metadata={"format": "pt"})
+      except Exception as e:  # noqa: BLE001 (safetensors' own error type, with the OS error in its text)
+        if isinstance(e, OSError):
+          raise
+        raise OSError(files_lib.errno_of(e) or 0, str(e)) from None
+      os.replace(tmp, out / fname(i))
     del shard
-  if me == 0:
-    index = {"metadata": {"total_size": total},
-             "weight_map": {it[0]: fname(i) for i, entries in enumerate(files) for it in entries}}
-    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    kept = workdir / "hf"
-    base = json.loads((kept / "config.json").read_text()) if (kept / "config.json").is_file() else {}
-    tok = None
-    if cfg.data.tokenizer != "byte":
-      tok = tokenizer_lib.load(cfg.data.tokenizer)
-      shutil.copyfile(cfg.data.tokenizer, out / "tokenizer.json")
-      for f in HF_KEPT[1:]:
-        if (kept / f).is_file():
-          shutil.copyfile(kept / f, out / f)
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, base, dtype, tok), indent=2) + "\n")
-  print(f"exported step {step_dir.name} of {workdir} to {out}: {len(items)} tensors in {n} file(s), "
-        f"{total / 2**30:.2f} GiB {dtype}, in {time.perf_counter() - t0:.1f}s")
+
+
+def _write_config(cfg, out: Path, workdir: Path, dtype: str, total: int, files: list, fname, tok: bool) -> None:
+  from jaxtrain.data import tokenizer as tokenizer_lib
+  index = {"metadata": {"total_size": total},
+           "weight_map": {it[0]: fname(i) for i, entries in enumerate(files) for it in entries}}
+  kept = workdir / "hf"
+  base = json.loads((kept / "config.json").read_text()) if (kept / "config.json").is_file() else {}
+  tokenizer = None
+  if tok:
+    tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
+    shutil.copyfile(cfg.data.tokenizer, out / "tokenizer.json")
+    for f in HF_KEPT[1:]:
+      if (kept / f).is_file():
+        shutil.copyfile(kept / f, out / f)
+  files_lib.write_atomic(out / "config.json", json.dumps(hf_config(cfg, base, dtype, tokenizer), indent=2) + "\n")
+  files_lib.write_atomic(out / INDEX, json.dumps(index, indent=2) + "\n")  # last: the export is complete
+
+
+def _remove_partial(out: Path, written: list[str], remove_dir: bool) -> None:
+  """After a failed write: this export's files (whole or torn) and its record go; `out` too if it made it."""
+  for f in [*written, outputs.EXPORT_RECORD]:
+    for p in (out / f, out / (f + ".tmp")):
+      with contextlib.suppress(OSError):
+        p.unlink()
+  if remove_dir:
+    with contextlib.suppress(OSError):
+      out.rmdir()

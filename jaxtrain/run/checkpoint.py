@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 import shutil
 import sys
 import threading
@@ -201,7 +200,9 @@ class Checkpoints:
       faults.before_save(step)
       self.mgr.save(step, args=ocp.args.StandardSave(state), force=True)
     except Exception as e:  # noqa: BLE001 (any storage error: report it in one line)
-      raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}") from e
+      self._discard(step)
+      raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
+                            f"{_last_good(self.last_committed)}") from e
     self._saves += 1
     self._pending = (step, manifest_body, f"jaxtrain/manifest/{step}/{self._saves}")
 
@@ -229,6 +230,7 @@ class Checkpoints:
       self.mgr.check_for_errors()
     except Exception as e:  # noqa: BLE001
       self._abandon(key, e)
+      self._discard(step)
       raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
                             f"{_last_good(self.last_committed)}") from e
     self._finalizer = threading.Thread(target=self._finalize, args=(step, body, key), daemon=True)
@@ -254,6 +256,7 @@ class Checkpoints:
         self._rotate()
       self.last_committed = step
     except BaseException as e:  # noqa: BLE001 (surfaced to the main thread by _raise_if_failed)
+      self._discard(step)
       self._error = CheckpointError(f"checkpoint manifest at step {step} failed: {_reason(e)}; "
                                     f"{_last_good(self.last_committed)}")
 
@@ -276,6 +279,16 @@ class Checkpoints:
     if digests is None or not self.is_writer:  # (not `full`: only the writer gets here)
       return None
     return {name: {"size": size, **({"sha256": digests[name]} if digests else {})} for name, size in listing.items()}
+
+  def _discard(self, step: int) -> None:
+    """A failed save leaves nothing half-written: orbax's temporary directories of `step`, and its directory if
+    it never got its manifest (it is not committed), are removed; committed steps are not touched."""
+    if not self.is_writer:
+      return
+    step_dir = self.dir / str(step)
+    for p in [*self.dir.glob(f"{step}.orbax-checkpoint-tmp*"), *([step_dir] if step_dir.is_dir() else [])]:
+      if not (p / MANIFEST).is_file():
+        shutil.rmtree(p, ignore_errors=True)
 
   def _rotate(self) -> None:
     for s in committed_steps(self.dir)[:-self.keep]:
@@ -317,14 +330,47 @@ class Checkpoints:
     return state, manifest
 
 
+def _key_text(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def check_shapes(step_dir: Path, abstract_params) -> None:
+  """A UserError naming the first parameter whose shape (or presence) differs between the checkpoint and
+  `abstract_params`: read from orbax's metadata (no array is read), before anything of the run is written."""
+  import jax
+  import orbax.checkpoint as ocp
+  absl = logging.getLogger("absl")
+  level = absl.level
+  absl.setLevel(logging.ERROR)  # "Metadata file does not exist": the step's, not the item's, is not needed here
+  try:
+    with ocp.PyTreeCheckpointer() as reader:
+      meta = reader.metadata(Path(step_dir).absolute() / "default")
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)["params"]
+  except Exception as e:  # noqa: BLE001 (orbax raises many types; the restore reports an unreadable checkpoint)
+    logging.getLogger("jaxtrain").info("no shape check of %s: %s", step_dir, e)
+    return
+  finally:
+    absl.setLevel(level)
+  saved = {_key_text(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+           if hasattr(x, "shape")}
+  here = {_key_text(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+  for name in sorted(set(saved) | set(here)):
+    if saved.get(name) != here.get(name):
+      was, now = (list(d[name]) if name in d else "absent" for d in (saved, here))
+      raise UserError(f"checkpoint {step_dir} does not fit this model: parameter {name} is {was} there and {now} "
+                      "here (--allow-mismatch model resumes with other model values of the same shapes, never other "
+                      "shapes); resume with the checkpoint's model settings, or pass --fresh")
+
+
 def _reason(e: BaseException) -> str:
-  """The innermost cause of an exception in one line; its OS error when there is one."""
+  """Why a save or restore failed, in one line: its OS error when the chain has one (ENOSPC first), else the
+  innermost cause."""
+  if code := files.errno_in_chain(e):
+    return files.errno_text(code)
   while e.__cause__ is not None or e.__context__ is not None:
     e = e.__cause__ or e.__context__
   text = (str(e).strip().splitlines() or [""])[0]
-  code = getattr(e, "errno", None) or next((int(m) for m in re.findall(r"os_error_code='?(\d+)", text)), None)
-  if code:
-    return files.errno_text(code)
   text = text[:300] + "..." if len(text) > 300 else text
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 

@@ -88,14 +88,17 @@ def _sinks(cfg, workdir: Path, stop_at: int, resumed_at: int | None, carried: li
   return metrics.Sinks(sinks)
 
 
-def _same_run(current: dict, allowed: set[str]):
-  """A check of a checkpoint's manifest: one written by a different run is refused (before anything moves)."""
+def _same_run(current: dict, allowed: set[str], setup):
+  """A check of a checkpoint's manifest: one written by a different run is refused (before anything moves); an
+  allowed model mismatch still needs the same parameter shapes (checked before config.json is rewritten)."""
   def accept(step_dir: Path, manifest: dict) -> None:
     changed = {k: v for k, v in checkpoint.mismatches(manifest["fingerprint"], current).items() if k not in allowed}
     if changed:
       raise UserError(f"checkpoint {step_dir} was written by a different run: "
                       f"{'; '.join(changed.values())}; pass --allow-mismatch {','.join(changed)} to resume anyway, "
                       "or --fresh")
+    if "model" in allowed:
+      checkpoint.check_shapes(step_dir, setup.abstract_state()["params"])
   return accept
 
 
@@ -145,13 +148,11 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       print(f"--fresh: previous checkpoints moved to {runfiles.move_aside(ckdir, workdir, 'fresh')}")
     # Chosen and accepted (then later/damaged steps moved aside) before orbax lists the steps it has.
     step_dir = checkpoint.resume_point(ckdir, resume_from, ck.on_damaged, workdir / "checkpoints.aside", ck.verify,
-                                       accept=_same_run(current, allowed))
+                                       accept=_same_run(current, allowed, setup))
     at = checkpoint.read_manifest(step_dir)["progress"]["step"] if step_dir is not None else 0
     if at >= stop_at:
       print(f"nothing to do: the run is at step {at} and {asked}")
       return summary
-    if jax.process_index() == 0:
-      runfiles.write_json(workdir / "config.json", cfg.to_dict())
     ckpts = checkpoint.Checkpoints(ckdir, ck.keep, ck.keep_every, ck.async_save,
                                    is_writer=jax.process_index() == 0, verify=ck.verify)
     saves = progress_lib.Every(ck.interval)
@@ -163,6 +164,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     runlog = runfiles.RunLog(workdir, jax.process_index())  # library noise -> <workdir>/jaxtrain.log
     t0 = time.perf_counter()
     state, progress, manifest = _resume(ckpts, step_dir, setup, batches, mesh_text)
+    if jax.process_index() == 0:  # once the checkpoint is restored: a refused or failed resume rewrites nothing
+      runfiles.write_json(workdir / "config.json", cfg.to_dict())
     resumed_at = progress.step if state is not None else None
     state = setup.init() if state is None else state
     sinks = _sinks(cfg, workdir, stop_at, resumed_at, manifest.get("unwritten_metrics"))

@@ -148,15 +148,38 @@ class JsonlWriter:
     self.path, self.failure, self.signalled = path, None, False
     self.unwritten: list[dict] = []  # records after a failure: the next checkpoint carries them
     try:
-      self.file = path.open("a")
+      self.file = path.open("a+")  # readable too: a copy comes back from the open file if the path loses it
     except OSError as e:
       raise RunFileError(f"cannot open {path} for writing: {_why(e)}") from None
+
+  def _recreate_if_gone(self, step: int) -> None:
+    """The file deleted (or moved) during the run: records would go on into a file no one sees. It is recreated
+    at its path with what the run had written, which the open file still holds."""
+    try:
+      st = os.stat(self.path)
+      own = os.fstat(self.file.fileno())
+      if (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino):
+        return
+    except FileNotFoundError:
+      pass
+    self.file.flush()
+    self.file.seek(0)
+    old = self.file.read()
+    new = self.path.open("a+")  # an OSError here is the run's write failure (the caller records it)
+    new.write(old)
+    new.flush()
+    with contextlib.suppress(OSError):
+      self.file.close()
+    self.file = new
+    print(f"jaxtrain: warning: {self.path} disappeared during the run (deleted or moved); recreated it at step "
+          f"{step} with the {old.count(chr(10))} record(s) written before", file=sys.stderr, flush=True)
 
   def write(self, step: int, record: dict) -> None:
     from jaxtrain.run import faults
     if self.failure is None:
       try:
         faults.metrics_write(step)
+        self._recreate_if_gone(step)
         self.file.write(strict_json(record) + "\n")
         self.file.flush()
       except OSError as e:
