@@ -1,0 +1,72 @@
+"""Figures that must not mislead (issue 38): a step's time in metrics.jsonl, FP8 on the console, inspect's
+gather text and ZeRO table, bench's config name and --compare shapes."""
+
+import json
+import statistics
+import sys
+import time
+
+import pytest
+
+from jaxtrain.core import config
+from jaxtrain.run import loop
+from tests.helpers import mesh_of
+
+SMALL = ["model.n_layers=1", "train.batch_size=4", "train.seq_len=32", "data.workers=0", "run.log_every=1000"]
+SLOW_S = 2.0  # a one-time host cost, far above the small step's time
+
+
+def _slow_tensorboardx(tmp_path, monkeypatch):
+  """A tensorboardX whose import takes SLOW_S, as the real one takes seconds where it imports torch."""
+  pkg = tmp_path / "fake_tb" / "tensorboardX"
+  pkg.mkdir(parents=True)
+  pkg.joinpath("__init__.py").write_text(
+      f"import time\ntime.sleep({SLOW_S})\n"
+      "class SummaryWriter:\n"
+      "  def __init__(self, logdir, flush_secs=10): pass\n"
+      "  def add_scalar(self, k, v, step): pass\n"
+      "  def close(self): pass\n")
+  monkeypatch.syspath_prepend(str(pkg.parent))
+  for name in [m for m in sys.modules if m == "tensorboardX" or m.startswith("tensorboardX.")]:
+    monkeypatch.delitem(sys.modules, name)
+
+
+def _slow_eval(monkeypatch):
+  """An eval whose host side takes SLOW_S at each call (as the first eval's set-up did)."""
+  real = loop.Evaluator.__call__
+
+  def slow(self, params):
+    time.sleep(SLOW_S)
+    return real(self, params)
+  monkeypatch.setattr(loop.Evaluator, "__call__", slow)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,sets", [
+    ("eval every 2 steps", ["train.steps=5", "train.eval_interval=2", "run.tensorboard=false"]),
+    ("eval at a checkpoint step", ["train.steps=5", "train.eval_interval=2", "checkpoint.interval=2",
+                                   "run.tensorboard=false"]),
+    ("eval at the last step", ["train.steps=4", "train.eval_interval=4", "run.tensorboard=false"]),
+    ("tensorboard's first write", ["train.steps=5", "run.tensorboard=true"]),
+])
+def test_a_step_time_is_the_training_steps_own(case, sets, tmp_path, monkeypatch):
+  """One-time host work (the eval, TensorBoard's import) is no step's time: every step_time_s stays near the
+  median step (independent reference: the steps without that work), none absorbs it, none is ~0."""
+  if "eval" in case:
+    _slow_eval(monkeypatch)
+    sets = [*sets, "data.eval_fraction=0.05", "data.eval_batches=1"]
+  else:
+    _slow_tensorboardx(tmp_path, monkeypatch)
+  cfg = config.load("tiny", [*SMALL, *sets])
+  loop.run(cfg, mesh_of("dp=1"), tmp_path / "w", "tiny")
+  records = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == list(range(1, cfg.train.steps + 1))
+  times = [r["step_time_s"] for r in records]
+  median = statistics.median(times)
+  assert median < SLOW_S / 4, times  # the reference: the small step itself
+  assert max(times) < SLOW_S / 2, f"{case}: a step absorbed the {SLOW_S}s of one-time work: {times}"
+  for r in records:
+    assert r["step_time_s"] > median / 50, f"{case}: step {r['step']} reports ~0: {times}"
+    assert r["tokens_per_sec"] == pytest.approx(r["tokens"] / r["step_time_s"])
+  if "eval" in case:
+    assert [("eval_loss" in r) for r in records] == [r["step"] % cfg.train.eval_interval == 0 for r in records]
