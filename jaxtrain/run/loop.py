@@ -133,7 +133,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     lock = lock_lib.WorkdirLock(workdir).acquire() if jax.process_index() == 0 else None
     dev = mesh.devices.flat[0]
     mesh_text = mesh_lib.describe(dict(mesh.shape))
-    print(f"jaxtrain: {config_name} ({setup.n_params:,} params), mesh {mesh_text} "
+    print(f"jaxtrain: {config_name} ({setup.n_params:,} params), compute {cfg.model.dtype}"
+          f"{flops.fp8_label(cfg.model.fp8)}, mesh {mesh_text} "
           f"on {mesh.size} {dev.platform} device(s) [{dev.device_kind}], workdir {workdir}")
     print(setup.plan.describe())
     if setup.pipelined:

@@ -70,3 +70,30 @@ def test_a_step_time_is_the_training_steps_own(case, sets, tmp_path, monkeypatch
     assert r["tokens_per_sec"] == pytest.approx(r["tokens"] / r["step_time_s"])
   if "eval" in case:
     assert [("eval_loss" in r) for r in records] == [r["step"] % cfg.train.eval_interval == 0 for r in records]
+
+
+class _StartedUp(Exception):
+  """Raised where the run would look for its checkpoints: everything after is not about the start-up lines."""
+
+
+@pytest.mark.parametrize("spec,sets,says", [
+    ("dp=1", ["model.fp8=tensorwise"], "FP8 projections (model.fp8=tensorwise)"),
+    ("dp=2,tp=2", ["model.fp8=tensorwise"], "FP8 projections (model.fp8=tensorwise)"),
+    ("dp=2", ["model.fp8=tensorwise", "model.dtype=float32"], "FP8 projections (model.fp8=tensorwise)"),
+    ("dp=2", ["model.fp8=none"], None),
+])
+def test_an_fp8_run_says_fp8_in_its_start_up_lines(spec, sets, says, tmp_path, monkeypatch, capsys):
+  """The run's own header and its plan line name FP8 (the words inspect and bench use), and only when it is on."""
+  from jaxtrain.run import checkpoint
+
+  def stop(*a, **k):
+    raise _StartedUp
+  monkeypatch.setattr(checkpoint, "resume_point", stop)
+  cfg = config.load("tiny", [*SMALL, *sets])
+  with pytest.raises(_StartedUp):
+    loop.run(cfg, mesh_of(spec), tmp_path / "w", "tiny")
+  header, plan_line = capsys.readouterr().out.splitlines()[:2]
+  assert header.startswith("jaxtrain: tiny (") and plan_line.startswith("attention: ")
+  assert f"compute {cfg.model.dtype}" in header
+  for line in (header, plan_line):
+    assert (says in line) if says else ("FP8" not in line and "model.fp8" not in line), line
