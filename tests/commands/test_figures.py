@@ -2,6 +2,7 @@
 gather text and ZeRO table, bench's config name and --compare shapes."""
 
 import json
+import re
 import statistics
 import sys
 import time
@@ -97,3 +98,28 @@ def test_an_fp8_run_says_fp8_in_its_start_up_lines(spec, sets, says, tmp_path, m
   assert f"compute {cfg.model.dtype}" in header
   for line in (header, plan_line):
     assert (says in line) if says else ("FP8" not in line and "model.fp8" not in line), line
+
+
+def _inspect(argv, capsys) -> str:
+  from jaxtrain import inspect
+  assert inspect.main(argv) == 0
+  return capsys.readouterr().out
+
+
+# (mesh, the gather the bill's text must name: hand-derived from sharding.RULES, where `embed` splits over fsdp and
+# expert and nothing of a weight over data or tensor)
+# (in-process inspect sees the 8 simulated devices: each mesh uses all of them)
+GATHERS = [("dp=8", None), ("tp=8", None), ("dp=2,tp=4", None), ("sp=8", None), ("fsdp=8", "fsdp=8"),
+           ("fsdp=2,tp=4", "fsdp=2"), ("dp=2,fsdp=4", "fsdp=4"), ("ep=8", "expert=8"), ("fsdp=2,ep=4", "fsdp=2 x expert=4")]
+
+
+@pytest.mark.parametrize("spec,over", GATHERS, ids=[g[0] for g in GATHERS])
+def test_inspect_names_the_axes_that_really_gather(spec, over, capsys):
+  """'gathered over fsdp' only where fsdp splits the weights: the bill's notes name the axes that gather them, or
+  say that nothing is gathered."""
+  out = _inspect(["--mesh", spec], capsys)
+  lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith(("  gathered_weights", "  relaid_stacks"))}
+  named = {m for ln in lines.values() for m in re.findall(r"gathered over ([\w=]+(?: x [\w=]+)*)", ln)}
+  assert named == ({over} if over else set()), lines
+  if over is None:
+    assert "not gathered" in lines["gathered_weights"] and "fsdp" not in out.split("Communication")[0], out
