@@ -62,10 +62,12 @@ class Row:
   role: roles.Role | None = None  # what the parameter is (jaxtrain.model.roles)
 
 
-def param_rows(setup) -> list[Row]:
-  """Every parameter with its logical axes, PartitionSpec and per-device shape and bytes."""
+def param_rows(setup, stored: bool = False) -> list[Row]:
+  """Every parameter with its logical axes, PartitionSpec and per-device shape and bytes: in the compute layout
+  (what the bill's per-layer figures start from), or `stored`: the float32 master as the train state keeps it
+  (run/layout.py's, ZeRO's split over data included: the layout of the bill's master and moments)."""
   rows = []
-  shardings = setup.param_shardings  # the compute layout (the master's may be split further: `state_bytes`)
+  shardings = setup.layout.stored if stored else setup.param_shardings
   for path, var in jax.tree_util.tree_leaves_with_path(setup.abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
     keys = [getattr(k, "key", k) for k in path]
     sh = functools.reduce(operator.getitem, keys, shardings)

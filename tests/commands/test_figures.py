@@ -123,3 +123,27 @@ def test_inspect_names_the_axes_that_really_gather(spec, over, capsys):
   assert named == ({over} if over else set()), lines
   if over is None:
     assert "not gathered" in lines["gathered_weights"] and "fsdp" not in out.split("Communication")[0], out
+
+
+# (mesh, zero stage, warnings expected at --warn-replicated 1KiB: every float32 weight of tiny has a dimension that
+# data=8 divides, so ZeRO leaves none of them replicated; without ZeRO on pure data parallelism all 9 weights are)
+ZERO = [("dp=8", 2, 0), ("dp=8", 1, 0), ("dp=8", 0, 9), ("dp=4,fsdp=2", 2, 0), ("dp=2,tp=4", 1, 0),
+        ("dp=2,sp=4", 0, 9), ("dp=2,sp=4", 2, 0)]
+
+
+@pytest.mark.parametrize("spec,stage,warned", ZERO, ids=[f"{z[0]}-zero{z[1]}" for z in ZERO])
+def test_inspect_parameter_table_uses_the_bills_zero_layout(spec, stage, warned, capsys):
+  """The parameter table and its replication warnings show the master as the bill counts it: the table's bytes per
+  device add up to the bill's float32 master (from the train state's own shardings), ZeRO's split included."""
+  rep = json.loads(_inspect(["--mesh", spec, "--set", f"optim.zero_stage={stage}", "--warn-replicated", "1KiB",
+                             "--json"], capsys))
+  items = rep["memory"]["items"]
+  master = items["master"] if stage else items["params"]  # zero-0: the params are the master
+  assert rep["param_bytes_per_device"] == master
+  assert sum(p["bytes"] * p["count"] for p in rep["params"]) == master
+  assert len(rep["warnings"]) == warned, rep["warnings"]
+  data = dict(kv.split("=") for kv in rep["mesh"].split(","))["data"]
+  split = [p for p in rep["params"] if any("data" in (e if isinstance(e, list) else [e]) for e in p["spec"])]
+  assert bool(split) == (stage > 0), (data, split)
+  text = _inspect(["--mesh", spec, "--set", f"optim.zero_stage={stage}"], capsys)
+  assert f"zero-{stage}" in text.splitlines()[2]  # the table's heading names the layout it shows
