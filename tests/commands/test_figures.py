@@ -6,6 +6,7 @@ import re
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from jaxtrain.core import config
 from jaxtrain.run import loop
 from tests.helpers import mesh_of
 
+REPO = Path(__file__).resolve().parents[2]
 SMALL = ["model.n_layers=1", "train.batch_size=4", "train.seq_len=32", "data.workers=0", "run.log_every=1000"]
 SLOW_S = 2.0  # a one-time host cost, far above the small step's time
 
@@ -147,3 +149,65 @@ def test_inspect_parameter_table_uses_the_bills_zero_layout(spec, stage, warned,
   assert bool(split) == (stage > 0), (data, split)
   text = _inspect(["--mesh", spec, "--set", f"optim.zero_stage={stage}"], capsys)
   assert f"zero-{stage}" in text.splitlines()[2]  # the table's heading names the layout it shows
+
+
+@pytest.mark.parametrize("baseline", ["minimal", "none"])
+@pytest.mark.parametrize("config_arg,name", [("tiny", "tiny"), ("configs/tiny.toml", "tiny")])
+def test_bench_names_the_config_it_ran_and_the_baseline_apart(baseline, config_arg, name, tmp_path, monkeypatch,
+                                                              capsys):
+  """`--baseline minimal` once made the report's config "minimal": the config bench runs (what it hands the timer,
+  and so what the JSON and the table say) is --config's, the baselines a field of their own."""
+  from jaxtrain import bench
+  from jaxtrain.analysis import speed
+  monkeypatch.chdir(REPO)  # configs/tiny.toml, relative to the checkout
+  seen = {}
+
+  def timer(cfg, mesh, config_name, *, baselines, **kw):  # the timing itself is tests/commands/test_bench.py's
+    seen.update(config=config_name, baselines=baselines, layers=cfg.model.n_layers)
+    return {"config": config_name, "baselines": baselines}
+  monkeypatch.setattr(speed, "run", timer)
+  real_start = bench.cli.start  # the baselines run on one device; this process holds 8 simulated ones
+
+  def start(args, prog, **kw):
+    started = real_start(args, prog, mesh=False, **kw)
+    started.mesh = mesh_of("dp=1")
+    return started
+  monkeypatch.setattr(bench.cli, "start", start)
+  monkeypatch.setattr(speed, "table", lambda rep: f"table of {rep['config']}")
+  out = tmp_path / "b.json"
+  assert bench.main(["--config", config_arg, "--mesh", "fsdp=1", "--baseline", baseline, "--out", str(out)]) == 0
+  assert seen == {"config": name, "baselines": [] if baseline == "none" else [baseline], "layers": 2}
+  assert json.loads(out.read_text()) == {"config": name, "baselines": seen["baselines"]}
+  assert f"table of {name}" in capsys.readouterr().out
+
+
+COMPARES = [  # (--set of the base, --compare variants, the shapes the error names; None: the shapes agree)
+    ([], ["a:train.seq_len=64", "b:train.seq_len=32"], ("16 x 64", "16 x 32")),
+    ([], ["a:train.batch_size=8", "b:train.batch_size=16"], ("8 x 128", "16 x 128")),
+    (["train.seq_len=64"], ["a:model.remat=full", "b:train.batch_size=8,train.seq_len=32"], ("16 x 64", "8 x 32")),
+    ([], ["a:model.remat=none", "b:model.remat=full", "c:train.seq_len=64"], ("16 x 128", "16 x 64")),
+    ([], ["a:train.microbatches=2", "b:model.remat=full"], None),
+]
+
+
+@pytest.mark.parametrize("base,variants,shapes", COMPARES)
+def test_bench_compare_refuses_variants_of_other_shapes(base, variants, shapes, tmp_path, capsys):
+  """Variants are timed on the same batches: another batch shape is one line naming both shapes, exit 2, no
+  traceback and no file; the same shape (other microbatches, remat) passes the check."""
+  from jaxtrain import bench
+  args = bench.parse_args(["--set", *base] if base else [])
+  if shapes is None:
+    bench._check_same_shape(args, [(n, [s]) for n, _, s in (v.partition(":") for v in variants)])
+    return
+  out = tmp_path / "b.json"
+  argv = ["--mesh", "dp=8", "--steps", "1", "--warmup", "0", "--rounds", "1", "--out", str(out)]
+  for s in base:
+    argv += ["--set", s]
+  for v in variants:
+    argv += ["--compare", v]
+  with pytest.raises(SystemExit) as e:
+    bench.main(argv)
+  err = capsys.readouterr().err.strip()
+  assert e.value.code == 2 and len(err.splitlines()) == 1, err
+  assert "Traceback" not in err and all(s in err for s in shapes), err
+  assert not out.exists()
