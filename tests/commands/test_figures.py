@@ -112,7 +112,8 @@ def _inspect(argv, capsys) -> str:
 # expert and nothing of a weight over data or tensor)
 # (in-process inspect sees the 8 simulated devices: each mesh uses all of them)
 GATHERS = [("dp=8", None), ("tp=8", None), ("dp=2,tp=4", None), ("sp=8", None), ("fsdp=8", "fsdp=8"),
-           ("fsdp=2,tp=4", "fsdp=2"), ("dp=2,fsdp=4", "fsdp=4"), ("ep=8", "expert=8"), ("fsdp=2,ep=4", "fsdp=2 x expert=4")]
+           ("fsdp=2,tp=4", "fsdp=2"), ("dp=2,fsdp=4", "fsdp=4"), ("ep=8", "expert=8"),
+           ("fsdp=2,ep=4", "fsdp=2 x expert=4")]
 
 
 @pytest.mark.parametrize("spec,over", GATHERS, ids=[g[0] for g in GATHERS])
