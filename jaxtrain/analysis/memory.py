@@ -63,9 +63,8 @@ class Row:
 
 
 def param_rows(setup, stored: bool = False) -> list[Row]:
-  """Every parameter with its logical axes, PartitionSpec and per-device shape and bytes: in the compute layout
-  (what the bill's per-layer figures start from), or `stored`: the float32 master as the train state keeps it
-  (run/layout.py's, ZeRO's split over data included: the layout of the bill's master and moments)."""
+  """Every parameter with its logical axes, PartitionSpec, per-device shape and bytes: in the compute layout, or
+  `stored`: the master as the train state keeps it (run/layout.py's, ZeRO included; the bill's master and moments)."""
   rows = []
   shardings = setup.layout.stored if stored else setup.param_shardings
   for path, var in jax.tree_util.tree_leaves_with_path(setup.abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
@@ -274,8 +273,7 @@ def _gathered(r: Row, mesh) -> int:
 
 
 def gather_axes(rows: list[Row], mesh, keep=lambda r: True) -> str:
-  """The batch-like mesh axes (size > 1) that split the kept matmul weights outside their experts dimension, as
-  'fsdp=8' or 'fsdp=2 x expert=2': the axes the step gathers them over; '' where none does."""
+  """The batch-like axes (size > 1) splitting kept matmul weights outside experts, as 'fsdp=2 x expert=2'; or ''."""
   axes = {a for r in rows if r.role.matmul and keep(r) for name, e in zip(r.axes, r.spec) if e and name != "experts"
           for a in (e if isinstance(e, tuple) else (e,)) if a in sharding.RULES["batch"] and mesh.shape[a] > 1}
   return " x ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names if a in axes)
@@ -286,12 +284,11 @@ def _gathered_notes(cfg, rows: list[Row], mesh, piped: bool, lm_head: int) -> tu
   layers, head = gather_axes(rows, mesh, lambda r: r.role.layer), gather_axes(rows, mesh, lambda r: not r.role.layer)
   which = ("1 layer's matmul weights (a pipeline's peak; measured)" if piped else
            f"2 layers' matmul weights (the running one and the next{'/re-gathered' if layers else ''} one)")
-  how = (f"gathered over {layers} one layer at a time" if layers else
-         "cast one layer at a time, not gathered (no batch-like mesh axis splits them)")
-  head_how = f"is gathered over {head} during the loss phase" if head else "is cast, not gathered, for the loss phase"
+  how = f"gathered over {layers}" if layers else "cast, not gathered (no batch-like mesh axis splits them),"
   relaid = (f"float32 copies of the stacked weights gathered over {layers} on a minor dimension, laid out again for "
             "the per-layer gathers (XLA:GPU)" if layers else "none: no weight is gathered")
-  return f"{cfg.model.dtype}, {how}: {which}; lm_head {human(lm_head)} {head_how}", relaid
+  return (f"{cfg.model.dtype}, {how} one layer at a time: {which}; lm_head {human(lm_head)} is "
+          + (f"gathered over {head} during the loss phase" if head else "cast, not gathered, for the loss phase"), relaid)
 
 
 def gathered_weights(cfg, rows: list[Row], mesh, at_once: int = 2) -> dict[str, int]:
