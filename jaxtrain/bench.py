@@ -71,8 +71,8 @@ def main(argv=None) -> int:
       runfiles.prepare_workdir(out.parent)
     if not out.parent.is_dir():  # checked before a long run, not after
       raise UserError(f"--out {args.out}: directory {str(out.parent)!r} does not exist")
-    for name in baselines:
-      speed.check_baseline(cfg, name)
+    for baseline in baselines:  # not `name`: that is the config's, which the report names
+      speed.check_baseline(cfg, baseline)
     if "torch" in baselines:
       # JAX would otherwise reserve 75% of GPU memory up front, leaving torch the rest.
       os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -94,10 +94,28 @@ def _compare(args, mesh, out: Path, baselines) -> int:
   from jaxtrain.analysis import compare as bench_compare
   if baselines:
     raise UserError("--compare and --baseline do not mix; give one")
-  rep = bench_compare.run(args.config, args.set, bench_compare.parse(args.compare), mesh, steps=args.steps,
+  variants = bench_compare.parse(args.compare)
+  _check_same_shape(args, variants)
+  rep = bench_compare.run(args.config, args.set, variants, mesh, steps=args.steps,
                           warmup=args.warmup, rounds=args.rounds)
   _write(args, out, rep, bench_compare.table)
   return 0
+
+
+def _check_same_shape(args, variants) -> None:
+  """The variants are timed on the same batches, so their step times compare as they are: a variant with another
+  batch shape could not share them (and its step time would not compare), so it is refused, naming both shapes."""
+  from jaxtrain.core import config
+  shapes = {}
+  for name, sets in variants:
+    t = config.load(args.config, list(args.set) + sets).train
+    shapes[name] = (t.batch_size, t.seq_len)
+  (first, shape), *rest = shapes.items()
+  for name, other in rest:
+    if other != shape:
+      raise UserError(f"--compare {first} runs batch {shape[0]} x {shape[1]} tokens but {name} runs "
+                      f"{other[0]} x {other[1]} (train.batch_size x train.seq_len): variants are timed on the same "
+                      "batches, so they must share that shape; compare other shapes in separate bench runs")
 
 
 def _write(args, out: Path, rep: dict, table) -> None:

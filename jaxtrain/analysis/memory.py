@@ -62,10 +62,11 @@ class Row:
   role: roles.Role | None = None  # what the parameter is (jaxtrain.model.roles)
 
 
-def param_rows(setup) -> list[Row]:
-  """Every parameter with its logical axes, PartitionSpec and per-device shape and bytes."""
+def param_rows(setup, stored: bool = False) -> list[Row]:
+  """Every parameter with its logical axes, PartitionSpec, per-device shape and bytes: in the compute layout, or
+  `stored`: the master as the train state keeps it (run/layout.py's, ZeRO included; the bill's master and moments)."""
   rows = []
-  shardings = setup.param_shardings  # the compute layout (the master's may be split further: `state_bytes`)
+  shardings = setup.layout.stored if stored else setup.param_shardings
   for path, var in jax.tree_util.tree_leaves_with_path(setup.abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
     keys = [getattr(k, "key", k) for k in path]
     sh = functools.reduce(operator.getitem, keys, shardings)
@@ -271,6 +272,25 @@ def _gathered(r: Row, mesh) -> int:
                    for a in (e if isinstance(e, tuple) else (e,)) if a in sharding.RULES["batch"])
 
 
+def gather_axes(rows: list[Row], mesh, keep=lambda r: True) -> str:
+  """The batch-like axes (size > 1) splitting kept matmul weights outside experts, as 'fsdp=2 x expert=2'; or ''."""
+  axes = {a for r in rows if r.role.matmul and keep(r) for name, e in zip(r.axes, r.spec) if e and name != "experts"
+          for a in (e if isinstance(e, tuple) else (e,)) if a in sharding.RULES["batch"] and mesh.shape[a] > 1}
+  return " x ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names if a in axes)
+
+
+def _gathered_notes(cfg, rows: list[Row], mesh, piped: bool, lm_head: int) -> tuple[str, str]:
+  """(gathered_weights' note, relaid_stacks' note), naming the axes that really gather (none: not gathered)."""
+  layers, head = gather_axes(rows, mesh, lambda r: r.role.layer), gather_axes(rows, mesh, lambda r: not r.role.layer)
+  which = ("1 layer's matmul weights (a pipeline's peak; measured)" if piped else
+           f"2 layers' matmul weights (the running one and the next{'/re-gathered' if layers else ''} one)")
+  how = f"gathered over {layers}" if layers else "cast, not gathered (no batch-like mesh axis splits them),"
+  relaid = (f"float32 copies of the stacked weights gathered over {layers} on a minor dimension, laid out again for "
+            "the per-layer gathers (XLA:GPU)" if layers else "none: no weight is gathered")
+  return (f"{cfg.model.dtype}, {how} one layer at a time: {which}; lm_head {human(lm_head)} is "
+          + (f"gathered over {head} during the loss phase" if head else "cast, not gathered, for the loss phase"), relaid)
+
+
 def gathered_weights(cfg, rows: list[Row], mesh, at_once: int = 2) -> dict[str, int]:
   """Compute-dtype matmul weights per device: `layers`, `at_once` layers' gathered over FSDP at once
   (2: running + next/re-gathered, as comms.py; a pipeline's peak holds one, measured); `lm_head`, gathered for
@@ -337,6 +357,7 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   kept = st["params"] + st["adam_m"] + st["adam_v"]  # offload: the master read for the compute copy, the state
   moved = (f"; per step {human(st['params'] + 2 * kept)} to the device, {human(kept)} back (the master for the "
            "compute copy, master and moments in both passes of offload.streamed_update)") if host else ""
+  gathered_note, relaid_note = _gathered_notes(cfg, rows, mesh, piped, gathered["lm_head"])
   lines = {  # name: (bytes per device, how it is counted)
       "params": (made["compute"], f"compute copy: matmul weights {cfg.model.dtype}, norms float32, gathered for "
                  "the step") if setup.layout.separate else (st["params"], "float32; they are the master copy"),
@@ -355,12 +376,8 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
       "activations": (sum(act.values()), f"kept for backward: remat {remat}, attention {kernel}, one microbatch"
                       + (" through one pipeline chunk, and the schedule's stash" if piped else "") + ": "
                       + ", ".join(f"{k} {human(v)}" for k, v in act.items())),
-      "gathered_weights": (gathered["layers"], f"{cfg.model.dtype}, gathered over fsdp one layer at a time: "
-                           + ("1 layer's matmul weights (a pipeline's peak; measured)" if piped else "2 layers' matmul "
-                              "weights (the running one and the next/re-gathered one)") + "; lm_head "
-                           f"{human(gathered['lm_head'])} is gathered during the loss phase"),
-      "relaid_stacks": (relaid_stacks(rows), "float32 copies of the stacked weights gathered over fsdp on a minor "
-                        "dimension, laid out again for the per-layer gathers (XLA:GPU)"),
+      "gathered_weights": (gathered["layers"], gathered_note),
+      "relaid_stacks": (relaid_stacks(rows), relaid_note),
       "workspace": (max(work.values()) - gathered["layers"], "transient peak beyond the gathered weights, the larger "
                     "phase of: " + ", ".join(f"{k} {human(v)}" for k, v in work.items())),
   }

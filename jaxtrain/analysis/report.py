@@ -89,7 +89,8 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
   from jaxtrain.run import step as step_lib
   setup = step_lib.Setup(cfg, mesh)
   cfg = setup.cfg  # with what the mesh implies
-  rows = memory.grouped(memory.param_rows(setup))
+  rows = memory.grouped(memory.param_rows(setup))  # the compute layout: the bill's per-layer figures
+  table = memory.grouped(memory.param_rows(setup, stored=True))  # the master as stored, as the bill counts it
   target = plan_lib.build(cfg, mesh, device=device) if device else setup.plan
   b = memory.bill(setup, rows, margin, plan=target)
   dev = mesh.devices.flat[0]
@@ -105,9 +106,10 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
       "params": [dict(path=r.path, count=r.count, axes=list(r.axes),
                       spec=[list(e) if isinstance(e, tuple) else e for e in r.spec],
                       shape=list(r.shape), device_shape=list(r.device_shape), dtype=r.dtype, bytes=r.bytes)
-                 for r in rows],
+                 for r in table],
+      "param_layout": target.state_layout(),
       "param_count": setup.n_params,
-      "param_bytes_per_device": sum(r.bytes * r.count for r in rows),
+      "param_bytes_per_device": sum(r.bytes * r.count for r in table),
       "memory": {"items": b.items, "notes": b.notes, "total": b.total, "remat": cfg.model.remat,
                  "attention": target.attention + (" inside ulysses" if target.ulysses else ""),
                  "for_device": device or dev.device_kind,
@@ -117,7 +119,7 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
       "flops": {"per_token": per_token, "per_step": per_step, "per_device_per_step": per_step / mesh.size},
       "comms": comms.traffic(cfg, mesh, rows),
       "notes": list(setup.notes),
-      "warnings": replication_warnings(rows, mesh, warn_replicated),
+      "warnings": replication_warnings(table, mesh, warn_replicated),
   }
   if mesh.shape["sequence"] > 1:  # both forms of attention over `sequence`, to choose model.sequence_attention
     rep["sequence_attention"] = {"runs": cfg.model.sequence_attention, **comms.sequence_forms(cfg, mesh)}
@@ -150,7 +152,9 @@ def render(rep: dict) -> str:
   L = [f"jaxtrain.inspect: {rep['config']} ({rep['param_count']:,} params) on mesh {rep['mesh']} "
        f"({rep['devices']} x {rep['device_kind']}); batch {rep['batch_size']} x {rep['seq_len']} tokens, "
        f"{rep['microbatches']} microbatch(es), compute {rep['compute_dtype']}{flops.fp8_label(fp8)}", "",
-       "Parameters (per device; layers/* = repeated layers, shown once with their count)"]
+       "Parameters (float32 master per device, as stored: "
+       f"{rep.get('param_layout', 'train state: zero-0').removeprefix('train state: ')}; "
+       "layers/* = repeated layers, shown once with their count)"]
   spec = lambda s: "(" + ", ".join("+".join(e) if isinstance(e, list) else str(e) for e in s) + ")"  # noqa: E731
   cols = [(p["path"], str(p["count"]), "(" + ", ".join(map(str, p["axes"])) + ")", spec(p["spec"]),
            str(tuple(p["shape"])), str(tuple(p["device_shape"])), p["dtype"], f"{p['bytes']:,}")

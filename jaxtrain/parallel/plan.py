@@ -129,7 +129,8 @@ class Plan(ops.Ops):
     rules = "; sequence-parallel residual stream" if self.rules.get("act_length") != sharding.RULES["act_length"] else ""
     scores = (f", {m.attention_logits_dtype} scores" if self.attention == "xla" and m.attention_logits_dtype != "float32"
               else "")
-    fp8_line = f"; fp8 {m.fp8}: every projection (not the embedding, head, router)" if m.fp8 != "none" else ""
+    fp8_line = (f"; FP8 projections (model.fp8={m.fp8}): every projection matmul, not the embedding, LM head or "
+                "router" if m.fp8 != "none" else "")
     implied = f"; set by the mesh: {', '.join(self.implied)}" if self.implied else ""
     return (f"attention: {self.attention} ({self.attention_why}{scores}){moe}; remat {m.remat}{rules}{fp8_line}; "
             f"{self.state_layout()}{implied}")

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from jaxtrain import data
 from jaxtrain.analysis import fit
@@ -40,10 +40,12 @@ class Evaluator:
     self.held = [setup.device_batch(b) for b in data.eval_batches(cfg, *setup.placement.rows())]
     self.compiled = setup.eval_step.lower(jax.eval_shape(setup.init)["params"], self.held[0]).compile()
 
-  def __call__(self, params):
-    outs = [self.compiled(params, b) for b in self.held]
-    loss = sum(o["loss_sum"] for o in outs) / jnp.maximum(sum(o["tokens"] for o in outs), 1)
-    return {"eval_loss": loss, "eval_ppl": jnp.exp(loss)}
+  def __call__(self, params) -> dict:
+    """Runs to the end: {eval_loss, eval_ppl} as host floats. Summed on the host: eager device arithmetic would
+    compile a handful of small programs at the first eval, inside a step's timing."""
+    outs = jax.device_get([self.compiled(params, b) for b in self.held])
+    loss = float(sum(np.float64(o["loss_sum"]) for o in outs)) / max(sum(int(o["tokens"]) for o in outs), 1)
+    return {"eval_loss": np.float64(loss), "eval_ppl": np.exp(np.float64(loss))}
 
 
 class Preemption:
@@ -135,7 +137,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     lock = lock_lib.WorkdirLock(workdir).acquire() if jax.process_index() == 0 else None
     dev = mesh.devices.flat[0]
     mesh_text = mesh_lib.describe(dict(mesh.shape))
-    print(f"jaxtrain: {config_name} ({setup.n_params:,} params), mesh {mesh_text} "
+    print(f"jaxtrain: {config_name} ({setup.n_params:,} params), compute {cfg.model.dtype}"
+          f"{flops.fp8_label(cfg.model.fp8)}, mesh {mesh_text} "
           f"on {mesh.size} {dev.platform} device(s) [{dev.device_kind}], workdir {workdir}")
     print(setup.plan.describe())
     if setup.pipelined:
@@ -176,16 +179,20 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
               "fingerprint": current, "config": cfg.to_dict(), "seed": cfg.train.seed,
               "process_count": jax.process_count(), "unwritten_metrics": list(out.unwritten) if out else []}
 
-    def log_step(s, device_metrics, wait, since):
+    def log_step(s, device_metrics, wait, since, params=None):
+      """Writes step s's record; returns when the next step's time starts. `params`: evaluate them after the
+      step's own time is taken, so that neither the eval nor its set-up counts as a step's time."""
       fetched = jax.device_get(device_metrics)
       done = time.perf_counter()
+      if params is not None:
+        fetched.update(evaluate(params))
       progress.count(s, int(fetched["tokens"]), bool(fetched["skipped"]))
       rec = metrics.record(s, fetched, done - since, wait, progress, flops_per_step, peak_total)
       sinks.write(s, rec)
       summary.steps, summary.skipped, summary.final_loss, summary.last = (
           summary.steps + 1, summary.skipped + rec["skipped"], rec["loss"], rec)
       progress.check(cfg.train.max_skipped_in_a_row, rec["loss_scale"])
-      return done
+      return done if params is None else time.perf_counter()
 
     batch = setup.device_batch(next(batches))
     compiled = setup.step.lower(state, batch).compile()
@@ -196,14 +203,16 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       profiler.before(s)
       state, step_metrics = compiled(state, batch)
       profiler.after(s, step_metrics)
-      if evaluate.cadence.due(s):  # dispatched before the next step donates state
-        step_metrics = {**step_metrics, **evaluate(state["params"])}
       if pending:  # step s-1's metrics: reading them waits for s-1, while s is already queued
         last_done = log_step(*pending, last_done)
       pending = (s, step_metrics, wait)
       stop = s == stop_at or preempt.check(s) or (out is not None and runfiles.must_stop(out))
+      if evaluate.cadence.due(s):  # step s timed first, then the eval, before the next step donates state
+        last_done = log_step(*pending, last_done, params=state["params"])
+        pending = None
       if stop or saves.due(s):
-        last_done = log_step(*pending, last_done)  # the manifest's clocks must include step s
+        if pending:  # the manifest's clocks must include step s
+          last_done = log_step(*pending, last_done)
         pending = None
         t = time.perf_counter()
         ckpts.save(s, state, manifest_body())

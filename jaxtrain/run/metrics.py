@@ -54,14 +54,16 @@ class TensorBoardSink:
 
   def __init__(self, logdir: Path):
     self.logdir, self.writer, self.closed = logdir, None, False
+    # imported now, before the steps (seconds where it imports torch): at the first write it was step 2's time
+    from tensorboardX import SummaryWriter
+    self._writer_class = SummaryWriter
 
   def write(self, step: int, rec: dict) -> None:
     if self.closed:
       return
     try:
       if self.writer is None:  # opened with the first record: a run that writes none leaves no events file
-        from tensorboardX import SummaryWriter
-        self.writer = SummaryWriter(logdir=str(self.logdir), flush_secs=10)
+        self.writer = self._writer_class(logdir=str(self.logdir), flush_secs=10)
       for k, v in rec.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
           self.writer.add_scalar(k, v, step)

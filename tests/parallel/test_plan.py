@@ -67,7 +67,8 @@ CHOICES = [
      lambda hlo, mem: len(re.findall(r" dot\(", hlo))),  # the recomputed forward's matmuls
     ("run.sequence_parallel", ("false", "true"), "tp=2", ("", "sequence-parallel residual stream"),
      lambda hlo, mem: _collectives(hlo)),
-    ("model.fp8", ("none", "tensorwise"), "dp=2", ("", "fp8 tensorwise"), lambda hlo, mem: "f8e4m3fn" in hlo),
+    ("model.fp8", ("none", "tensorwise"), "dp=2", ("", "FP8 projections (model.fp8=tensorwise)"),
+     lambda hlo, mem: "f8e4m3fn" in hlo),
     ("optim.zero_stage", ("0", "2"), "dp=2", ("zero-0", "zero-2"), lambda hlo, mem: _collectives(hlo)),
     ("optim.offload", ("none", "host"), "dp=2", ("", "host memory"),
      lambda hlo, mem: report.host_argument_bytes(hlo)),  # master and moments laid out in host memory
