@@ -12,7 +12,7 @@ import sys
 from jaxtrain import cli
 from jaxtrain.core import files, outputs
 from jaxtrain.core.errors import UserError
-from jaxtrain.interop import hf
+from jaxtrain.interop import hf, hf_export
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
       step_dir = runs.locate(workdir, args.step)
       started = cli.start(args, prog, cfg=runs.config_of(checkpoint.read_manifest(step_dir)))
       set_prog(started.prog)
-      hf.run_export(started.cfg, started.mesh, step_dir, out, args.dtype, int(args.max_shard_gb * 1e9), workdir)
+      hf_export.run_export(started.cfg, started.mesh, step_dir, out, args.dtype, int(args.max_shard_gb * 1e9), workdir)
   return cli.main(prog, body)
 
 

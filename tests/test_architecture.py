@@ -259,6 +259,7 @@ COVERED_BY = {
     "jaxtrain.interop.decode": ("tests/interop/test_generate.py", "decode"),
     "jaxtrain.interop.hf_deepseek": ("tests/interop/test_deepseek.py", "DeepseekV3"),
     "jaxtrain.interop.hf_rope": ("tests/interop/test_hf.py", "hf_rope"),
+    "jaxtrain.interop.hf_export": ("tests/interop/test_hf.py", "hf_export"),
     "jaxtrain.model.attention": ("tests/model/test_transformer.py", "attention"),
     "jaxtrain.model.block": ("tests/model/test_transformer.py", "Transformer"),
     "jaxtrain.model.flops": ("tests/commands/test_bench.py", "flops"),

@@ -1,16 +1,14 @@
-"""Hugging Face checkpoints in and out (`python -m jaxtrain.hf import|export`); see docs/huggingface.md.
+"""Hugging Face checkpoints in (`python -m jaxtrain.hf import`), and the tensor table both directions share
+(export: hf_export.py); see docs/huggingface.md.
 
 Import checks every tensor from the file headers before writing anything, then places one
-tensor at a time onto its sharding; export writes one safetensors file at a time."""
+tensor at a time onto its sharding."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import json
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -21,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from jaxtrain.core import files
-from jaxtrain.core import files as files_lib, outputs  # files_lib: run_export names its shard list `files`
 from jaxtrain.core.errors import UserError
 from jaxtrain.interop import hf_deepseek, hf_fields as F, hf_rope
 
@@ -36,7 +33,7 @@ DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
 READABLE = ("F32", "BF16", "F16")
 
 
-def _safetensors():
+def safetensors_api():
   try:
     import safetensors
   except ImportError:
@@ -276,7 +273,7 @@ def _hf_index(t: Tensor, index: tuple) -> tuple | None:
 
 def read_headers(hf_dir: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
   """{tensor name: (file, shape, dtype)} from the safetensors headers (no tensor data read)."""
-  safetensors = _safetensors()
+  safetensors = safetensors_api()
   index = hf_dir / INDEX
   if index.is_file():
     try:
@@ -311,7 +308,7 @@ def own_head(headers: dict) -> bool:
   (fa, sa, _), (fb, sb, _) = headers["model.embed_tokens.weight"], headers["lm_head.weight"]
   if sa != sb or len(sa) != 2:
     return True
-  safe_open = _safetensors().safe_open
+  safe_open = safetensors_api().safe_open
   rows = max(1, 2**24 // max(1, sa[1]))  # 64 MB of float32 per side at a time
   with safe_open(str(fa), framework="numpy") as a, safe_open(str(fb), framework="numpy") as b:
     ea, hb = a.get_slice("model.embed_tokens.weight"), b.get_slice("lm_head.weight")
@@ -445,7 +442,7 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   setup = step_lib.Setup(cfg, mesh)
   cfg = setup.cfg  # with what the mesh implies (a pipeline's stacked layers)
   by_path = {t.path: t for t in table(cfg.model)}
-  safe_open, nread = _safetensors().safe_open, [0]
+  safe_open, nread = safetensors_api().safe_open, [0]
 
   def get(name, t, index):
     # Our part `index` of one HF tensor, float32: only that part is read (every device reads its own shard, not
@@ -493,127 +490,3 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   print(f"imported {len(plan.headers)} tensors ({nread[0] / 2**30:.2f} GiB read) from {plan.hf_dir} in "
         f"{time.perf_counter() - t0:.1f}s: {setup.n_params:,} params, step-0 checkpoint in {w / 'checkpoints' / '0'}")
   return w / f"{plan.name}.toml"
-
-
-# -- export --------------------------------------------------------------------------------------
-
-
-def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes: int, workdir: Path) -> None:
-  """Writes the HF checkpoint into `out`, replacing what an earlier export wrote there (EXPORT_RECORD) and nothing
-  else; a write failure (a full disk) removes this export's partial files and is one line."""
-  import jax
-  from jaxtrain.run import runs
-  t0 = time.perf_counter()
-  np_dtype = DTYPES[dtype]  # safetensors tags the file dtype from the numpy dtype
-  if np_dtype == "bfloat16":
-    import ml_dtypes
-    np_dtype = ml_dtypes.bfloat16
-  _, params = runs.restore_params(cfg, mesh, step_dir)
-  items = [(t.names[s], t, s, math.prod(t.hf_shape) * np.dtype(np_dtype).itemsize)
-           for t in table(cfg.model) for s in np.ndindex(t.names.shape)]
-  files, size = [[]], 0  # consecutive tensors, a new file when the next would pass max_shard_bytes
-  for it in items:
-    if files[-1] and size + it[3] > max_shard_bytes:
-      files, size = files + [[]], 0
-    files[-1].append(it)
-    size += it[3]
-  n, me, total = len(files), jax.process_index(), sum(it[3] for it in items)
-  fname = lambda i: f"model-{i + 1:05d}-of-{n:05d}.safetensors"  # noqa: E731
-  tok = cfg.data.tokenizer != "byte"
-  written = [*map(fname, range(n)), INDEX, "config.json",
-             *(["tokenizer.json", *(f for f in HF_KEPT[1:] if (workdir / "hf" / f).is_file())] if tok else [])]
-  created = not out.exists()
-  try:
-    out.mkdir(parents=True, exist_ok=True)
-    if me == 0:
-      _replace_earlier_export(out, written)
-    _write_shards(out, files, fname, params, np_dtype, me)
-    if me == 0:
-      _write_config(cfg, out, workdir, dtype, total, files, fname, tok)
-      files_lib.write_json_atomic(out / outputs.EXPORT_RECORD, _record(written, step_dir, workdir, dtype, True))
-  except OSError as e:
-    _remove_partial(out, written, created and me == 0)
-    raise UserError(f"--out {out}: cannot write the export ({files_lib.errno_text(e.errno) if e.errno else e}); "
-                    f"its partial files were removed, the checkpoint {step_dir} is untouched: free space (or fix "
-                    "--out) and run again") from None
-  print(f"exported step {step_dir.name} of {workdir} to {out}: {len(items)} tensors in {n} file(s), "
-        f"{total / 2**30:.2f} GiB {dtype}, in {time.perf_counter() - t0:.1f}s")
-
-
-def _record(written: list[str], step_dir: Path, workdir: Path, dtype: str, complete: bool) -> dict:
-  return {"written_by": "jaxtrain hf export", "complete": complete, "workdir": str(workdir), "step": step_dir.name,
-          "dtype": dtype, "files": sorted(written)}
-
-
-def _replace_earlier_export(out: Path, written: list[str]) -> None:
-  """An earlier export's files here (its record names them) go, and nothing else: its old shards (another shard
-  count names them differently), index and config. The record lists the old and the new files first, so an
-  export killed on the way leaves every file of its own named for the next one to remove."""
-  rec = out / outputs.EXPORT_RECORD
-  try:
-    old = json.loads(rec.read_text())["files"] if rec.is_file() else []
-    old = [f for f in old if isinstance(f, str) and Path(f).name == f]  # names of files of this directory only
-  except (OSError, ValueError, KeyError, TypeError):
-    old = []
-  files_lib.write_json_atomic(rec, {"written_by": "jaxtrain hf export", "complete": False,
-                                    "files": sorted(set(old) | set(written))})
-  for f in set(old) - set(written) | {INDEX, "config.json"}:  # the index and config are rewritten last
-    for p in (out / f, out / (f + ".tmp")):
-      p.unlink(missing_ok=True)
-
-
-def _write_shards(out: Path, files: list, fname, params, np_dtype, me: int) -> None:
-  import jax
-  from jax.experimental import multihost_utils
-  _safetensors()
-  from safetensors.numpy import save_file
-  for i, entries in enumerate(files):
-    mine = i % jax.process_count() == me  # files are spread over the processes
-    shard = {}  # host memory: one file's tensors at a time
-    for name, t, s, nbytes in entries:  # every process takes part: a gather is a collective
-      x = functools.reduce(lambda x, k: x[k], t.path, params)
-      x = x[s] if s else x
-      # one tensor at a time: local when this process holds it whole, else gathered once
-      x = np.asarray(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
-      arr = np.ascontiguousarray(t.to_hf(np.asarray(x, np.float32)).astype(np_dtype))
-      assert arr.shape == t.hf_shape and arr.nbytes == nbytes, (name, arr.shape, t.hf_shape)
-      if mine:
-        shard[name] = arr
-    if mine:
-      tmp = out / (fname(i) + ".tmp")  # a file is whole or absent
-      try:
-        save_file(shard, tmp, metadata={"format": "pt"})
-      except Exception as e:  # noqa: BLE001 (safetensors' own error type, with the OS error in its text)
-        if isinstance(e, OSError):
-          raise
-        raise OSError(files_lib.errno_of(e) or 0, str(e)) from None
-      os.replace(tmp, out / fname(i))
-    del shard
-
-
-def _write_config(cfg, out: Path, workdir: Path, dtype: str, total: int, files: list, fname, tok: bool) -> None:
-  from jaxtrain.data import tokenizer as tokenizer_lib
-  index = {"metadata": {"total_size": total},
-           "weight_map": {it[0]: fname(i) for i, entries in enumerate(files) for it in entries}}
-  kept = workdir / "hf"
-  base = json.loads((kept / "config.json").read_text()) if (kept / "config.json").is_file() else {}
-  tokenizer = None
-  if tok:
-    tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
-    shutil.copyfile(cfg.data.tokenizer, out / "tokenizer.json")
-    for f in HF_KEPT[1:]:
-      if (kept / f).is_file():
-        shutil.copyfile(kept / f, out / f)
-  files_lib.write_atomic(out / "config.json", json.dumps(hf_config(cfg, base, dtype, tokenizer), indent=2) + "\n")
-  files_lib.write_atomic(out / INDEX, json.dumps(index, indent=2) + "\n")  # last: the export is complete
-
-
-def _remove_partial(out: Path, written: list[str], remove_dir: bool) -> None:
-  """After a failed write: this export's files (whole or torn) and its record go; `out` too if it made it."""
-  for f in [*written, outputs.EXPORT_RECORD]:
-    for p in (out / f, out / (f + ".tmp")):
-      with contextlib.suppress(OSError):
-        p.unlink()
-  if remove_dir:
-    with contextlib.suppress(OSError):
-      out.rmdir()

@@ -117,8 +117,8 @@ def test_an_output_that_would_destroy_data_is_one_line_and_writes_nothing(case, 
 
 def _export(world, out, max_bytes):
   step_dir = runs.locate(world / "run", None)
-  from jaxtrain.interop import hf
-  hf.run_export(runs.config_of(checkpoint.read_manifest(step_dir)), mesh_of("fsdp=1"), step_dir, out, "float32",
+  from jaxtrain.interop import hf_export
+  hf_export.run_export(runs.config_of(checkpoint.read_manifest(step_dir)), mesh_of("fsdp=1"), step_dir, out, "float32",
                 max_bytes, world / "run")
 
 

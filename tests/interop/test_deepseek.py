@@ -13,7 +13,7 @@ from flax import nnx  # noqa: E402
 
 from jaxtrain import data  # noqa: E402
 from jaxtrain.core import config  # noqa: E402
-from jaxtrain.interop import decode, hf  # noqa: E402
+from jaxtrain.interop import decode, hf_export  # noqa: E402
 from jaxtrain.model import transformer as model_lib  # noqa: E402
 from jaxtrain.run import checkpoint, runs, step  # noqa: E402
 from tests import hf_models as H  # noqa: E402
@@ -53,7 +53,7 @@ def test_export_is_bit_identical_and_the_same_function_in_transformers(deepseek,
   import transformers
   d, ref, (cfg, model, _) = deepseek
   step_dir = runs.locate(d / "w", 0)
-  hf.run_export(runs.config_of(checkpoint.read_manifest(step_dir)), mesh_of("fsdp=1"), step_dir, tmp_path / "out",
+  hf_export.run_export(runs.config_of(checkpoint.read_manifest(step_dir)), mesh_of("fsdp=1"), step_dir, tmp_path / "out",
                 "float32", 10**9, d / "w")
   _bit_identical(_tensors(d / "hf"), _tensors(tmp_path / "out"))
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
@@ -145,6 +145,6 @@ def test_the_mtp_layer_imports_and_exports_in_deepseeks_layout(deepseek, tmp_pat
   step_dir = runs.locate(tmp_path / "w", 0)
   cfg = runs.config_of(checkpoint.read_manifest(step_dir))
   assert cfg.model.mtp_layers == 1
-  hf.run_export(cfg, mesh_of("fsdp=1"), step_dir, tmp_path / "out", "float32", 10**9, tmp_path / "w")
+  hf_export.run_export(cfg, mesh_of("fsdp=1"), step_dir, tmp_path / "out", "float32", 10**9, tmp_path / "w")
   _bit_identical({**src, **mtp}, _tensors(tmp_path / "out"))
   assert H.config_json(tmp_path / "out")["num_nextn_predict_layers"] == 1

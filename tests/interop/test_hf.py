@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from jaxtrain import hf as hf_command
-from jaxtrain.interop import hf
+from jaxtrain.interop import hf, hf_export
 from jaxtrain.run import loop
 from jaxtrain.run import checkpoint
 from jaxtrain.core import config
@@ -73,14 +73,14 @@ def test_round_trip_is_bit_identical(tmp_path, mixtral):
   H.imported(tmp_path / "hf", tmp_path / "w", "fsdp=2")
   step_dir = runs.locate(tmp_path / "w", 0)
   cfg = runs.config_of(checkpoint.read_manifest(step_dir))
-  hf.run_export(cfg, mesh_of("fsdp=2"), step_dir, tmp_path / "out", "bfloat16", 20_000, tmp_path / "w")
+  hf_export.run_export(cfg, mesh_of("fsdp=2"), step_dir, tmp_path / "out", "bfloat16", 20_000, tmp_path / "w")
   assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 1
   _bit_identical(_tensors(tmp_path / "hf"), _tensors(tmp_path / "out"))
   # Mixtral in float32, and the export loads in transformers as the same function.
   d, ref = mixtral
   step_dir = runs.locate(d / "w", 0)
   cfg = runs.config_of(checkpoint.read_manifest(step_dir))
-  hf.run_export(cfg, mesh_of("fsdp=1"), step_dir, tmp_path / "mx", "float32", 10**9, d / "w")
+  hf_export.run_export(cfg, mesh_of("fsdp=1"), step_dir, tmp_path / "mx", "float32", 10**9, d / "w")
   _bit_identical(_tensors(d / "hf"), _tensors(tmp_path / "mx"))
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mx", dtype=torch.float32)
   assert type(back).__name__ == "MixtralForCausalLM"
@@ -132,7 +132,7 @@ def test_import_on_a_mesh_then_train_equals_single_device_and_exports(tmp_path, 
 
   w = tmp_path / "fsdp=2_tp=2"
   step_dir = runs.locate(w, 2)
-  hf.run_export(runs.config_of(checkpoint.read_manifest(step_dir)), mesh_of("fsdp=2,tp=2"), step_dir,
+  hf_export.run_export(runs.config_of(checkpoint.read_manifest(step_dir)), mesh_of("fsdp=2,tp=2"), step_dir,
                 tmp_path / "out", "float32", 10**9, w)
   assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
@@ -215,7 +215,7 @@ def yarn_round_trip(tmp_path, ref, rope, spec):
   theirs = H.torch_logits(ref, IDS)
   assert H.rel_err(H.jax_logits(model, IDS), theirs) < 1e-5
   step_dir = runs.locate(tmp_path / "w", 0)
-  hf.run_export(cfg, mesh_of(spec), step_dir, tmp_path / "out", "float32", 10**9, tmp_path / "w")
+  hf_export.run_export(cfg, mesh_of(spec), step_dir, tmp_path / "out", "float32", 10**9, tmp_path / "w")
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
   assert type(back) is type(ref)
   assert {k: back.config.rope_parameters.get(k) for k in rope} == rope
@@ -338,7 +338,7 @@ def test_scanned_import_reads_each_device_part_once(tmp_path, mixtral, monkeypat
   """Every device reads only its own part of each stacked parameter: the bytes read on 8 devices stay
   about one file size, and the imported model still matches transformers."""
   d, ref = mixtral
-  real, read = hf._safetensors(), [0]
+  real, read = hf.safetensors_api(), [0]
 
   class Counted:  # safe_open, counting the bytes of every tensor (or part of one) it hands out
     def __init__(self, *a, **kw):
@@ -370,7 +370,7 @@ def test_scanned_import_reads_each_device_part_once(tmp_path, mixtral, monkeypat
           read[0] += a.nbytes
           return a
       return Part()
-  monkeypatch.setattr(hf, "_safetensors", lambda: type("Module", (), {"safe_open": Counted}))
+  monkeypatch.setattr(hf, "safetensors_api", lambda: type("Module", (), {"safe_open": Counted}))
   spec = "fsdp=2,tp=2,expert=2"
   H.imported(d / "hf", tmp_path / "w", spec, extra=["model.scan_layers=true"])
   size = sum(f.stat().st_size for f in (d / "hf").glob("*.safetensors"))

@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from jaxtrain.core import config  # noqa: E402
 from jaxtrain.core.errors import UserError  # noqa: E402
-from jaxtrain.interop import hf  # noqa: E402
+from jaxtrain.interop import hf, hf_export  # noqa: E402
 from jaxtrain.run import checkpoint, runs  # noqa: E402
 from tests import hf_models as H  # noqa: E402
 from tests.helpers import mesh_of, trajectory  # noqa: E402
@@ -46,7 +46,7 @@ def test_logits_match_transformers_after_import_and_after_export(imported, tmp_p
   theirs = H.torch_logits(ref, IDS)
   assert H.rel_err(H.jax_logits(model, IDS), theirs) < 1e-5
   step_dir = runs.locate(d / "w", 0)
-  hf.run_export(runs.config_of(checkpoint.read_manifest(step_dir)), mesh_of(spec), step_dir, tmp_path / "out",
+  hf_export.run_export(runs.config_of(checkpoint.read_manifest(step_dir)), mesh_of(spec), step_dir, tmp_path / "out",
                 "float32", 10**9, d / "w")
   _bit_identical(_tensors(d / "hf"), _tensors(tmp_path / "out"))
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
