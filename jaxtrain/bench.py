@@ -61,7 +61,7 @@ def main(argv=None) -> int:
       if value < lo:
         raise UserError(f"{flag} {value}: must be an integer >= {lo}")
     baselines = parse_baselines(args.baseline)
-    cfg = config.load(args.config, args.set, cli=True)
+    cfg = config.load(args.config, args.set)
     name = config.run_name(args.config)
     out = files.user_path(args.out, "--out") if args.out is not None else files.user_path(
         args.workdir if args.workdir is not None else f"runs/{name}", "--workdir") / "bench.json"

@@ -63,7 +63,7 @@ def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: 
   from jaxtrain.parallel import xla_flags
   from jaxtrain.core import native
   native.capture()  # before any backend starts: native library output goes to the run's log, not the terminal
-  started = Started(cfg if cfg is not None else config.load(args.config, [*args.set, *overrides], cli=True), None, prog)
+  started = Started(cfg if cfg is not None else config.load(args.config, [*args.set, *overrides]), None, prog)
   cfg_given, cfg = cfg, started.cfg
   observe.parse_steps(cfg.run.profile_steps)  # a bad value fails before any device starts
   added = xla_flags.apply(cfg.run.xla_flags, xla_flags.extra(cfg), unknown=cfg.run.xla_flags_unknown)

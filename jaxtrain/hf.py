@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     workdir = files.user_path(args.workdir, "--workdir")
     if args.command == "import":
       outputs.check(workdir, "--workdir", "workdir", sources=[args.hf_dir])  # before anything is read or written
-      plan = hf.plan_import(args.hf_dir, str(workdir), args.set, args.name, cli=True)
+      plan = hf.plan_import(args.hf_dir, str(workdir), args.set, args.name)
       started = cli.start(args, prog, cfg=plan.cfg)
       set_prog(started.prog)
       path = hf.run_import(plan, started.mesh)

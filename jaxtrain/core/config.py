@@ -378,7 +378,7 @@ class _Given:
 
 
 def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: bool, renamed: set[str],
-         given: dict[str, _Given], layer: int, label: str, repeats: bool = False) -> None:
+         given: dict[str, _Given], layer: int, label: str) -> None:
   spelled = dotted
   if dotted in RENAMED:
     renamed.add(dotted)
@@ -399,11 +399,11 @@ def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: 
                        (hi is not None and value > hi, f"is above its maximum {hi}")):
     if broken:
       raise UserError(f"{spelled}={value} {what}")
-  # A later layer (--set over the file) overrides. In one layer, one key under its old and new names (train.lr and
-  # optim.lr) with different values has no one meaning; nor, on a command line (`repeats`), one name given twice.
+  # A later layer (--set over the file) overrides, and so does a later --set of the same name (scripts append an
+  # override to a base command). In one layer, one key under its old and new names (train.lr and optim.lr) with
+  # different values has no one meaning: neither spelling is the later word on the other.
   prev = given.get(dotted)
-  if (prev is not None and prev.value != value and prev.layer == layer
-      and (prev.spelled != spelled or repeats)):
+  if prev is not None and prev.value != value and prev.layer == layer and prev.spelled != spelled:
     raise UserError(f"{prev.label} and {label} both set {dotted} but differ; give it once")
   given[dotted] = _Given(layer, spelled, value, label)
   raw.setdefault(section, {})[name] = value
@@ -413,11 +413,9 @@ def preset_names() -> list[str]:
   return resources.names("configs")
 
 
-def from_dict(doc: dict[str, Any], overrides: list[str] = (), where: str = "config", then: list[str] = (),
-              cli: bool = False) -> Config:
+def from_dict(doc: dict[str, Any], overrides: list[str] = (), where: str = "config", then: list[str] = ()) -> Config:
   """A Config from nested {section: {key: value}} (TOML, or a stored config.json) plus overrides, then `then`
-  (a second layer of overrides, e.g. a bench variant's over --set). `cli`: the overrides are a command line's
-  --set flags, where one key given twice with different values is refused (in code a later item wins)."""
+  (a second layer of overrides, e.g. a bench variant's over --set)."""
   raw: dict[str, dict[str, Any]] = {}
   renamed: set[str] = set()
   given: dict[str, _Given] = {}
@@ -433,7 +431,7 @@ def from_dict(doc: dict[str, Any], overrides: list[str] = (), where: str = "conf
       if not eq or "." not in dotted:
         raise UserError(f"--set {item!r} must look like section.key=value")
       _set(raw, dotted.strip(), value.strip(), from_text=True, renamed=renamed, given=given, layer=layer,
-           label=f"--set {item.strip()}", repeats=cli)
+           label=f"--set {item.strip()}")
   if renamed:
     print(f"note: renamed config keys accepted: {', '.join(f'{k} -> {RENAMED[k]}' for k in sorted(renamed))}",
           file=sys.stderr)
@@ -449,9 +447,9 @@ def run_name(name_or_path: str) -> str:
   return path.stem if path.suffix == ".toml" or path.exists() else name_or_path
 
 
-def load(name_or_path: str = "tiny", overrides: list[str] = (), then: list[str] = (), cli: bool = False) -> Config:
+def load(name_or_path: str = "tiny", overrides: list[str] = (), then: list[str] = ()) -> Config:
   """Builds a Config from a preset (name in configs/ or a path) plus `section.key=value` overrides (then `then`,
-  which may override those); `cli` as in `from_dict`."""
+  which may override those)."""
   path = Path(name_or_path)
   if path.suffix == ".toml" or path.exists():
     if not path.is_file():
@@ -465,7 +463,7 @@ def load(name_or_path: str = "tiny", overrides: list[str] = (), then: list[str] 
     raise UserError(f"config file {str(path)!r} is not valid TOML: {e}") from None
   except (OSError, UnicodeDecodeError) as e:
     raise UserError(f"config file {str(path)!r} cannot be read: {e}") from None
-  return from_dict(doc, overrides, path.name, then, cli)
+  return from_dict(doc, overrides, path.name, then)
 
 
 def validate(cfg: Config) -> None:

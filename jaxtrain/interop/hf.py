@@ -365,8 +365,7 @@ class ImportPlan:
   tokenizer: Path | None
 
 
-def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | None = None,
-                cli: bool = False) -> ImportPlan:
+def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | None = None) -> ImportPlan:
   from jaxtrain.core import config
   from jaxtrain.run import checkpoint
   src, w = Path(hf_dir), Path(workdir)
@@ -401,7 +400,7 @@ def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | Non
   with tempfile.TemporaryDirectory() as tmp:
     path = Path(tmp) / "imported.toml"
     path.write_text(toml_text(sections, ""))
-    cfg = config.load(str(path), overrides, cli=cli)
+    cfg = config.load(str(path), overrides)
   for item in overrides:  # the written config records the overrides too
     dotted = item.partition("=")[0].strip()
     section, _, key = config.RENAMED.get(dotted, dotted).partition(".")
