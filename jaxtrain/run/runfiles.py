@@ -269,12 +269,12 @@ class RunLog:
 
   def ending(self, err: Exception, writer: JsonlWriter | None) -> Exception:
     """What the run raises for `err`: a run failure in one line, anything else as it is (traceback logged)."""
-    try:  # only when libraries logged details, before our own traceback lands there
+    self._log.error("run ended: %s\n%s", err, "".join(traceback.format_exception(err)))
+    self.handler.flush()
+    try:  # point to the log only when it holds the details (a full disk may have refused them)
       pointer = f" (details in {self.path})" if self.path.stat().st_size else ""
     except OSError:
       pointer = ""
-    self._log.error("run ended: %s\n%s", err, "".join(traceback.format_exception(err)))
-    self.handler.flush()
     if isinstance(err, UserError) or not isinstance(err, RunAborted):
       return err
     if writer is not None and writer.failure is not None and not isinstance(err, RunFileError):
