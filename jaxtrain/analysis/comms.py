@@ -33,22 +33,23 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
     n = mesh.shape[axis]
     if n == 1:
       continue
+    g = 1 if axis == "data" else k  # the gradients are reduced over data once per update (data_region)
     for r in rows:
       e = math.prod(r.device_shape) * r.count
       if axis == "expert" and "experts" in r.axes:
         continue  # expert parallelism: each device keeps and updates its own experts
       if axis in _axes_of(r.spec):
         out[axis]["param all-gather (fwd+bwd)"] += 2 * k * (n - 1) * e * s
-        out[axis]["grad reduce-scatter"] += k * (n - 1) * e * GRAD_BYTES
+        out[axis]["grad reduce-scatter"] += g * (n - 1) * e * GRAD_BYTES
       elif axis == "data" and cfg.optim.zero_stage:  # master split over data: the compute copy is gathered once
         cast = r.role.cast_at_use
         out[axis]["param all-gather (compute copy, once)"] += int((n - 1) / n * e * (s if cast else 4))
         if cfg.optim.zero_stage == 2:
-          out[axis]["grad reduce-scatter"] += int(k * (n - 1) / n * e * GRAD_BYTES)
+          out[axis]["grad reduce-scatter"] += int(g * (n - 1) / n * e * GRAD_BYTES)
         else:
-          out[axis]["grad all-reduce"] += int(k * 2 * (n - 1) / n * e * GRAD_BYTES)
+          out[axis]["grad all-reduce"] += int(g * 2 * (n - 1) / n * e * GRAD_BYTES)
       else:
-        out[axis]["grad all-reduce"] += int(k * 2 * (n - 1) / n * e * GRAD_BYTES)
+        out[axis]["grad all-reduce"] += int(g * 2 * (n - 1) / n * e * GRAD_BYTES)
 
   t = mesh.shape["tensor"]
   if t > 1:

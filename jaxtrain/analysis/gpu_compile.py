@@ -213,33 +213,37 @@ class Hlo:
     return cls(text, instrs, times, loops)
 
 
-def collectives(hlo: Hlo) -> dict:
-  """Per collective kind: ops in the program, executions and bytes per step, how many
-  are asynchronous (a -start/-done pair XLA did not mark is_sync). `bytes` of one op is
-  its larger side (the gathered result of an all-gather, the input of a reduce-scatter)."""
+def collective_ops(hlo: Hlo):
+  """(instruction, kind, bytes of one execution, executions per step) of each collective: `bytes` of one op is its
+  larger side (the gathered result of an all-gather, the input of a reduce-scatter)."""
   shapes = {i.name: i.shape for i in hlo.instrs}
   called_root = {i.computation: i.opcode for i in hlo.instrs}  # a computation's last instruction is its ROOT
-  out = {k: {"ops": 0, "per_step": 0, "bytes_per_step": 0, "async": 0, "sync": 0, "largest_bytes": 0}
-         for k in COLLECTIVES}
   for i in hlo.instrs:
     op = i.opcode.removesuffix("-start")
     is_start = i.opcode.endswith("-start")
     if i.opcode == "async-start":
       callee = _CALLS.search(i.rest)
       op = called_root.get(callee.group(2), "") if callee else ""
-    if op not in out:
+    if op not in COLLECTIVES:
       continue
     operands = re.findall(r"%([\w.\-]+)", i.rest.split("),", 1)[0])
     ins = sum(shape_bytes(shapes.get(o, "")) for o in operands)
     res = shape_bytes(i.shape)
-    size = max(ins, res - ins) if is_start and res > ins else max(ins, res)
-    n = hlo.times.get(i.computation, 1)
+    yield i, op, max(ins, res - ins) if is_start and res > ins else max(ins, res), hlo.times.get(i.computation, 1)
+
+
+def collectives(hlo: Hlo) -> dict:
+  """Per collective kind: ops in the program, executions and bytes per step, how many
+  are asynchronous (a -start/-done pair XLA did not mark is_sync)."""
+  out = {k: {"ops": 0, "per_step": 0, "bytes_per_step": 0, "async": 0, "sync": 0, "largest_bytes": 0}
+         for k in COLLECTIVES}
+  for i, op, size, n in collective_ops(hlo):
     r = out[op]
     r["ops"] += 1
     r["per_step"] += n
     r["bytes_per_step"] += n * size
     r["largest_bytes"] = max(r["largest_bytes"], size)
-    r["async" if is_start and '"is_sync":true' not in i.rest else "sync"] += 1
+    r["async" if i.opcode.endswith("-start") and '"is_sync":true' not in i.rest else "sync"] += 1
   return out
 
 

@@ -57,10 +57,11 @@ def route(x_BxLxD, router_DxX, top_k: int, score: str = "softmax", bias_X=None, 
     w_BxLxk = w_BxLxk / jnp.sum(w_BxLxk, axis=-1, keepdims=True)
   w_BxLxk = w_BxLxk * scale
   load_X = jnp.sum(jax.nn.one_hot(idx_BxLxk, X, dtype=jnp.float32), axis=(0, 1, 2))
-  share_X = load_X / (B * L * top_k)
-  prob_X = jnp.mean(probs_BxLxX, axis=(0, 1))
+  # means over the whole microbatch: the balance loss multiplies two of them
+  share_X = ops.batch_mean(load_X / (B * L * top_k))
+  prob_X = ops.batch_mean(jnp.mean(probs_BxLxX, axis=(0, 1)))
   stats = {"balance": X * jnp.sum(share_X * prob_X),
-           "z": jnp.mean(jnp.square(jax.nn.logsumexp(logits_BxLxX, axis=-1))),
+           "z": ops.batch_mean(jnp.mean(jnp.square(jax.nn.logsumexp(logits_BxLxX, axis=-1)))),
            "share": share_X, "prob": prob_X, "load": jax.lax.stop_gradient(load_X)}
   return idx_BxLxk, w_BxLxk, stats
 

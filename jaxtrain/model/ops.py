@@ -26,6 +26,15 @@ class Ops:
     """How many devices split each dimension of an array with these logical axes."""
     return (1,) * len(shape)
 
+  def lookup(self, table_VxD, tokens_BxL):
+    """The rows of `table` at `tokens` (an embedding lookup)."""
+    return jnp.take(table_VxD, tokens_BxL, axis=0)
+
+  def batch_mean(self, x_mean):
+    """The microbatch's mean of a statistic, from the mean over the rows this device computes: the same on one
+    device (a data-parallel region, where each device sees only its rows, makes it the whole microbatch's)."""
+    return x_mean
+
   def attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype: str = "float32"):
     """Causal grouped-query attention within segments; `logits_dtype`: the reference kernel's scores."""
     return attention.attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, jnp.dtype(logits_dtype))
@@ -62,6 +71,14 @@ def use(ops: Ops):
 
 def constrain(x, axes):
   return current().constrain(x, axes)
+
+
+def batch_mean(x_mean):
+  return current().batch_mean(x_mean)
+
+
+def lookup(table_VxD, tokens_BxL):
+  return current().lookup(table_VxD, tokens_BxL)
 
 
 def einsum(spec: str, x, w):

@@ -66,7 +66,7 @@ class Transformer(nnx.Module):
     # Looked up from the fsdp-sharded table as stored: rows come out split over fsdp on D and XLA moves them to the
     # batch split (on CPU it warns of a full rematerialization there). Gathering the table first silences that
     # but moves the whole float32 table and its gradient every step (2 x 2 GiB at 8B), far more than the rows.
-    x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(jnp.dtype(self.cfg.dtype))
+    x_BxLxD = ops.lookup(self.embed[...], tokens_BxL).astype(jnp.dtype(self.cfg.dtype))
     return ops.constrain(x_BxLxD, RESIDUAL)
 
   def hidden(self, tokens_BxL, pos_BxL, seg_BxL):

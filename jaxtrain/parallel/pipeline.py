@@ -194,7 +194,8 @@ def _execute(objective, params, mbs, w, grad_sharding, *, cfg, mesh, forward_onl
                    head, specs, forward_only, mtp, t.device_of(t.chunks - 1)[0])
   w = w if w is not None else jnp.float32(0)  # evaluation: no objective weights
   slots = [plan.constrain(jnp.concatenate([x, jnp.zeros_like(x[:1])]), (None, *ACT)) for x in embedded]  # +discard
-  out = sharding.manual(functools.partial(_region, static), mesh, (P(None, AXIS), P(), P(), P(), P()),
+  # plan.mesh: the abstract mesh inside a region already manual over data (data_region), else `mesh`
+  out = sharding.manual(functools.partial(_region, static), plan.mesh, (P(None, AXIS), P(), P(), P(), P()),
                         (P(None, AXIS), P(), P(), P(), P(None, AXIS), P(), P()), axis_names={AXIS})(
       layers, rest, mbs, slots, w)
   g_layers, g_rest, loss_sum, moe, load, head_load, g_slots = out
@@ -215,7 +216,7 @@ def _embed(plan, e, tokens, dt):
   """The tokens of every microbatch embedded before the region, from the table as stored: inside, XLA would gather
   the whole float32 table for every op of chunk 0, and build its whole gradient (llama3.1-70b: 3.9 GiB each).
   Rows stay split like the table's d_model until cast: XLA would move them to the batch split in float32."""
-  rows = plan.constrain(jnp.take(e, tokens, axis=0), (None, None, None, "embed"))
+  rows = plan.constrain(plan.lookup(e, tokens), (None, None, None, "embed"))
   return plan.constrain(rows.astype(dt), (None, *ACT))
 
 

@@ -35,6 +35,7 @@ class Plan(ops.Ops):
   implied: tuple[str, ...] = ()  # "key=value (why)" for each setting the mesh implied
   sequence_axis: str = "sequence"
   expert_axis: str = "expert"
+  rows_over: tuple[str, ...] = ()  # manual axes whose devices each compute a part of the rows (data_region)
 
   @property
   def zero_stage(self) -> int:
@@ -58,6 +59,25 @@ class Plan(ops.Ops):
     if self.mesh is None:
       return (1,) * len(shape)
     return tuple(sharding.ways(e, self.mesh) for e in self.spec(axes, shape))
+
+  def lookup(self, table_VxD, tokens_BxL):
+    """Inside a region manual over data, every row is looked up split like the table's d_model, from token ids
+    replicated over the other batch axes, before the model moves the rows to its batch split: XLA's SPMD
+    partitioner aborts (spmd_partitioner_util.cc:497) when the lookup goes to the batch split directly there and
+    fsdp splits both the rows and the table's d_model (with tensor or pipeline also > 1). The ids are int32."""
+    if not (self.rows_over and self.mesh is not None):
+      return jnp.take(table_VxD, tokens_BxL, axis=0)
+    ids = (None,) * (tokens_BxL.ndim - 1) + ("length",)  # (B, L), or the pipeline's (k, B/k, L)
+    rows = jnp.take(table_VxD, self.constrain(tokens_BxL, ids), axis=0)
+    return self.constrain(rows, (*ids, "embed"))
+
+  def batch_mean(self, x_mean):
+    """The devices' equal shares averaged (forward); the gradient reaches each share as its 1/n part of the mean
+    (no collective in the backward: the update reduces the gradients over these axes once)."""
+    if not self.rows_over:
+      return x_mean
+    own = x_mean / jax.lax.psum(1, self.rows_over)
+    return own + jax.lax.stop_gradient(jax.lax.psum(own, self.rows_over) - own)
 
   def project(self, fn, x, w, *args):
     return fp8.matmul(self.cfg.model.fp8, fn, x, w, *args)

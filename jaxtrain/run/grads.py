@@ -6,8 +6,9 @@ its share of the update's objective
     (token losses + MoE aux * n_valid / k + mtp_weight * MTP losses * n_valid / n_mtp) * loss_scale / n_valid
 
 (n_valid, n_mtp: the valid targets of the whole update), so the summed gradient is already the token-normalized
-update's and per-token gradients stay in float16 range; each microbatch's gradient and their sum are kept in the
-gradient sharding (ZeRO: `grad_sharding`; stage 2 reduce-scatters). Out come the mean token loss, the unscaled
+update's and per-token gradients stay in float16 range; each microbatch's gradient and their sum are kept in
+`grad_sharding` (ZeRO pins it; jaxtrain.parallel.data_region runs an executor manual over `data`, so that the sum
+is reduced over data once per update). Out come the mean token loss, the unscaled
 gradient, n_valid and the MoE metrics. How the microbatches' forward and backward work is scheduled is an executor's: `accumulate` here
 (a scan) or the pipeline's schedule (jaxtrain.parallel.pipeline), which runs the same `Objective` in pieces."""
 

@@ -16,7 +16,7 @@ from jaxtrain.core.config import Config
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import moe_balance, ops, transformer as model_lib
 from jaxtrain.parallel import expert_layout as moe_layout, pipeline, placement as placement_lib, plan as plan_lib
-from jaxtrain.parallel import sharding
+from jaxtrain.parallel import data_region, sharding
 from jaxtrain.run import grads as grads_lib, offload as offload_lib, optimizer as optim_lib, precision
 from jaxtrain.run.layout import Layout
 
@@ -85,6 +85,8 @@ class Setup:
     # mesh pipeline > 1: the microbatches' forward and backward run as the pipeline schedule says
     self.pipelined = pipeline.active(mesh)
     executor = pipeline.executor(cfg, mesh) if self.pipelined else grads_lib.accumulate
+    if data_region.active(mesh):  # gradients reduced over data once per update, not once per microbatch
+      executor = data_region.once_over_data(executor)
     forward = pipeline.forward_executor(cfg, mesh) if self.pipelined else grads_lib.forward
 
     def init():

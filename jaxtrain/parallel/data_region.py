@@ -1,0 +1,79 @@
+"""Gradient accumulation with one reduction over `data` per update (docs/parallelism.md#data).
+
+Under automatic sharding each microbatch's gradient is reduced over `data` as soon as it is added to an
+accumulator that lives replicated (or split, ZeRO-2) over `data`: k reductions per update on the axis that crosses
+hosts. Here the microbatch executor runs in a region manual over `data`: every device accumulates the gradient of
+its own rows, unreduced, and the sum is reduced once after the last microbatch (an all-reduce; a reduce-scatter
+onto the gradients' split with ZeRO-2). Other axes stay automatic inside (fsdp's reduce-scatter of each
+microbatch's gradient stays where it was: within the fast domain). Statistics the objective needs over the whole
+microbatch (the MoE balance loss's means) are averaged over `data` in the forward (`Plan.batch_mean`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxtrain.model import ops
+from jaxtrain.parallel import sharding
+
+AXIS = "data"
+
+
+def active(mesh) -> bool:
+  return mesh is not None and mesh.shape.get(AXIS, 1) > 1
+
+
+def once_over_data(executor):
+  """`executor` (objective, params, mbs, w, grad_sharding) -> (loss sum, gradient sum, MoE totals), with the
+  gradients reduced over `data` once, after every microbatch; the plan installed around the step says the mesh."""
+
+  def run(objective, params, mbs, w, grad_sharding=None):
+    plan = ops.current()
+    mesh = plan.mesh
+    specs = jax.tree.map(lambda _: P(), params) if grad_sharding is None else jax.tree.map(
+        lambda sh: _data_only(sh.spec), grad_sharding)
+
+    def region(params, mbs, w):
+      inner = _inner_plan(plan)
+      with ops.use(inner):
+        keep = None if grad_sharding is None else jax.tree.map(
+            lambda sh: NamedSharding(inner.mesh, _without_data(sh.spec)), grad_sharding)
+        loss_sum, g, moe = executor(objective, params, mbs, w, keep)
+      g = jax.tree.map(_reduce, g, specs)
+      moe = {k: (jax.lax.pmean if k == "aux" else jax.lax.psum)(v, AXIS) for k, v in moe.items()}
+      return jax.lax.psum(loss_sum, AXIS), g, moe
+
+    rows = jax.tree.map(lambda x: P(None, AXIS), mbs)  # (k, rows, ...): each device its rows of each microbatch
+    return sharding.manual(region, mesh, (P(), rows, P()), (P(), specs, P()), axis_names={AXIS})(params, mbs, w)
+  return run
+
+
+def _inner_plan(plan):
+  """The plan as seen inside the region: `data` is manual, so the rules no longer split over it."""
+  rules = {k: tuple(a for a in v if a != AXIS) for k, v in plan.rules.items()}
+  return dataclasses.replace(plan, mesh=jax.sharding.get_abstract_mesh(), rules=rules,
+                             rows_over=(*plan.rows_over, AXIS))
+
+
+def _without_data(spec: P) -> P:
+  return P(*(_entry(tuple(a for a in sharding.axes_of(e) if a != AXIS)) for e in spec))
+
+
+def _data_only(spec: P) -> P:
+  """The gradient's split over `data` alone (its other axes stay automatic at the region's edge)."""
+  return P(*(AXIS if AXIS in sharding.axes_of(e) else None for e in spec))
+
+
+def _entry(axes: tuple[str, ...]):
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _reduce(g, spec: P):
+  """The devices' partial sums of one gradient added: all of it on each (all-reduce), or each its `data` part
+  (reduce-scatter) where the gradients are split over data (ZeRO-2; `data` leads that dimension's split)."""
+  for dim, e in enumerate(spec):
+    if e == AXIS:
+      return jax.lax.psum_scatter(g, AXIS, scatter_dimension=dim, tiled=True)
+  return jax.lax.psum(g, AXIS)

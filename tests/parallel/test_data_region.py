@@ -1,0 +1,94 @@
+"""One reduction over `data` per update (jaxtrain.parallel.data_region): the compiled step's bytes over `data` do
+not grow with train.microbatches (on main they grew k-fold), the update still equals one device's on one big
+batch, the MoE balance loss still sees the whole microbatch, and the analyses say what the program does."""
+
+import functools
+
+import numpy as np
+import pytest
+
+from jaxtrain.analysis import comms, gpu_compile, hlo_axes, memory
+from jaxtrain.core import config
+from jaxtrain.run import step
+from tests.helpers import mesh_of, needs_plugin, trajectory
+
+BASE = ["model.dtype=float32", "train.batch_size=16", "train.seq_len=32"]
+MESHES = [("dp=4", []), ("dp=2,fsdp=2", []), ("dp=2,fsdp=2", ["optim.zero_stage=2"]), ("dp=4", ["optim.zero_stage=1"]),
+          ("pipeline=2,dp=2", []), ("dp=2,fsdp=2,tp=2", [])]
+
+
+def _data_bytes(spec: str, k: int, sets, mesh=None) -> int:
+  cfg = config.load("tiny", BASE + [f"train.microbatches={k}", *sets])
+  setup = step.Setup(cfg, mesh if mesh is not None else mesh_of(spec))
+  compiled, _ = gpu_compile.compile_step(setup)
+  by_axes = hlo_axes.bytes_by_axes(gpu_compile.Hlo.parse(compiled.as_text()), dict(setup.mesh.shape))
+  return hlo_axes.over(by_axes, "data")
+
+
+@pytest.mark.parametrize("spec, sets", MESHES, ids=[" ".join([s, *x]) for s, x in MESHES])
+def test_bytes_over_data_do_not_grow_with_microbatches(spec, sets):
+  first = 2 if spec.startswith("pipeline") else 1  # every stage needs a microbatch
+  one, four = _data_bytes(spec, first, sets), _data_bytes(spec, 4, sets)
+  assert one > 0  # the gradients are reduced over data at all
+  assert abs(four - one) <= 0.02 * one, f"{spec} {sets}: {one} bytes over data at {first} microbatch(es), {four} at 4"
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_bytes_over_data_do_not_grow_with_microbatches_on_h100s():
+  one, four = (_data_bytes("", k, ["model.dtype=bfloat16"], gpu_compile.mesh("H100", "dp=4")) for k in (1, 4))
+  assert one > 0 and abs(four - one) <= 0.02 * one, (one, four)
+
+
+@functools.cache
+def _run(spec: str, *sets: str):
+  return trajectory(config.load("tiny", BASE + list(sets)), spec, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec, sets", [("dp=4", ()), ("dp=2,fsdp=2", ()), ("dp=4", ("optim.zero_stage=2",)),
+                                        ("pipeline=2,dp=2", ())])
+def test_four_microbatches_equal_one_device_one_batch(spec, sets):
+  got, ref = _run(spec, "train.microbatches=4", *sets), _run("dp=1", "train.microbatches=1")
+  assert got[-1, 0] < got[0, 0]  # it trains
+  np.testing.assert_allclose(got, ref, rtol=2e-5, err_msg=f"(loss, grad_norm) at 4 microbatches on {spec} {sets}")
+
+
+@pytest.mark.slow
+def test_balance_loss_sees_the_whole_microbatch():
+  """Each device holds half the rows; the balance loss multiplies two means over the whole microbatch. Local means
+  would change it (and the gradient) while the token loss stayed the same."""
+  sets = ("model.moe_aux_weight=0.1", "model.moe_z_weight=0.01", "train.microbatches=2")
+  got = trajectory(config.load("moe-tiny", BASE + list(sets)), "dp=2", 2)
+  ref = trajectory(config.load("moe-tiny", BASE + list(sets)), "dp=1", 2)
+  np.testing.assert_allclose(got, ref, rtol=2e-5)
+
+
+def test_comms_and_memory_count_one_reduction_over_data():
+  def billed(k):
+    cfg = config.load("tiny", BASE + [f"train.microbatches={k}"])
+    setup = step.Setup(cfg, mesh_of("dp=4"))
+    rows = memory.grouped(memory.param_rows(setup))
+    return comms.traffic(setup.cfg, setup.mesh, rows)["data"], setup
+  (one, _), (four, setup) = billed(1), billed(4)
+  assert one == four and sum(one.values()) > 0
+  made = memory.step_bytes(setup)
+  assert made["accumulator"] == made["gradients"] > 0  # dp: gradients sharded like the params
+
+
+GROUPS = [  # (collective text, mesh shape, the axes its first group spans)
+    ("replica_groups={{0,2},{1,3}}, to_apply=%add", {"data": 2, "fsdp": 2}, ("data",)),
+    ("replica_groups=[2,2]<=[4], to_apply=%add", {"data": 2, "fsdp": 2}, ("fsdp",)),
+    ("replica_groups=[2,2]<=[2,2]T(1,0), to_apply=%add", {"data": 2, "fsdp": 2}, ("data",)),
+    ("replica_groups=[1,8]<=[8], to_apply=%add", {"data": 2, "fsdp": 2, "tensor": 2}, ("data", "fsdp", "tensor")),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=2], device_ids=([2,2]T(1,0)) {'axis_0'}, to_apply=%a",
+     {"data": 2, "fsdp": 2}, ("fsdp",)),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}, to_apply=%a", {"data": 4, "tensor": 2}, ("tensor",)),
+    ("source_target_pairs={{0,4},{4,0}}", {"pipeline": 2, "data": 2, "tensor": 2}, ("pipeline",)),
+    ("replica_groups={{3}}, to_apply=%add", {"data": 4}, ()),
+]
+
+
+@pytest.mark.parametrize("text, shape, axes", GROUPS)
+def test_collective_groups_name_their_mesh_axes(text, shape, axes):
+  assert hlo_axes.axes_of(hlo_axes.first_group(text), shape) == axes
