@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from jaxtrain.core.errors import UserError
-from jaxtrain.parallel import expert_layout as moe_layout
+from jaxtrain.parallel import data_region, devices, expert_layout as moe_layout
 from jaxtrain.analysis.memory import Row
 from jaxtrain.parallel import sharding
 
@@ -28,6 +28,7 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
   m, k = cfg.model, cfg.train.microbatches
   s = np.dtype(m.dtype).itemsize
   T = sharding.tokens_per_device(cfg, mesh)
+  platform = devices.of(mesh.devices.flat[0]).platform  # the target's, as the plan decides it
   out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
   for axis in BATCH_LIKE:
     n = mesh.shape[axis]
@@ -36,20 +37,21 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
     g = 1 if axis == "data" else k  # the gradients are reduced over data once per update (data_region)
     for r in rows:
       e = math.prod(r.device_shape) * r.count
+      gb = data_region.wire_dtype(m, r.role, platform).itemsize if axis == "data" else GRAD_BYTES
       if axis == "expert" and "experts" in r.axes:
         continue  # expert parallelism: each device keeps and updates its own experts
       if axis in _axes_of(r.spec):
         out[axis]["param all-gather (fwd+bwd)"] += 2 * k * (n - 1) * e * s
-        out[axis]["grad reduce-scatter"] += g * (n - 1) * e * GRAD_BYTES
+        out[axis]["grad reduce-scatter"] += g * (n - 1) * e * gb
       elif axis == "data" and cfg.optim.zero_stage:  # master split over data: the compute copy is gathered once
         cast = r.role.cast_at_use
         out[axis]["param all-gather (compute copy, once)"] += int((n - 1) / n * e * (s if cast else 4))
         if cfg.optim.zero_stage == 2:
-          out[axis]["grad reduce-scatter"] += int(g * (n - 1) / n * e * GRAD_BYTES)
+          out[axis]["grad reduce-scatter"] += int(g * (n - 1) / n * e * gb)
         else:
-          out[axis]["grad all-reduce"] += int(g * 2 * (n - 1) / n * e * GRAD_BYTES)
+          out[axis]["grad all-reduce"] += int(g * 2 * (n - 1) / n * e * gb)
       else:
-        out[axis]["grad all-reduce"] += int(g * 2 * (n - 1) / n * e * GRAD_BYTES)
+        out[axis]["grad all-reduce"] += int(g * 2 * (n - 1) / n * e * gb)
 
   t = mesh.shape["tensor"]
   if t > 1:

@@ -18,6 +18,7 @@ import math
 import re
 
 from jaxtrain.analysis.gpu_compile import COLLECTIVES, Hlo, dot_flops, operands as _operands, shape_bytes
+from jaxtrain.analysis import hlo_axes
 from jaxtrain.analysis.gpu_compile import dims as _dims
 
 _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "partition-id",
@@ -26,14 +27,8 @@ _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"
 
 def group_size(rest: str) -> int:
   """Devices in each replica group of a collective (1 where the text does not say)."""
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", rest)  # mesh['axis_0'=8,...] {'axis_0'}
-  if m:
-    sizes = {k.strip("' "): int(v) for k, v in (x.split("=") for x in m.group(1).split(","))}
-    return math.prod(sizes[a.strip("' ")] for a in m.group(2).split(",") if a.strip("' "))
-  m = re.search(r"replica_groups=\[\d+,(\d+)\]<=", rest) or re.search(r"replica_groups=\{\{([0-9,]*)\}", rest)
-  if m:
-    return int(m.group(1)) if "<=" in m.group(0) else len(m.group(1).split(","))
-  return 2 if "source_target_pairs" in rest else 1
+  group = hlo_axes.first_group(rest)
+  return len(group) if group else 1
 
 
 class Costs:

@@ -42,6 +42,12 @@ class Role:
   stacked: bool  # has a leading `layers` axis (a scanned stack, model.scan_layers)
 
   @property
+  def low_gradient(self) -> bool:
+    """Its gradient is a matmul's product in the compute dtype (a weight cast at use; not the embedding table,
+    whose lookup adds rows in float32): reducing it in that dtype loses nothing the product kept."""
+    return self.kind == "matrix" and self.cast_at_use
+
+  @property
   def matmul(self) -> bool:
     """A weight of a matmul (not a norm scale, a bias, or a lookup table that is not also the head)."""
     return self.kind in ("matrix", "router") or self.output

@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain.model import ops
+from jaxtrain.model import ops, roles
 from jaxtrain.parallel import sharding
 
 AXIS = "data"
@@ -34,6 +35,7 @@ def once_over_data(executor):
     mesh = plan.mesh
     specs = jax.tree.map(lambda _: P(), params) if grad_sharding is None else jax.tree.map(
         lambda sh: _data_only(sh.spec), grad_sharding)
+    wire = wire_dtypes(objective.cfg.model, params, plan.platform)
 
     def region(params, mbs, w):
       inner = _inner_plan(plan)
@@ -41,7 +43,7 @@ def once_over_data(executor):
         keep = None if grad_sharding is None else jax.tree.map(
             lambda sh: NamedSharding(inner.mesh, _without_data(sh.spec)), grad_sharding)
         loss_sum, g, moe = executor(objective, params, mbs, w, keep)
-      g = jax.tree.map(_reduce, g, specs)
+      g = jax.tree.map(_reduce, g, specs, wire)
       moe = {k: (jax.lax.pmean if k == "aux" else jax.lax.psum)(v, AXIS) for k, v in moe.items()}
       return jax.lax.psum(loss_sum, AXIS), g, moe
 
@@ -70,10 +72,26 @@ def _entry(axes: tuple[str, ...]):
   return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def _reduce(g, spec: P):
-  """The devices' partial sums of one gradient added: all of it on each (all-reduce), or each its `data` part
-  (reduce-scatter) where the gradients are split over data (ZeRO-2; `data` leads that dimension's split)."""
+def wire_dtypes(model_cfg, params, platform: str):
+  """The dtype each gradient crosses `data` in: bfloat16 for a bfloat16 model's matmul weights (their gradient is
+  a bfloat16 product: half the float32 bytes, the dtype XLA reduced it in when it reduced each microbatch), else
+  the gradient's float32 (float16 too: a sum of loss-scaled gradients would overflow it)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p: wire_dtype(model_cfg, roles.of(model_cfg, path), platform), params)
+
+
+def wire_dtype(model_cfg, role, platform: str) -> jnp.dtype:
+  """One parameter's (see `wire_dtypes`). XLA:CPU keeps float32: a bfloat16 all-reduce in a manual region aborts
+  its all-reduce promotion pass (jax 0.10.2, "Invalid binary instruction opcode copy")."""
+  low = jnp.dtype(model_cfg.dtype) == jnp.bfloat16 and role.low_gradient and platform != "cpu"
+  return jnp.dtype(jnp.bfloat16 if low else jnp.float32)
+
+
+def _reduce(g, spec: P, wire):
+  """The devices' partial sums of one gradient added, in the `wire` dtype: all of it on each (all-reduce), or each
+  its `data` part (reduce-scatter) where the gradients are split over data (ZeRO-2; `data` leads that split)."""
+  x = g.astype(wire)
   for dim, e in enumerate(spec):
     if e == AXIS:
-      return jax.lax.psum_scatter(g, AXIS, scatter_dimension=dim, tiled=True)
-  return jax.lax.psum(g, AXIS)
+      return jax.lax.psum_scatter(x, AXIS, scatter_dimension=dim, tiled=True).astype(g.dtype)
+  return jax.lax.psum(x, AXIS).astype(g.dtype)

@@ -3,11 +3,11 @@
 
 import math
 
-from jaxtrain.analysis import comms
+from jaxtrain.analysis import comms, gpu_compile
 from jaxtrain.core import config
 from jaxtrain.analysis import memory
 from jaxtrain.run import step
-from tests.helpers import mesh_of
+from tests.helpers import mesh_of, needs_plugin
 
 
 def _traffic(spec, sets=()):
@@ -16,8 +16,19 @@ def _traffic(spec, sets=()):
 
 
 def test_data_parallel_all_reduces_every_gradient():
-  # ring all-reduce of 426,624 float32 gradients over 4 devices: 2 x 3/4 x 4 bytes each
+  # ring all-reduce of 426,624 float32 gradients over 4 devices: 2 x 3/4 x 4 bytes each (XLA:CPU: all float32)
   assert _traffic("dp=4") == {"data": {"grad all-reduce": 2 * 3 * 426_624}}
+  # Microbatches: still one reduction per update over data (fsdp's reduce-scatter runs per microbatch: below).
+  assert _traffic("dp=4", ["train.microbatches=4"]) == _traffic("dp=4")
+
+
+@needs_plugin
+def test_data_parallel_reduces_matmul_gradients_in_bfloat16_on_h100s():
+  # the 65,536-entry embedding table and 640 norm scales in float32, the 360,448 matmul weights (lm_head too) in
+  # bfloat16, the model's dtype (data_region.wire_dtype)
+  setup = step.Setup(config.load("tiny"), gpu_compile.mesh("H100", "dp=4"))
+  got = comms.traffic(setup.cfg, setup.mesh, memory.grouped(memory.param_rows(setup)))
+  assert got == {"data": {"grad all-reduce": int(2 * 3 / 4 * ((65_536 + 640) * 4 + 360_448 * 2))}}
 
 
 def test_fsdp_gathers_weights_twice_and_reduce_scatters_gradients():

@@ -13,8 +13,11 @@ from jaxtrain.run import step
 from tests.helpers import mesh_of, needs_plugin, trajectory
 
 BASE = ["model.dtype=float32", "train.batch_size=16", "train.seq_len=32"]
-MESHES = [("dp=4", []), ("dp=2,fsdp=2", []), ("dp=2,fsdp=2", ["optim.zero_stage=2"]), ("dp=4", ["optim.zero_stage=1"]),
-          ("pipeline=2,dp=2", []), ("dp=2,fsdp=2,tp=2", [])]
+slow = pytest.mark.slow
+MESHES = [("dp=4", []), ("dp=2,fsdp=2", ["optim.zero_stage=2"]),  # the rest: compiles left out of -m 'not slow'
+          pytest.param("dp=2,fsdp=2", [], marks=slow), pytest.param("dp=4", ["optim.zero_stage=1"], marks=slow),
+          pytest.param("pipeline=2,dp=2", [], marks=slow), pytest.param("dp=2,fsdp=2,tp=2", [], marks=slow),
+          pytest.param("dp=2,tp=2,ep=2", ["model.moe_experts=4"], marks=slow)]
 
 
 def _data_bytes(spec: str, k: int, sets, mesh=None) -> int:
@@ -25,7 +28,7 @@ def _data_bytes(spec: str, k: int, sets, mesh=None) -> int:
   return hlo_axes.over(by_axes, "data")
 
 
-@pytest.mark.parametrize("spec, sets", MESHES, ids=[" ".join([s, *x]) for s, x in MESHES])
+@pytest.mark.parametrize("spec, sets", MESHES)
 def test_bytes_over_data_do_not_grow_with_microbatches(spec, sets):
   first = 2 if spec.startswith("pipeline") else 1  # every stage needs a microbatch
   one, four = _data_bytes(spec, first, sets), _data_bytes(spec, 4, sets)
