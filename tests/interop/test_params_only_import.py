@@ -86,7 +86,7 @@ def test_import_writes_params_only_and_training_equals_the_full_state_import(tmp
     ws[kind] = tmp_path / kind
     H.imported(tmp_path / "hf", ws[kind], spec, SETS)
   step0 = ws["params"] / "checkpoints" / "0"
-  assert checkpoint.read_manifest(step0).get("contents") == checkpoint.PARAMS_ONLY
+  assert checkpoint.read_manifest(step0).get("contents") == "params"  # as docs/checkpoints.md says
   assert set(_saved_tree(step0)) == {"params"}  # no optimizer state, step or loss scale on disk
   _full_state_checkpoint(tmp_path / "hf", ws["full"], spec)
   assert set(_saved_tree(ws["full"] / "checkpoints" / "0")) == {"params", "opt", "step", "loss_scale"}
@@ -98,19 +98,26 @@ def test_import_writes_params_only_and_training_equals_the_full_state_import(tmp
   flat_b, tree_b = jax.tree.flatten(state_b)
   assert tree_a == tree_b
   for x, y in zip(flat_a, flat_b):
-    assert x.dtype == y.dtype and np.array_equal(np.asarray(x).reshape(-1).view(np.uint8), np.asarray(y).reshape(-1).view(np.uint8))
+    bits = lambda a: np.asarray(a).reshape(-1).view(np.uint8)  # noqa: E731
+    assert x.dtype == y.dtype and np.array_equal(bits(x), bits(y))
 
 
 MEASURE = """
-import json, os, resource, sys
+import json, sys
 import orbax.checkpoint, tensorstore  # noqa: F401 (their import is not the import's memory)
 from jaxtrain.interop import hf
 from tests.helpers import mesh_of
+def status(field):
+  return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
 plan = hf.plan_import(sys.argv[1], sys.argv[2], ["model.dtype=float32"], name="m")
 mesh = mesh_of("fsdp=1")
-base = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # resident now, not its peak
+try:  # the peak (VmHWM) from here on: what came before (start-up, a compile) may have peaked higher
+  open("/proc/self/clear_refs", "w").write("5")
+except OSError:
+  sys.exit(3)
+base = status("VmRSS")
 hf.run_import(plan, mesh)
-print(json.dumps({"base": base, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"base": base, "peak": status("VmHWM")}))
 """
 
 
@@ -141,11 +148,13 @@ def _bf16_llama(path, vocab=16384, d=1024, layers=4, heads=8, kv=4, ff=2816):
 @pytest.mark.slow
 def test_import_peak_host_memory_stays_within_three_times_the_source(tmp_path):
   """A 127 MB bfloat16 Llama imported in a fresh process: the peak RSS rises by at most 3x the source's bytes over
-  the process's resident size before the import (the full-state import held float32 params and two Adam moments: 6x, plus the
-  copy its init made), and the checkpoint holds the parameters alone."""
+  the process's resident size just before the import (the full-state import held float32 params and two Adam moments:
+  6x, 7.7x measured), and the checkpoint holds the parameters alone."""
   source = _bf16_llama(tmp_path / "hf")
   got = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "hf"), str(tmp_path / "w")], cwd=REPO,
                        capture_output=True, text=True, timeout=600)
+  if got.returncode == 3:
+    pytest.skip("this kernel does not let a process reset its peak RSS (/proc/self/clear_refs)")
   assert got.returncode == 0, got.stderr[-3000:]
   rss = json.loads(got.stdout.strip().splitlines()[-1])
   assert rss["peak"] - rss["base"] <= 3 * source, (rss, source)
