@@ -420,8 +420,18 @@ def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | Non
   return ImportPlan(src, w, name, cfg, text, headers, tok if tok.is_file() else None)
 
 
+def _stored_dtype(t: Tensor, headers: dict, ours) -> np.dtype:
+  """The dtype a parameter is saved in: its tensors' own (one dtype, widening exactly to `ours`, the parameter's),
+  so that the import holds and writes what it read; the first train casts it on restore."""
+  import jax.numpy as jnp
+  kinds = {headers[n][2] for n in t.names.flat}
+  own = {"F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}.get(kinds.pop()) if len(kinds) == 1 else None
+  return np.dtype(own) if own is not None and ours == np.float32 else np.dtype(ours)
+
+
 def run_import(plan: ImportPlan, mesh) -> Path:
-  """Places every tensor onto its sharding and commits a step-0 checkpoint; returns the config path."""
+  """Places every tensor onto its sharding, in its own dtype, and commits a step-0 checkpoint of the parameters
+  alone (no optimizer state: the first train creates it, checkpoint.PARAMS_ONLY); returns the config path."""
   import jax
   from jaxtrain import data
   from jaxtrain.parallel import mesh as mesh_lib
@@ -441,51 +451,56 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   setup = step_lib.Setup(cfg, mesh)
   cfg = setup.cfg  # with what the mesh implies (a pipeline's stacked layers)
   by_path = {t.path: t for t in table(cfg.model)}
+  params, nread = _place_params(plan, by_path, setup.abstract_state()["params"])
+  ck = cfg.checkpoint
+  # the params fill host memory on a CPU machine: orbax's compressed write buffers are kept to a window
+  window = max([2**30] + [x.nbytes for x in jax.tree.leaves(params)])
+  ckpts = checkpoint.Checkpoints(w / "checkpoints", ck.keep, ck.keep_every, async_save=False, is_writer=is_writer,
+                                 verify=ck.verify, write_window=window)
+  # A step-0 import took no step and read no data: later runs may change train settings and data.
+  fp = {**checkpoint.fingerprint(cfg, data.tokenizer_digest(cfg), ""), "train": checkpoint.ANY,
+        "data": checkpoint.ANY}
+  body = {"contents": checkpoint.PARAMS_ONLY, "progress": vars(progress.Progress()),
+          "data_state": {"version": 1, "step": 0}, "mesh": mesh_lib.describe(dict(mesh.shape)), "fingerprint": fp,
+          "config": cfg.to_dict(), "seed": cfg.train.seed, "process_count": jax.process_count(),
+          "imported_from": {"dir": str(plan.hf_dir.absolute()), "tensors": len(plan.headers)}}
+  try:
+    ckpts.save(0, {"params": params}, body)  # the manifest's digests: the one pass over what was written
+  finally:
+    ckpts.close()
+  print(f"imported {len(plan.headers)} tensors ({nread / 2**30:.2f} GiB read) from {plan.hf_dir} in "
+        f"{time.perf_counter() - t0:.1f}s: {setup.n_params:,} params, step-0 checkpoint (parameters only: the first "
+        f"train creates the optimizer state) in {w / 'checkpoints' / '0'}")
+  return w / f"{plan.name}.toml"
+
+
+def _place_params(plan: ImportPlan, by_path: dict, abstract_params) -> tuple[Any, int]:
+  """(params on their shardings, each in `_stored_dtype`; bytes read): every device reads its own part."""
+  import jax
   safe_open, nread = safetensors_api().safe_open, [0]
 
-  def get(name, t, index):
-    # Our part `index` of one HF tensor, float32: only that part is read (every device reads its own shard, not
-    # the whole tensor); the file is opened per read, so no mapping outlives it.
+  def get(name, t, index, dtype):
+    # Our part `index` of one HF tensor: only that part is read; the file is opened per read, so no mapping
+    # outlives it.
     with safe_open(str(plan.headers[name][0]), framework="numpy") as st:
       part = st.get_slice(name)
       hf_index = _hf_index(t, index)
       raw = part[hf_index] if hf_index is not None else part[:]
     nread[0] += raw.nbytes
+    raw = raw.astype(dtype, copy=False)
     if hf_index is None:  # a part the file does not hold contiguously: cut from the whole tensor
-      return np.ascontiguousarray(t.to_ours(raw.astype(np.float32))[index])
-    return raw.astype(np.float32) if t.ours is None else raw.astype(np.float32).T.reshape(
-        [len(range(*s.indices(n))) for s, n in zip(index, t.ours)])
+      return np.ascontiguousarray(t.to_ours(raw)[index])
+    return raw if t.ours is None else raw.T.reshape([len(range(*s.indices(n))) for s, n in zip(index, t.ours)])
 
-  def shard(t, index):  # the part `index` (slices over our shape) of parameter t
+  def shard(t, index, dtype):  # the part `index` (slices over our shape) of parameter t
     ns = t.names.ndim
     sub = np.asarray(t.names[index[:ns]], dtype=object)
-    blocks = [get(n, t, index[ns:]) for n in sub.flat]
+    blocks = [get(n, t, index[ns:], dtype) for n in sub.flat]
     return np.stack(blocks).reshape(sub.shape + blocks[0].shape) if ns else blocks[0]
 
-  def place(path, shape, sh):
+  def place(path, x):
     t = by_path[tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)]
-    return jax.make_array_from_callback(shape.shape, sh, lambda index: shard(t, index))
+    dtype = _stored_dtype(t, plan.headers, x.dtype)
+    return jax.make_array_from_callback(x.shape, x.sharding, lambda index: shard(t, index, dtype))
 
-  params = jax.tree_util.tree_map_with_path(place, jax.eval_shape(setup.init)["params"],
-                                            setup.state_shardings["params"])
-  # Adam moments start at zero, the schedule at step 0; donation reuses the params' buffers.
-  state = jax.jit(lambda p: step_lib.init_state(cfg, setup.opt, p), out_shardings=setup.state_shardings,
-                  donate_argnums=0)(params)
-  del params
-  ck = cfg.checkpoint
-  ckpts = checkpoint.Checkpoints(w / "checkpoints", ck.keep, ck.keep_every, async_save=False, is_writer=is_writer,
-                                 verify=ck.verify)
-  # A step-0 import took no step and read no data: later runs may change train settings and data.
-  fp = {**checkpoint.fingerprint(cfg, data.tokenizer_digest(cfg), ""), "train": checkpoint.ANY,
-        "data": checkpoint.ANY}
-  body = {"progress": vars(progress.Progress()), "data_state": {"version": 1, "step": 0},
-          "mesh": mesh_lib.describe(dict(mesh.shape)), "fingerprint": fp,
-          "config": cfg.to_dict(), "seed": cfg.train.seed, "process_count": jax.process_count(),
-          "imported_from": {"dir": str(plan.hf_dir.absolute()), "tensors": len(plan.headers)}}
-  try:
-    ckpts.save(0, state, body)
-  finally:
-    ckpts.close()
-  print(f"imported {len(plan.headers)} tensors ({nread[0] / 2**30:.2f} GiB read) from {plan.hf_dir} in "
-        f"{time.perf_counter() - t0:.1f}s: {setup.n_params:,} params, step-0 checkpoint in {w / 'checkpoints' / '0'}")
-  return w / f"{plan.name}.toml"
+  return jax.tree_util.tree_map_with_path(place, abstract_params), nread[0]

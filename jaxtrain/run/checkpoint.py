@@ -21,6 +21,9 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 # A saved fingerprint category that any run may resume with (a step-0 import has no train or data history).
 ANY = "any (step-0 import)"
+# The manifest's "contents" of a checkpoint holding only {"params": ...} (a Hugging Face import): the first train
+# creates the optimizer state. Absent: the whole train state.
+PARAMS_ONLY = "params"
 
 
 class CheckpointError(RunAborted):
@@ -103,6 +106,11 @@ def read_manifest(step_dir: Path) -> dict:
   return manifest
 
 
+def params_only(manifest: dict) -> bool:
+  """Whether the checkpoint holds the parameters alone (an import), not a train state."""
+  return manifest.get("contents") == PARAMS_ONLY
+
+
 def verify(step_dir: Path, manifest: dict, mode: str = "full") -> None:
   """Raises unless every listed file has its size and (`full`) digest; a collective (`_problem`)."""
   if (problem := _problem(step_dir, mode, manifest)) is not None:
@@ -166,7 +174,9 @@ class Checkpoints:
   """Saves and restores the train state of one run directory."""
 
   def __init__(self, directory: Path, keep: int, keep_every: int, async_save: bool, is_writer: bool = True,
-               verify: str = "full"):
+               verify: str = "full", write_window: int | None = None):
+    """`write_window`: the bytes orbax may hold in its write buffers at once (at least the largest array; None:
+    orbax's default, 96 GB), for a save whose arrays already fill host memory (an import on CPU)."""
     import orbax.checkpoint as ocp
     _write_each_shard_once()
     self.dir = Path(directory).absolute()
@@ -184,8 +194,10 @@ class Checkpoints:
         elif p.name.isdigit() or ocp.step.is_path_temporary(p):
           print(f"checkpoint: removing unfinished save {p.name} (orbax never committed it)")
           shutil.rmtree(p, ignore_errors=True)
+    window = {} if write_window is None else {
+        "item_handlers": ocp.StandardCheckpointHandler(save_concurrent_gb=write_window / 1e9)}
     self.mgr = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(  # orbax never deletes (we rotate)
-        max_to_keep=None, enable_async_checkpointing=async_save, create=True))
+        max_to_keep=None, enable_async_checkpointing=async_save, create=True), **window)
     self._pending: tuple[int, dict, str] | None = None  # orbax save in flight, manifest not yet written
     self._finalizer: threading.Thread | None = None
     self._error: BaseException | None = None
@@ -307,7 +319,9 @@ class Checkpoints:
       self.mgr.close()
 
   def restore(self, step_dir: Path, abstract_state, verified: bool = False):
-    """Restore onto `abstract_state`'s shardings (any mesh), verified unless `verified`; every process calls it."""
+    """Restore onto `abstract_state`'s shardings (any mesh), verified unless `verified`; every process calls it.
+    A parameters-only checkpoint (`params_only`) gives {"params": ...} alone, cast to the abstract dtypes (an
+    import keeps the tensors' own dtypes, which widen exactly): the caller creates the rest of the state."""
     import orbax.checkpoint as ocp
     manifest = read_manifest(step_dir)
     size = sum(f["size"] for f in manifest["files"].values())
@@ -317,6 +331,8 @@ class Checkpoints:
     if not verified:
       verify(step_dir, manifest, self.verify)
     own = step_dir.parent.absolute() == self.dir and step_dir.name == str(manifest["step"])
+    if params_only(manifest):
+      abstract_state = {"params": abstract_state["params"]}
     try:
       if own:
         state = self.mgr.restore(manifest["step"], args=ocp.args.StandardRestore(abstract_state))

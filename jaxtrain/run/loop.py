@@ -109,6 +109,9 @@ def _resume(ckpts, step_dir, setup, batches, mesh_text: str):
   if step_dir is None:
     return None, progress_lib.Progress(), {}
   state, manifest = ckpts.restore(step_dir, setup.abstract_state(), verified=True)
+  if checkpoint.params_only(manifest):  # an import: the optimizer state starts here
+    state = setup.init_from(state["params"])
+    print("checkpoint: parameters only (an import): optimizer state created (Adam moments zero, schedule at step 0)")
   batches.set_state(manifest["data_state"])
   moved = "" if manifest["mesh"] == mesh_text else f" (written on mesh {manifest['mesh']}, resharded)"
   print(f"resumed from {step_dir} at step {manifest['progress']['step']}{moved}")

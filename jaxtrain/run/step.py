@@ -106,6 +106,12 @@ class Setup:
     shapes = jax.eval_shape(self.init)
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, self.state_shardings)
 
+  def init_from(self, params):
+    """The train state around `params` (restored from a parameters-only checkpoint): the optimizer state, step
+    and loss scale an import creates, exactly as `init` creates them around its own parameters."""
+    make = jax.jit(lambda p: init_state(self.cfg, self.opt, p), out_shardings=self.state_shardings, donate_argnums=0)
+    return make(params)
+
   def device_batch(self, local: dict):
     return self.placement.device_batch(local)
 
