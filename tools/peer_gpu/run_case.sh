@@ -56,6 +56,8 @@ case $C in
   jt70b64) cmd="$JT10 $PEER_GPU/jt_gpu_compile.py res/$C.json $JT70 $JT" ;;
   jt70b64-gpudefault) cmd="$JT10 $PEER_GPU/jt_gpu_compile.py res/$C.json $JT70 $JT --set run.xla_flags=gpu-default" ;;
   mt2-7b8) cmd="env NDEV=8 HOSTS=1 $MT10 $HERE/mt_compile_hosts.py res/$C.json $MT $MT8 $MT27" ;;
+  mt2-7b8-gpudefault) export XLA_FLAGS="$GPUDEFAULT"; cmd="env NDEV=8 HOSTS=1 $MT10 $HERE/mt_compile_hosts.py res/$C.json $MT $MT8 $MT27" ;;
+  jt2-7b8-gpudefault) cmd="$JT10 $PEER_GPU/jt_gpu_compile.py res/$C.json $JT27 $JT --set run.xla_flags=gpu-default" ;;
   jt2-7b8) cmd="$JT10 $PEER_GPU/jt_gpu_compile.py res/$C.json $JT27 $JT" ;;
   *) echo "unknown case $C"; exit 2 ;;
 esac
