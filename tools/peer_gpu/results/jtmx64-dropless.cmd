@@ -1,0 +1,1 @@
+env PYTHONPATH=/work/wt-peer /work/main/.venv/bin/python /work/shared/peer/gpu/jt_gpu_compile.py res/jtmx64-dropless.json --config mixtral-8x7b --mesh fsdp=8,expert=8,dcn.fsdp=8 --set train.batch_size=64 --set train.seq_len=4096 --device H100 --compile --json --set model.scan_layers=true --set model.remat=full --set train.microbatches=1 --set model.moe_dropless=true 
