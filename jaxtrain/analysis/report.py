@@ -264,5 +264,10 @@ def overlap_lines(ov: dict | None) -> list[str]:
   if tot:
     L.append(f"    predicted step: {ms(tot['predicted_step_seconds'])} = compute {ms(tot['compute_seconds'])} + exposed "
              f"communication {ms(tot['exposed_seconds'])} (a {tot['label']})")
+    if "calibrated_step_seconds" in tot:
+      c = tot["calibration"]
+      factor = c["measured_s"] / c["predicted_s"]
+      L.append(f"    calibrated prediction: {ms(tot['calibrated_step_seconds'])} (x{factor:.3f}, the predictor's "
+               f"measured/predicted on {c['what']}; still a prediction, not a measurement)")
   return L
 

@@ -45,3 +45,20 @@ def test_data_parallel_gradient_all_reduce_bytes_equal_comms(compiled):
   want = comms.traffic(setup.cfg, setup.mesh, memory.grouped(memory.param_rows(setup)))["data"]["grad all-reduce"]
   got = rep["per_kind"]["all-reduce"]["wire_bytes"]
   assert want <= got <= want + 2 * 7 / 8 * 4 * 4, (got, want)
+
+
+HLO = """HloModule m
+
+ENTRY %main (p: f32[1024,1024]) -> f32[1024,1024] {
+  %p = f32[1024,1024]{1,0} parameter(0)
+  ROOT %d = f32[1024,1024]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_h100_prediction_is_calibrated_by_the_peers_measured_over_predicted():
+  from jaxtrain.parallel import devices
+  tot = overlap.report(gpu_compile.Hlo.parse(HLO), devices.TABLE["H100"])["totals"]
+  assert tot["predicted_step_seconds"] > 0
+  assert tot["calibrated_step_seconds"] == pytest.approx(tot["predicted_step_seconds"] * 0.721 / 0.608)
+  assert "calibrated_step_seconds" not in overlap.report(gpu_compile.Hlo.parse(HLO), devices.TABLE["A100"])["totals"]
