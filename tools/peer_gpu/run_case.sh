@@ -1,6 +1,6 @@
 #!/bin/bash
 # usage: run_case.sh CASE   (one compile per call; run it under nice on a shared machine)
-# The 64-GPU and Llama-2-7B cases of issue 39, on top of the shared scripts in $PEER_GPU (read by path,
+# The 64-GPU, Llama-2-7B and 128-GPU Llama3-70B cases of issue 39, on top of the shared scripts in $PEER_GPU (read by path,
 # not copied): writes $P/res/CASE.json, CASE.hlo.gz, CASE.collectives.json and $P/logs/CASE.log.
 # Then: python3 $PEER_GPU/table.py CASE...  and  PYTHONPATH=<jaxtrain tree> python predict.py CASE...
 set -u
@@ -22,6 +22,7 @@ scan_layers=True remat_policy=full per_device_batch_size=1 attention=cudnn_flash
 # groups devices by slice_index, which is 0 on all 64 compile-only devices: case mtmx64-dcn.)
 MT64="compile_topology=a3 compile_topology_num_slices=8 num_slices=1"
 MT8="compile_topology=a3 compile_topology_num_slices=1"
+MT128="compile_topology=a3 compile_topology_num_slices=16 num_slices=1"   # 128 H100s: 16 nodes x 8, topology 1x16x8
 JT="--device H100 --compile --json --set model.scan_layers=true --set model.remat=full --set train.microbatches=1"
 # Mixtral 8x7B, 64 GPUs: expert=8 within a node, fsdp=8 across nodes; 1 x 4096 tokens per GPU (global 64 x 4096);
 # capacity-based routing (factor 1.25, tokens dropped past capacity) on both sides
@@ -30,6 +31,11 @@ JTMX="--config mixtral-8x7b --mesh fsdp=8,expert=8,dcn.fsdp=8 --set train.batch_
 # Llama 3.1 70B, 64 GPUs, fsdp=64 (8 within a node x 8 across); 1 x 8192 tokens per GPU
 MT70="model_name=llama3.1-70b max_target_length=8192 ici_fsdp_parallelism=64"
 JT70="--config llama3.1-70b --mesh fsdp=64,dcn.fsdp=8 --set train.batch_size=64 --set train.seq_len=8192"
+# Llama3-70B, 128 GPUs, fsdp=128 (8 within a node x 16 across); 1 x 8192 tokens per GPU (global 128 x 8192):
+# NGC's measured MaxText Llama3-70B point (1,052 tokens/s/GPU). MaxText 0.2.5 has model_name=llama3-70b
+# (configs/models/llama3-70b.yml, the same fields as llama3.1-70b.yml); jaxtrain's preset is llama3.1-70b.
+MT70128="model_name=llama3-70b max_target_length=8192 ici_fsdp_parallelism=128"
+JT70128="--config llama3.1-70b --mesh fsdp=128,dcn.fsdp=16 --set train.batch_size=128 --set train.seq_len=8192"
 # Llama-2-7B (JAX-Toolbox's MaxText measurement: 8 H100s, bf16, global batch 16 x 4096)
 MT27="model_name=llama2-7b max_target_length=4096 ici_fsdp_parallelism=8 per_device_batch_size=2"
 JT27="--config llama3-8b --mesh fsdp=8 --set model.vocab_size=32000 --set model.n_kv_heads=32 --set model.d_ff=11008 \
@@ -55,6 +61,10 @@ case $C in
   mt70b64-gpudefault) export XLA_FLAGS="$GPUDEFAULT"; cmd="env NDEV=64 HOSTS=8 $MT10 $HERE/mt_compile_hosts.py res/$C.json $MT $MT64 $MT70" ;;
   jt70b64) cmd="$JT10 $PEER_GPU/jt_gpu_compile.py res/$C.json $JT70 $JT" ;;
   jt70b64-gpudefault) cmd="$JT10 $PEER_GPU/jt_gpu_compile.py res/$C.json $JT70 $JT --set run.xla_flags=gpu-default" ;;
+  mt70b128) cmd="env NDEV=128 HOSTS=16 $MT10 $HERE/mt_compile_hosts.py res/$C.json $MT $MT128 $MT70128" ;;
+  jt70b128) cmd="$JT10 $PEER_GPU/jt_gpu_compile.py res/$C.json $JT70128 $JT" ;;
+  mt70b128-gpudefault) export XLA_FLAGS="$GPUDEFAULT"; cmd="env NDEV=128 HOSTS=16 $MT10 $HERE/mt_compile_hosts.py res/$C.json $MT $MT128 $MT70128" ;;
+  jt70b128-gpudefault) cmd="$JT10 $PEER_GPU/jt_gpu_compile.py res/$C.json $JT70128 $JT --set run.xla_flags=gpu-default" ;;
   mt2-7b8) cmd="env NDEV=8 HOSTS=1 $MT10 $HERE/mt_compile_hosts.py res/$C.json $MT $MT8 $MT27" ;;
   mt2-7b8-gpudefault) export XLA_FLAGS="$GPUDEFAULT"; cmd="env NDEV=8 HOSTS=1 $MT10 $HERE/mt_compile_hosts.py res/$C.json $MT $MT8 $MT27" ;;
   jt2-7b8-gpudefault) cmd="$JT10 $PEER_GPU/jt_gpu_compile.py res/$C.json $JT27 $JT --set run.xla_flags=gpu-default" ;;

@@ -1,0 +1,1 @@
+XLA_FLAGS= env PYTHONPATH=/work/wt-peer /work/main/.venv/bin/python /work/shared/peer/gpu/jt_gpu_compile.py res/jt70b128.json --config llama3.1-70b --mesh fsdp=128,dcn.fsdp=16 --set train.batch_size=128 --set train.seq_len=8192 --device H100 --compile --json --set model.scan_layers=true --set model.remat=full --set train.microbatches=1 
