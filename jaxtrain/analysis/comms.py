@@ -34,10 +34,10 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
     n = mesh.shape[axis]
     if n == 1:
       continue
-    g = 1 if axis == "data" else k  # the gradients are reduced over data once per update (data_region)
+    g = 1 if axis == "data" and cfg.optim.zero_stage != 2 else k  # once per update over data (data_region)
     for r in rows:
       e = math.prod(r.device_shape) * r.count
-      gb = data_region.wire_dtype(m, r.role, platform).itemsize if axis == "data" else GRAD_BYTES
+      gb = data_region.wire_dtype(m, r.role, platform).itemsize if axis == "data" and g == 1 else GRAD_BYTES
       if axis == "expert" and "experts" in r.axes:
         continue  # expert parallelism: each device keeps and updates its own experts
       if axis in _axes_of(r.spec):

@@ -129,17 +129,15 @@ def offload_unit_bytes(setup) -> int:
 
 def step_bytes(setup) -> dict[str, int]:
   """Per-device bytes of what the step makes from the state: the compute copy of the parameters (none when
-  the step uses the master itself), one gradient (float32, in the gradients' sharding) and the microbatches'
-  accumulator (float32, sharded like the params: unreduced over data until the update's one reduction)."""
+  the step uses the master itself) and one gradient (float32, in the gradients' sharding)."""
   s = np.dtype(setup.cfg.model.dtype).itemsize
-  out = {"compute": 0, "gradients": 0, "accumulator": 0}
+  out = {"compute": 0, "gradients": 0}
   flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(setup.abstract_params))
   for (path, x), c, g in zip(flat, jax.tree.leaves(setup.param_shardings), jax.tree.leaves(setup.grad_shardings),
                              strict=True):
     cast = roles.of(setup.cfg.model, path).cast_at_use
     out["compute"] += math.prod(c.shard_shape(x.shape)) * (s if cast else 4) if setup.layout.separate else 0
     out["gradients"] += math.prod(g.shard_shape(x.shape)) * 4
-    out["accumulator"] += math.prod(c.shard_shape(x.shape)) * 4
   return out
 
 
@@ -366,8 +364,8 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
       "master": (on_device("params"), f"float32 master weights, {stored}{moved}") if setup.layout.separate
                 else (0, "none: the params are the master"),
       "gradients": (made["gradients"], grads),
-      "grad_accumulator": (made["accumulator"], f"float32 sum over {t.microbatches} microbatches of this device's "
-                           "rows, sharded like the params: reduced over data once, after the last")
+      "grad_accumulator": (made["gradients"], f"float32 sum over {t.microbatches} microbatches, {grads}"
+                           + ("" if p == 2 else ": this device's rows, reduced over data once, after the last"))
                           if t.microbatches > 1 else (0, "none (1 microbatch)"),
       "adam_m": (on_device("adam_m"), stored),
       "adam_v": (on_device("adam_v"), stored),

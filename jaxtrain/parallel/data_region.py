@@ -3,8 +3,7 @@
 Under automatic sharding each microbatch's gradient is reduced over `data` as soon as it is added to an
 accumulator that lives replicated (or split, ZeRO-2) over `data`: k reductions per update on the axis that crosses
 hosts. Here the microbatch executor runs in a region manual over `data`: every device accumulates the gradient of
-its own rows, unreduced, and the sum is reduced once after the last microbatch (an all-reduce; a reduce-scatter
-onto the gradients' split with ZeRO-2). Other axes stay automatic inside (fsdp's reduce-scatter of each
+its own rows, unreduced, and the sum is all-reduced once after the last microbatch (where: `wanted`). Other axes stay automatic inside (fsdp's reduce-scatter of each
 microbatch's gradient stays where it was: within the fast domain). Statistics the objective needs over the whole
 microbatch (the MoE balance loss's means) are averaged over `data` in the forward (`Plan.batch_mean`)."""
 
@@ -22,8 +21,14 @@ from jaxtrain.parallel import sharding
 AXIS = "data"
 
 
-def active(mesh) -> bool:
-  return mesh is not None and mesh.shape.get(AXIS, 1) > 1
+def wanted(plan) -> bool:
+  """Where the region runs: `data` > 1 and more than one microbatch (one is reduced once by XLA anyway, layer by
+  layer inside the backward: better overlap, and ZeRO-2's gradients never whole), except ZeRO-2, whose point is
+  gradients split over data: an unreduced accumulator would be whole on every device, so it keeps one
+  reduce-scatter per microbatch (as DeepSpeed's stage 2 does)."""
+  mesh, cfg = plan.mesh, plan.cfg
+  return (mesh is not None and mesh.shape.get(AXIS, 1) > 1 and cfg.train.microbatches > 1
+          and plan.zero_stage != 2)
 
 
 def once_over_data(executor):
@@ -33,8 +38,7 @@ def once_over_data(executor):
   def run(objective, params, mbs, w, grad_sharding=None):
     plan = ops.current()
     mesh = plan.mesh
-    specs = jax.tree.map(lambda _: P(), params) if grad_sharding is None else jax.tree.map(
-        lambda sh: _data_only(sh.spec), grad_sharding)
+    specs = jax.tree.map(lambda _: P(), params)  # reduced whole: ZeRO-2, split over data, does not come here
     wire = wire_dtypes(objective.cfg.model, params, plan.platform)
 
     def region(params, mbs, w):
@@ -43,7 +47,7 @@ def once_over_data(executor):
         keep = None if grad_sharding is None else jax.tree.map(
             lambda sh: NamedSharding(inner.mesh, _without_data(sh.spec)), grad_sharding)
         loss_sum, g, moe = executor(objective, params, mbs, w, keep)
-      g = jax.tree.map(_reduce, g, specs, wire)
+      g = jax.tree.map(lambda x, dt: jax.lax.psum(x.astype(dt), AXIS).astype(x.dtype), g, wire)
       moe = {k: (jax.lax.pmean if k == "aux" else jax.lax.psum)(v, AXIS) for k, v in moe.items()}
       return jax.lax.psum(loss_sum, AXIS), g, moe
 
@@ -63,11 +67,6 @@ def _without_data(spec: P) -> P:
   return P(*(_entry(tuple(a for a in sharding.axes_of(e) if a != AXIS)) for e in spec))
 
 
-def _data_only(spec: P) -> P:
-  """The gradient's split over `data` alone (its other axes stay automatic at the region's edge)."""
-  return P(*(AXIS if AXIS in sharding.axes_of(e) else None for e in spec))
-
-
 def _entry(axes: tuple[str, ...]):
   return None if not axes else axes[0] if len(axes) == 1 else axes
 
@@ -85,13 +84,3 @@ def wire_dtype(model_cfg, role, platform: str) -> jnp.dtype:
   its all-reduce promotion pass (jax 0.10.2, "Invalid binary instruction opcode copy")."""
   low = jnp.dtype(model_cfg.dtype) == jnp.bfloat16 and role.low_gradient and platform != "cpu"
   return jnp.dtype(jnp.bfloat16 if low else jnp.float32)
-
-
-def _reduce(g, spec: P, wire):
-  """The devices' partial sums of one gradient added, in the `wire` dtype: all of it on each (all-reduce), or each
-  its `data` part (reduce-scatter) where the gradients are split over data (ZeRO-2; `data` leads that split)."""
-  x = g.astype(wire)
-  for dim, e in enumerate(spec):
-    if e == AXIS:
-      return jax.lax.psum_scatter(x, AXIS, scatter_dimension=dim, tiled=True).astype(g.dtype)
-  return jax.lax.psum(x, AXIS).astype(g.dtype)

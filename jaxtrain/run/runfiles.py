@@ -269,17 +269,24 @@ class RunLog:
 
   def ending(self, err: Exception, writer: JsonlWriter | None) -> Exception:
     """What the run raises for `err`: a run failure in one line, anything else as it is (traceback logged)."""
+    before = self._size()
     self._log.error("run ended: %s\n%s", err, "".join(traceback.format_exception(err)))
     self.handler.flush()
-    try:  # point to the log only when it holds the details (a full disk may have refused them)
-      pointer = f" (details in {self.path})" if self.path.stat().st_size else ""
-    except OSError:
-      pointer = ""
+    # point to the log when it holds more than this line: what libraries logged, or the error's cause chain (if the
+    # log could take it: a full disk may have refused it)
+    chained = err.__cause__ is not None or err.__context__ is not None
+    pointer = f" (details in {self.path})" if self._size() and (before or chained) else ""
     if isinstance(err, UserError) or not isinstance(err, RunAborted):
       return err
     if writer is not None and writer.failure is not None and not isinstance(err, RunFileError):
       err = RunFileError(f"{writer.failure}; the checkpoint attempted after it failed too: {err}")
     return type(err)(f"{err}{pointer}")
+
+  def _size(self) -> int:
+    try:
+      return self.path.stat().st_size
+    except OSError:
+      return 0
 
   def close(self) -> None:
     """The log stays the destination (orbax reports after the run), beside the earlier non-terminal handlers."""

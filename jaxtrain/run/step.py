@@ -85,7 +85,7 @@ class Setup:
     # mesh pipeline > 1: the microbatches' forward and backward run as the pipeline schedule says
     self.pipelined = pipeline.active(mesh)
     executor = pipeline.executor(cfg, mesh) if self.pipelined else grads_lib.accumulate
-    if data_region.active(mesh):  # gradients reduced over data once per update, not once per microbatch
+    if data_region.wanted(self.plan):  # gradients reduced over data once per update, not once per microbatch
       executor = data_region.once_over_data(executor)
     forward = pipeline.forward_executor(cfg, mesh) if self.pipelined else grads_lib.forward
 
