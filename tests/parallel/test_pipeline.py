@@ -256,9 +256,10 @@ def test_pipeline_axis_is_outermost_with_alias_pp():
 
 
 def test_zero2_splits_the_pipelines_gradients_over_data():
-  """optim.zero_stage=2 under pp=2,dp=2: the compiled step's temporaries fall by at least the gradient bytes the
-  split saves a device, one gradient-sized buffer (measured: 1.00x; without a pipeline, dp=2,fsdp=2: 2.76x). On
-  main the pipeline's gradient function never got the gradient sharding: 33.20 MiB at either stage."""
+  """optim.zero_stage=2 under pp=2,dp=2: the compiled step's temporaries fall by most of the gradient bytes the
+  split saves a device (measured 1.00x while ZeRO-1 reduced each microbatch; 0.75x since ZeRO-1 accumulates
+  unreduced in data_region, a program with less temporaries of its own). On main before issue 37 the pipeline's
+  gradient function never got the gradient sharding: 33.20 MiB at either stage."""
   import math
 
   import jax
@@ -274,7 +275,7 @@ def test_zero2_splits_the_pipelines_gradients_over_data():
     out[z] = temps, grads
     assert ("gradients split over data=2" in setup.plan.describe()) == (z == 2)
   saved = out[1][1] - out[2][1]
-  assert saved > 0 and out[1][0] - out[2][0] >= 0.9 * saved, out
+  assert saved > 0 and out[1][0] - out[2][0] >= 0.6 * saved, out
 
 
 @pytest.mark.parametrize("spec", ["pp=2,fsdp=2"])
