@@ -23,6 +23,8 @@ FULL = {"config": "llama3-1b", "set": ["train.seq_len=2048", "train.batch_size=1
         "rounds": 3, "attention": (2, 1024, 16, 8, 128)}
 TINY = {"config": "tiny", "set": ["train.seq_len=32", "train.batch_size=2", "model.scan_layers=true"], "steps": 3,
         "warmup": 1, "rounds": 1, "attention": (2, 128, 4, 2, 32)}
+# What jaxtrain sets to do a baseline's math: torch's autocast head returns bfloat16 logits.
+SAME_MATH = {"torch": ["model.head_logits_dtype=bfloat16"]}
 # Seconds a child may take.
 TIMEOUT_S = {"step": 120, "baseline:minimal": 180, "baseline:torch": 240}
 
@@ -95,7 +97,8 @@ def measure_step(tiny: bool, device, remat: str) -> dict:
 def measure_baseline(tiny: bool, device, name: str) -> dict:
   """`analysis.speed.run` of jaxtrain against one baseline, rounds alternating, remat none on both sides."""
   from jaxtrain.analysis import speed as bench
-  cfg = load_config(tiny, ["model.remat=none"])  # the baselines keep every activation: so does jaxtrain here
+  # the baselines keep every activation: so does jaxtrain here; and it computes what the baseline computes
+  cfg = load_config(tiny, ["model.remat=none", *SAME_MATH.get(name, [])])
   bench.check_baseline(cfg, name)
   s = shape(tiny)
   rep = bench.run(cfg, one_device_mesh(device), s["config"], steps=s["steps"], warmup=s["warmup"], baselines=[name],

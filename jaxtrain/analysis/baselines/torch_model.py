@@ -103,7 +103,8 @@ def load_jax_params(model: Transformer, params) -> None:
 
 
 def loss_fn(model, batch, dtype):
-  """Mean next-token cross-entropy over the valid targets (float32 logits and loss)."""
+  """Mean next-token cross-entropy over the valid targets. Under autocast the head's matmul returns bfloat16
+  logits (jaxtrain's model.head_logits_dtype=bfloat16); softmax and loss run in float32."""
   with torch.autocast(batch["inputs"].device.type, dtype=dtype, enabled=dtype != torch.float32):
     logits = model(batch["inputs"], batch["positions"])
   nll = F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten(), reduction="none")
