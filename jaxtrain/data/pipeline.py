@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxtrain.core import parse
 from jaxtrain.core.config import Config
-from jaxtrain.data import readers, shards, tokenizer as tokenizer_lib
+from jaxtrain.data import busy, readers, shards, tokenizer as tokenizer_lib
 from jaxtrain.core.errors import UserError
 from jaxtrain.core.files import sha256_file
 
@@ -202,6 +202,7 @@ class DataIterator:
   def __init__(self, mixture: Mixture, lo: int, hi: int, workers: int, prefetch: int):
     self.mixture, self.lo, self.hi, self.workers, self.prefetch = mixture, lo, hi, workers, prefetch
     self.step, self._it = 0, None
+    self.busy = busy.BusyClock()  # the loader's own rate (the run's checklist)
 
   def __iter__(self):
     return self
@@ -209,7 +210,8 @@ class DataIterator:
   def __next__(self) -> dict[str, np.ndarray]:
     if self._it is None:  # grain builds batches from self.step on in background threads
       import grain
-      ds = grain.MapDataset.range(self.step, 1 << 62).map(lambda s: self.mixture.batch(s, self.lo, self.hi))
+      build = lambda s: self.busy.timed(self.mixture.batch, s, self.lo, self.hi)  # noqa: E731
+      ds = grain.MapDataset.range(self.step, 1 << 62).map(build)
       options = grain.ReadOptions(num_threads=self.workers, prefetch_buffer_size=self.prefetch)
       self._it = iter(ds.to_iter_dataset(options))
     batch = next(self._it)

@@ -20,6 +20,7 @@ from jaxtrain.model import flops
 from jaxtrain.parallel import devices, mesh as mesh_lib, pipeline
 from jaxtrain.run import checkpoint, lock as lock_lib, metrics, observe, progress as progress_lib, runfiles
 from jaxtrain.run import step as step_lib
+from jaxtrain.run import checklist as checklist_lib
 
 
 @dataclasses.dataclass
@@ -190,7 +191,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       if params is not None:
         fetched.update(evaluate(params))
       progress.count(s, int(fetched["tokens"]), bool(fetched["skipped"]))
-      rec = metrics.record(s, fetched, done - since, wait, progress, flops_per_step, peak_total)
+      rec = metrics.record(s, fetched, done - since, sum(wait), progress, flops_per_step, peak_total)
+      rec.update(checklist.fields(s, rec, wait))
       sinks.write(s, rec)
       summary.steps, summary.skipped, summary.final_loss, summary.last = (
           summary.steps + 1, summary.skipped + rec["skipped"], rec["loss"], rec)
@@ -200,8 +202,11 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     batch = setup.device_batch(next(batches))
     compiled = setup.step.lower(state, batch).compile()
     print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s", flush=True)
+    checklist = checklist_lib.Checklist(jax.local_devices(), batches, setup.placement.rows()[1])
+    if jax.process_index() == 0 and (note := checklist.note()):
+      print(note)
 
-    pending, wait, last_done = None, 0.0, time.perf_counter()
+    pending, wait, last_done = None, (0.0, 0.0), time.perf_counter()
     for s in range(progress.step + 1, stop_at + 1):
       profiler.before(s)
       state, step_metrics = compiled(state, batch)
@@ -220,13 +225,13 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
         t = time.perf_counter()
         ckpts.save(s, state, manifest_body())
         last_done = time.perf_counter()  # the save's blocking part is not the next step's time
-        print(f"checkpoint {s}: saving ({last_done - t:.2f}s blocking{', async' if ck.async_save else ''})", flush=True)
+        share = checklist.saved(t, last_done)
+        print(f"checkpoint {s}: saving ({last_done - t:.2f}s blocking, {share:.1%} of the interval"
+              f"{', async' if ck.async_save else ''})", flush=True)
       ckpts.poll()
       if stop:
         break
-      t = time.perf_counter()
-      batch = setup.device_batch(next(batches))
-      wait = time.perf_counter() - t
+      batch, wait = checklist.next_batch(batches, setup.device_batch)  # wait: (host batch, host-to-device) seconds
     ckpts.wait()
     runfiles.report_write_failure(out, progress.step)  # with several processes, a collective
     if preempt.requested:

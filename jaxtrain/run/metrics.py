@@ -28,6 +28,22 @@ def record(step: int, fetched: dict, step_time: float, data_wait: float, progres
   }
 
 
+def _gib(n: int) -> str:
+  return f"{n / 2**30:.2f}"
+
+
+def _checklist(rec: dict) -> str:
+  """Device memory in use/peak (host RSS where the backend keeps no statistics) and the loader's headroom."""
+  out = ""
+  if rec.get("device_mem_bytes") is not None:
+    out += f"  mem {_gib(rec['device_mem_bytes'])}/{_gib(rec['device_mem_peak_bytes'])}GiB"
+  elif rec.get("host_rss_bytes") is not None:
+    out += f"  rss {_gib(rec['host_rss_bytes'])}GiB"
+  if rec.get("data_rho") is not None:
+    out += f"  rho {rec['data_rho']:.1f}"
+  return out
+
+
 class ConsoleSink:
   """A progress line every `log_every` steps and at the last one."""
 
@@ -41,7 +57,7 @@ class ConsoleSink:
     print(f"step {step:>6}/{self.total}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  gnorm {rec['grad_norm']:.3f}  "
           f"tok/s {rec['tokens_per_sec']:,.0f}  step {rec['step_time_s'] * 1e3:.0f}ms  "
           f"data {rec['data_wait_s'] * 1e3:.1f}ms  mfu {mfu}"
-          + (f"  scale {rec['loss_scale']:g}" if rec["loss_scale"] != 1.0 else "")
+          + _checklist(rec) + (f"  scale {rec['loss_scale']:g}" if rec["loss_scale"] != 1.0 else "")
           + ("  SKIPPED (non-finite gradients)" if rec["skipped"] else "")
           + (f"  eval {rec['eval_loss']:.4f} (ppl {rec['eval_ppl']:.2f})" if "eval_loss" in rec else ""), flush=True)
 
