@@ -280,6 +280,7 @@ class Checkpoints:
     lister = me == 0 if shared else self.is_writer
     try:
       faults.before_manifest(step)
+      faults.kill_point("save", step)
       listing = {str(p.relative_to(step_dir)): p.stat().st_size for p in sorted(step_dir.rglob("*"))
                  if p.is_file() and p.name != MANIFEST} if lister else None
     except BaseException as e:
@@ -333,6 +334,8 @@ class Checkpoints:
     own = step_dir.parent.absolute() == self.dir and step_dir.name == str(manifest["step"])
     if params_only(manifest):
       abstract_state = {"params": abstract_state["params"]}
+    from jaxtrain.run import faults
+    faults.kill_point("restore", manifest["step"])
     try:
       if own:
         state = self.mgr.restore(manifest["step"], args=ocp.args.StandardRestore(abstract_state))

@@ -18,7 +18,7 @@ from jaxtrain.core.config import MISMATCH_CATEGORIES
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import flops
 from jaxtrain.parallel import devices, mesh as mesh_lib, pipeline
-from jaxtrain.run import checkpoint, lock as lock_lib, metrics, observe, progress as progress_lib, runfiles
+from jaxtrain.run import checkpoint, faults, lock as lock_lib, metrics, observe, progress as progress_lib, runfiles
 from jaxtrain.run import step as step_lib
 
 
@@ -205,6 +205,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     for s in range(progress.step + 1, stop_at + 1):
       profiler.before(s)
       state, step_metrics = compiled(state, batch)
+      faults.kill_point("step", s)
       profiler.after(s, step_metrics)
       if pending:  # step s-1's metrics: reading them waits for s-1, while s is already queued
         last_done = log_step(*pending, last_done)
