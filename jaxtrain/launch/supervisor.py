@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from jaxtrain.run import goodput
+
 USER_ERROR = 2
 
 
@@ -66,16 +68,29 @@ def workdir_of(train_args: list[str]) -> str | None:
   return None
 
 
-def child_env(train_args: list[str]) -> dict:
+def workdir_path(train_args: list[str]) -> str:
+  """The trainer's workdir as it resolves it (default runs/<config name>), absolute."""
+  from jaxtrain.core import config
+  return os.path.abspath(workdir_of(train_args) or os.path.join("runs", config.run_name(_config_of(train_args))))
+
+
+def child_env(train_args: list[str], attempt_t: float) -> dict:
   """The compilation cache in the run's workdir unless one is set: a restarted trainer loads its programs, the
-  small ones too (JAX caches only compiles over 1 s by default; a restart pays for each)."""
-  env = dict(os.environ)
+  small ones too (JAX caches only compiles over 1 s by default; a restart pays for each). And the attempt's
+  start, from which the trainer's ledger counts its start-up."""
+  env = {**os.environ, goodput.ATTEMPT_T: repr(attempt_t)}
   if "JAX_COMPILATION_CACHE_DIR" not in env:
-    from jaxtrain.core import config
-    workdir = workdir_of(train_args) or os.path.join("runs", config.run_name(_config_of(train_args)))
-    env["JAX_COMPILATION_CACHE_DIR"] = os.path.abspath(os.path.join(workdir, "compile_cache"))
+    env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(workdir_path(train_args), "compile_cache")
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   return env
+
+
+def writes_ledger(train_args: list[str]) -> bool:
+  """Process 0's supervisor keeps the job's ledger (the workdir is shared): under SLURM, a JobSet or MPI the
+  scheduler's rank says which that is, else the --process-id given."""
+  ranks = [os.environ.get(k) for k in ("SLURM_PROCID", "JOB_COMPLETION_INDEX", "OMPI_COMM_WORLD_RANK")]
+  ranks += [train_args[i + 1] for i, a in enumerate(train_args[:-1]) if a == "--process-id"]
+  return all(r in (None, "0") for r in ranks)
 
 
 def _config_of(train_args: list[str]) -> str:
@@ -129,10 +144,20 @@ class Supervisor:
       self.group.signal(signum)
 
   def run(self) -> int:
+    ledger = goodput.Ledger(workdir_path(self.train_args) if writes_ledger(self.train_args) else None)
+    ledger.event("job", t=goodput.process_start())
+    try:
+      return self._attempts(ledger)
+    finally:
+      ledger.event("job_end")
+
+  def _attempts(self, ledger) -> int:
     while True:
-      started = time.monotonic()
-      self.group = Group(trainer_commands(self.train_args, self.policy.processes), child_env(self.train_args))
+      started, t = time.monotonic(), time.time()
+      ledger.event("attempt", t=t)
+      self.group = Group(trainer_commands(self.train_args, self.policy.processes), child_env(self.train_args, t))
       code = self.group.wait()
+      ledger.event("ended", cause=cause(code))
       if code in (0, USER_ERROR) or self.stopping:
         return code if code >= 0 else 128 - code
       if not self._may_restart(code):

@@ -18,7 +18,8 @@ from jaxtrain.core.config import MISMATCH_CATEGORIES
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import flops
 from jaxtrain.parallel import devices, mesh as mesh_lib, pipeline
-from jaxtrain.run import checkpoint, faults, lock as lock_lib, metrics, observe, progress as progress_lib, runfiles
+from jaxtrain.run import checkpoint, faults, goodput, lock as lock_lib, metrics, observe, progress as progress_lib
+from jaxtrain.run import runfiles
 from jaxtrain.run import step as step_lib
 
 
@@ -118,6 +119,17 @@ def _resume(ckpts, step_dir, setup, batches, mesh_text: str):
   return state, progress_lib.Progress(**manifest["progress"]), manifest
 
 
+def _goodput_summary(ledger, workdir: Path, sinks, step: int) -> None:
+  """The job so far, from the ledger (process 0): one line, and its figures to TensorBoard."""
+  ledger.event("end")
+  summary = goodput.summarize(goodput.read(workdir)) if ledger.path is not None else None
+  if summary is None:
+    return
+  print(goodput.describe(summary))
+  sinks.write_only(metrics.TensorBoardSink, step, {"goodput": summary["goodput"], "goodput_wall_s": summary["wall_s"],
+                                                   **{f"goodput_{k}_s": v for k, v in summary["seconds"].items()}})
+
+
 def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = None, fresh: bool = False,
         resume_from: str | None = None, allow_mismatch: str = "") -> Summary:
   """Trains until `stop_at` (default train.steps) total steps."""
@@ -168,8 +180,13 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     peak = devices.peak_flops(dev.device_kind)
     peak_total = peak * mesh.size if peak else None
     runlog = runfiles.RunLog(workdir, jax.process_index())  # library noise -> <workdir>/jaxtrain.log
+    ledger = goodput.Ledger(workdir if jax.process_index() == 0 else None)
+    ledger.event("start", t=goodput.process_start(), resumed=at)
+    ledger.spent("startup", time.time() - goodput.process_start())
     t0 = time.perf_counter()
     state, progress, manifest = _resume(ckpts, step_dir, setup, batches, mesh_text)
+    ledger.spent("restore", time.perf_counter() - t0)
+    t_restored = time.perf_counter()
     if jax.process_index() == 0:  # once the checkpoint is restored: a refused or failed resume rewrites nothing
       runfiles.write_json(workdir / "config.json", cfg.to_dict())
     resumed_at = progress.step if state is not None else None
@@ -187,8 +204,10 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       step's own time is taken, so that neither the eval nor its set-up counts as a step's time."""
       fetched = jax.device_get(device_metrics)
       done = time.perf_counter()
+      ledger.spent("productive", done - since - wait, step=s)
       if params is not None:
         fetched.update(evaluate(params))
+        ledger.spent("eval", time.perf_counter() - done)
       progress.count(s, int(fetched["tokens"]), bool(fetched["skipped"]))
       rec = metrics.record(s, fetched, done - since, wait, progress, flops_per_step, peak_total)
       sinks.write(s, rec)
@@ -200,6 +219,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     batch = setup.device_batch(next(batches))
     compiled = setup.step.lower(state, batch).compile()
     print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s", flush=True)
+    ledger.spent("compile", time.perf_counter() - t_restored)
 
     pending, wait, last_done = None, 0.0, time.perf_counter()
     for s in range(progress.step + 1, stop_at + 1):
@@ -221,6 +241,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
         t = time.perf_counter()
         ckpts.save(s, state, manifest_body())
         last_done = time.perf_counter()  # the save's blocking part is not the next step's time
+        ledger.spent("checkpoint", last_done - t)
         print(f"checkpoint {s}: saving ({last_done - t:.2f}s blocking{', async' if ck.async_save else ''})", flush=True)
       ckpts.poll()
       if stop:
@@ -228,8 +249,12 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       t = time.perf_counter()
       batch = setup.device_batch(next(batches))
       wait = time.perf_counter() - t
+      ledger.spent("data_wait", wait, step=s + 1)  # also marks step s + 1 as started
+    t = time.perf_counter()
     ckpts.wait()
+    ledger.spent("checkpoint", time.perf_counter() - t)
     runfiles.report_write_failure(out, progress.step)  # with several processes, a collective
+    _goodput_summary(ledger, workdir, sinks, progress.step)
     if preempt.requested:
       print(f"preempted: checkpoint committed at step {progress.step}; run the same command to resume")
     return summary
