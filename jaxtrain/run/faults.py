@@ -1,5 +1,6 @@
 """Fault injection for the failure rehearsals (tests), off unless JAXTRAIN_FAULTS names one:
-hold_manifest=STEP:SECONDS|PATH, enospc_at=STEP, metrics_enospc_at=STEP."""
+hold_manifest=STEP:SECONDS|PATH, enospc_at=STEP, metrics_enospc_at=STEP, loader_fail_at=STEP (reading a row of
+the batch of training step STEP fails with EIO, in the loader's worker thread, as a broken disk would)."""
 
 import errno
 import os
@@ -35,3 +36,9 @@ def metrics_write(step: int) -> None:
   at = _spec("metrics_enospc_at")
   if at and step >= int(at):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "(injected fault)")
+
+
+def loader_read(step: int) -> None:
+  at = _spec("loader_fail_at")
+  if at and int(at) == step:
+    raise OSError(errno.EIO, os.strerror(errno.EIO), "(injected fault)")
