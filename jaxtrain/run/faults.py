@@ -1,5 +1,6 @@
 """Fault injection for the failure rehearsals (tests), off unless JAXTRAIN_FAULTS names one:
-hold_manifest=STEP:SECONDS|PATH, enospc_at=STEP, metrics_enospc_at=STEP,
+hold_manifest=STEP:SECONDS|PATH, enospc_at=STEP, metrics_enospc_at=STEP, loader_fail_at=STEP (reading a row of
+the batch of training step STEP fails with EIO, in the loader's worker thread, as a broken disk would),
 kill=WHERE:STEP:PROCESS:MARKER (SIGKILL of that process at `step` (a step dispatched, not finished), `save`
 (an async save in flight, before its manifest) or `restore` (restoring that step); once: MARKER is created
 first, so the restarted trainer runs on)."""
@@ -52,3 +53,9 @@ def kill_point(where: str, step: int) -> None:
   open(marker, "w").close()
   print(f"fault: killing process {process} at {where} {step}", flush=True)
   os.kill(os.getpid(), signal.SIGKILL)
+
+
+def loader_read(step: int) -> None:
+  at = _spec("loader_fail_at")
+  if at and int(at) == step:
+    raise OSError(errno.EIO, os.strerror(errno.EIO), "(injected fault)")

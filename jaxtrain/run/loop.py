@@ -130,6 +130,24 @@ def _goodput_summary(ledger, workdir: Path, sinks, step: int) -> None:
                                                    **{f"goodput_{k}_s": v for k, v in summary["seconds"].items()}})
 
 
+def _stopped_by_loader(err, ckpts, step: int, unsaved: tuple | None = None) -> data.LoaderError:
+  """The line for a batch the pipeline could not produce, once the run stands at a committed point: `unsaved`
+  (state, manifest body) of `step` is saved first. The data state in it is the one before the failed fetch, so
+  the same command fetches that batch again and goes on exactly as an uninterrupted run. With several processes
+  the others may already be in the next step (they cannot agree on a save): the last committed checkpoint stands."""
+  try:
+    if unsaved is not None and jax.process_count() == 1:
+      ckpts.save(step, *unsaved)
+    ckpts.wait()
+  except checkpoint.CheckpointError as e:
+    return data.LoaderError(f"{err}; the checkpoint attempted after it failed too: {e}")
+  if step == 0:
+    return data.LoaderError(f"{err}; no step had run: nothing to commit; run the same command to start again")
+  done = (f"checkpoint {step} is committed" if ckpts.last_committed == step
+          else checkpoint.last_good(ckpts.last_committed))
+  return data.LoaderError(f"{err}; {done}; run the same command to resume (it fetches that batch again)")
+
+
 def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = None, fresh: bool = False,
         resume_from: str | None = None, allow_mismatch: str = "") -> Summary:
   """Trains until `stop_at` (default train.steps) total steps."""
@@ -216,7 +234,10 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       progress.check(cfg.train.max_skipped_in_a_row, rec["loss_scale"])
       return done if params is None else time.perf_counter()
 
-    batch = setup.device_batch(next(batches))
+    try:
+      batch = setup.device_batch(next(batches))
+    except data.LoaderError as e:  # no step of this run to save: the resume point (if any) is the committed one
+      raise _stopped_by_loader(e, ckpts, progress.step) from e
     compiled = setup.step.lower(state, batch).compile()
     print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s", flush=True)
     ledger.spent("compile", time.perf_counter() - t_restored)
@@ -247,7 +268,12 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       if stop:
         break
       t = time.perf_counter()
-      batch = setup.device_batch(next(batches))
+      try:
+        batch = setup.device_batch(next(batches))
+      except data.LoaderError as e:  # step s is complete: commit it (with the data state of the failed fetch)
+        if pending:
+          last_done = log_step(*pending, last_done)
+        raise _stopped_by_loader(e, ckpts, s, None if saves.due(s) else (state, manifest_body())) from e
       wait = time.perf_counter() - t
       ledger.spent("data_wait", wait, step=s + 1)  # also marks step s + 1 as started
     t = time.perf_counter()
