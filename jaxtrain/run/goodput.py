@@ -65,9 +65,34 @@ class Ledger:
     except OSError:
       self.path = None
 
-  def spent(self, cat: str, seconds: float, step: int | None = None) -> None:
+  def spent(self, cat: str, seconds: float, step: int | None = None, **more) -> None:
     assert cat in CATEGORIES, cat
-    self.event("spent", cat=cat, s=max(float(seconds), 0.0), **({"step": step} if step is not None else {}))
+    self.event("spent", cat=cat, s=max(float(seconds), 0.0), **({"step": step} if step is not None else {}), **more)
+
+
+class CacheCount:
+  """Counts the persistent compilation cache's hits and misses while open (jax.monitoring events): whether a
+  (re)started trainer loaded its step or compiled it."""
+
+  HIT, MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
+
+  def __init__(self):
+    import jax
+    self.hits = self.misses = 0
+    jax.monitoring.register_event_listener(self._on)
+
+  def _on(self, event: str, **_) -> None:
+    self.hits += event == self.HIT
+    self.misses += event == self.MISS
+
+  def stop(self) -> None:
+    import jax
+    jax.monitoring.unregister_event_listener(self._on)
+
+  def verdict(self) -> str:
+    """'hit' (every program loaded), 'miss' (all compiled), 'partly' (some of each), 'off' (no cache in use)."""
+    return {(True, False): "hit", (False, True): "miss", (True, True): "partly"}.get(
+        (self.hits > 0, self.misses > 0), "off")
 
 
 def read(workdir: Path) -> list[dict]:
@@ -148,16 +173,19 @@ def summarize(events: list[dict]) -> dict | None:
     nxt = attempts[i + 1]["start"] if i + 1 < len(attempts) else last
     secs["restart" if i + 1 < len(attempts) else "startup"] += max(nxt - stop, 0.0)
   wall = last - first
+  caches = [e["cache"] for a in attempts for e in a["spent"] if e["cat"] == "compile" and "cache" in e]
   return {"wall_s": wall, "seconds": secs, "lost_steps": lost_steps, "attempts": len(attempts),
-          "goodput": secs["productive"] / wall if wall > 0 else None}
+          "compile_cache": caches, "goodput": secs["productive"] / wall if wall > 0 else None}
 
 
 def describe(summary: dict) -> str:
   """'goodput 91.4%: productive 55.0s of 60.2s; lost 3.1s (1 step), restart 1.0s, ...' (the largest first)."""
   s, wall = summary["seconds"], summary["wall_s"]
   rest = sorted(((v, k) for k, v in s.items() if k != "productive" and v >= 0.05), reverse=True)
-  parts = [f"{k} {v:.1f}s" + (f" ({summary['lost_steps']} step{'s' * (summary['lost_steps'] != 1)} redone)"
-                               if k == "lost" and summary["lost_steps"] else "") for v, k in rest]
+  notes = {"lost": f" ({summary['lost_steps']} step{'s' * (summary['lost_steps'] != 1)} redone)"
+           if summary["lost_steps"] else "",
+           "compile": f" (cache: {', '.join(summary['compile_cache'])})" if summary.get("compile_cache") else ""}
+  parts = [f"{k} {v:.1f}s{notes.get(k, '')}" for v, k in rest]
   pct = f"{summary['goodput']:.1%}" if summary["goodput"] is not None else "n/a"
   return (f"goodput {pct}: productive {s['productive']:.1f}s of {wall:.1f}s over {summary['attempts']} "
           f"attempt{'s' * (summary['attempts'] != 1)}" + (f"; {', '.join(parts)}" if parts else ""))

@@ -208,6 +208,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     if jax.process_index() == 0:  # once the checkpoint is restored: a refused or failed resume rewrites nothing
       runfiles.write_json(workdir / "config.json", cfg.to_dict())
     resumed_at = progress.step if state is not None else None
+    cache = goodput.CacheCount()  # did the step come from the compilation cache?
     state = setup.init() if state is None else state
     sinks = _sinks(cfg, workdir, stop_at, resumed_at, manifest.get("unwritten_metrics"))
     out = sinks.writer()  # metrics.jsonl's writer (its failures stop the run after a save); None elsewhere
@@ -240,7 +241,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       raise _stopped_by_loader(e, ckpts, progress.step) from e
     compiled = setup.step.lower(state, batch).compile()
     print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s", flush=True)
-    ledger.spent("compile", time.perf_counter() - t_restored)
+    cache.stop()
+    ledger.spent("compile", time.perf_counter() - t_restored, cache=cache.verdict())
 
     pending, wait, last_done = None, 0.0, time.perf_counter()
     for s in range(progress.step + 1, stop_at + 1):

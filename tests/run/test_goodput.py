@@ -89,3 +89,23 @@ def test_goodput_command_without_a_ledger_is_one_line(run_cli, tmp_path):
   r = run_cli("jaxtrain.goodput", str(tmp_path))
   assert r.returncode == 2 and r.stderr.strip() == (f"jaxtrain.goodput: error: {tmp_path}: no goodput.jsonl there; "
                                                     "give the --workdir of a run (train or launch write the ledger)")
+
+
+def test_the_compile_says_whether_the_cache_served_it(tmp_path):
+  import jax
+  import jax.numpy as jnp
+  was = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  salt = time.time_ns() % 1000003 / 7.0  # a program no earlier run can have cached
+  try:
+    verdicts = []
+    for _ in range(2):  # compiled, then (a new function object, the same program) loaded
+      count = goodput.CacheCount()
+      jax.jit(lambda x: jnp.sin(x) * salt).lower(jnp.ones(7)).compile()
+      count.stop()
+      verdicts.append(count.verdict())
+  finally:
+    jax.config.update("jax_compilation_cache_dir", was[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", was[1])
+  assert verdicts == ["miss", "hit"]
