@@ -149,3 +149,10 @@ def test_a_killed_trainer_is_restarted_and_the_job_equals_an_uninterrupted_one(
   assert len(restarts) == 1 and "signal SIGKILL" in restarts[0], out[-3000:]
   assert _losses(tmp_path) == uninterrupted  # every step, bit for bit (JSON floats round-trip exactly)
   print(f"{where} {step}: job {took:.1f}s with one restart")
+
+
+def test_a_real_trainers_user_error_is_not_retried(run_cli, tmp_path):
+  r = run_cli("jaxtrain.launch", "--backoff-s", "0", "--", "--set", "train.no_such_key=1", "--workdir", "w")
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("jaxtrain: error: "), r.stderr
+  assert "train.no_such_key" in lines[0] and not (tmp_path / "w").exists()  # nothing written, not even a ledger
