@@ -152,7 +152,10 @@ class Renderer:
   """A compiled template with its context; render(turns) -> (text, generation spans in characters)."""
 
   def __init__(self, template: str, where: str, ctx: dict[str, str]):
-    import jinja2
+    try:
+      import jinja2
+    except ImportError:
+      raise UserError("chat templates need the 'jinja2' package: pip install 'jaxtrain[data]'") from None
     try:
       self.template = _compile(template)
     except jinja2.TemplateError as e:
