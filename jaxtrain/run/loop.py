@@ -20,6 +20,7 @@ from jaxtrain.model import flops
 from jaxtrain.parallel import devices, mesh as mesh_lib, pipeline
 from jaxtrain.run import checkpoint, lock as lock_lib, metrics, observe, progress as progress_lib, runfiles
 from jaxtrain.run import step as step_lib
+from jaxtrain.run import watchdog as watchdog_lib
 
 
 @dataclasses.dataclass
@@ -130,7 +131,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   # Every check that can refuse the run comes before anything in the workdir is written, moved or created.
   current = checkpoint.fingerprint(cfg, data.tokenizer_digest(cfg), data.source_digest(cfg))
   batches = data.batches(cfg, *setup.placement.rows())
-  lock = ckpts = sinks = runlog = profiler = preempt = created = None
+  lock = ckpts = sinks = runlog = profiler = preempt = created = dog = None
   summary = Summary()
   try:
     evaluate = Evaluator(cfg, setup)
@@ -168,6 +169,9 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     peak = devices.peak_flops(dev.device_kind)
     peak_total = peak * mesh.size if peak else None
     runlog = runfiles.RunLog(workdir, jax.process_index())  # library noise -> <workdir>/jaxtrain.log
+    # From here a stuck restore, compile or step (a peer alive but stopped) ends this process with a report.
+    dog = watchdog_lib.Watchdog(cfg.run.hang_timeout_s, cfg.run.hang_first_step_s, runlog.path, jax.process_index(),
+                                ckdir, mesh_shape=dict(mesh.shape)).start(step=at)
     t0 = time.perf_counter()
     state, progress, manifest = _resume(ckpts, step_dir, setup, batches, mesh_text)
     if jax.process_index() == 0:  # once the checkpoint is restored: a refused or failed resume rewrites nothing
@@ -187,8 +191,10 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       step's own time is taken, so that neither the eval nor its set-up counts as a step's time."""
       fetched = jax.device_get(device_metrics)
       done = time.perf_counter()
+      dog.beat(s)  # a step counts as completed once its metrics are here
       if params is not None:
-        fetched.update(evaluate(params))
+        with dog.slow():
+          fetched.update(evaluate(params))
       progress.count(s, int(fetched["tokens"]), bool(fetched["skipped"]))
       rec = metrics.record(s, fetched, done - since, wait, progress, flops_per_step, peak_total)
       sinks.write(s, rec)
@@ -198,7 +204,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       return done if params is None else time.perf_counter()
 
     batch = setup.device_batch(next(batches))
-    compiled = setup.step.lower(state, batch).compile()
+    compiled = dog.compiled = setup.step.lower(state, batch).compile()
     print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s", flush=True)
 
     pending, wait, last_done = None, 0.0, time.perf_counter()
@@ -218,7 +224,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
           last_done = log_step(*pending, last_done)
         pending = None
         t = time.perf_counter()
-        ckpts.save(s, state, manifest_body())
+        with dog.slow():
+          ckpts.save(s, state, manifest_body())
         last_done = time.perf_counter()  # the save's blocking part is not the next step's time
         print(f"checkpoint {s}: saving ({last_done - t:.2f}s blocking{', async' if ck.async_save else ''})", flush=True)
       ckpts.poll()
@@ -227,6 +234,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       t = time.perf_counter()
       batch = setup.device_batch(next(batches))
       wait = time.perf_counter() - t
+    dog.close()  # the last async save may take longer than a step
     ckpts.wait()
     runfiles.report_write_failure(out, progress.step)  # with several processes, a collective
     if preempt.requested:
@@ -237,7 +245,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       raise
     raise runlog.ending(e, sinks.writer() if sinks else None) from None
   finally:
-    for part in (profiler, preempt):
+    for part in (dog, profiler, preempt):
       if part is not None:
         part.close()
     if sinks is not None:
