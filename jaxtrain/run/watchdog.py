@@ -1,7 +1,9 @@
 """The hang watchdog: a process that completes no step within the bound says so in one line, writes its Python
 stacks and the collectives of the step program (any of which may be the one waiting) to the run's log, and exits
-EXIT_CODE so that a supervisor restarts the job. A peer that is alive but stuck (stopped, in a collective that never
-completes) keeps its heartbeats going, so the distributed runtime never ends such a job by itself."""
+EXIT_CODE so that a supervisor restarts the job. A peer that is alive but stuck (in a kernel, in a collective that
+never completes) keeps its heartbeats going, so the distributed runtime never ends such a job by itself.
+
+Exit codes: EXIT_CODE (3) here; 1 a run that stopped itself, 2 a user error (docs/training.md)."""
 
 from __future__ import annotations
 

@@ -142,8 +142,8 @@ def test_a_lost_process_makes_the_other_exit_within_the_bound(tmp_path):
 
 
 def test_a_stopped_process_makes_the_other_report_the_hang_within_the_bound(tmp_path):
-  """Process 1 stopped (SIGSTOP: alive, its connections open, so no heartbeat or gloo error ends the job): process 0
-  waits in the step's collectives until the hang watchdog's bound, then prints one line, writes its stacks and the
+  """Process 1 stopped (SIGSTOP: alive, its connections open; its heartbeats given 600 s, so that the watchdog, not
+  the runtime, ends the job, as for a process stuck in a kernel): process 0 waits in the step's collectives until the hang watchdog's bound, then prints one line, writes its stacks and the
   step's collectives to its log, and exits 3. No periodic saves: one in flight is watched with the longer bound."""
   bound = 10
   procs = multihost.launch([*RUN, "--workdir", "w", "--steps", "100000", "--set", "distributed.heartbeat_timeout_s=600",
