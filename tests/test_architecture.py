@@ -12,7 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxtrain"
 
 # The command layer: what a user runs, and the start-up they share.
 COMMANDS = {"jaxtrain.train", "jaxtrain.inspect", "jaxtrain.bench", "jaxtrain.hf", "jaxtrain.generate",
-            "jaxtrain.data.__main__", "jaxtrain.cli"}
+            "jaxtrain.data.__main__", "jaxtrain.launch.__main__", "jaxtrain.goodput",
+            "jaxtrain.cli"}
 
 # Package -> the jaxtrain packages it may import (None: any package, but no command).
 ALLOWED = {
@@ -245,6 +246,8 @@ COVERED_BY = {
     "jaxtrain.analysis.report": ("tests/commands/test_inspect.py", "report"),
     "jaxtrain.analysis.speed": ("tests/commands/test_bench.py", "speed"),
     "jaxtrain.cli": ("tests/commands/test_flows.py", "exit"),
+    "jaxtrain.launch.__main__": ("tests/launch/test_supervisor.py", "jaxtrain.launch"),
+    "jaxtrain.goodput": ("tests/run/test_goodput.py", "jaxtrain.goodput"),
     "jaxtrain.core.errors": ("tests/core/test_config.py", "UserError"),
     "jaxtrain.core.files": ("tests/run/test_filecheck.py", "files"),
     "jaxtrain.core.parse": ("tests/core/test_bad_inputs.py", "parse."),

@@ -1,10 +1,11 @@
 """Data: tokenizers, `prepare` (token shards + manifest), packing, the host-sharded grain loader, eval
 batches, and the digests that identify data in checkpoints. It imports jaxtrain.core and
-jaxtrain.run.filecheck only, never a command module; __main__.py (the `data` command) may import cli."""
+jaxtrain.run.filecheck and jaxtrain.run.faults (rehearsal hooks) only, never a command module; __main__.py (the `data` command) may import cli."""
 
-from jaxtrain.data.pipeline import batches, eval_batches, fields_from_rows, source_digest, tokenizer_digest
+from jaxtrain.data.pipeline import (LoaderError, batches, eval_batches, fields_from_rows, source_digest,
+                                    tokenizer_digest)
 from jaxtrain.data.readers import read_documents
 from jaxtrain.data.tokenizer import ByteTokenizer
 
-__all__ = ["ByteTokenizer", "batches", "eval_batches", "fields_from_rows", "read_documents",
+__all__ = ["ByteTokenizer", "LoaderError", "batches", "eval_batches", "fields_from_rows", "read_documents",
            "source_digest", "tokenizer_digest"]

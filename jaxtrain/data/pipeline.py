@@ -3,6 +3,7 @@ batch of step s is a pure function of (train.seed, data config, s): the iterator
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -14,13 +15,25 @@ import numpy as np
 from jaxtrain.core import parse
 from jaxtrain.core.config import Config
 from jaxtrain.data import readers, shards, tokenizer as tokenizer_lib
-from jaxtrain.core.errors import UserError
+from jaxtrain.core.errors import RunAborted, UserError
 from jaxtrain.core.files import sha256_file
 
 BUNDLED = Path(__file__).resolve().parent.parent / "corpus" / "bundled.jsonl"
 SPLIT_SEED = 20240517  # which documents are held out; independent of train.seed on purpose
 EVAL_SEED = 7  # eval rows are the same whatever train.seed is
 MIX_TAG, STATE_VERSION = 0x4D4958, 1
+
+
+class LoaderError(RunAborted):
+  """The pipeline could not produce a training batch: one line naming the source and the step."""
+
+
+class SourceError(Exception):
+  """A row of one source could not be produced (raised in a loader thread; carries the source's name)."""
+
+  def __init__(self, source: str, cause: BaseException):
+    super().__init__(f"{type(cause).__name__}: {cause}")
+    self.source = source
 
 
 def source_specs(spec: str) -> list[str]:
@@ -106,6 +119,8 @@ class Packer:
       lo, hi = max(a, starts[k]) - starts[k], min(b, starts[k + 1]) - starts[k]
       at = slice(starts[k] + lo - a, starts[k] + hi - a)
       tok[at], seg[at], pos[at], train[at] = doc[lo:hi], segment, np.arange(lo, hi), np.arange(lo, hi) >= train_from
+      if (mask := self.ts.mask(order[k])) is not None:  # chat: only the assistant spans
+        train[at] &= mask[lo:hi].astype(bool)
       k += 1
     return {"tokens": tok, "tokens_segment_ids": seg, "tokens_positions": pos, "tokens_trainable": train}
 
@@ -116,7 +131,7 @@ def _split(ts: shards.TokenSet, fraction: float) -> tuple[shards.TokenSet, shard
   if held.all() or not held.any():
     raise UserError(f"data.eval_fraction={fraction} holds out {int(held.sum())} of the {ts.n_docs} documents of "
                     f"{ts.name!r}; it must leave at least one on each side")
-  return shards.TokenSet(ts.arrays, ts.index[~held], ts.name), shards.TokenSet(ts.arrays, ts.index[held], ts.name)
+  return ts.subset(~held), ts.subset(held)
 
 
 def _weights(cfg: Config, sets: list[shards.TokenSet]) -> np.ndarray:
@@ -185,15 +200,24 @@ class Mixture:
           del self._counts[s]
       return c
 
-  def batch(self, step: int, lo: int, hi: int) -> dict[str, np.ndarray]:
-    """Rows lo..hi of the global batch of `step`."""
+  def batch(self, step: int, lo: int, hi: int, before_row=None) -> dict[str, np.ndarray]:
+    """Rows lo..hi of the global batch of `step`; `before_row()` (a fault hook) runs before each row is read."""
     ds = self.choices(step)
     rank = np.zeros(self.B, np.int64)  # index of row j among this step's rows from its dataset
     for d in np.unique(ds):
       rank[ds == d] = np.arange(int((ds == d).sum()))
     q = self.counts(step)[ds] + rank
-    rows = [self.packers[ds[j]].row(int(q[j])) for j in range(lo, hi)]
+    rows = [self._row(self.packers[ds[j]], int(q[j]), before_row) for j in range(lo, hi)]
     return fields_from_rows({k: np.stack([r[k] for r in rows]) for k in rows[0]})
+
+  @staticmethod
+  def _row(packer: Packer, q: int, before=None) -> dict[str, np.ndarray]:
+    try:
+      if before is not None:
+        before()
+      return packer.row(q)
+    except Exception as e:  # noqa: BLE001 (a read error, a bug in a transform: the line names the source)
+      raise SourceError(packer.ts.name, e) from e
 
 
 class DataIterator:
@@ -207,12 +231,22 @@ class DataIterator:
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
+    """The next batch; a failure is a LoaderError naming the source and the training step (self.step + 1), and
+    leaves the state at the failed batch, so a checkpoint taken now makes the rerun fetch it again."""
     if self._it is None:  # grain builds batches from self.step on in background threads
       import grain
-      ds = grain.MapDataset.range(self.step, 1 << 62).map(lambda s: self.mixture.batch(s, self.lo, self.hi))
+      from jaxtrain.run import faults
+      ds = grain.MapDataset.range(self.step, 1 << 62).map(
+          lambda s: self.mixture.batch(s, self.lo, self.hi, functools.partial(faults.loader_read, s + 1)))
       options = grain.ReadOptions(num_threads=self.workers, prefetch_buffer_size=self.prefetch)
       self._it = iter(ds.to_iter_dataset(options))
-    batch = next(self._it)
+    try:
+      batch = next(self._it)
+    except Exception as e:  # noqa: BLE001 (one line for the terminal; the traceback goes to the run's log)
+      self.close()  # a failed grain iterator is not resumed: a retry starts a new one at self.step
+      where, why = (f"data source {e.source!r}", e) if isinstance(e, SourceError) else (
+          "data.source " + ", ".join(repr(p.ts.name) for p in self.mixture.packers), f"{type(e).__name__}: {e}")
+      raise LoaderError(f"the data pipeline failed on the batch of step {self.step + 1} ({where}): {why}") from e
     self.step += 1
     return batch
 

@@ -214,7 +214,7 @@ class Checkpoints:
     except Exception as e:  # noqa: BLE001 (any storage error: report it in one line)
       self._discard(step)
       raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
-                            f"{_last_good(self.last_committed)}") from e
+                            f"{last_good(self.last_committed)}") from e
     self._saves += 1
     self._pending = (step, manifest_body, f"jaxtrain/manifest/{step}/{self._saves}")
 
@@ -244,7 +244,7 @@ class Checkpoints:
       self._abandon(key, e)
       self._discard(step)
       raise CheckpointError(f"checkpoint save at step {step} failed: {_reason(e)}; "
-                            f"{_last_good(self.last_committed)}") from e
+                            f"{last_good(self.last_committed)}") from e
     self._finalizer = threading.Thread(target=self._finalize, args=(step, body, key), daemon=True)
     self._finalizer.start()
 
@@ -270,7 +270,7 @@ class Checkpoints:
     except BaseException as e:  # noqa: BLE001 (surfaced to the main thread by _raise_if_failed)
       self._discard(step)
       self._error = CheckpointError(f"checkpoint manifest at step {step} failed: {_reason(e)}; "
-                                    f"{_last_good(self.last_committed)}")
+                                    f"{last_good(self.last_committed)}")
 
   def _record(self, step: int, step_dir: Path, key: str) -> dict[str, dict] | None:
     """The manifest's {file: {size, sha256}} on the writer (None elsewhere); each process hashes its share."""
@@ -280,6 +280,7 @@ class Checkpoints:
     lister = me == 0 if shared else self.is_writer
     try:
       faults.before_manifest(step)
+      faults.kill_point("save", step)
       listing = {str(p.relative_to(step_dir)): p.stat().st_size for p in sorted(step_dir.rglob("*"))
                  if p.is_file() and p.name != MANIFEST} if lister else None
     except BaseException as e:
@@ -333,6 +334,8 @@ class Checkpoints:
     own = step_dir.parent.absolute() == self.dir and step_dir.name == str(manifest["step"])
     if params_only(manifest):
       abstract_state = {"params": abstract_state["params"]}
+    from jaxtrain.run import faults
+    faults.kill_point("restore", manifest["step"])
     try:
       if own:
         state = self.mgr.restore(manifest["step"], args=ocp.args.StandardRestore(abstract_state))
@@ -391,7 +394,7 @@ def _reason(e: BaseException) -> str:
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _last_good(step: int | None) -> str:
+def last_good(step: int | None) -> str:
   return "no checkpoint has been committed yet" if step is None else f"the last good checkpoint is {step}"
 
 

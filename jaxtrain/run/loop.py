@@ -18,7 +18,8 @@ from jaxtrain.core.config import MISMATCH_CATEGORIES
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import flops
 from jaxtrain.parallel import devices, mesh as mesh_lib, pipeline
-from jaxtrain.run import checkpoint, lock as lock_lib, metrics, observe, progress as progress_lib, runfiles
+from jaxtrain.run import checkpoint, faults, goodput, lock as lock_lib, metrics, observe, progress as progress_lib
+from jaxtrain.run import runfiles
 from jaxtrain.run import step as step_lib
 from jaxtrain.run import watchdog as watchdog_lib
 
@@ -119,6 +120,35 @@ def _resume(ckpts, step_dir, setup, batches, mesh_text: str):
   return state, progress_lib.Progress(**manifest["progress"]), manifest
 
 
+def _goodput_summary(ledger, workdir: Path, sinks, step: int) -> None:
+  """The job so far, from the ledger (process 0): one line, and its figures to TensorBoard."""
+  ledger.event("end")
+  summary = goodput.summarize(goodput.read(workdir)) if ledger.path is not None else None
+  if summary is None:
+    return
+  print(goodput.describe(summary))
+  sinks.write_only(metrics.TensorBoardSink, step, {"goodput": summary["goodput"], "goodput_wall_s": summary["wall_s"],
+                                                   **{f"goodput_{k}_s": v for k, v in summary["seconds"].items()}})
+
+
+def _stopped_by_loader(err, ckpts, step: int, unsaved: tuple | None = None) -> data.LoaderError:
+  """The line for a batch the pipeline could not produce, once the run stands at a committed point: `unsaved`
+  (state, manifest body) of `step` is saved first. The data state in it is the one before the failed fetch, so
+  the same command fetches that batch again and goes on exactly as an uninterrupted run. With several processes
+  the others may already be in the next step (they cannot agree on a save): the last committed checkpoint stands."""
+  try:
+    if unsaved is not None and jax.process_count() == 1:
+      ckpts.save(step, *unsaved)
+    ckpts.wait()
+  except checkpoint.CheckpointError as e:
+    return data.LoaderError(f"{err}; the checkpoint attempted after it failed too: {e}")
+  if step == 0:
+    return data.LoaderError(f"{err}; no step had run: nothing to commit; run the same command to start again")
+  done = (f"checkpoint {step} is committed" if ckpts.last_committed == step
+          else checkpoint.last_good(ckpts.last_committed))
+  return data.LoaderError(f"{err}; {done}; run the same command to resume (it fetches that batch again)")
+
+
 def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = None, fresh: bool = False,
         resume_from: str | None = None, allow_mismatch: str = "") -> Summary:
   """Trains until `stop_at` (default train.steps) total steps."""
@@ -169,14 +199,20 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     peak = devices.peak_flops(dev.device_kind)
     peak_total = peak * mesh.size if peak else None
     runlog = runfiles.RunLog(workdir, jax.process_index())  # library noise -> <workdir>/jaxtrain.log
+    ledger = goodput.Ledger(workdir if jax.process_index() == 0 else None)
+    ledger.event("start", t=goodput.process_start(), resumed=at)
+    ledger.spent("startup", time.time() - goodput.process_start())
     # From here a stuck restore, compile or step (a peer alive but stopped) ends this process with a report.
     dog = watchdog_lib.Watchdog(cfg.run.hang_timeout_s, cfg.run.hang_first_step_s, runlog.path, jax.process_index(),
                                 ckdir, mesh_shape=dict(mesh.shape)).start(step=at)
     t0 = time.perf_counter()
     state, progress, manifest = _resume(ckpts, step_dir, setup, batches, mesh_text)
+    ledger.spent("restore", time.perf_counter() - t0)
+    t_restored = time.perf_counter()
     if jax.process_index() == 0:  # once the checkpoint is restored: a refused or failed resume rewrites nothing
       runfiles.write_json(workdir / "config.json", cfg.to_dict())
     resumed_at = progress.step if state is not None else None
+    cache = goodput.CacheCount()  # did the step come from the compilation cache?
     state = setup.init() if state is None else state
     sinks = _sinks(cfg, workdir, stop_at, resumed_at, manifest.get("unwritten_metrics"))
     out = sinks.writer()  # metrics.jsonl's writer (its failures stop the run after a save); None elsewhere
@@ -192,9 +228,11 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       fetched = jax.device_get(device_metrics)
       done = time.perf_counter()
       dog.beat(s)  # a step counts as completed once its metrics are here
+      ledger.spent("productive", done - since - wait, step=s)
       if params is not None:
         with dog.slow():
           fetched.update(evaluate(params))
+        ledger.spent("eval", time.perf_counter() - done)
       progress.count(s, int(fetched["tokens"]), bool(fetched["skipped"]))
       rec = metrics.record(s, fetched, done - since, wait, progress, flops_per_step, peak_total)
       sinks.write(s, rec)
@@ -203,14 +241,20 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       progress.check(cfg.train.max_skipped_in_a_row, rec["loss_scale"])
       return done if params is None else time.perf_counter()
 
-    batch = setup.device_batch(next(batches))
+    try:
+      batch = setup.device_batch(next(batches))
+    except data.LoaderError as e:  # no step of this run to save: the resume point (if any) is the committed one
+      raise _stopped_by_loader(e, ckpts, progress.step) from e
     compiled = dog.compiled = setup.step.lower(state, batch).compile()
     print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s", flush=True)
+    cache.stop()
+    ledger.spent("compile", time.perf_counter() - t_restored, cache=cache.verdict())
 
     pending, wait, last_done = None, 0.0, time.perf_counter()
     for s in range(progress.step + 1, stop_at + 1):
       profiler.before(s)
       state, step_metrics = compiled(state, batch)
+      faults.kill_point("step", s)
       profiler.after(s, step_metrics)
       if pending:  # step s-1's metrics: reading them waits for s-1, while s is already queued
         last_done = log_step(*pending, last_done)
@@ -227,16 +271,26 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
         with dog.slow():
           ckpts.save(s, state, manifest_body())
         last_done = time.perf_counter()  # the save's blocking part is not the next step's time
+        ledger.spent("checkpoint", last_done - t)
         print(f"checkpoint {s}: saving ({last_done - t:.2f}s blocking{', async' if ck.async_save else ''})", flush=True)
       ckpts.poll()
       if stop:
         break
       t = time.perf_counter()
-      batch = setup.device_batch(next(batches))
+      try:
+        batch = setup.device_batch(next(batches))
+      except data.LoaderError as e:  # step s is complete: commit it (with the data state of the failed fetch)
+        if pending:
+          last_done = log_step(*pending, last_done)
+        raise _stopped_by_loader(e, ckpts, s, None if saves.due(s) else (state, manifest_body())) from e
       wait = time.perf_counter() - t
+      ledger.spent("data_wait", wait, step=s + 1)  # also marks step s + 1 as started
     dog.close()  # the last async save may take longer than a step
+    t = time.perf_counter()
     ckpts.wait()
+    ledger.spent("checkpoint", time.perf_counter() - t)
     runfiles.report_write_failure(out, progress.step)  # with several processes, a collective
+    _goodput_summary(ledger, workdir, sinks, progress.step)
     if preempt.requested:
       print(f"preempted: checkpoint committed at step {progress.step}; run the same command to resume")
     return summary

@@ -90,6 +90,11 @@ class Sinks:
     for s in self.sinks:
       s.write(step, rec)
 
+  def write_only(self, kind: type, step: int, rec: dict) -> None:
+    for s in self.sinks:
+      if isinstance(s, kind):
+        s.write(step, rec)
+
   def close(self) -> None:
     for s in self.sinks:
       s.close()

@@ -1,0 +1,1 @@
+"""`python -m jaxtrain.launch`: the restart supervisor (supervisor.py); the SLURM and JobSet launch files."""
