@@ -66,7 +66,8 @@ def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: 
   started = Started(cfg if cfg is not None else config.load(args.config, [*args.set, *overrides]), None, prog)
   cfg_given, cfg = cfg, started.cfg
   observe.parse_steps(cfg.run.profile_steps)  # a bad value fails before any device starts
-  added = xla_flags.apply(cfg.run.xla_flags, xla_flags.extra(cfg), unknown=cfg.run.xla_flags_unknown)
+  added = xla_flags.apply(cfg.run.xla_flags, xla_flags.extra(cfg), unknown=cfg.run.xla_flags_unknown,
+                          with_preset=xla_flags.nccl_timeout(cfg))
   if added:
     print(f"xla flags: {len(added)} added to XLA_FLAGS (preset {cfg.run.xla_flags})")
   if not mesh:

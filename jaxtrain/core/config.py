@@ -226,6 +226,14 @@ class RunConfig:
                            "empty = none.", math=False)
   fit_check: bool = key(True, "Before allocating, compare the memory bill with one device's memory (GPU: its "
                         "limit; CPU: host memory / devices) and stop with one line if it cannot fit.", math=False)
+  hang_timeout_s: float = key(
+      -1.0, "Hang watchdog: a process that completes no step for this long prints one line, logs its Python stacks "
+      "and the step's collectives, and exits 3 (docs/training.md): -1 = automatic, max(300, 10 x the median step "
+      "time so far); 0 = off; > 0 = this many seconds.", math=False, min=-1.0)
+  hang_first_step_s: float = key(
+      1800.0, "Hang watchdog: the bound for the first step of a start or resume, which includes its compile (and, "
+      "on GPUs, the NCCL set-up); with run.xla_flags=gpu-default, XLA's NCCL termination timeout is the larger "
+      "bound plus 60 s.", math=False, min=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,8 +320,9 @@ class Config:
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 
 # Keys that moved when [train] was split by concern: old name -> new name.
+_NO_OLD_NAME = {"hang_timeout_s", "hang_first_step_s"}  # [run] keys added after it was split from [train]
 RENAMED = {f"train.{k}": f"optim.{k}" for k in dataclasses.asdict(OptimConfig())} | {
-    f"train.{k}": f"run.{k}" for k in dataclasses.asdict(RunConfig())}
+    f"train.{k}": f"run.{k}" for k in dataclasses.asdict(RunConfig()) if k not in _NO_OLD_NAME}
 
 
 def fields(section: str) -> dict[str, dataclasses.Field]:
@@ -469,6 +478,8 @@ def load(name_or_path: str = "tiny", overrides: list[str] = (), then: list[str] 
 def validate(cfg: Config) -> None:
   """Cross-key checks that do not depend on the mesh."""
   m, t = cfg.model, cfg.train
+  if -1 < cfg.run.hang_timeout_s < 0:
+    raise UserError(f"run.hang_timeout_s={cfg.run.hang_timeout_s}: use -1 (automatic), 0 (off) or a number of seconds")
   if m.n_heads % m.n_kv_heads:
     raise UserError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
   if m.moe_experts and m.moe_top_k > m.moe_experts:

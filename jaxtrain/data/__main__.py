@@ -1,4 +1,5 @@
-"""The `data` command: `python -m jaxtrain.data prepare|bench` (make token shards; time the loader)."""
+"""The `data` command: `python -m jaxtrain.data prepare|show|bench` (make token shards; print one training row;
+time the loader)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ def parse_args(argv=None):
   pr.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
   pr.add_argument("--prompt-field", help="supervised data: field of the prompt (masked out of the loss)")
   pr.add_argument("--completion-field", help="supervised data: field of the completion (trained on)")
+  pr.add_argument("--chat-field", help="chat data: field holding a list of {role, content} turns, rendered with "
+                  "the tokenizer's chat template; only assistant turns are trained on")
+  pr.add_argument("--chat-template", metavar="FILE", help="chat data: a Jinja chat template with {% generation %} "
+                  "markers (default: chat_template.jinja or tokenizer_config.json beside the tokenizer.json)")
   pr.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (default: CPUs)")
   pr.add_argument("--shard-mb", type=float, default=64.0, help="input megabytes per shard (default 64)")
   pr.add_argument("--max-bad-records", type=int, default=0,
@@ -26,6 +31,10 @@ def parse_args(argv=None):
   pr.add_argument("--bos-token", help="tokenizer.json: the BOS token (default: a common one if present)")
   pr.add_argument("--eos-token", help="tokenizer.json: the EOS token (default: a common one)")
   pr.add_argument("--no-progress", action="store_true", help="no progress bar (drawn only when stderr is a terminal)")
+  sh = sub.add_parser("show", help="print one training row: input -> target pairs, segments, loss mask")
+  sh.add_argument("source", help="a prepared dir (or anything data.source accepts)")
+  sh.add_argument("--row", type=int, default=0, help="row of epoch 0, as packed for train.seq_len (default 0)")
+  cli.add_config_args(sh, help_config=False)
   be = sub.add_parser("bench", help="tokens/s the loader delivers for a config")
   be.add_argument("source", help="a prepared dir (or anything data.source accepts)")
   cli.add_config_args(be, help_config=False)
@@ -41,7 +50,8 @@ def main(argv=None) -> int:
       from jaxtrain.core import files, outputs
       from jaxtrain.data.prepare import prepare
       outputs.check(files.user_path(args.output, "--output"), "--output", "dataset",  # before anything is read
-                    sources=[*args.input, *([args.tokenizer] if args.tokenizer != "byte" else [])])
+                    sources=[*args.input, *([args.tokenizer] if args.tokenizer != "byte" else []),
+                             *([args.chat_template] if args.chat_template else [])])
       for flag, value in (("--bos-token", args.bos_token), ("--eos-token", args.eos_token)):
         if value is not None and args.tokenizer == "byte":
           raise UserError(f"{flag} {value!r}: the byte tokenizer's BOS and EOS are fixed (ids 1 and 2); {flag} "
@@ -49,7 +59,11 @@ def main(argv=None) -> int:
       prepare(args.input, args.tokenizer, args.output, text_field=args.text_field,
               prompt_field=args.prompt_field, completion_field=args.completion_field, workers=args.workers,
               shard_mb=args.shard_mb, max_bad_records=args.max_bad_records, bos_token=args.bos_token,
-              eos_token=args.eos_token, progress=not args.no_progress)
+              eos_token=args.eos_token, progress=not args.no_progress, chat_field=args.chat_field,
+              chat_template=args.chat_template)
+    elif args.command == "show":
+      from jaxtrain.data import show
+      show.show(cli.start(args, "jaxtrain.data", mesh=False, overrides=[f"data.source={args.source}"]).cfg, args.row)
     else:
       from jaxtrain.data import pipeline
       if args.batches < 1:

@@ -119,6 +119,8 @@ class Packer:
       lo, hi = max(a, starts[k]) - starts[k], min(b, starts[k + 1]) - starts[k]
       at = slice(starts[k] + lo - a, starts[k] + hi - a)
       tok[at], seg[at], pos[at], train[at] = doc[lo:hi], segment, np.arange(lo, hi), np.arange(lo, hi) >= train_from
+      if (mask := self.ts.mask(order[k])) is not None:  # chat: only the assistant spans
+        train[at] &= mask[lo:hi].astype(bool)
       k += 1
     return {"tokens": tok, "tokens_segment_ids": seg, "tokens_positions": pos, "tokens_trainable": train}
 
@@ -129,7 +131,7 @@ def _split(ts: shards.TokenSet, fraction: float) -> tuple[shards.TokenSet, shard
   if held.all() or not held.any():
     raise UserError(f"data.eval_fraction={fraction} holds out {int(held.sum())} of the {ts.n_docs} documents of "
                     f"{ts.name!r}; it must leave at least one on each side")
-  return shards.TokenSet(ts.arrays, ts.index[~held], ts.name), shards.TokenSet(ts.arrays, ts.index[held], ts.name)
+  return ts.subset(~held), ts.subset(held)
 
 
 def _weights(cfg: Config, sets: list[shards.TokenSet]) -> np.ndarray:

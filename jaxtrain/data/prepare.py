@@ -81,23 +81,59 @@ def run_unit(job: dict, n: int, output: str, tok=None) -> dict:
     if len(bad) > job["max_bad_records"]:
       raise UserError(f"{err} (more than --max-bad-records={job['max_bad_records']} bad records)")
 
-  records = readers.read_unit(Path(job["sources"][unit[0]]["path"]), unit[1], unit[2], job["fields"], on_bad)
+  chat = "chat" in job["fields"]
+  records = readers.read_unit(Path(job["sources"][unit[0]]["path"]), unit[1], unit[2], job["fields"], on_bad,
+                              _renderer(job).render if chat else None)
+  docs, train_from, mask, empty = (_chat_docs if chat else _text_docs)(tok, job, records)
+  tokens, index = shards.concat(docs, train_from)
+  lengths, names = index[:, 1], {"tokens": f"shard-{n:05d}.tokens.npy", "index": f"shard-{n:05d}.index.npy"}
+  arrays = [tokens.astype(job["dtype"]), index]
+  if mask is not None:  # chat: trained spans anywhere in a document, one flag per token
+    names["mask"], arrays = f"shard-{n:05d}.mask.npy", [*arrays, mask]
+  meta = {
+      "unit": unit, "documents": len(docs), "tokens": int(lengths.sum()),
+      "trainable_tokens": int((lengths - index[:, 2]).sum()) if mask is None else int(mask.sum()),
+      "empty_documents": empty, "bad_records": bad, "input_bytes": unit[3],
+      "files": {k: _save(out, v, a) for (k, v), a in zip(names.items(), arrays)},
+  }
+  write_json_atomic(out / f"shard-{n:05d}.json", meta)
+  return meta
+
+
+def _text_docs(tok, job, records):
+  """Texts and prompt/completion pairs: [BOS] prompt completion EOS, trained from the completion on."""
   # A text is an empty prompt + a completion. Texts are kept byte for byte; all-whitespace ones are dropped.
   pairs = [r if "prompt" in job["fields"] else ("", r) for r in records]
   nonempty = [(p, c) for p, c in pairs if p.strip() or c.strip()]
   prompts = tok.encode_batch([p for p, _ in nonempty])
   docs = [tokenizer_lib.frame(tok, p, c) for p, c in zip(prompts, tok.encode_batch([c for _, c in nonempty]))]
   train_from = [max(1, len(p) + (tok.bos_id is not None)) for p in prompts]  # BOS is never a target
-  tokens, index = shards.concat(docs, train_from)
-  lengths, names = index[:, 1], {"tokens": f"shard-{n:05d}.tokens.npy", "index": f"shard-{n:05d}.index.npy"}
-  meta = {
-      "unit": unit, "documents": len(docs), "tokens": int(lengths.sum()),
-      "trainable_tokens": int((lengths - index[:, 2]).sum()), "empty_documents": len(records) - len(nonempty),
-      "bad_records": bad, "input_bytes": unit[3],
-      "files": {k: _save(out, v, a) for (k, v), a in zip(names.items(), (tokens.astype(job["dtype"]), index))},
-  }
-  write_json_atomic(out / f"shard-{n:05d}.json", meta)
-  return meta
+  return docs, train_from, None, len(records) - len(nonempty)
+
+
+_renderers = {}  # per process: the job's compiled chat template
+
+
+def _renderer(job):
+  from jaxtrain.data import chat
+  spec = job["chat_template"]
+  key = json.dumps(spec, sort_keys=True)
+  if key not in _renderers:
+    _renderers[key] = chat.Renderer(spec["text"], spec["where"], spec["context"])
+  return _renderers[key]
+
+
+def _chat_docs(tok, job, records):
+  """Rendered chats: the template's tokens as they are (its own BOS/EOS, no framing added), a per-token mask of
+  the generation spans, and the first trained token in the index."""
+  from jaxtrain.data import chat
+  docs, masks = [], []
+  for (ids, offsets), (_, spans) in zip(tok.encode_offsets([text for text, _ in records]), records):
+    docs.append(ids)
+    masks.append(chat.assistant_mask(offsets, spans))
+  train_from = [int(np.argmax(m)) if m.any() else len(m) for m in masks]
+  mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
+  return docs, train_from, mask, 0
 
 
 def _finished(out: Path, n: int, unit: list) -> dict | None:
@@ -113,7 +149,7 @@ def _finished(out: Path, n: int, unit: list) -> dict | None:
     return None
 
 
-def plan(inputs: list[str], tok, fields: dict, shard_mb: float, max_bad: int) -> dict:
+def plan(inputs: list[str], tok, fields: dict, shard_mb: float, max_bad: int, chat_template=None) -> dict:
   sources, units = [], []
   for i, name in enumerate(inputs):
     path = Path(name)
@@ -130,6 +166,7 @@ def plan(inputs: list[str], tok, fields: dict, shard_mb: float, max_bad: int) ->
   if not units:
     raise UserError(f"the inputs ({', '.join(inputs)}) hold no data: an empty corpus")
   return {"sources": sources, "units": units, "fields": fields, "max_bad_records": max_bad,
+          **({"chat_template": chat_template} if chat_template else {}),
           "tokenizer": {"spec": tok.spec, "digest": tok.digest, "vocab_size": tok.vocab_size,
                         "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id},
           "dtype": "uint16" if tok.vocab_size <= 1 << 16 else "uint32"}
@@ -139,7 +176,8 @@ def _shown(value) -> str:
   return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _check_options(inputs, workers, shard_mb, max_bad_records, prompt_field, completion_field) -> None:
+def _check_options(inputs, workers, shard_mb, max_bad_records, prompt_field, completion_field, chat_field=None,
+                   chat_template=None) -> None:
   if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
     raise UserError(f"--workers {workers}: must be a positive integer")
   if not isinstance(shard_mb, (int, float)) or not math.isfinite(shard_mb) or not 0 < shard_mb <= MAX_SHARD_MB:
@@ -151,6 +189,11 @@ def _check_options(inputs, workers, shard_mb, max_bad_records, prompt_field, com
     raise UserError("prepare needs at least one --input")
   if (prompt_field is None) != (completion_field is None):
     raise UserError("supervised data needs both --prompt-field and --completion-field")
+  if chat_field is not None and prompt_field is not None:
+    raise UserError("--chat-field is chat data; --prompt-field/--completion-field are prompt/completion data: give "
+                    "one kind")
+  if chat_template is not None and chat_field is None:
+    raise UserError("--chat-template applies to chat data: give --chat-field too")
 
 
 def _claim(out: Path, output: str, job: dict) -> bool:
@@ -173,12 +216,15 @@ def _claim(out: Path, output: str, job: dict) -> bool:
 def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str = "text",
             prompt_field: str | None = None, completion_field: str | None = None, workers: int = 1,
             shard_mb: float = 64.0, max_bad_records: int = 0, bos_token: str | None = None,
-            eos_token: str | None = None, progress: bool = True) -> dict:
+            eos_token: str | None = None, progress: bool = True, chat_field: str | None = None,
+            chat_template: str | None = None) -> dict:
   """Prepares `inputs` into `output`; returns the manifest (also written to output/manifest.json)."""
-  _check_options(inputs, workers, shard_mb, max_bad_records, prompt_field, completion_field)
-  fields = {"prompt": prompt_field, "completion": completion_field} if prompt_field else {"text": text_field}
+  _check_options(inputs, workers, shard_mb, max_bad_records, prompt_field, completion_field, chat_field,
+                 chat_template)
+  fields = ({"chat": chat_field} if chat_field else {"prompt": prompt_field, "completion": completion_field}
+            if prompt_field else {"text": text_field})
   tok = tokenizer_lib.load(tokenizer, bos_token, eos_token)
-  job = plan(inputs, tok, fields, shard_mb, max_bad_records)
+  job = plan(inputs, tok, fields, shard_mb, max_bad_records, _chat_spec(tokenizer, tok, chat_template, chat_field))
   out = Path(output)
   if out.exists() and not out.is_dir():
     raise UserError(f"--output {output}: is a file, not a directory; give a directory (created if missing)")
@@ -198,6 +244,17 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
         f" ({Path(e.filename).name})" if getattr(e, "filename", None) else "")
     raise UserError(f"prepare into {out} stopped: {why}; "
                     f"{_kept(out, job, had_manifest, new_job, created)}") from None
+
+
+def _chat_spec(tokenizer: str, tok, template_file: str | None, chat_field: str | None) -> dict | None:
+  """The template text, where it was found and the special tokens it sees; compiled once here to fail early."""
+  if chat_field is None:
+    return None
+  from jaxtrain.data import chat
+  text, where = chat.find_template(tokenizer, template_file)
+  spec = {"where": where, "text": text, "context": chat.context(tokenizer, tok)}
+  _renderer({"chat_template": spec})
+  return spec
 
 
 def _kept(out: Path, job: dict, had_manifest: bool, new_job: bool, created: bool) -> str:
@@ -276,7 +333,9 @@ def _manifest(job: dict, metas: dict[int, dict], out: Path) -> dict:
     raise UserError(f"the inputs ({', '.join(s['path'] for s in job['sources'])}) hold no documents: an empty corpus")
   manifest = {
       "format": shards.FORMAT, "tokenizer": job["tokenizer"], "dtype": job["dtype"],
-      "kind": "supervised" if "prompt" in job["fields"] else "text", "fields": job["fields"], "sources": job["sources"],
+      "kind": "chat" if "chat" in job["fields"] else "supervised" if "prompt" in job["fields"] else "text",
+      **({"chat_template": job["chat_template"]["where"]} if "chat_template" in job else {}),
+      "fields": job["fields"], "sources": job["sources"],
       **{k: sum(m[k] for m in kept) for k in ("documents", "tokens", "trainable_tokens")},
       "skipped": {"bad_records": len(bad), "empty_documents": sum(m["empty_documents"] for m in ordered),
                   "examples": bad[:20]},

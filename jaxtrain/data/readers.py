@@ -80,23 +80,32 @@ def plan_units(path: Path, unit_bytes: int) -> list[tuple[int, int]]:
   return units
 
 
-def _record(obj, fields: dict, where):
-  """The text, or (prompt, completion), of a record; `where()` names it, computed only for an error."""
+def _record(obj, fields: dict, where, render=None):
+  """The text, (prompt, completion), or rendered chat (`render(turns)`) of a record; `where()` names it, computed
+  only for an error."""
   out = []
   for name in fields.values():
     if not isinstance(obj, dict) or name not in obj:
       raise BadRecord(f"{where()}: no {name!r} field")
+    if "chat" in fields:
+      if not isinstance(obj[name], list):
+        raise BadRecord(f"{where()}: field {name!r} is {type(obj[name]).__name__}, not a list of turns")
+      try:
+        return render(obj[name])
+      except Exception as e:  # noqa: BLE001 (chat.RenderError: the template refused this record)
+        raise BadRecord(f"{where()}: {e}") from None
     if not isinstance(obj[name], str):
       raise BadRecord(f"{where()}: field {name!r} is {type(obj[name]).__name__}, not a string")
     out.append(obj[name])
   return out[0] if "text" in fields else tuple(out)
 
 
-def read_unit(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
-  """The records of one unit. `on_bad(BadRecord)` is called per bad record (it may raise)."""
+def read_unit(path: Path, start: int, end: int, fields: dict, on_bad, render=None) -> list:
+  """The records of one unit. `on_bad(BadRecord)` is called per bad record (it may raise); `render` makes a chat
+  record's turns its (text, spans)."""
   fmt = file_format(path)
   if fmt == "parquet":
-    return _read_parquet(path, start, end, fields, on_bad)
+    return _read_parquet(path, start, end, fields, on_bad, render)
   with open(path, "rb") as f:
     f.seek(start)
     blob = f.read(end - start)
@@ -123,20 +132,21 @@ def read_unit(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
         raise BadRecord(f"{where(here + e.start)}: invalid UTF-8 (byte 0x{piece[e.start]:02x})") from None
       if fmt == "txt":
         if "text" not in fields:
-          raise UserError(f"input {str(path)!r}: supervised (prompt/completion) data must be .jsonl or .parquet")
+          raise UserError(f"input {str(path)!r}: supervised (prompt/completion) and chat data must be .jsonl or "
+                          ".parquet")
         out.append(text.strip())
         continue
       try:
         obj = json.loads(text)
       except json.JSONDecodeError as e:
         raise BadRecord(f"{where(here)}: invalid JSON ({e.msg})") from None
-      out.append(_record(obj, fields, lambda: where(here)))
+      out.append(_record(obj, fields, lambda: where(here), render))
     except BadRecord as bad:
       on_bad(bad)
   return out
 
 
-def _read_parquet(path: Path, start: int, end: int, fields: dict, on_bad) -> list:
+def _read_parquet(path: Path, start: int, end: int, fields: dict, on_bad, render=None) -> list:
   pf = parquet_file(path)
   names = list(fields.values())
   if missing := [n for n in names if n not in pf.schema_arrow.names]:
@@ -157,7 +167,7 @@ def _read_parquet(path: Path, start: int, end: int, fields: dict, on_bad) -> lis
             raise BadRecord(f"{where()}: column {n!r} is invalid UTF-8 (byte 0x{v[e.start]:02x})") from None
         if v is not None:
           obj[n] = v
-      out.append(_record(obj, fields, where))
+      out.append(_record(obj, fields, where, render))
     except BadRecord as bad:
       on_bad(bad)
   return out

@@ -18,16 +18,27 @@ MANIFEST = "manifest.json"
 
 
 class TokenSet:
-  """Documents as slices of token arrays. index: int64 (docs, 4) = shard, start, length, first trainable token."""
+  """Documents as slices of token arrays. index: int64 (docs, 4) = shard, start, length, first trainable token.
+  `masks` (chat data): per shard, one flag per token, 1 where that token is trained on as a target."""
 
-  def __init__(self, arrays: list[np.ndarray], index: np.ndarray, name: str):
-    self.arrays, self.index, self.name = arrays, index, name
+  def __init__(self, arrays: list[np.ndarray], index: np.ndarray, name: str, masks: list[np.ndarray] | None = None):
+    self.arrays, self.index, self.name, self.masks = arrays, index, name, masks
     self.lengths, self.n_docs = index[:, 2], len(index)
     self.n_tokens = int(self.lengths.sum())
 
   def doc(self, i: int) -> tuple[np.ndarray, int]:
     shard, start, length, train_from = self.index[i]
     return self.arrays[shard][start:start + length], int(train_from)
+
+  def mask(self, i: int) -> np.ndarray | None:
+    """Document i's per-token trainable flags, or None where the first trainable token alone says it."""
+    if self.masks is None:
+      return None
+    shard, start, length, _ = self.index[i]
+    return self.masks[shard][start:start + length]
+
+  def subset(self, rows: np.ndarray) -> "TokenSet":
+    return TokenSet(self.arrays, self.index[rows], self.name, self.masks)
 
 
 def concat(docs: list[np.ndarray], train_from: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -181,6 +192,21 @@ def ids_problem(path: Path, tokens: np.ndarray, index: np.ndarray, vocab_size: i
   return None
 
 
+def mask_of(directory: Path, shard: dict, n_tokens: int) -> np.ndarray | None:
+  """A chat shard's per-token mask (memory-mapped; checked to be 0/1 flags, one per token), or None."""
+  if "mask" not in shard["files"]:
+    return None
+  path = directory / shard["files"]["mask"]["name"]
+  try:
+    mask = np.load(path, mmap_mode="r", allow_pickle=False)
+  except (OSError, ValueError, EOFError) as e:
+    raise UserError(f"shard {path}: not a readable .npy file ({e}; re-run prepare)") from None
+  if mask.dtype != np.uint8 or mask.shape != (n_tokens,) or (n_tokens and int(np.max(mask)) > 1):
+    raise UserError(f"shard {path}: a {mask.dtype} array of shape {mask.shape}, not {n_tokens} 0/1 uint8 flags "
+                    "(re-run prepare)")
+  return mask
+
+
 def checked(directory: Path, shard: dict, verify: bool, vocab_size: int,
             ids: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
   """A shard's tokens (memory-mapped) and index; a UserError where they do not match the manifest entry or hold
@@ -236,13 +262,16 @@ def open_prepared(directory: Path, verify: bool = True) -> tuple[TokenSet, dict]
                                          lambda i: file_problem(directory, *which[i], vocab))) is not None:
       raise UserError(first)
     verify = False  # what is left below is the cheap size and index check
-  arrays, parts = [], []
+  arrays, parts, masks = [], [], []
   for n, shard in enumerate(listed):
     tokens, index = checked(directory, shard, verify, vocab)
     arrays.append(tokens)
+    masks.append(mask_of(directory, shard, len(tokens)))
     parts.append(np.concatenate([np.full((len(index), 1), n, np.int64), index.astype(np.int64)], axis=1))
   index = np.concatenate(parts) if parts else np.zeros((0, 4), np.int64)
-  ts = TokenSet(arrays, index, str(directory))
+  if any(m is not None for m in masks) and any(m is None for m in masks):
+    raise UserError(f"{directory / MANIFEST}: some shards have a mask file and some do not (re-run prepare)")
+  ts = TokenSet(arrays, index, str(directory), masks if masks and masks[0] is not None else None)
   with _lock:
     _opened[key] = ts
   return ts, manifest

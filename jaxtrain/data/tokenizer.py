@@ -68,6 +68,13 @@ class HFTokenizer:
   def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(e.ids, np.int32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
+  def encode_offsets(self, texts: list[str]) -> list[tuple[np.ndarray, list[tuple[int, int]]]]:
+    """Ids and each token's character span in its text (chat masks map template spans onto tokens)."""
+    return [(np.asarray(e.ids, np.int32), e.offsets) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+  def token(self, i: int) -> str:
+    return self._tok.id_to_token(int(i))
+
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 

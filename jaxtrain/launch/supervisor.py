@@ -32,14 +32,18 @@ class Policy:
   processes: int = 1  # > 1: a local group with its own coordinator (one machine)
 
 
+# the trainer's own exit codes (docs/training.md), named in the supervisor's lines
+KNOWN_EXITS = {3: "hang watchdog", 134: "runtime abort, e.g. a lost peer"}
+
+
 def cause(code: int) -> str:
-  """'exit 1' / 'signal SIGKILL' (subprocess gives a signal as -N)."""
+  """'exit 1', 'exit 3 (hang watchdog)', 'signal SIGKILL' (subprocess gives a signal as -N)."""
   if code < 0:
     try:
       return f"signal {signal.Signals(-code).name}"
     except ValueError:
       return f"signal {-code}"
-  return f"exit {code}"
+  return f"exit {code}" + (f" ({KNOWN_EXITS[code]})" if code in KNOWN_EXITS else "")
 
 
 def _free_port() -> int:

@@ -31,6 +31,8 @@ PRESETS: dict[str, list[str]] = {
         "--xla_gpu_enable_triton_gemm=false",
     ],
 }
+NCCL_TIMEOUT = "--xla_gpu_nccl_termination_timeout_seconds"
+NCCL_MARGIN_S = 60  # XLA's NCCL termination (an abort without a report) comes after the hang watchdog's
 _UNKNOWN = re.compile(r"Unknown flags? in XLA_FLAGS: (.*)")
 PROBE_TIMEOUT_S = 120
 
@@ -51,6 +53,16 @@ def extra(cfg) -> str:
   """run.xla_flags_extra, after what the config needs: model.fp8 keeps matmuls on cuBLAS (with Triton GEMMs
   XLA fuses the dots with bf16 operands and drops the FP8 round trip as excess precision; docs/fp8.md)."""
   return ("--xla_gpu_enable_triton_gemm=false " if cfg.model.fp8 != "none" else "") + cfg.run.xla_flags_extra
+
+
+def nccl_timeout(cfg) -> list[str]:
+  """With the GPU preset and the hang watchdog on: a NCCL rendezvous stuck past the watchdog's larger bound (plus a
+  margin, so that the watchdog reports first) ends the process. Validated like the preset's flags: a jaxlib without
+  it drops it with a warning; a CPU run (no GPU preset) gets no flag line."""
+  r = cfg.run
+  if r.xla_flags != "gpu-default" or r.hang_timeout_s == 0:
+    return []
+  return [f"{NCCL_TIMEOUT}={int(max(r.hang_first_step_s, r.hang_timeout_s)) + NCCL_MARGIN_S}"]
 
 
 class ProbeFailed(Exception):
@@ -109,18 +121,20 @@ def validate(flags: list[str], cache: Path | None = None) -> tuple[list[str], li
 
 
 def apply(preset: str, extra: str = "", environ=os.environ, cache: Path | None = None,
-          unknown: str = "error") -> list[str]:
+          unknown: str = "error", with_preset: list[str] = ()) -> list[str]:
   """Adds the known flags of preset and `extra` to environ["XLA_FLAGS"] (the user's win); returns the flags added.
   A flag of `extra` this jaxlib does not know is a UserError naming it, unless `unknown` is "warn"
-  (run.xla_flags_unknown); the preset's own are dropped with a warning (an older jaxlib may lack one)."""
-  candidates = PRESETS[preset] + parse(extra)
+  (run.xla_flags_unknown); the preset's own, and `with_preset`, are dropped with a warning (an older jaxlib may
+  lack one)."""
+  ours = PRESETS[preset] + list(with_preset)
+  candidates = ours + parse(extra)
   if not candidates:
     return []
   have = environ.get("XLA_FLAGS", "").split()
   taken = {name_of(f) for f in have}
   candidates = [f for f in candidates if name_of(f) not in taken]
   kept, dropped = validate(candidates, cache)
-  theirs = [f for f in dropped if f not in PRESETS[preset]]
+  theirs = [f for f in dropped if f not in ours]
   if theirs and unknown != "warn":
     import jaxlib
     raise UserError(f"run.xla_flags_extra: {' '.join(theirs)}: not a flag this jaxlib ({jaxlib.__version__}) knows; "

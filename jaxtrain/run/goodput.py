@@ -34,12 +34,11 @@ def process_start() -> float:
   """When this process started (Linux /proc), or now: a trainer's start-up counts from there."""
   if os.environ.get(ATTEMPT_T):
     return float(os.environ[ATTEMPT_T])
-  try:
+  try:  # the process's age from the uptime clock (10 ms ticks): /proc/stat's boot time is whole seconds
     ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-    boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                if line.startswith("btime "))
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
-  except (OSError, ValueError, IndexError, StopIteration):
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+  except (OSError, ValueError, IndexError):
     return time.time()
 
 

@@ -22,6 +22,7 @@ from jaxtrain.run import checkpoint, faults, goodput, lock as lock_lib, metrics,
 from jaxtrain.run import runfiles
 from jaxtrain.run import step as step_lib
 from jaxtrain.run import checklist as checklist_lib
+from jaxtrain.run import watchdog as watchdog_lib
 
 
 @dataclasses.dataclass
@@ -161,7 +162,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   # Every check that can refuse the run comes before anything in the workdir is written, moved or created.
   current = checkpoint.fingerprint(cfg, data.tokenizer_digest(cfg), data.source_digest(cfg))
   batches = data.batches(cfg, *setup.placement.rows())
-  lock = ckpts = sinks = runlog = profiler = preempt = created = None
+  lock = ckpts = sinks = runlog = profiler = preempt = created = dog = None
   summary = Summary()
   try:
     evaluate = Evaluator(cfg, setup)
@@ -202,6 +203,9 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     ledger = goodput.Ledger(workdir if jax.process_index() == 0 else None)
     ledger.event("start", t=goodput.process_start(), resumed=at)
     ledger.spent("startup", time.time() - goodput.process_start())
+    # From here a stuck restore, compile or step (a peer alive but stopped) ends this process with a report.
+    dog = watchdog_lib.Watchdog(cfg.run.hang_timeout_s, cfg.run.hang_first_step_s, runlog.path, jax.process_index(),
+                                ckdir, mesh_shape=dict(mesh.shape)).start(step=at)
     t0 = time.perf_counter()
     state, progress, manifest = _resume(ckpts, step_dir, setup, batches, mesh_text)
     ledger.spent("restore", time.perf_counter() - t0)
@@ -224,9 +228,11 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       step's own time is taken, so that neither the eval nor its set-up counts as a step's time."""
       fetched = jax.device_get(device_metrics)
       done = time.perf_counter()
+      dog.beat(s)  # a step counts as completed once its metrics are here
       ledger.spent("productive", done - since - sum(wait), step=s)
       if params is not None:
-        fetched.update(evaluate(params))
+        with dog.slow():
+          fetched.update(evaluate(params))
         ledger.spent("eval", time.perf_counter() - done)
       progress.count(s, int(fetched["tokens"]), bool(fetched["skipped"]))
       rec = metrics.record(s, fetched, done - since, sum(wait), progress, flops_per_step, peak_total)
@@ -241,7 +247,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       batch = setup.device_batch(next(batches))
     except data.LoaderError as e:  # no step of this run to save: the resume point (if any) is the committed one
       raise _stopped_by_loader(e, ckpts, progress.step) from e
-    compiled = setup.step.lower(state, batch).compile()
+    compiled = dog.compiled = setup.step.lower(state, batch).compile()
     print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s", flush=True)
     cache.stop()
     ledger.spent("compile", time.perf_counter() - t_restored, cache=cache.verdict())
@@ -267,7 +273,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
           last_done = log_step(*pending, last_done)
         pending = None
         t = time.perf_counter()
-        ckpts.save(s, state, manifest_body())
+        with dog.slow():
+          ckpts.save(s, state, manifest_body())
         last_done = time.perf_counter()  # the save's blocking part is not the next step's time
         ledger.spent("checkpoint", last_done - t)
         share = checklist.saved(t, last_done)
@@ -283,6 +290,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
           last_done = log_step(*pending, last_done)
         raise _stopped_by_loader(e, ckpts, s, None if saves.due(s) else (state, manifest_body())) from e
       ledger.spent("data_wait", sum(wait), step=s + 1)  # also marks step s + 1 as started
+    dog.close()  # the last async save may take longer than a step
     t = time.perf_counter()
     ckpts.wait()
     ledger.spent("checkpoint", time.perf_counter() - t)
@@ -296,7 +304,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       raise
     raise runlog.ending(e, sinks.writer() if sinks else None) from None
   finally:
-    for part in (profiler, preempt):
+    for part in (dog, profiler, preempt):
       if part is not None:
         part.close()
     if sinks is not None:

@@ -124,7 +124,7 @@ RUN_KEYS = {
     "train.microbatches", "train.max_skipped_in_a_row", "train.eval_interval", "train.loss_chunk_tokens",
     "run.log_every", "run.sequence_parallel", "run.xla_flags", "run.xla_flags_extra", "run.xla_flags_unknown",
     "run.tensorboard",
-    "run.profile_steps", "run.fit_check",
+    "run.profile_steps", "run.fit_check", "run.hang_timeout_s", "run.hang_first_step_s",
     "checkpoint.interval", "checkpoint.keep", "checkpoint.keep_every", "checkpoint.async_save", "checkpoint.on_damaged",
     "checkpoint.verify", "distributed.heartbeat_timeout_s", "distributed.init_timeout_s",
     "data.eval_source", "data.eval_batches", "data.workers", "data.prefetch", "data.verify",

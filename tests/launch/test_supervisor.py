@@ -54,8 +54,8 @@ def test_a_user_error_and_a_finished_run_are_not_restarted(tmp_path, monkeypatch
 def test_more_failures_than_max_restarts_within_the_window_stop_with_one_line(tmp_path, monkeypatch):
   code, lines, attempts = _run([1, 3, 1], tmp_path, monkeypatch, max_restarts=2)
   assert (code, attempts) == (1, 3)
-  assert lines[-1] == ("error: 3 failures within 3600s (exit 1, exit 3, exit 1); more than --max-restarts 2: "
-                       "stopping; the last committed checkpoint is kept"), lines
+  assert lines[-1] == ("error: 3 failures within 3600s (exit 1, exit 3 (hang watchdog), exit 1); more than "
+                       "--max-restarts 2: stopping; the last committed checkpoint is kept"), lines
 
 
 def test_failures_older_than_the_window_do_not_count(tmp_path, monkeypatch):

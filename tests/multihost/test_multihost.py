@@ -141,6 +141,46 @@ def test_a_lost_process_makes_the_other_exit_within_the_bound(tmp_path):
   assert "stopped sending heartbeats" in log and "\n1\n" in log  # the runtime's own text, in the run's log
 
 
+def test_a_stopped_process_makes_the_other_report_the_hang_within_the_bound(tmp_path):
+  """Process 1 stopped (SIGSTOP: alive, its connections open; its heartbeats given 600 s, so that the watchdog, not
+  the runtime, ends the job, as for a process stuck in a kernel): process 0 waits in the step's collectives until the hang watchdog's bound, then prints one line, writes its stacks and the
+  step's collectives to its log, and exits 3. No periodic saves: one in flight is watched with the longer bound."""
+  bound = 10
+  procs = multihost.launch([*RUN, "--workdir", "w", "--steps", "100000", "--set", "distributed.heartbeat_timeout_s=600",
+                            "--set", f"run.hang_timeout_s={bound}", "--set", "checkpoint.interval=0"], 2, tmp_path)
+  try:
+    deadline = time.monotonic() + TIMEOUT
+    while "step      3/" not in multihost.log_of(tmp_path, 0):
+      assert time.monotonic() < deadline and procs[0].poll() is None, multihost.log_of(tmp_path, 0)[-2000:]
+      time.sleep(0.2)
+    procs[1].send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    code = procs[0].wait(timeout=120)
+    took = time.monotonic() - stopped
+  finally:
+    for p in procs:
+      p.kill()
+  print(f"watchdog: process 0 exited {took:.1f}s after process 1 was stopped (bound {bound}s)")
+  assert code == 3 and took < bound + 10, (code, took)  # from the last completed step; plus a loaded machine
+  terminal = multihost.log_of(tmp_path, 0).splitlines()
+  errors = [l for l in terminal[3:] if not l.startswith(("step ", "checkpoint "))]  # after the 3 start-up lines
+  assert len(errors) == 1, terminal
+  assert re.fullmatch(r"jaxtrain\[process 0\]: error: no step completed for 1[01]s after step \d+ \(hang watchdog, "
+                      rf"bound {bound}s: run.hang_timeout_s\), a process or a collective is stuck, so this process "
+                      r"stops \(exit 3\); no checkpoint committed yet; run the same command on every process to go "
+                      r"on \(stacks and the step's collectives in .*/w/jaxtrain.log\)", errors[0]), errors
+  log = (tmp_path / "w" / "jaxtrain.log").read_text()
+  report = log[log.index("watchdog: process 0: no step completed"):]
+  # every thread's stack; the main thread's waits in the loop (for a step's metrics, or to queue the next step)
+  assert "Thread 0x" in report and re.search(r'File ".*/jaxtrain/run/loop.py", line \d+ in (run|log_step)', report)
+  inventory = report[report.index("collectives of the step program ("):].splitlines()
+  kinds = [l.split()[0] for l in inventory[1:] if l.startswith("  ")]
+  assert {"all-reduce", "all-gather"} <= set(kinds), inventory
+  for line in inventory[1:len(kinds) + 1]:  # kind, bytes, replica groups, the mesh axes they span
+    assert re.match(r"  [a-z\-]+ +[\d,]+ bytes  x\d+/step  (replica_groups|source_target_pairs)=[{\[m].*  first group "
+                    r"\[[\d, ]+\]  mesh axes \S+  %\S+$", line), line
+
+
 def test_a_process_that_never_joins_ends_the_others_at_the_start_up_deadline(tmp_path):
   """Process 1 never starts: process 0 waits distributed.init_timeout_s, then says so in one line (the heartbeats,
   which name a lost process, only run once every process has joined)."""
