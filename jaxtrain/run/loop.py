@@ -121,6 +121,21 @@ def _resume(ckpts, step_dir, setup, batches, mesh_text: str):
   return state, progress_lib.Progress(**manifest["progress"]), manifest
 
 
+def _banner(setup, mesh, config_name: str, workdir: Path) -> str:
+  """The run's first lines (what runs where, the plan); returns the mesh as text."""
+  cfg, dev, mesh_text = setup.cfg, mesh.devices.flat[0], mesh_lib.describe(dict(mesh.shape))
+  print(f"jaxtrain: {config_name} ({setup.n_params:,} params), compute {cfg.model.dtype}"
+        f"{flops.fp8_label(cfg.model.fp8)}, mesh {mesh_text} "
+        f"on {mesh.size} {dev.platform} device(s) [{dev.device_kind}], workdir {workdir}")
+  print(setup.plan.describe())
+  if setup.pipelined:
+    print(pipeline.describe(cfg, mesh))
+  if setup.notes:
+    print(f"sharding: {len(setup.notes)} dimension(s) replicated where the mesh axis does not divide them, e.g. "
+          f"{setup.notes[0]}")
+  return mesh_text
+
+
 def _goodput_summary(ledger, workdir: Path, sinks, step: int) -> None:
   """The job so far, from the ledger (process 0): one line, and its figures to TensorBoard."""
   ledger.event("end")
@@ -150,6 +165,111 @@ def _stopped_by_loader(err, ckpts, step: int, unsaved: tuple | None = None) -> d
   return data.LoaderError(f"{err}; {done}; run the same command to resume (it fetches that batch again)")
 
 
+@dataclasses.dataclass
+class _Steps:
+  """The steps of one run: metrics one step late, evaluations, saves, the loader's stop, and the end."""
+  cfg: object
+  setup: step_lib.Setup
+  batches: object
+  ckpts: checkpoint.Checkpoints
+  saves: progress_lib.Every
+  preempt: Preemption
+  profiler: observe.Profiler
+  evaluate: Evaluator
+  sinks: metrics.Sinks
+  ledger: goodput.Ledger
+  dog: watchdog_lib.Watchdog
+  progress: progress_lib.Progress
+  summary: Summary
+  identity: dict  # the manifest's fields fixed for the run: mesh, fingerprint, config, seed, process count
+  workdir: Path
+  checklist: checklist_lib.Checklist | None = None
+
+  def __post_init__(self):
+    t, mesh = self.cfg.train, self.setup.mesh
+    self.flops_per_step = flops.flops_per_token(self.cfg.model, t.seq_len) * t.batch_size * t.seq_len
+    peak = devices.peak_flops(mesh.devices.flat[0].device_kind)
+    self.peak_total = peak * mesh.size if peak else None
+
+  def manifest_body(self) -> dict:
+    out = self.sinks.writer()
+    return {"progress": dataclasses.asdict(self.progress), "data_state": self.batches.get_state(), **self.identity,
+            "unwritten_metrics": list(out.unwritten) if out else []}
+
+  def log_step(self, s, device_metrics, wait, since, params=None) -> float:
+    """Writes step s's record; returns when the next step's time starts. `params`: evaluate them after the
+    step's own time is taken, so that neither the eval nor its set-up counts as a step's time."""
+    fetched = jax.device_get(device_metrics)
+    done = time.perf_counter()
+    self.dog.beat(s)  # a step counts as completed once its metrics are here
+    self.ledger.spent("productive", done - since - sum(wait), step=s)
+    if params is not None:
+      with self.dog.slow():
+        fetched.update(self.evaluate(params))
+      self.ledger.spent("eval", time.perf_counter() - done)
+    self.progress.count(s, int(fetched["tokens"]), bool(fetched["skipped"]))
+    rec = metrics.record(s, fetched, done - since, sum(wait), self.progress, self.flops_per_step, self.peak_total)
+    rec.update(self.checklist.fields(s, rec, wait))
+    self.sinks.write(s, rec)
+    sm = self.summary
+    sm.steps, sm.skipped, sm.final_loss, sm.last = sm.steps + 1, sm.skipped + rec["skipped"], rec["loss"], rec
+    self.progress.check(self.cfg.train.max_skipped_in_a_row, rec["loss_scale"])
+    return done if params is None else time.perf_counter()
+
+  def save(self, s: int, state) -> float:
+    """Saves step s; returns when the next step's time starts (the save's blocking part is not a step's)."""
+    t = time.perf_counter()
+    with self.dog.slow():
+      self.ckpts.save(s, state, self.manifest_body())
+    done = time.perf_counter()
+    self.ledger.spent("checkpoint", done - t)
+    share = self.checklist.saved(t, done)
+    print(f"checkpoint {s}: saving ({done - t:.2f}s blocking, {share:.1%} of the interval"
+          f"{', async' if self.cfg.checkpoint.async_save else ''})", flush=True)
+    return done
+
+  def run(self, state, batch, compiled, stop_at: int) -> None:
+    out = self.sinks.writer()  # metrics.jsonl's writer (its failures stop the run after a save); None elsewhere
+    pending, wait, last_done = None, (0.0, 0.0), time.perf_counter()
+    for s in range(self.progress.step + 1, stop_at + 1):
+      self.profiler.before(s)
+      state, step_metrics = compiled(state, batch)
+      faults.kill_point("step", s)
+      self.profiler.after(s, step_metrics)
+      if pending:  # step s-1's metrics: reading them waits for s-1, while s is already queued
+        last_done = self.log_step(*pending, last_done)
+      pending = (s, step_metrics, wait)
+      stop = s == stop_at or self.preempt.check(s) or (out is not None and runfiles.must_stop(out))
+      if self.evaluate.cadence.due(s):  # step s timed first, then the eval, before the next step donates state
+        last_done, pending = self.log_step(*pending, last_done, params=state["params"]), None
+      if stop or self.saves.due(s):
+        if pending:  # the manifest's clocks must include step s
+          last_done = self.log_step(*pending, last_done)
+        pending, last_done = None, self.save(s, state)
+      self.ckpts.poll()
+      if stop:
+        break
+      try:
+        batch, wait = self.checklist.next_batch(self.batches, self.setup.device_batch)  # (host, host-to-device) s
+      except data.LoaderError as e:  # step s is complete: commit it (with the data state of the failed fetch)
+        if pending:
+          last_done = self.log_step(*pending, last_done)
+        unsaved = None if self.saves.due(s) else (state, self.manifest_body())
+        raise _stopped_by_loader(e, self.ckpts, s, unsaved) from e
+      self.ledger.spent("data_wait", sum(wait), step=s + 1)  # also marks step s + 1 as started
+    self.finish(out)
+
+  def finish(self, out) -> None:
+    self.dog.close()  # the last async save may take longer than a step
+    t = time.perf_counter()
+    self.ckpts.wait()
+    self.ledger.spent("checkpoint", time.perf_counter() - t)
+    runfiles.report_write_failure(out, self.progress.step)  # with several processes, a collective
+    _goodput_summary(self.ledger, self.workdir, self.sinks, self.progress.step)
+    if self.preempt.requested:
+      print(f"preempted: checkpoint committed at step {self.progress.step}; run the same command to resume")
+
+
 def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = None, fresh: bool = False,
         resume_from: str | None = None, allow_mismatch: str = "") -> Summary:
   """Trains until `stop_at` (default train.steps) total steps."""
@@ -170,17 +290,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     runfiles.prepare_workdir(workdir)
     # One trainer per workdir, taken before anything in it is moved or removed.
     lock = lock_lib.WorkdirLock(workdir).acquire() if jax.process_index() == 0 else None
-    dev = mesh.devices.flat[0]
-    mesh_text = mesh_lib.describe(dict(mesh.shape))
-    print(f"jaxtrain: {config_name} ({setup.n_params:,} params), compute {cfg.model.dtype}"
-          f"{flops.fp8_label(cfg.model.fp8)}, mesh {mesh_text} "
-          f"on {mesh.size} {dev.platform} device(s) [{dev.device_kind}], workdir {workdir}")
-    print(setup.plan.describe())
-    if setup.pipelined:
-      print(pipeline.describe(cfg, mesh))
-    if setup.notes:
-      print(f"sharding: {len(setup.notes)} dimension(s) replicated where the mesh axis does not divide them, e.g. "
-            f"{setup.notes[0]}")
+    mesh_text = _banner(setup, mesh, config_name, workdir)
     ck, ckdir = cfg.checkpoint, workdir / "checkpoints"
     if fresh and ckdir.exists() and jax.process_index() == 0:  # the others wait in resume_point's collective
       print(f"--fresh: previous checkpoints moved to {runfiles.move_aside(ckdir, workdir, 'fresh')}")
@@ -193,12 +303,8 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
       return summary
     ckpts = checkpoint.Checkpoints(ckdir, ck.keep, ck.keep_every, ck.async_save,
                                    is_writer=jax.process_index() == 0, verify=ck.verify)
-    saves = progress_lib.Every(ck.interval)
     preempt = Preemption(jax.process_count() > 1)
     profiler = observe.Profiler(cfg.run.profile_steps, workdir / "profile", enabled=jax.process_index() == 0)
-    flops_per_step = flops.flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
-    peak = devices.peak_flops(dev.device_kind)
-    peak_total = peak * mesh.size if peak else None
     runlog = runfiles.RunLog(workdir, jax.process_index())  # library noise -> <workdir>/jaxtrain.log
     ledger = goodput.Ledger(workdir if jax.process_index() == 0 else None)
     ledger.event("start", t=goodput.process_start(), resumed=at)
@@ -216,33 +322,10 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     cache = goodput.CacheCount()  # did the step come from the compilation cache?
     state = setup.init() if state is None else state
     sinks = _sinks(cfg, workdir, stop_at, resumed_at, manifest.get("unwritten_metrics"))
-    out = sinks.writer()  # metrics.jsonl's writer (its failures stop the run after a save); None elsewhere
-
-    def manifest_body():
-      return {"progress": dataclasses.asdict(progress), "data_state": batches.get_state(), "mesh": mesh_text,
-              "fingerprint": current, "config": cfg.to_dict(), "seed": cfg.train.seed,
-              "process_count": jax.process_count(), "unwritten_metrics": list(out.unwritten) if out else []}
-
-    def log_step(s, device_metrics, wait, since, params=None):
-      """Writes step s's record; returns when the next step's time starts. `params`: evaluate them after the
-      step's own time is taken, so that neither the eval nor its set-up counts as a step's time."""
-      fetched = jax.device_get(device_metrics)
-      done = time.perf_counter()
-      dog.beat(s)  # a step counts as completed once its metrics are here
-      ledger.spent("productive", done - since - sum(wait), step=s)
-      if params is not None:
-        with dog.slow():
-          fetched.update(evaluate(params))
-        ledger.spent("eval", time.perf_counter() - done)
-      progress.count(s, int(fetched["tokens"]), bool(fetched["skipped"]))
-      rec = metrics.record(s, fetched, done - since, sum(wait), progress, flops_per_step, peak_total)
-      rec.update(checklist.fields(s, rec, wait))
-      sinks.write(s, rec)
-      summary.steps, summary.skipped, summary.final_loss, summary.last = (
-          summary.steps + 1, summary.skipped + rec["skipped"], rec["loss"], rec)
-      progress.check(cfg.train.max_skipped_in_a_row, rec["loss_scale"])
-      return done if params is None else time.perf_counter()
-
+    identity = {"mesh": mesh_text, "fingerprint": current, "config": cfg.to_dict(), "seed": cfg.train.seed,
+                "process_count": jax.process_count()}
+    steps = _Steps(cfg, setup, batches, ckpts, progress_lib.Every(ck.interval), preempt, profiler, evaluate, sinks,
+                   ledger, dog, progress, summary, identity, workdir)
     try:
       batch = setup.device_batch(next(batches))
     except data.LoaderError as e:  # no step of this run to save: the resume point (if any) is the committed one
@@ -251,53 +334,10 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s", flush=True)
     cache.stop()
     ledger.spent("compile", time.perf_counter() - t_restored, cache=cache.verdict())
-    checklist = checklist_lib.Checklist(jax.local_devices(), batches, setup.placement.rows()[1])
-    if jax.process_index() == 0 and (note := checklist.note()):
+    steps.checklist = checklist_lib.Checklist(jax.local_devices(), batches, setup.placement.rows()[1])
+    if jax.process_index() == 0 and (note := steps.checklist.note()):
       print(note)
-
-    pending, wait, last_done = None, (0.0, 0.0), time.perf_counter()
-    for s in range(progress.step + 1, stop_at + 1):
-      profiler.before(s)
-      state, step_metrics = compiled(state, batch)
-      faults.kill_point("step", s)
-      profiler.after(s, step_metrics)
-      if pending:  # step s-1's metrics: reading them waits for s-1, while s is already queued
-        last_done = log_step(*pending, last_done)
-      pending = (s, step_metrics, wait)
-      stop = s == stop_at or preempt.check(s) or (out is not None and runfiles.must_stop(out))
-      if evaluate.cadence.due(s):  # step s timed first, then the eval, before the next step donates state
-        last_done = log_step(*pending, last_done, params=state["params"])
-        pending = None
-      if stop or saves.due(s):
-        if pending:  # the manifest's clocks must include step s
-          last_done = log_step(*pending, last_done)
-        pending = None
-        t = time.perf_counter()
-        with dog.slow():
-          ckpts.save(s, state, manifest_body())
-        last_done = time.perf_counter()  # the save's blocking part is not the next step's time
-        ledger.spent("checkpoint", last_done - t)
-        share = checklist.saved(t, last_done)
-        print(f"checkpoint {s}: saving ({last_done - t:.2f}s blocking, {share:.1%} of the interval"
-              f"{', async' if ck.async_save else ''})", flush=True)
-      ckpts.poll()
-      if stop:
-        break
-      try:
-        batch, wait = checklist.next_batch(batches, setup.device_batch)  # wait: (host batch, host-to-device) s
-      except data.LoaderError as e:  # step s is complete: commit it (with the data state of the failed fetch)
-        if pending:
-          last_done = log_step(*pending, last_done)
-        raise _stopped_by_loader(e, ckpts, s, None if saves.due(s) else (state, manifest_body())) from e
-      ledger.spent("data_wait", sum(wait), step=s + 1)  # also marks step s + 1 as started
-    dog.close()  # the last async save may take longer than a step
-    t = time.perf_counter()
-    ckpts.wait()
-    ledger.spent("checkpoint", time.perf_counter() - t)
-    runfiles.report_write_failure(out, progress.step)  # with several processes, a collective
-    _goodput_summary(ledger, workdir, sinks, progress.step)
-    if preempt.requested:
-      print(f"preempted: checkpoint committed at step {progress.step}; run the same command to resume")
+    steps.run(state, batch, compiled, stop_at)
     return summary
   except Exception as e:  # noqa: BLE001 (details to the log; the terminal gets one line)
     if runlog is None:  # refused before the run's files: nothing of it is written, the log included

@@ -105,8 +105,9 @@ def test_checklist_fields_against_independent_measurements(tmp_path, monkeypatch
   assert len(got["nexts"]) == len(got["puts"]) == 12
   for rec in records[1:]:
     (t0, t1), (p0, p1) = got["nexts"][rec["step"] - 1], got["puts"][rec["step"] - 1]
-    assert rec["data_host_s"] == pytest.approx(t1 - t0, abs=5e-3)
-    assert rec["data_h2d_s"] == pytest.approx(p1 - p0, abs=5e-3)
+    # 20 ms: the two clocks sit a few calls apart, and CI runs two workers on two cores
+    assert rec["data_host_s"] == pytest.approx(t1 - t0, abs=2e-2)
+    assert rec["data_h2d_s"] == pytest.approx(p1 - p0, abs=2e-2)
     assert rec["data_wait_s"] == pytest.approx(rec["data_host_s"] + rec["data_h2d_s"])
   assert max(r["data_host_s"] for r in records) > 0.25 / 2  # the loop waited for the host batch
 
@@ -122,8 +123,8 @@ def test_checklist_fields_against_independent_measurements(tmp_path, monkeypatch
   # previous save's end.
   assert [r["step"] for r in records if "ckpt_block_s" in r] == [5, 9]
   (_, e4), (s8, e8) = got["saves"][:2]
-  assert records[8]["ckpt_block_s"] == pytest.approx(e8 - s8, abs=5e-3)
-  assert records[8]["ckpt_block_frac"] == pytest.approx((e8 - s8) / (e8 - e4), abs=0.01)
+  assert records[8]["ckpt_block_s"] == pytest.approx(e8 - s8, abs=2e-2)
+  assert records[8]["ckpt_block_frac"] == pytest.approx((e8 - s8) / (e8 - e4), abs=0.02)
   assert re.search(r"checkpoint 8: saving \(\d+\.\d\ds blocking, \d+\.\d% of the interval", out)
   assert re.search(r"step +12/12 .* rss \d+\.\d\dGiB  rho 0\.\d", out)
 
