@@ -111,21 +111,26 @@ def test_each_process_reads_its_slice_of_the_global_batch(tmp_path, mesh, disjoi
     np.testing.assert_array_equal(parts[1], whole)
 
 
-def test_a_lost_process_makes_the_other_exit_within_the_bound(tmp_path):
-  procs = multihost.launch([*RUN, "--workdir", "w", "--steps", "100000", "--set", "distributed.heartbeat_timeout_s=5"],
-                           2, tmp_path)
+def _signal_process_1(tmp_path, sets, after_step: int, sig, wait_s: float):
+  """Two processes run until process 0 logs `after_step`; then `sig` to process 1: (process 0's exit code, seconds
+  from the signal to that exit)."""
+  procs = multihost.launch([*RUN, "--workdir", "w", "--steps", "100000", *sets], 2, tmp_path)
   try:
     deadline = time.monotonic() + TIMEOUT
-    while "step      2/" not in multihost.log_of(tmp_path, 0):
+    while f"step {after_step:>6}/" not in multihost.log_of(tmp_path, 0):
       assert time.monotonic() < deadline and procs[0].poll() is None, multihost.log_of(tmp_path, 0)[-2000:]
-      time.sleep(0.5)
-    procs[1].send_signal(signal.SIGKILL)
-    killed = time.monotonic()
-    code = procs[0].wait(timeout=60)
-    took = time.monotonic() - killed
+      time.sleep(0.2)
+    procs[1].send_signal(sig)
+    sent = time.monotonic()
+    code = procs[0].wait(timeout=wait_s)
+    return code, time.monotonic() - sent
   finally:
     for p in procs:
       p.kill()
+
+
+def test_a_lost_process_makes_the_other_exit_within_the_bound(tmp_path):
+  code, took = _signal_process_1(tmp_path, ["--set", "distributed.heartbeat_timeout_s=5"], 2, signal.SIGKILL, 60)
   assert code != 0 and took < 5 + 10, (code, took)  # the heartbeat timeout, plus the abort and a loaded machine
   deadline = time.monotonic() + 10  # the line comes from the output filter, which may outlive the process
   while "error:" not in multihost.log_of(tmp_path, 0) and time.monotonic() < deadline:
@@ -143,23 +148,13 @@ def test_a_lost_process_makes_the_other_exit_within_the_bound(tmp_path):
 
 def test_a_stopped_process_makes_the_other_report_the_hang_within_the_bound(tmp_path):
   """Process 1 stopped (SIGSTOP: alive, its connections open; its heartbeats given 600 s, so that the watchdog, not
-  the runtime, ends the job, as for a process stuck in a kernel): process 0 waits in the step's collectives until the hang watchdog's bound, then prints one line, writes its stacks and the
-  step's collectives to its log, and exits 3. No periodic saves: one in flight is watched with the longer bound."""
+  the runtime, ends the job, as for a process stuck in a kernel): process 0 waits in the step's collectives until
+  the hang watchdog's bound, then prints one line, writes its stacks and the step's collectives to its log, and
+  exits 3. No periodic saves: one in flight is watched with the longer bound."""
   bound = 10
-  procs = multihost.launch([*RUN, "--workdir", "w", "--steps", "100000", "--set", "distributed.heartbeat_timeout_s=600",
-                            "--set", f"run.hang_timeout_s={bound}", "--set", "checkpoint.interval=0"], 2, tmp_path)
-  try:
-    deadline = time.monotonic() + TIMEOUT
-    while "step      3/" not in multihost.log_of(tmp_path, 0):
-      assert time.monotonic() < deadline and procs[0].poll() is None, multihost.log_of(tmp_path, 0)[-2000:]
-      time.sleep(0.2)
-    procs[1].send_signal(signal.SIGSTOP)
-    stopped = time.monotonic()
-    code = procs[0].wait(timeout=120)
-    took = time.monotonic() - stopped
-  finally:
-    for p in procs:
-      p.kill()
+  sets = ["--set", "distributed.heartbeat_timeout_s=600", "--set", f"run.hang_timeout_s={bound}",
+          "--set", "checkpoint.interval=0"]
+  code, took = _signal_process_1(tmp_path, sets, 3, signal.SIGSTOP, 120)
   print(f"watchdog: process 0 exited {took:.1f}s after process 1 was stopped (bound {bound}s)")
   assert code == 3 and took < bound + 10, (code, took)  # from the last completed step; plus a loaded machine
   terminal = multihost.log_of(tmp_path, 0).splitlines()
