@@ -52,12 +52,12 @@ class Checklist:
     self.interval_start, self.save = time.perf_counter(), None
     self.multi = jax.process_count() > 1
 
-  def note(self) -> str | None:
-    """A line for the start of the run where device memory cannot be reported."""
+  def note(self) -> str:
+    """Said once, with the start-up's last line, where device memory cannot be reported ('' elsewhere)."""
     if device_memory(self.devices) == (None, None):
-      return (f"checklist: {self.devices[0].platform} devices keep no memory statistics: device_mem_bytes and "
-              "device_mem_peak_bytes are null (host_rss_bytes counts arrays held in host memory)")
-    return None
+      return (f" ({self.devices[0].platform} devices keep no memory statistics: device_mem_* are null in the "
+              "metrics; host_rss_bytes counts their arrays)")
+    return ""
 
   def next_batch(self, batches, put):
     """(device batch, (host wait, host-to-device seconds)). The transfer is waited for here: device_put returns

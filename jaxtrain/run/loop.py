@@ -331,12 +331,11 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     except data.LoaderError as e:  # no step of this run to save: the resume point (if any) is the committed one
       raise _stopped_by_loader(e, ckpts, progress.step) from e
     compiled = dog.compiled = setup.step.lower(state, batch).compile()
-    print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s", flush=True)
+    steps.checklist = checklist_lib.Checklist(jax.local_devices(), batches, setup.placement.rows()[1])
+    note = steps.checklist.note() if jax.process_index() == 0 else ""  # no extra line: terminals stay quiet
+    print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s{note}", flush=True)
     cache.stop()
     ledger.spent("compile", time.perf_counter() - t_restored, cache=cache.verdict())
-    steps.checklist = checklist_lib.Checklist(jax.local_devices(), batches, setup.placement.rows()[1])
-    if jax.process_index() == 0 and (note := steps.checklist.note()):
-      print(note)
     steps.run(state, batch, compiled, stop_at)
     return summary
   except Exception as e:  # noqa: BLE001 (details to the log; the terminal gets one line)
