@@ -13,6 +13,9 @@ from typing import Any, Literal, get_args, get_origin
 from jaxtrain.core import parse, resources
 from jaxtrain.core.errors import UserError
 
+# The projections model.lora_targets may name: attention's q, k, v, o and the SwiGLU MLP's gate, up, down.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
 # Fingerprint categories (what --allow-mismatch names), and the category of each section's math keys.
 MISMATCH_CATEGORIES = ("model", "train", "tokenizer", "data")
 SECTION_CATEGORY = {"model": "model", "optim": "train", "train": "train", "loss_scale": "train", "data": "data"}
@@ -145,6 +148,15 @@ class ModelConfig:
       0, "cuDNN on Hopper+: most documents (segments) one row may hold, passed as O(L) offsets (no L x L mask); "
       "costs 4*M*heads*seq_len bytes of softmax statistics per row and layer; a row with more is an error. "
       "0 = pass segments as an L x L mask.", math=False, min=0)
+  # LoRA (docs/training.md#lora): adapters beside the targeted projections; the rest of the model frozen
+  lora_rank: int = key(0, "LoRA: rank r of the low-rank adapters added to the model.lora_targets projections "
+                       "(delta = x A B * lora_alpha / r, B zero at init); the base weights are then frozen (no "
+                       "gradient, no float32 master, no Adam moments: stored in model.dtype). 0 = off.", math=True,
+                       min=0)
+  lora_alpha: float = key(16.0, "LoRA: the adapters' output is scaled by lora_alpha / lora_rank (PEFT's "
+                          "lora_alpha).", math=True, min=0.0, open_min=True)
+  lora_targets: str = key("q,v", "LoRA: comma-separated projections that get adapters, any of: "
+                          "q, k, v, o, gate, up, down.", math=True)
   # math: not the math, but the checkpoint's layout
   scan_layers: bool = key(False, "Stack the blocks' params on a leading `layers` axis and run them with one "
                           "jax.lax.scan (faster compiles); dense first layers (moe_first_dense) are a second stack, "
@@ -152,6 +164,10 @@ class ModelConfig:
   remat: Literal["none", "full", "save_dots", "save_named", "offload_named"] = key(
       "none", "Per-block rematerialization: none; full; save_dots (keep projection matmuls); save_named "
       "(keep q/k/v, attention output, MLP hidden); offload_named (those to pinned host memory).", math=False)
+
+  def lora_target_names(self) -> tuple[str, ...]:
+    """model.lora_targets as names (validated against LORA_TARGETS); () when LoRA is off."""
+    return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()) if self.lora_rank else ()
 
   def is_moe_layer(self, i: int) -> bool:
     """The one rule for which layers are mixture-of-experts layers."""
@@ -500,12 +516,33 @@ def validate(cfg: Config) -> None:
     raise UserError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (RoPE rotates pairs)")
   if m.head_dim % 2:
     raise UserError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
+  check_lora(cfg)
   ls = cfg.loss_scale
   if not ls.min <= ls.initial <= ls.max:
     raise UserError(f"loss_scale.initial={ls.initial} must lie within [loss_scale.min={ls.min}, "
                     f"loss_scale.max={ls.max}]")
   if t.batch_size % t.microbatches:
     raise UserError(f"train.microbatches={t.microbatches} must divide train.batch_size={t.batch_size}")
+
+
+def check_lora(cfg: Config) -> None:
+  """LoRA's targets, and the combinations it does not support yet, refused in one line."""
+  m = cfg.model
+  if not m.lora_rank:
+    return
+  names = m.lora_target_names()
+  bad = [t for t in names if t not in LORA_TARGETS]
+  if bad or not names or len(set(names)) != len(names):
+    raise UserError(f"model.lora_targets={m.lora_targets!r}: name each projection once, any of: "
+                    f"{', '.join(LORA_TARGETS)}")
+  refused = (("model.moe_experts", m.moe_experts, m.moe_experts > 0),
+             ("model.attention_type", m.attention_type, m.attention_type == "mla"),
+             ("model.mtp_layers", m.mtp_layers, m.mtp_layers > 0), ("model.fp8", m.fp8, m.fp8 != "none"),
+             ("optim.offload", cfg.optim.offload, cfg.optim.offload != "none"))
+  for name, value, unsupported in refused:
+    if unsupported:
+      raise UserError(f"model.lora_rank={m.lora_rank} with {name}={value!r} is not supported yet (LoRA trains dense "
+                      f"attention and MLP projections, with the optimizer state on the device)")
 
 
 def help_text() -> str:

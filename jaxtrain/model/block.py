@@ -10,7 +10,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtrain.core.config import ModelConfig
 from jaxtrain.model import ops
 from jaxtrain.model.attention import cached_attention
-from jaxtrain.model.layers import MLP, RMSNorm, param, rope
+from jaxtrain.model.layers import MLP, RMSNorm, adapted, add_adapters, param, rope
 from jaxtrain.model.mla import MLA
 from jaxtrain.model.moe import MoE
 
@@ -26,6 +26,7 @@ class Attention(nnx.Module):
     self.wk = param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
     self.wv = param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
     self.wo = param(rngs, (H, E, D), ("heads", "head_dim", "embed"), std)
+    add_adapters(self, cfg, rngs, {"q": ("wq", 1), "k": ("wk", 1), "v": ("wv", 1), "o": ("wo", 2)})
     if cfg.qk_norm:  # Qwen3: one scale over head_dim shared by every head, so replicated under tensor
       self.q_norm, self.k_norm = RMSNorm(E, cfg.norm_eps), RMSNorm(E, cfg.norm_eps)
     self.qk_norm, self.logits_dtype = cfg.qk_norm, cfg.attention_logits_dtype
@@ -33,9 +34,9 @@ class Attention(nnx.Module):
   def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None):
     """With a KV `cache` (decoding) returns (output, updated {"k", "v"})."""
     dt = x_BxLxD.dtype
-    q_BxLxHxE = ops.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
-    k_BxLxKxE = ops.einsum("bld,dke->blke", x_BxLxD, self.wk[...].astype(dt))
-    v_BxLxKxE = ops.einsum("bld,dke->blke", x_BxLxD, self.wv[...].astype(dt))
+    q_BxLxHxE = adapted(self, "wq", x_BxLxD, ops.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt)))
+    k_BxLxKxE = adapted(self, "wk", x_BxLxD, ops.einsum("bld,dke->blke", x_BxLxD, self.wk[...].astype(dt)))
+    v_BxLxKxE = adapted(self, "wv", x_BxLxD, ops.einsum("bld,dke->blke", x_BxLxD, self.wv[...].astype(dt)))
     if self.qk_norm:
       q_BxLxHxE, k_BxLxKxE = self.q_norm(q_BxLxHxE), self.k_norm(k_BxLxKxE)
     q_BxLxHxE = ops.constrain(rope(q_BxLxHxE, rope_tables), ("batch", "length", "act_heads", None))
@@ -44,9 +45,12 @@ class Attention(nnx.Module):
     qkv = checkpoint_name(q_BxLxHxE, "q"), checkpoint_name(k_BxLxKxE, "k"), checkpoint_name(v_BxLxKxE, "v")
     if cache is not None:
       o_BxLxHxE, cache = cached_attention(*qkv, seg_BxL, cache)
-      return ops.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt)), cache
+      return self.out(o_BxLxHxE), cache
     o_BxLxHxE = checkpoint_name(ops.current().attend(*qkv, seg_BxL, self.logits_dtype), "attn_out")
-    return ops.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(dt))
+    return self.out(o_BxLxHxE)
+
+  def out(self, o_BxLxHxE):
+    return adapted(self, "wo", o_BxLxHxE, ops.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(o_BxLxHxE.dtype)))
 
 
 class Block(nnx.Module):

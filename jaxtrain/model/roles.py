@@ -23,11 +23,13 @@ KINDS = {
     "router": "router",  # a matrix the router uses in float32
     "router_bias": "router_bias",  # aux-loss-free balancing: no gradient, moved by moe_balance
     "scale": "norm",
+  "lora_a": "adapter",  # LoRA (model.lora_rank): A (in, r) and B (r, out) beside a targeted projection
+  "lora_b": "adapter",
 }
 # Matrices not decayed: the embedding (a rare token's row would shrink between the updates that touch it).
 NOT_DECAYED = frozenset({"embedding"})
-MATRICES = frozenset({"matrix", "embedding", "router"})
-CAST_AT_USE = frozenset({"matrix", "embedding"})  # used in the compute dtype (the router computes in float32)
+MATRICES = frozenset({"matrix", "embedding", "router", "adapter"})
+CAST_AT_USE = frozenset({"matrix", "embedding", "adapter"})  # used in the compute dtype (the router computes in float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,12 @@ class Role:
   output: bool  # the output projection (lm_head, or the embedding when tied)
   layer: bool  # in one of the decoder blocks (`layers`, `dense_layers`)
   stacked: bool  # has a leading `layers` axis (a scanned stack, model.scan_layers)
+  frozen: bool = False  # LoRA: not trained (no gradient, master or moments); only the adapters train
+
+  @property
+  def low_master(self) -> bool:
+    """Stored in the compute dtype, not float32: a frozen weight the model casts at use anyway (no master needed)."""
+    return self.frozen and self.cast_at_use
 
   @property
   def low_gradient(self) -> bool:
@@ -74,7 +82,8 @@ def of(cfg: ModelConfig, path) -> Role:
   return Role(kind=kind, decayed=decayed(leaf), cast_at_use=kind in CAST_AT_USE,
               router_bias=kind == "router_bias",
               head=top in ("final_norm", "lm_head", "mtp") or (top == "embed" and cfg.tie_embeddings),
-              output=top == "lm_head" or (top == "embed" and cfg.tie_embeddings), layer=top in ("layers", "dense_layers"), stacked=cfg.scan_layers and top in cfg.stacks())
+              output=top == "lm_head" or (top == "embed" and cfg.tie_embeddings), layer=top in ("layers", "dense_layers"), stacked=cfg.scan_layers and top in cfg.stacks(),
+              frozen=cfg.lora_rank > 0 and kind != "adapter")
 
 
 def tree(cfg: ModelConfig, params):
@@ -85,3 +94,35 @@ def tree(cfg: ModelConfig, params):
 def mask(cfg: ModelConfig, params, field: str):
   """A tree of bools shaped like `params`: the roles' `field`."""
   return jax.tree_util.tree_map_with_path(lambda path, _: getattr(of(cfg, path), field), params)
+
+
+def stored(cfg: ModelConfig, params):
+  """`params` (float32, as initialized or imported) in the dtypes the train state keeps: LoRA's frozen weights that
+  are cast at use in the compute dtype (the model's own cast then changes nothing), the rest float32."""
+  if not cfg.lora_rank:
+    return params
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p: p.astype(cfg.dtype) if of(cfg, path).low_master else p, params)
+
+
+def split(cfg: ModelConfig, tree) -> tuple[dict, dict]:
+  """(trained, frozen): a tree shaped like the params (nested dicts) in two, each without the other's leaves;
+  without LoRA (tree, {})."""
+  if not cfg.lora_rank:
+    return tree, {}
+
+  def part(node, path, frozen):
+    if not isinstance(node, dict):
+      return node if of(cfg, path).frozen == frozen else None
+    kept = {k: v for k, child in node.items() if (v := part(child, (*path, k), frozen)) is not None}
+    return kept or None
+  return part(tree, (), False) or {}, part(tree, (), True) or {}
+
+
+def join(trained: dict, frozen: dict) -> dict:
+  """The inverse of `split`: one tree with the leaves of both."""
+  if not frozen:
+    return trained
+  if not isinstance(trained, dict):
+    return trained
+  return {**frozen, **{k: join(v, frozen[k]) if k in frozen else v for k, v in trained.items()}}

@@ -38,8 +38,9 @@ def once_over_data(executor):
   def run(objective, params, mbs, w, grad_sharding=None):
     plan = ops.current()
     mesh = plan.mesh
-    specs = jax.tree.map(lambda _: P(), params)  # reduced whole: ZeRO-2, split over data, does not come here
-    wire = wire_dtypes(objective.cfg.model, params, plan.platform)
+    trained = roles.split(objective.cfg.model, params)[0]  # what has a gradient (LoRA: the adapters)
+    specs = jax.tree.map(lambda _: P(), trained)  # reduced whole: ZeRO-2, split over data, does not come here
+    wire = wire_dtypes(objective.cfg.model, trained, plan.platform)
 
     def region(params, mbs, w):
       inner = _inner_plan(plan)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.core.config import Config
-from jaxtrain.model import loss as xent, moe_balance, mtp as mtp_lib, ops
+from jaxtrain.model import loss as xent, moe_balance, mtp as mtp_lib, ops, roles
 from jaxtrain.model.layers import rope_tables
 
 
@@ -119,16 +119,18 @@ def split_microbatches(batch, k: int):
 def accumulate(objective: Objective, params, mbs, w: Weights, grad_sharding=None):
   """The plain executor: a scan over the microbatches, each one's value and gradient, summed:
   (token loss sum, scaled gradient sum, MoE totals sum); every gradient kept in `grad_sharding` (None: as XLA
-  likes)."""
+  likes). The gradient is the trained parameters' (`roles.split`: with LoRA the adapters', else all)."""
   keep = (lambda g: jax.lax.with_sharding_constraint(g, grad_sharding)) if grad_sharding is not None else (
       lambda g: g)
+  trained, frozen = roles.split(objective.cfg.model, params)  # LoRA: the gradient of the adapters alone
+  value_and_grad = jax.value_and_grad(lambda t, mb: objective(roles.join(t, frozen), mb, w), has_aux=True)
 
   def body(carry, mb):
     loss_sum, grad_sum, moe_sum = carry
-    (_, (ce, moe)), g = jax.value_and_grad(objective, has_aux=True)(params, mb, w)
+    (_, (ce, moe)), g = value_and_grad(trained, mb)
     return (loss_sum + ce, jax.tree.map(jnp.add, grad_sum, keep(g)), jax.tree.map(jnp.add, moe_sum, moe)), None
 
-  init = (jnp.float32(0), keep(jax.tree.map(jnp.zeros_like, params)), moe_balance.zero_totals(objective.cfg.model))
+  init = (jnp.float32(0), keep(jax.tree.map(jnp.zeros_like, trained)), moe_balance.zero_totals(objective.cfg.model))
   return jax.lax.scan(body, init, mbs)[0]
 
 

@@ -1,6 +1,7 @@
 """Where the train state lives and the parameters the step computes with: the stored layout of master and moments
 (ZeRO-1/2 also split them over `data`, offload puts them in host memory), the gradients' layout (ZeRO-2: split over
-`data` too) and the compute copy the step differentiates. The update's math never changes with the layout."""
+`data` too) and the compute copy the step differentiates. The update's math never changes with the layout. With
+LoRA the moments and gradients are the adapters' alone (`roles.split`); the frozen base is stored as it is used."""
 
 from __future__ import annotations
 
@@ -30,12 +31,13 @@ class Layout:
                                        stacked=roles.of(cfg.model, path).stacked)
     self.stored = jax.tree_util.tree_map_with_path(stored, param_sh, abstract_params)
     replicated = NamedSharding(mesh, P())
-    self.opt = optax.tree_map_params(opt, lambda _, sh: sh, jax.eval_shape(opt.init, abstract_params), self.stored,
-                                     transform_non_params=lambda _: replicated)
+    self.trained = lambda tree: roles.split(cfg.model, tree)[0]  # LoRA: the adapters; else every parameter
+    self.opt = optax.tree_map_params(opt, lambda _, sh: sh, jax.eval_shape(opt.init, self.trained(abstract_params)),
+                                     self.trained(self.stored), transform_non_params=lambda _: replicated)
     self.offload = host is not None
     self.separate = plan.zero_stage > 0 or self.offload  # else the master is what the step computes with
     # pinned for ZeRO (stage 1 too: XLA would split the gradients like the update's operands otherwise)
-    self.grads = _on_device(self.stored) if plan.zero_stage == 2 else param_sh
+    self.grads = self.trained(_on_device(self.stored) if plan.zero_stage == 2 else param_sh)
     self.grad_sharding = self.grads if plan.zero_stage > 0 else None  # where the step pins the gradients
 
   def compute(self, master):

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.core.config import Config
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import moe_balance, ops, transformer as model_lib
+from jaxtrain.model import moe_balance, ops, roles, transformer as model_lib
 from jaxtrain.parallel import expert_layout as moe_layout, pipeline, placement as placement_lib, plan as plan_lib
 from jaxtrain.parallel import data_region, sharding
 from jaxtrain.run import grads as grads_lib, offload as offload_lib, optimizer as optim_lib, precision
@@ -22,7 +22,9 @@ from jaxtrain.run.layout import Layout
 
 
 def init_state(cfg: Config, opt: optax.GradientTransformation, params) -> dict:
-  return {"params": params, "opt": opt.init(params), "step": jnp.zeros((), jnp.int32),
+  """The state around float32 `params`; with LoRA the frozen base in the compute dtype, moments for the adapters."""
+  params = roles.stored(cfg.model, params)
+  return {"params": params, "opt": opt.init(roles.split(cfg.model, params)[0]), "step": jnp.zeros((), jnp.int32),
           "loss_scale": precision.init(cfg)}
 
 
@@ -43,8 +45,10 @@ def train_step(objective, opt, plan, layout: Layout, state, batch, executor=grad
     params, opt_state, apply = offload_lib.streamed_update(
         optim_lib.parts(cfg), (layout.device_state(), (layout.stored, layout.opt)), grad_norm, state["params"],
         state["opt"], g, ok, delta)
-  else:
-    params, opt_state, apply = optim_lib.guarded_update(opt, state["params"], state["opt"], g, ok, delta)
+  else:  # LoRA: the adapters move, the frozen base passes through
+    trained, frozen = roles.split(cfg.model, state["params"])
+    params, opt_state, apply = optim_lib.guarded_update(opt, trained, state["opt"], g, ok, delta)
+    params = roles.join(params, frozen)
   new_state = {"params": params, "opt": opt_state, "step": state["step"] + apply.astype(jnp.int32),
                "loss_scale": precision.update(cfg, state["loss_scale"], finite)}
   metrics = {"loss": loss, "grad_norm": grad_norm, "lr": optim_lib.lr_schedule(cfg.optim, cfg.train.steps)(state["step"]),
@@ -126,6 +130,9 @@ def check_fits_mesh(cfg: Config, mesh) -> None:
                     f"per microbatch must divide over data*fsdp*expert={batch_ways} devices")
   if (x := cfg.model.moe_experts) and x % mesh.shape["expert"]:
     raise UserError(f"model.moe_experts={x} must divide over expert={mesh.shape['expert']} devices")
+  if cfg.model.lora_rank and pipeline.active(mesh):
+    raise UserError(f"model.lora_rank={cfg.model.lora_rank} with mesh pipeline={mesh.shape['pipeline']} is not "
+                    "supported yet (LoRA runs on data, fsdp, tensor, sequence and expert axes)")
   pipeline.check(cfg, mesh)
   if t.seq_len % mesh.shape["sequence"]:
     raise UserError(f"train.seq_len={t.seq_len} must divide over sequence={mesh.shape['sequence']} devices")
