@@ -1,7 +1,7 @@
 """`python -m jaxtrain.hf import|export`: Hugging Face checkpoints in and out (docs/huggingface.md).
 
     python -m jaxtrain.hf import HF_DIR --workdir W [--mesh M] [--set section.key=value ...]
-    python -m jaxtrain.hf export --workdir W [--step N] --out HF_DIR [--dtype bfloat16] [--mesh M]
+    python -m jaxtrain.hf export --workdir W [--step N] --out HF_DIR [--dtype bfloat16] [--adapter] [--mesh M]
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   e.add_argument("--step", type=int, help="committed step to export (default: the latest)")
   e.add_argument("--out", required=True, help="output directory for the HF checkpoint")
   e.add_argument("--dtype", default="bfloat16", choices=sorted(hf.DTYPES), help="tensor dtype (default: bfloat16)")
+  e.add_argument("--adapter", action="store_true",
+                 help="LoRA runs: write the adapters alone as a PEFT adapter (adapter_config.json, "
+                 "adapter_model.safetensors); without it the model is written with them merged")
   e.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, GB (default: 5)")
   for q in (s, e):
     q.add_argument("--workdir", required=True, help="jaxtrain run directory")
@@ -60,7 +63,8 @@ def main(argv=None) -> int:
       step_dir = runs.locate(workdir, args.step)
       started = cli.start(args, prog, cfg=runs.config_of(checkpoint.read_manifest(step_dir)))
       set_prog(started.prog)
-      hf_export.run_export(started.cfg, started.mesh, step_dir, out, args.dtype, int(args.max_shard_gb * 1e9), workdir)
+      hf_export.run_export(started.cfg, started.mesh, step_dir, out, args.dtype, int(args.max_shard_gb * 1e9), workdir,
+                            args.adapter)
   return cli.main(prog, body)
 
 

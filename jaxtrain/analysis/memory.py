@@ -72,9 +72,10 @@ def param_rows(setup, stored: bool = False) -> list[Row]:
     sh = functools.reduce(operator.getitem, keys, shardings)
     spec = tuple(sh.spec) + (None,) * (len(var.shape) - len(sh.spec))
     dshape = tuple(sh.shard_shape(var.shape))
-    dtype = np.dtype(var.dtype)
+    role = roles.of(setup.cfg.model, keys)
+    dtype = np.dtype(setup.cfg.model.dtype if role.low_master else var.dtype)  # LoRA's frozen base: no master
     rows.append(Row("/".join(map(str, keys)), tuple(var.get_metadata()["axes"]), spec, tuple(var.shape), dshape,
-                    dtype.name, math.prod(dshape) * dtype.itemsize, role=roles.of(setup.cfg.model, keys)))
+                    dtype.name, math.prod(dshape) * dtype.itemsize, role=role))
   return rows
 
 
@@ -132,11 +133,13 @@ def step_bytes(setup) -> dict[str, int]:
   the step uses the master itself) and one gradient (float32, in the gradients' sharding)."""
   s = np.dtype(setup.cfg.model.dtype).itemsize
   out = {"compute": 0, "gradients": 0}
-  flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(setup.abstract_params))
-  for (path, x), c, g in zip(flat, jax.tree.leaves(setup.param_shardings), jax.tree.leaves(setup.grad_shardings),
-                             strict=True):
+  params = nnx.to_pure_dict(setup.abstract_params)
+  for (path, x), c in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(setup.param_shardings),
+                          strict=True):
     cast = roles.of(setup.cfg.model, path).cast_at_use
     out["compute"] += math.prod(c.shard_shape(x.shape)) * (s if cast else 4) if setup.layout.separate else 0
+  trained = roles.split(setup.cfg.model, params)[0]  # LoRA: only the adapters have a gradient
+  for x, g in zip(jax.tree.leaves(trained), jax.tree.leaves(setup.grad_shardings), strict=True):
     out["gradients"] += math.prod(g.shard_shape(x.shape)) * 4
   return out
 
@@ -360,7 +363,8 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   gathered_note, relaid_note = _gathered_notes(cfg, rows, mesh, piped, gathered["lm_head"])
   lines = {  # name: (bytes per device, how it is counted)
       "params": (made["compute"], f"compute copy: matmul weights {cfg.model.dtype}, norms float32, gathered for "
-                 "the step") if setup.layout.separate else (st["params"], "float32; they are the master copy"),
+                 "the step") if setup.layout.separate else (st["params"], "float32; they are the master copy"
+                                                            + _frozen_note(cfg)),
       "master": (on_device("params"), f"float32 master weights, {stored}{moved}") if setup.layout.separate
                 else (0, "none: the params are the master"),
       "gradients": (made["gradients"], grads),
@@ -392,6 +396,12 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   me = mesh.devices.flat[0].process_index  # offload: every device of this host keeps its shards in host memory
   per_host = sum(d.process_index == me for d in mesh.devices.flat) if host else 0
   return Bill(items, notes, sum(items.values()), full, per_host * kept)
+
+
+def _frozen_note(cfg) -> str:
+  """LoRA: what the params line holds beside the adapters' master."""
+  return (f" (the adapters'); the frozen base is stored as used ({cfg.model.dtype} matmul weights, norms float32), "
+          "with no master, gradient or moments") if cfg.model.lora_rank else ""
 
 
 def human(n) -> str:

@@ -244,6 +244,28 @@ def table(cfg) -> list[Tensor]:
   return out
 
 
+# LoRA: our adapter of weight `w` -> the HF module PEFT targets (its name in adapter_config.json's target_modules)
+LORA_MODULES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w_gate": "gate_proj",
+                "w_up": "up_proj", "w_down": "down_proj"}
+
+
+def lora_table(cfg) -> list[Tensor]:
+  """Every LoRA adapter of `cfg` (a ModelConfig) as PEFT saves it: A (r, in) and B (out, r) named
+  base_model.model.<the base weight's module>.lora_A/B.weight; ours A (*in, r), B (r, *out)."""
+  from jaxtrain.model import lora
+  targets = {lora.WEIGHTS[t] for t in cfg.lora_target_names()}
+  out, r = [], cfg.lora_rank
+  for t in table(cfg):
+    if t.path[-1] not in targets:
+      continue
+    split = next(i for i in range(len(t.ours) + 1) if math.prod(t.ours[:i]) == t.hf_shape[1])  # input dims
+    peft = np.vectorize(lambda n, x: f"base_model.model.{n.removesuffix('.weight')}.lora_{x}.weight", otypes=[object])
+    at = (*t.path[:-1], t.path[-1] + lora.SUFFIX)
+    out += [Tensor((*at, "lora_a"), peft(t.names, "A"), (r, t.hf_shape[1]), (*t.ours[:split], r)),
+            Tensor((*at, "lora_b"), peft(t.names, "B"), (t.hf_shape[0], r), (r, *t.ours[split:]))]
+  return out
+
+
 # -- import --------------------------------------------------------------------------------------
 
 
@@ -435,6 +457,7 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   import jax
   from jaxtrain import data
   from jaxtrain.parallel import mesh as mesh_lib
+  from jaxtrain.model import roles
   from jaxtrain.run import checkpoint, progress
   from jaxtrain.run import step as step_lib
   t0 = time.perf_counter()
@@ -451,7 +474,12 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   setup = step_lib.Setup(cfg, mesh)
   cfg = setup.cfg  # with what the mesh implies (a pipeline's stacked layers)
   by_path = {t.path: t for t in table(cfg.model)}
-  params, nread = _place_params(plan, by_path, setup.abstract_state()["params"])
+  params = setup.abstract_state()["params"]
+  if cfg.model.lora_rank:  # LoRA: the base is read, its adapters start fresh
+    params, nread = _place_params(plan, by_path, roles.split(cfg.model, params)[1])
+    params = roles.join(setup.init_adapters(), params)
+  else:
+    params, nread = _place_params(plan, by_path, params)
   ck = cfg.checkpoint
   # the params fill host memory on a CPU machine: orbax's compressed write buffers are kept to a window
   window = max([2**30] + [x.nbytes for x in jax.tree.leaves(params)])

@@ -18,33 +18,38 @@ import numpy as np
 
 from jaxtrain.core import files as files_lib, outputs  # files_lib: run_export names its shard list `files`
 from jaxtrain.core.errors import UserError
-from jaxtrain.interop.hf import DTYPES, HF_KEPT, INDEX, safetensors_api, hf_config, table
+from jaxtrain.interop.hf import DTYPES, HF_KEPT, INDEX, LORA_MODULES, hf_config, lora_table, safetensors_api, table
 
 
-def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes: int, workdir: Path) -> None:
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's names
+
+
+def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes: int, workdir: Path,
+               adapter: bool = False) -> None:
   """Writes the HF checkpoint into `out`, replacing what an earlier export wrote there (EXPORT_RECORD) and nothing
-  else; a write failure (a full disk) removes this export's partial files and is one line."""
+  else; a write failure (a full disk) removes this export's partial files and is one line. With LoRA the model is
+  written merged (W + A B * alpha / r); `adapter`: the adapters alone, as a PEFT adapter."""
   import jax
   from jaxtrain.run import runs
   t0 = time.perf_counter()
+  if adapter and not cfg.model.lora_rank:
+    raise UserError(f"--adapter: the run in {workdir} has no adapters (model.lora_rank=0); export without --adapter")
   np_dtype = DTYPES[dtype]  # safetensors tags the file dtype from the numpy dtype
   if np_dtype == "bfloat16":
     import ml_dtypes
     np_dtype = ml_dtypes.bfloat16
   _, params = runs.restore_params(cfg, mesh, step_dir)
+  if cfg.model.lora_rank and not adapter:
+    params = _merged(cfg, params)
   items = [(t.names[s], t, s, math.prod(t.hf_shape) * np.dtype(np_dtype).itemsize)
-           for t in table(cfg.model) for s in np.ndindex(t.names.shape)]
-  files, size = [[]], 0  # consecutive tensors, a new file when the next would pass max_shard_bytes
-  for it in items:
-    if files[-1] and size + it[3] > max_shard_bytes:
-      files, size = files + [[]], 0
-    files[-1].append(it)
-    size += it[3]
+           for t in (lora_table if adapter else table)(cfg.model) for s in np.ndindex(t.names.shape)]
+  files = [items] if adapter else _files(items, max_shard_bytes)
   n, me, total = len(files), jax.process_index(), sum(it[3] for it in items)
-  fname = lambda i: f"model-{i + 1:05d}-of-{n:05d}.safetensors"  # noqa: E731
-  tok = cfg.data.tokenizer != "byte"
-  written = [*map(fname, range(n)), INDEX, "config.json",
-             *(["tokenizer.json", *(f for f in HF_KEPT[1:] if (workdir / "hf" / f).is_file())] if tok else [])]
+  fname = (lambda i: ADAPTER_FILE) if adapter else lambda i: f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+  tok = cfg.data.tokenizer != "byte" and not adapter
+  written = [ADAPTER_FILE, ADAPTER_CONFIG] if adapter else [
+      *map(fname, range(n)), INDEX, "config.json",
+      *(["tokenizer.json", *(f for f in HF_KEPT[1:] if (workdir / "hf" / f).is_file())] if tok else [])]
   created = not out.exists()
   try:
     out.mkdir(parents=True, exist_ok=True)
@@ -52,7 +57,10 @@ def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes
       _replace_earlier_export(out, written)
     _write_shards(out, files, fname, params, np_dtype, me)
     if me == 0:
-      _write_config(cfg, out, workdir, dtype, total, files, fname, tok)
+      if adapter:
+        _write_adapter_config(cfg.model, out, workdir)
+      else:
+        _write_config(cfg, out, workdir, dtype, total, files, fname, tok)
       files_lib.write_json_atomic(out / outputs.EXPORT_RECORD, _record(written, step_dir, workdir, dtype, True))
   except OSError as e:
     _remove_partial(out, written, created and me == 0)
@@ -60,7 +68,40 @@ def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes
                     f"its partial files were removed, the checkpoint {step_dir} is untouched: free space (or fix "
                     "--out) and run again") from None
   print(f"exported step {step_dir.name} of {workdir} to {out}: {len(items)} tensors in {n} file(s), "
-        f"{total / 2**30:.2f} GiB {dtype}, in {time.perf_counter() - t0:.1f}s")
+        f"{total / 2**30:.2f} GiB {dtype}{', the PEFT adapter' if adapter else ''}, in {time.perf_counter() - t0:.1f}s")
+
+
+def _files(items: list, max_shard_bytes: int) -> list[list]:
+  """Consecutive tensors, a new file when the next would pass max_shard_bytes."""
+  files, size = [[]], 0
+  for it in items:
+    if files[-1] and size + it[3] > max_shard_bytes:
+      files, size = files + [[]], 0
+    files[-1].append(it)
+    size += it[3]
+  return files
+
+
+def _merged(cfg, params):
+  """LoRA: the base model's parameters with the adapters folded in (float32), on the adapters' devices."""
+  import jax
+  from jaxtrain.model import lora, roles
+  return jax.jit(lambda p: lora.merged(cfg.model, p, lambda path: roles.of(cfg.model, path).stacked))(params)
+
+
+def _write_adapter_config(m, out: Path, workdir: Path) -> None:
+  """PEFT's adapter_config.json: a LoRA of rank r on the target modules of a causal LM; the base model is the
+  Hugging Face directory the run was imported from where its step-0 manifest still says so."""
+  from jaxtrain.model import lora
+  from jaxtrain.run import checkpoint
+  zero = workdir / "checkpoints" / "0"
+  imported = checkpoint.read_manifest(zero).get("imported_from", {}) if (zero / checkpoint.MANIFEST).is_file() else {}
+  base = imported.get("dir")
+  targets = sorted(LORA_MODULES[lora.WEIGHTS[t]] for t in m.lora_target_names())
+  conf = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": m.lora_rank,
+          "lora_alpha": m.lora_alpha, "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
+          "fan_in_fan_out": False, "use_rslora": False, "modules_to_save": None, "inference_mode": True}
+  files_lib.write_atomic(out / ADAPTER_CONFIG, json.dumps(conf, indent=2) + "\n")
 
 
 def _record(written: list[str], step_dir: Path, workdir: Path, dtype: str, complete: bool) -> dict:

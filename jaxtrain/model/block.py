@@ -10,7 +10,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtrain.core.config import ModelConfig
 from jaxtrain.model import ops
 from jaxtrain.model.attention import cached_attention
-from jaxtrain.model.layers import MLP, RMSNorm, adapted, add_adapters, param, rope
+from jaxtrain.model.layers import MLP, RMSNorm, param, rope
+from jaxtrain.model.lora import adapted, add_adapters
 from jaxtrain.model.mla import MLA
 from jaxtrain.model.moe import MoE
 
@@ -26,7 +27,7 @@ class Attention(nnx.Module):
     self.wk = param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
     self.wv = param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
     self.wo = param(rngs, (H, E, D), ("heads", "head_dim", "embed"), std)
-    add_adapters(self, cfg, rngs, {"q": ("wq", 1), "k": ("wk", 1), "v": ("wv", 1), "o": ("wo", 2)})
+    add_adapters(self, cfg, rngs, {"wq": 1, "wk": 1, "wv": 1, "wo": 2})
     if cfg.qk_norm:  # Qwen3: one scale over head_dim shared by every head, so replicated under tensor
       self.q_norm, self.k_norm = RMSNorm(E, cfg.norm_eps), RMSNorm(E, cfg.norm_eps)
     self.qk_norm, self.logits_dtype = cfg.qk_norm, cfg.attention_logits_dtype

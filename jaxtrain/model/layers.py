@@ -3,8 +3,6 @@ B batch, L length, D d_model, F d_ff, N heads, E head width."""
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -12,47 +10,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.core.config import ModelConfig
 from jaxtrain.model import ops, rope as rope_scaling
+from jaxtrain.model.lora import adapted, add_adapters
 
 
 def param(rngs: nnx.Rngs, shape, axes, std: float) -> nnx.Param:
   """A float32 parameter drawn from N(0, std^2), with the logical axes the rules table maps to the mesh."""
   return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
-
-
-class LoRA(nnx.Module):
-  """A low-rank adapter beside one projection weight W (its first `n_in` dimensions the input's): delta = x A B *
-  alpha / r (PEFT's convention), A uniform in +-1/sqrt(fan in) (PEFT's kaiming bound), B zero, so training starts
-  from the base model. A and B take W's input and output logical axes: the rules table shards them like W; the
-  rank is replicated."""
-
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, w: nnx.Param, n_in: int):
-    r, axes = cfg.lora_rank, w.get_metadata()["axes"]
-    in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
-    bound = 1 / math.sqrt(math.prod(in_shape))
-    a = jax.random.uniform(rngs.params(), (*in_shape, r), jnp.float32, -bound, bound)
-    self.lora_a = nnx.Param(a, axes=(*axes[:n_in], None))
-    self.lora_b = nnx.Param(jnp.zeros((r, *out_shape), jnp.float32), axes=(None, *axes[n_in:]))
-    self.n_in, self.mult = n_in, cfg.lora_alpha / r
-
-  def __call__(self, x):
-    dt = x.dtype
-    h = jnp.tensordot(x, self.lora_a[...].astype(dt), self.n_in)
-    return jnp.tensordot(h, self.lora_b[...].astype(dt), 1) * jnp.asarray(self.mult, dt)
-
-
-def add_adapters(module: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs, targets: dict[str, tuple[str, int]]) -> None:
-  """A `<weight>_lora` adapter beside each of `module`'s weights that model.lora_targets names; `targets`:
-  target name -> (weight attribute, its input dimensions)."""
-  for name in cfg.lora_target_names():
-    if name in targets:
-      attr, n_in = targets[name]
-      setattr(module, f"{attr}_lora", LoRA(cfg, rngs, getattr(module, attr), n_in))
-
-
-def adapted(module: nnx.Module, attr: str, x, y):
-  """`y` (x through `module`'s weight `attr`) plus that weight's adapter's delta, where it has one."""
-  lora = getattr(module, f"{attr}_lora", None)
-  return y if lora is None else y + lora(x).astype(y.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -75,7 +38,7 @@ class MLP(nnx.Module):
     self.w_gate = param(rngs, (D, F), ("embed", "mlp"), std)
     self.w_up = param(rngs, (D, F), ("embed", "mlp"), std)
     self.w_down = param(rngs, (F, D), ("mlp", "embed"), std)
-    add_adapters(self, cfg, rngs, {"gate": ("w_gate", 1), "up": ("w_up", 1), "down": ("w_down", 1)})
+    add_adapters(self, cfg, rngs, {"w_gate": 1, "w_up": 1, "w_down": 1})
 
   def __call__(self, x_BxLxD):
     dt = x_BxLxD.dtype

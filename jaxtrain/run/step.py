@@ -99,6 +99,9 @@ class Setup:
 
     # Initializers run under jit with output shardings: each shard is created on its device.
     self.init = jax.jit(init, out_shardings=self.state_shardings)
+    # LoRA on an imported base: fresh adapters alone (the base's initializers are dead code XLA drops)
+    self.init_adapters = jax.jit(lambda: roles.split(cfg.model, init()["params"])[0],
+                                 out_shardings=roles.split(cfg.model, layout.stored)[0])
     self.step = jax.jit(functools.partial(train_step, objective, self.opt, self.plan, layout, executor=executor),
                         in_shardings=(self.state_shardings, self.batch_sharding),
                         out_shardings=(self.state_shardings, replicated), donate_argnums=0)
