@@ -1,0 +1,93 @@
+"""LoRA on an imported Hugging Face model: the base loads, fresh adapters train, the base stays bit-identical;
+`hf export --adapter` is a PEFT adapter that `peft` loads onto the `transformers` base with jaxtrain's logits, and
+the plain export is the merged model, equal to peft's merge_and_unload."""
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from jaxtrain import hf as hf_command  # noqa: E402
+from jaxtrain.core import config  # noqa: E402
+from jaxtrain.interop import hf_export  # noqa: E402
+from jaxtrain.run import checkpoint, loop, runs  # noqa: E402
+from tests import hf_models as H  # noqa: E402
+from tests.helpers import mesh_of  # noqa: E402
+
+pytestmark = pytest.mark.slow  # compiles of whole steps: left out of -m 'not slow'
+
+IDS = np.random.default_rng(0).integers(0, 320, (2, 24))
+LORA = ["model.lora_rank=4", "model.lora_alpha=8", "model.lora_targets=q,k,v,o,gate,up,down"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """(hf dir, workdir): a tiny Llama imported with LoRA on fsdp=2,tp=2 and trained 2 steps there."""
+  d = tmp_path_factory.mktemp("lora")
+  H.llama(d / "hf", vocab=320)
+  sets = [*LORA, "train.batch_size=4", "train.seq_len=32", "optim.lr=3e-2", "optim.warmup_steps=1", "data.workers=0"]
+  path = H.imported(d / "hf", d / "w", "fsdp=2,tp=2", sets)
+  loop.run(config.load(str(path)), mesh_of("fsdp=2,tp=2"), d / "w", "m", stop_at=2)
+  return d / "hf", d / "w"
+
+
+def _flat(tree, prefix=""):
+  if not isinstance(tree, dict):
+    return {prefix: np.asarray(tree)}
+  return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}/{key}").items()}
+
+
+def test_import_keeps_the_base_and_training_moves_only_the_adapters(trained):
+  _, w = trained
+  _, _, p0 = H.load(w, step=0)
+  _, _, p2 = H.load(w, step=2)
+  a, b = _flat(p0), _flat(p2)
+  assert a.keys() == b.keys() and any("_lora/lora_a" in k for k in a)
+  for k in a:
+    if "_lora" not in k:
+      np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  assert all(not a[k].any() for k in a if k.endswith("lora_b"))  # fresh adapters: B zero
+  assert all(b[k].any() for k in b if k.endswith("lora_b"))  # trained: every B moved
+
+
+def test_peft_adapter_and_merged_export_match_jaxtrain(trained, tmp_path):
+  import torch
+  import transformers
+  hf_dir, w = trained
+  assert hf_command.main(["export", "--workdir", str(w), "--out", str(tmp_path / "adapter"), "--adapter",
+                          "--dtype", "float32", "--mesh", "dp=4,tp=2"]) == 0
+  conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  assert conf["peft_type"] == "LORA" and conf["r"] == 4 and conf["lora_alpha"] == 8
+  assert conf["base_model_name_or_path"] == str(hf_dir.absolute())
+  assert sorted(conf["target_modules"]) == sorted(f"{p}_proj" for p in ("q", "k", "v", "o", "gate", "up", "down"))
+  base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+  plain = H.torch_logits(base, IDS)  # before peft injects the adapters into `base` in place
+  with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+  _, model, _ = H.load(w, "fsdp=1", step=2)
+  ours = H.jax_logits(model, IDS)
+  theirs = H.torch_logits(with_adapter, IDS)
+  assert H.rel_err(ours, theirs) < 1e-5
+  assert H.rel_err(ours, plain) > 1e-3  # the adapters change the function
+
+  cfg_step = runs.locate(w, 2)
+  hf_export.run_export(runs.config_of(checkpoint.read_manifest(cfg_step)), mesh_of("tp=2"), cfg_step,
+                       tmp_path / "merged", "float32", 10**9, w)
+  merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+  folded = with_adapter.merge_and_unload()
+  assert H.rel_err(H.torch_logits(merged, IDS), H.torch_logits(folded, IDS)) < 1e-5
+  mine, peft_sd = merged.state_dict(), folded.state_dict()
+  assert mine.keys() == peft_sd.keys()
+  for k in mine:
+    np.testing.assert_allclose(mine[k].numpy(), peft_sd[k].numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_adapter_export_of_a_run_without_lora_is_one_line(trained, tmp_path, capsys):
+  hf_dir, _ = trained
+  H.imported(hf_dir, tmp_path / "plain", "fsdp=1")
+  with pytest.raises(SystemExit) as e:
+    hf_command.main(["export", "--workdir", str(tmp_path / "plain"), "--out", str(tmp_path / "o"), "--adapter"])
+  err = capsys.readouterr().err.strip()
+  assert e.value.code == 2 and "--adapter" in err and "model.lora_rank=0" in err and len(err.splitlines()) == 1
