@@ -28,11 +28,17 @@ def test_overrides_are_typed():
     ("optim.lr=fast", ["not a number"]),
     ("train.batch_size=0", ["below its minimum"]),
     ("train.microbatches=3", ["must divide train.batch_size=16"]),
+    ("model.lora_rank=4 model.lora_targets=q,wq", ["model.lora_targets='q,wq'", "q, k, v, o, gate, up, down"]),
+    ("model.lora_rank=4 model.lora_targets=q,q", ["name each projection once"]),
+    ("model.lora_rank=4 model.moe_experts=4", ["model.lora_rank=4 with model.moe_experts=4 is not supported"]),
+    ("model.lora_rank=4 model.attention_type=mla", ["model.lora_rank=4 with model.attention_type='mla'"]),
+    ("model.lora_rank=4 optim.offload=host", ["model.lora_rank=4 with optim.offload='host' is not supported"]),
+    ("model.lora_rank=4 model.fp8=tensorwise", ["model.lora_rank=4 with model.fp8='tensorwise'"]),
     ("lr=1", ["section.key=value"]),
 ])
 def test_bad_overrides_name_the_key_and_what_is_allowed(override, words):
   with pytest.raises(UserError) as e:
-    config.load("tiny", [override])
+    config.load("tiny", override.split(" "))
   for w in words:
     assert w in str(e.value)
 
@@ -90,7 +96,7 @@ def test_scan_layers_with_mixed_moe_layers_is_a_user_error():
 MATH_KEYS = {
     # the model's shapes and numerics
     "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.head_dim",
-    "model.d_ff", "model.rope_theta", "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor",
+    "model.d_ff", "model.lora_rank", "model.lora_alpha", "model.lora_targets", "model.rope_theta", "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor",
     "model.rope_high_freq_factor", "model.rope_original_max_position", "model.norm_eps", "model.tie_embeddings",
     "model.init_std", "model.dtype", "model.attention_logits_dtype", "model.head_logits_dtype",
     "model.fp8",  # FP8 projection matmuls

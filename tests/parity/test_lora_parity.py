@@ -91,3 +91,11 @@ def test_lora_resume_is_exact(tmp_path):
   loop.run(cfg, mesh_of("fsdp=2"), tmp_path / "twice", "m", stop_at=4)
   once, twice = _losses(tmp_path / "once"), _losses(tmp_path / "twice")
   assert [s for s, *_ in twice] == [1, 2, 3, 4] and twice == once
+
+
+def test_lora_on_a_pipeline_mesh_is_refused_in_one_line():
+  from jaxtrain.core.errors import UserError
+  with pytest.raises(UserError) as e:
+    step.Setup(config.load("tiny", LORA), mesh_of("pp=2"))
+  assert "model.lora_rank=4 with mesh pipeline=2 is not supported yet" in str(e.value)
+  assert "\n" not in str(e.value)
