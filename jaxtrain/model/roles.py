@@ -4,7 +4,8 @@ The optimizer (decay), the compute copy of ZeRO and offload (cast at use), MoE b
 
 A parameter's kind comes from its leaf name (KINDS: every name a model family has; an unknown one is an error, so a
 new parameter must say what it is). Weight decay is by rule: every matrix is decayed except the kinds listed in
-NOT_DECAYED. The rest follows from where the parameter sits in the tree and from the config."""
+NOT_DECAYED. The rest follows from where the parameter sits in the tree and from the config: with LoRA
+(model.lora_rank) every parameter but the adapters is frozen (`split`: what trains; `stored`: the dtype kept)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ KINDS = {
 # Matrices not decayed: the embedding (a rare token's row would shrink between the updates that touch it).
 NOT_DECAYED = frozenset({"embedding"})
 MATRICES = frozenset({"matrix", "embedding", "router", "adapter"})
-CAST_AT_USE = frozenset({"matrix", "embedding", "adapter"})  # used in the compute dtype (the router computes in float32)
+# used in the compute dtype (the router computes in float32)
+CAST_AT_USE = frozenset({"matrix", "embedding", "adapter"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +84,8 @@ def of(cfg: ModelConfig, path) -> Role:
   return Role(kind=kind, decayed=decayed(leaf), cast_at_use=kind in CAST_AT_USE,
               router_bias=kind == "router_bias",
               head=top in ("final_norm", "lm_head", "mtp") or (top == "embed" and cfg.tie_embeddings),
-              output=top == "lm_head" or (top == "embed" and cfg.tie_embeddings), layer=top in ("layers", "dense_layers"), stacked=cfg.scan_layers and top in cfg.stacks(),
+              output=top == "lm_head" or (top == "embed" and cfg.tie_embeddings),
+              layer=top in ("layers", "dense_layers"), stacked=cfg.scan_layers and top in cfg.stacks(),
               frozen=cfg.lora_rank > 0 and kind != "adapter")
 
 

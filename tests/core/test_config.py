@@ -96,7 +96,8 @@ def test_scan_layers_with_mixed_moe_layers_is_a_user_error():
 MATH_KEYS = {
     # the model's shapes and numerics
     "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.head_dim",
-    "model.d_ff", "model.lora_rank", "model.lora_alpha", "model.lora_targets", "model.rope_theta", "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor",
+    "model.lora_rank", "model.lora_alpha", "model.lora_targets",
+    "model.d_ff", "model.rope_theta", "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor",
     "model.rope_high_freq_factor", "model.rope_original_max_position", "model.norm_eps", "model.tie_embeddings",
     "model.init_std", "model.dtype", "model.attention_logits_dtype", "model.head_logits_dtype",
     "model.fp8",  # FP8 projection matmuls

@@ -76,11 +76,17 @@ def test_bill_has_no_master_or_moments_for_the_base():
   assert lora["adam_m"] == lora["adam_v"] == 4 * adapters
   assert full["adam_m"] == 4 * base
   assert lora["params"] == 2 * (base - norms) + 4 * norms + 4 * adapters
-  assert step.Setup(cfg, mesh_of("fsdp=1")).n_params == base + adapters
+  setup = step.Setup(cfg, mesh_of("fsdp=1"))
+  assert setup.n_params == base + adapters
+  assert memory.step_bytes(setup)["gradients"] == 4 * adapters  # a gradient for the adapters alone
+  dtypes = {r.path: r.dtype for r in memory.param_rows(setup, stored=True)}  # inspect's parameter table
+  assert dtypes["layers/0/attn/wq"] == dtypes["embed"] == "bfloat16" and dtypes["layers/0/attn_norm/scale"] == "float32"
+  assert dtypes["layers/0/attn/wq_lora/lora_a"] == dtypes["layers/0/mlp/w_down_lora/lora_b"] == "float32"
 
 
 def _losses(workdir):
-  return [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())]
+  records = map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+  return [(r["step"], r["loss"], r["grad_norm"]) for r in records]
 
 
 def test_lora_resume_is_exact(tmp_path):
