@@ -365,7 +365,8 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
       "params": (made["compute"], f"compute copy: matmul weights {cfg.model.dtype}, norms float32, gathered for "
                  "the step") if setup.layout.separate else (st["params"], "float32; they are the master copy"
                                                             + _frozen_note(cfg)),
-      "master": (on_device("params"), f"float32 master weights, {stored}{moved}") if setup.layout.separate
+      "master": (on_device("params"), f"float32 master weights, {stored}{moved}{_frozen_note(cfg)}")
+                if setup.layout.separate
                 else (0, "none: the params are the master"),
       "gradients": (made["gradients"], grads),
       "grad_accumulator": (made["gradients"], f"float32 sum over {t.microbatches} microbatches, {grads}"

@@ -11,7 +11,7 @@ from jaxtrain.model import roles, transformer as model_lib
 # The presets, plus the option each one leaves out, so every parameter any family has is seen.
 EXTRA = {"deepseek-v3-tiny": ["model.mtp_layers=1"], "moe-tiny": ["model.moe_bias_rate=0.01",
                                                                  "model.moe_shared_experts=1"],
-         "tiny": ["model.tie_embeddings=true"]}
+         "tiny": ["model.tie_embeddings=true", "model.lora_rank=2", "model.lora_targets=q,k,v,o,gate,up,down"]}
 
 
 @pytest.mark.parametrize("name", config.preset_names())
@@ -59,3 +59,16 @@ def test_head_stacked_cast_and_router_bias():
 def test_an_unknown_parameter_has_no_role():
   with pytest.raises(KeyError, match="has no role"):
     roles.of(config.load("tiny").model, ("layers", 0, "attn", "w_new"))
+
+
+def test_lora_freezes_all_but_the_adapters():
+  """With model.lora_rank: only the adapters train (and are decayed, as PEFT's AdamW decays them); the frozen
+  weights cast at use are kept in the compute dtype, the frozen norms in float32."""
+  got = _by_name(config.load("tiny", ["model.lora_rank=2", "model.lora_targets=q,down", "model.scan_layers=true"]))
+  trained = {k for k, r in got.items() if not r.frozen}
+  assert trained == {"layers/attn/wq_lora/lora_a", "layers/attn/wq_lora/lora_b", "layers/mlp/w_down_lora/lora_a",
+                     "layers/mlp/w_down_lora/lora_b"}
+  assert all(got[k].decayed and got[k].stacked and not got[k].low_master for k in trained)
+  assert got["layers/attn/wq"].low_master and got["embed"].low_master and got["lm_head"].low_master
+  assert not got["final_norm/scale"].low_master and got["final_norm/scale"].frozen
+  assert not any(r.frozen for r in _by_name(config.load("tiny")).values())
