@@ -23,12 +23,13 @@ IDS = np.random.default_rng(0).integers(0, 320, (2, 24))
 LORA = ["model.lora_rank=4", "model.lora_alpha=8", "model.lora_targets=q,k,v,o,gate,up,down"]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["layers", "scanned"])
+def trained(tmp_path_factory, request):
   """(hf dir, workdir): a tiny Llama imported with LoRA on fsdp=2,tp=2 and trained 2 steps there."""
   d = tmp_path_factory.mktemp("lora")
   H.llama(d / "hf", vocab=320)
-  sets = [*LORA, "train.batch_size=4", "train.seq_len=32", "optim.lr=3e-2", "optim.warmup_steps=1", "data.workers=0"]
+  sets = [*LORA, "train.batch_size=4", "train.seq_len=32", "optim.lr=3e-2", "optim.warmup_steps=1", "data.workers=0",
+          f"model.scan_layers={str(request.param).lower()}"]
   path = H.imported(d / "hf", d / "w", "fsdp=2,tp=2", sets)
   loop.run(config.load(str(path)), mesh_of("fsdp=2,tp=2"), d / "w", "m", stop_at=2)
   return d / "hf", d / "w"
