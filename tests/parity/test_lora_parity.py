@@ -26,7 +26,7 @@ def reference():
 
 @pytest.mark.parametrize("spec,sets", [("fsdp=4", []), ("tp=4", []), ("dp=2,tp=2", []),
                                        ("fsdp=2,tp=2", ["model.scan_layers=true"]),
-                                       ("dp=2,fsdp=2", ["optim.zero_stage=2"])])
+                                       ("dp=2,fsdp=2", ["optim.zero_stage=2"]), ("sp=2,dp=2", [])])
 def test_lora_sharded_matches_single_device(spec, sets, reference):
   got = trajectory(config.load("tiny", ["model.dtype=float32", "train.microbatches=2", *LORA, *sets]), spec, STEPS)
   assert got[-1, 0] < got[0, 0]  # it trains
