@@ -33,7 +33,8 @@ def _gib(n: int) -> str:
 
 
 def _checklist(rec: dict) -> str:
-  """Device memory in use/peak (host RSS where the backend keeps no statistics) and the loader's headroom."""
+  """Device memory in use/peak (host RSS where the backend keeps no statistics), the loader's headroom and, with
+  optim.offload=host, the host link's time per step."""
   out = ""
   if rec.get("device_mem_bytes") is not None:
     out += f"  mem {_gib(rec['device_mem_bytes'])}/{_gib(rec['device_mem_peak_bytes'])}GiB"
@@ -41,6 +42,8 @@ def _checklist(rec: dict) -> str:
     out += f"  rss {_gib(rec['host_rss_bytes'])}GiB"
   if rec.get("data_rho") is not None:
     out += f"  rho {rec['data_rho']:.1f}"
+  if rec.get("offload_link_s") is not None:
+    out += f"  link {rec['offload_link_s'] * 1e3:.1f}ms"
   return out
 
 
