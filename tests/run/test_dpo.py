@@ -14,7 +14,7 @@ from flax import nnx
 from jaxtrain import data
 from jaxtrain.core import config
 from jaxtrain.core.errors import UserError
-from jaxtrain.data import tokenizer as tokenizer_lib
+from jaxtrain.data import pairs, shards, tokenizer as tokenizer_lib
 from jaxtrain.data.prepare import prepare
 from jaxtrain.model import transformer as model_lib
 from jaxtrain.run import dpo, step
@@ -100,6 +100,18 @@ def test_rows_of_a_batch_are_pairs_with_the_prompt_masked(tmp_path):
     assert start_c == start_r and np.array_equal(c[:start_c + 1], r[:start_r + 1])  # BOS + the same prompt
     assert text(b["targets"][i][start_c:start_c + 4]) == " yes"
     assert text(b["targets"][i + 1][start_r:start_r + 3]) == " no"
+
+
+def test_pair_packer_rows_cut_a_long_sequence_and_keep_its_pair_next_to_it():
+  ts = shards.in_memory([np.arange(1, 7, dtype=np.int32), np.arange(11, 23, dtype=np.int32)] * 3, "t")
+  ts.pairs = True
+  packer = pairs.PairPacker(ts, seq_len=8, seed=0, tag=0, pad_id=0)
+  assert packer.rows_per_epoch == 6
+  for q in range(0, 12, 2):
+    chosen, rejected = packer.row(q), packer.row(q + 1)
+    assert list(chosen["tokens"]) == [1, 2, 3, 4, 5, 6, 0, 0, 0] and chosen["tokens_segment_ids"].sum() == 6
+    assert list(rejected["tokens"]) == list(range(11, 20))  # 12 tokens: the first seq_len + 1
+    assert chosen["tokens_trainable"].tolist() == [False] + [True] * 5 + [False] * 3
 
 
 def text(ids) -> str:
