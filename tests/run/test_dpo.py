@@ -158,3 +158,23 @@ def test_refused_combinations(tmp_path):
                             (["train.eval_interval=2"], "fsdp=1", "train.eval_interval=2")):
     with pytest.raises(UserError, match=match):
       step.Setup(dpo_cfg(source, *sets), mesh_of(spec))
+
+
+@pytest.mark.slow
+def test_resume_continues_the_run_exactly_with_the_reference_restored(tmp_path, capsys):
+  """Steps 4-6 after a resume at step 3 are the uninterrupted run's bit for bit: the reference comes back from the
+  checkpoint (a reference taken from the resumed policy would give other rewards); DPO metrics in both sinks."""
+  import json
+  from jaxtrain.run import loop
+  cfg = dpo_cfg(preference_data(tmp_path), "train.steps=6", "checkpoint.interval=3", "checkpoint.async_save=false",
+                "run.tensorboard=false")
+
+  def records(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  loop.run(cfg, mesh_of("dp=2"), tmp_path / "straight", "tiny", stop_at=6)
+  loop.run(cfg, mesh_of("dp=2"), tmp_path / "resumed", "tiny", stop_at=3)
+  loop.run(cfg, mesh_of("dp=2"), tmp_path / "resumed", "tiny", stop_at=6)
+  key = lambda r: [r[k] for k in ("step", "loss", "grad_norm", "dpo_reward_margin", "dpo_reward_accuracy")]  # noqa: E731
+  assert [key(r) for r in records(tmp_path / "resumed")] == [key(r) for r in records(tmp_path / "straight")]
+  assert records(tmp_path / "straight")[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+  assert "  acc 1.00 margin " in capsys.readouterr().out
