@@ -146,6 +146,19 @@ def test_dpo_learns_the_preference_and_a_mesh_equals_one_device(tmp_path):
     np.testing.assert_allclose(trajectory(cfg, spec, 4), one[:4], rtol=1e-5, atol=1e-6, err_msg=spec)
 
 
+def test_prepare_refuses_half_a_preference_spec_and_drops_a_pair_whole(tmp_path):
+  src = write_jsonl(tmp_path / "p.jsonl", [{"q": "a", "c": "x", "r": "y"}, {"q": "b", "c": " ", "r": "z"}])
+  with pytest.raises(UserError, match="needs all of --prompt-field, --chosen-field and --rejected-field"):
+    prepare([src], "byte", str(tmp_path / "o1"), prompt_field="q", chosen_field="c", progress=False)
+  with pytest.raises(UserError, match="--completion-field is another kind of data"):
+    prepare([src], "byte", str(tmp_path / "o2"), prompt_field="q", completion_field="c", chosen_field="c",
+            rejected_field="r", progress=False)
+  manifest = prepare([src], "byte", str(tmp_path / "o3"), prompt_field="q", chosen_field="c", rejected_field="r",
+                     progress=False, workers=1)
+  assert manifest["kind"] == "preference" and manifest["documents"] == 2
+  assert manifest["skipped"]["empty_documents"] == 1
+
+
 def test_refused_combinations(tmp_path):
   source = preference_data(tmp_path, n=8)
   with pytest.raises(UserError, match="train.objective=dpo, not train.objective=lm"):
@@ -174,7 +187,8 @@ def test_resume_continues_the_run_exactly_with_the_reference_restored(tmp_path, 
   loop.run(cfg, mesh_of("dp=2"), tmp_path / "straight", "tiny", stop_at=6)
   loop.run(cfg, mesh_of("dp=2"), tmp_path / "resumed", "tiny", stop_at=3)
   loop.run(cfg, mesh_of("dp=2"), tmp_path / "resumed", "tiny", stop_at=6)
-  key = lambda r: [r[k] for k in ("step", "loss", "grad_norm", "dpo_reward_margin", "dpo_reward_accuracy")]  # noqa: E731
+  fields = ("step", "loss", "grad_norm", "dpo_reward_margin", "dpo_reward_accuracy")
+  key = lambda r: [r[k] for k in fields]  # noqa: E731
   assert [key(r) for r in records(tmp_path / "resumed")] == [key(r) for r in records(tmp_path / "straight")]
   assert records(tmp_path / "straight")[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
   assert "  acc 1.00 margin " in capsys.readouterr().out
