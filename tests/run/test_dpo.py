@@ -195,3 +195,12 @@ def test_resume_continues_the_run_exactly_with_the_reference_restored(tmp_path, 
   assert [key(r) for r in records(tmp_path / "resumed")] == [key(r) for r in records(tmp_path / "straight")]
   assert records(tmp_path / "straight")[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
   assert "  acc 1.00 margin " in capsys.readouterr().out
+
+
+def test_memory_bill_counts_the_reference_apart_from_the_counters(tmp_path):
+  from jaxtrain.analysis import memory
+  source = preference_data(tmp_path, n=8)
+  lm = memory.state_bytes(step.Setup(dpo_cfg(source, "train.objective=lm"), mesh_of("fsdp=2")))
+  got = memory.state_bytes(step.Setup(dpo_cfg(source), mesh_of("fsdp=2")))
+  assert got["reference"] == got["params"] == lm["params"] and got["counters"] == lm["counters"]  # float32 model
+  assert "reference" not in lm
