@@ -24,7 +24,7 @@ from jaxtrain.core.config import Config
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import loss as xent, mtp as mtp_lib, ops, roles
 from jaxtrain.parallel import sharding
-from jaxtrain.run import grads as grads_lib
+from jaxtrain.run import checkpoint, grads as grads_lib
 
 STATS = ("chosen", "rejected", "correct")  # per-update sums over pairs: rewards, reward_c > reward_r
 
@@ -51,6 +51,16 @@ def check(cfg: Config, mesh) -> None:
     raise UserError(f"train.objective=dpo keeps a pair's two sequences on one device: train.batch_size="
                     f"{t.batch_size} / train.microbatches={t.microbatches} / data*fsdp*expert={ways} = {rows} rows per "
                     "device per microbatch must be even")
+
+
+def check_start(cfg: Config, step_dir, manifest: dict) -> None:
+  """A checkpoint continues a run of its own objective; parameters alone (an import) start either. An lm run's
+  full checkpoint holds no reference (and its optimizer state and schedule would go on), a DPO run's holds one."""
+  saved = (manifest.get("fingerprint") or {}).get("train", {}).get("train.objective", "lm")
+  if not checkpoint.params_only(manifest) and saved != cfg.train.objective:
+    raise UserError(f"checkpoint {step_dir} is a train.objective={saved} run's, which a train.objective="
+                    f"{cfg.train.objective} run cannot continue: to start from its parameters, export them "
+                    "(python -m jaxtrain.hf export) and import them into a new workdir (hf import); or --fresh")
 
 
 def reference(model_cfg, params):

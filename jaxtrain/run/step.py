@@ -1,5 +1,6 @@
 """The train step, readable top to bottom, and the sharded setup around it (docs/training.md).
-State: {"params": fp32 pure dict, "opt": optax state, "step": int32 applied updates, "loss_scale"}."""
+State: {"params": fp32 pure dict, "opt": optax state, "step": int32 applied updates, "loss_scale"}, and with
+train.objective=dpo "ref": the frozen reference (jaxtrain.run.dpo)."""
 
 from __future__ import annotations
 

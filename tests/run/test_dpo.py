@@ -204,3 +204,20 @@ def test_memory_bill_counts_the_reference_apart_from_the_counters(tmp_path):
   got = memory.state_bytes(step.Setup(dpo_cfg(source), mesh_of("fsdp=2")))
   assert got["reference"] == got["params"] == lm["params"] and got["counters"] == lm["counters"]  # float32 model
   assert "reference" not in lm
+
+
+def test_an_import_starts_dpo_with_itself_as_reference_and_an_lm_checkpoint_is_refused(tmp_path):
+  from jaxtrain.run import checkpoint
+  cfg = dpo_cfg(preference_data(tmp_path, n=8), "model.dtype=bfloat16")
+  setup = step.Setup(cfg, mesh_of("fsdp=2"))
+  imported = jax.tree.map(lambda x: x + 0.5, jax.device_get(setup.init()["params"]))  # not the initialization
+  state = setup.init_from(jax.device_put(imported, setup.state_shardings["params"]))
+  ref = jax.device_get(state["ref"])
+  assert ref["embed"].dtype == jnp.bfloat16 and ref["final_norm"]["scale"].dtype == jnp.float32  # as computed with
+  for r, p in zip(jax.tree.leaves(ref), jax.tree.leaves(imported)):
+    np.testing.assert_array_equal(np.asarray(r, np.float32), np.asarray(jnp.asarray(p).astype(r.dtype), np.float32))
+  lm_run = {"fingerprint": {"train": {"train.objective": "lm"}}}
+  with pytest.raises(UserError, match="is a train.objective=lm run's, which a train.objective=dpo run cannot"):
+    dpo.check_start(cfg, "ckpt/4", lm_run)
+  dpo.check_start(cfg, "ckpt/0", {**lm_run, "contents": checkpoint.PARAMS_ONLY})  # an import: fine
+  dpo.check_start(cfg, "ckpt/4", {"fingerprint": {"train": {"train.objective": "dpo"}}})
