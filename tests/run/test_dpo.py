@@ -171,7 +171,10 @@ def test_refused_combinations(tmp_path):
     data.batches(dpo_cfg("bundled"))
   for sets, spec, match in ((["train.batch_size=6"], "dp=2", "rows per device per microbatch must be even"),
                             (["model.mtp_layers=1", "model.mtp_weight=0.3"], "fsdp=1", "model.mtp_layers=1"),
-                            (["train.eval_interval=2"], "fsdp=1", "train.eval_interval=2")):
+                            (["train.eval_interval=2"], "fsdp=1", "train.eval_interval=2"),
+                            (["train.microbatches=2"], "pp=2", "with a pipeline mesh \\(pipeline=2\\)"),
+                            (["model.moe_experts=4", "model.moe_top_k=2"], "fsdp=1", "with model.moe_experts=4"),
+                            (["optim.offload=host"], "fsdp=1", "with optim.offload=host")):
     with pytest.raises(UserError, match=match):
       step.Setup(dpo_cfg(source, *sets), mesh_of(spec))
 
