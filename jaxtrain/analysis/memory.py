@@ -335,6 +335,14 @@ class Bill:
   host_per_host: int = 0         # master and moments kept in host memory (offload), all local devices
 
 
+def reference_line(cfg, st: dict) -> dict[str, tuple[int, str]]:
+  """DPO's frozen reference (train.objective=dpo), if any; its whole-microbatch float32 logits are not counted yet."""
+  if "reference" not in st:
+    return {}
+  return {"reference": (st["reference"], f"DPO's frozen reference: {cfg.model.dtype} matmul weights, sharded like the "
+                        "compute copy")}
+
+
 def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   """The bill for `plan`'s attention kernel (default: the step's own plan; inspect passes
   the plan of a target device such as an H100 when the mesh here is simulated)."""
@@ -385,11 +393,7 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
       "workspace": (max(work.values()) - gathered["layers"], "transient peak beyond the gathered weights, the larger "
                     "phase of: " + ", ".join(f"{k} {human(v)}" for k, v in work.items())),
   }
-  if piped:
-    lines.update(pipeline_lines(cfg, rows))
-  if "reference" in st:  # DPO; its whole-microbatch float32 logits are not counted yet
-    lines["reference"] = (st["reference"], f"DPO's frozen reference: {cfg.model.dtype} matmul weights, sharded like "
-                          "the compute copy")
+  lines.update({**(pipeline_lines(cfg, rows) if piped else {}), **reference_line(cfg, st)})
   items = {k: v for k, (v, _) in lines.items()}
   notes = {k: note for k, (_, note) in lines.items()}
   items["margin"] = int(margin * sum(items.values()))
