@@ -162,6 +162,20 @@ def test_prepare_refuses_half_a_preference_spec_and_drops_a_pair_whole(tmp_path)
   assert manifest["skipped"]["empty_documents"] == 1
 
 
+def test_the_data_command_prepares_and_shows_pairs(tmp_path, capsys):
+  from jaxtrain.data import __main__ as data_cmd
+  src = write_jsonl(tmp_path / "p.jsonl", [{"q": "2+2=", "c": "4", "r": "5"}])
+  args = ["prepare", "--input", src, "--output", str(tmp_path / "o"), "--prompt-field", "q", "--workers", "1"]
+  with pytest.raises(SystemExit) as stop:  # half a preference spec: one line, exit 2
+    data_cmd.main([*args, "--chosen-field", "c"])
+  assert stop.value.code == 2
+  assert "needs all of --prompt-field, --chosen-field and --rejected-field" in capsys.readouterr().err
+  assert not data_cmd.main([*args, "--chosen-field", "c", "--rejected-field", "r", "--no-progress"])
+  assert not data_cmd.main(["show", str(tmp_path / "o"), "--row", "1", "--set", "train.seq_len=8"])
+  out = capsys.readouterr().out
+  assert "row 1 of 2" in out and "-> 5 " in out and "2 of 8 targets trained" in out  # the rejected "5" and EOS
+
+
 def test_refused_combinations(tmp_path):
   source = preference_data(tmp_path, n=8)
   with pytest.raises(UserError, match="train.objective=dpo, not train.objective=lm"):
