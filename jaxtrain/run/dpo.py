@@ -56,8 +56,11 @@ def check(cfg: Config, mesh) -> None:
 def check_start(cfg: Config, step_dir, manifest: dict) -> None:
   """A checkpoint continues a run of its own objective; parameters alone (an import) start either. An lm run's
   full checkpoint holds no reference (and its optimizer state and schedule would go on), a DPO run's holds one."""
-  saved = (manifest.get("fingerprint") or {}).get("train", {}).get("train.objective", "lm")
-  if not checkpoint.params_only(manifest) and saved != cfg.train.objective:
+  if checkpoint.params_only(manifest):
+    return
+  train = (manifest.get("fingerprint") or {}).get("train")  # older manifests: other shapes, all lm runs
+  saved = train.get("train.objective", "lm") if isinstance(train, dict) else "lm"
+  if saved != cfg.train.objective:
     raise UserError(f"checkpoint {step_dir} is a train.objective={saved} run's, which a train.objective="
                     f"{cfg.train.objective} run cannot continue: to start from its parameters, export them "
                     "(python -m jaxtrain.hf export) and import them into a new workdir (hf import); or --fresh")
