@@ -2,6 +2,7 @@
 pairs kept together through microbatches and meshes, a run that learns the preference, and what is refused."""
 
 import dataclasses
+import json
 import math
 import random
 
@@ -197,7 +198,6 @@ def test_refused_combinations(tmp_path):
 def test_resume_continues_the_run_exactly_with_the_reference_restored(tmp_path, capsys):
   """Steps 4-6 after a resume at step 3 are the uninterrupted run's bit for bit: the reference comes back from the
   checkpoint (a reference taken from the resumed policy would give other rewards); DPO metrics in both sinks."""
-  import json
   from jaxtrain.run import loop
   cfg = dpo_cfg(preference_data(tmp_path), "train.steps=6", "checkpoint.interval=3", "checkpoint.async_save=false",
                 "run.tensorboard=false")
@@ -238,3 +238,30 @@ def test_an_import_starts_dpo_with_itself_as_reference_and_an_lm_checkpoint_is_r
     dpo.check_start(cfg, "ckpt/4", lm_run)
   dpo.check_start(cfg, "ckpt/0", {**lm_run, "contents": checkpoint.PARAMS_ONLY})  # an import: fine
   dpo.check_start(cfg, "ckpt/4", {"fingerprint": {"train": {"train.objective": "dpo"}}})
+
+
+@pytest.mark.slow
+def test_dpo_from_a_hugging_face_import_holds_the_import_as_its_reference(tmp_path, capsys):
+  """`hf import` then DPO: the first step is ln 2 and the checkpointed reference is the imported parameters."""
+  pytest.importorskip("transformers")
+  from jaxtrain.run import checkpoint, loop
+  from tests import hf_models as H
+  H.llama(tmp_path / "hf", vocab=320)
+  source, workdir = preference_data(tmp_path), tmp_path / "run"
+  H.imported(tmp_path / "hf", workdir, "fsdp=1", ["train.objective=dpo", f"data.source={source}",
+                                                   "train.batch_size=8", "train.seq_len=32",
+                                                   "checkpoint.async_save=false", "run.tensorboard=false"])
+  _, _, imported = H.load(workdir, step=0)
+  cfg = config.load(str(workdir / "m.toml"))
+  loop.run(cfg, mesh_of("dp=2"), workdir, "m", stop_at=2)
+  assert "optimizer state created" in capsys.readouterr().out
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert records[0]["loss"] == pytest.approx(math.log(2), rel=1e-6) and records[1]["loss"] < records[0]["loss"]
+  setup = step.Setup(cfg, mesh_of("fsdp=1"))
+  ck = checkpoint.Checkpoints(workdir / "checkpoints", 3, 0, async_save=False)
+  try:
+    state, _ = ck.restore(workdir / "checkpoints" / "2", setup.abstract_state())
+  finally:
+    ck.close()
+  for r, p in zip(jax.tree.leaves(jax.device_get(state["ref"])), jax.tree.leaves(jax.device_get(imported))):
+    np.testing.assert_array_equal(r, p)  # float32 compute: the reference is the import itself
