@@ -19,7 +19,7 @@ from jaxtrain.core.errors import UserError
 from jaxtrain.model import flops
 from jaxtrain.parallel import devices, mesh as mesh_lib, pipeline
 from jaxtrain.run import checkpoint, faults, goodput, lock as lock_lib, metrics, observe, progress as progress_lib
-from jaxtrain.run import runfiles
+from jaxtrain.run import dpo, runfiles
 from jaxtrain.run import step as step_lib
 from jaxtrain.run import checklist as checklist_lib
 from jaxtrain.run import watchdog as watchdog_lib
@@ -104,6 +104,7 @@ def _same_run(current: dict, allowed: set[str], setup):
                       "or --fresh")
     if "model" in allowed:
       checkpoint.check_shapes(step_dir, setup.abstract_state()["params"])
+    dpo.check_start(setup.cfg, step_dir, manifest)  # an lm run's checkpoint holds no DPO reference
   return accept
 
 

@@ -11,6 +11,7 @@ from jaxtrain.run import runfiles
 
 MOE_FIELDS = ("moe_aux_loss", "moe_dropped_frac", "moe_load_imbalance")
 EVAL_FIELDS = ("eval_loss", "eval_ppl")
+DPO_FIELDS = ("dpo_reward_chosen", "dpo_reward_rejected", "dpo_reward_accuracy", "dpo_reward_margin")
 
 
 def record(step: int, fetched: dict, step_time: float, data_wait: float, progress, flops_per_step: float,
@@ -24,7 +25,7 @@ def record(step: int, fetched: dict, step_time: float, data_wait: float, progres
       "mfu": flops_per_step / step_time / peak_total if peak_total else None,
       "skipped": bool(m["skipped"]), "loss_scale": m["loss_scale"],
       "tokens_seen": progress.tokens_seen, "tokens_updated": progress.tokens_updated,
-      **{k: m[k] for k in (*EVAL_FIELDS, *MOE_FIELDS) if k in m},  # eval steps / MoE models only
+      **{k: m[k] for k in (*EVAL_FIELDS, *MOE_FIELDS, *DPO_FIELDS) if k in m},  # eval steps / MoE / DPO only
   }
 
 
@@ -62,6 +63,8 @@ class ConsoleSink:
           f"data {rec['data_wait_s'] * 1e3:.1f}ms  mfu {mfu}"
           + _checklist(rec) + (f"  scale {rec['loss_scale']:g}" if rec["loss_scale"] != 1.0 else "")
           + ("  SKIPPED (non-finite gradients)" if rec["skipped"] else "")
+          + (f"  acc {rec['dpo_reward_accuracy']:.2f} margin {rec['dpo_reward_margin']:.3f}"
+             if "dpo_reward_margin" in rec else "")
           + (f"  eval {rec['eval_loss']:.4f} (ppl {rec['eval_ppl']:.2f})" if "eval_loss" in rec else ""), flush=True)
 
   def close(self) -> None:
