@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 from typing import Callable
@@ -44,6 +45,21 @@ def add_mesh_args(p: argparse.ArgumentParser, *, cluster: bool = False) -> None:
     p.add_argument("--process-id", type=int, help="multi-process run: this process's index, 0..N-1")
 
 
+class PluginErrorInOneLine(logging.Filter):
+  """A GPU plugin installed where its GPU is not (the gpu-aot extra on a laptop or a CPU CI host): JAX logs the
+  plugin's failed start with a traceback, then goes on with the CPU. One line says that instead."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.exc_info and record.getMessage().startswith("Jax plugin configuration error"):
+      e = record.exc_info[1]
+      plugin = record.args[0] if isinstance(record.args, tuple) and record.args else "a plugin"
+      first = (str(e).splitlines() or [""])[0][:200]
+      record.msg = f"note: {plugin} could not start ({type(e).__name__}: {first}); JAX goes on without it"
+      record.args = None
+      record.exc_info = record.exc_text = None
+    return True
+
+
 @dataclasses.dataclass
 class Started:
   cfg: object
@@ -62,6 +78,7 @@ def start(args: argparse.Namespace, prog: str, *, mesh: bool = True, overrides: 
   from jaxtrain.run import observe
   from jaxtrain.parallel import xla_flags
   from jaxtrain.core import native
+  logging.getLogger("jax._src.xla_bridge").addFilter(PluginErrorInOneLine())  # before the backend starts
   native.capture()  # before any backend starts: native library output goes to the run's log, not the terminal
   started = Started(cfg if cfg is not None else config.load(args.config, [*args.set, *overrides]), None, prog)
   cfg_given, cfg = cfg, started.cfg

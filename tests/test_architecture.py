@@ -254,6 +254,7 @@ COVERED_BY = {
     "jaxtrain.interop.hf_fields": ("tests/core/test_bad_inputs.py", "config.json"),
     "jaxtrain.core.resources": ("tests/commands/test_launch.py", "resources"),
     "jaxtrain.data.__main__": ("tests/commands/test_flows.py", "jaxtrain.data"),
+    "jaxtrain.data.pairs": ("tests/run/test_dpo.py", "PairPacker"),
     "jaxtrain.data.readers": ("tests/data/test_prepare.py", "jsonl"),
     "jaxtrain.data.shards": ("tests/data/test_prepare.py", "shards"),
     "jaxtrain.data.tokenizer": ("tests/data/test_prepare.py", "tokenizer"),

@@ -96,13 +96,16 @@ def grouped(rows: list[Row]) -> list[Row]:
 
 
 def state_bytes(setup) -> dict[str, int]:
-  """Per-device bytes of the real train state by part: params (the float32 master), adam_m, adam_v, counters."""
-  out = {"params": 0, "adam_m": 0, "adam_v": 0, "counters": 0}
+  """Per-device bytes of the real train state by part: params (the float32 master), adam_m, adam_v, counters, and
+  with train.objective=dpo the frozen reference (run/dpo.py)."""
+  out = {"params": 0, "adam_m": 0, "adam_v": 0, "counters": 0, **({"reference": 0} if "ref" in
+                                                                  setup.state_shardings else {})}
   shards = jax.tree.leaves(setup.state_shardings)
   for (path, sds), sh in zip(jax.tree_util.tree_leaves_with_path(jax.eval_shape(setup.init)), shards, strict=True):
     p = _path(path)
     n = math.prod(sh.shard_shape(sds.shape)) * np.dtype(sds.dtype).itemsize
-    part = ("params" if p.startswith("params/") else "adam_m" if "/mu/" in f"/{p}/" else
+    part = ("params" if p.startswith("params/") else "reference" if p.startswith("ref/") else
+            "adam_m" if "/mu/" in f"/{p}/" else
             "adam_v" if "/nu/" in f"/{p}/" else "counters")
     out[part] += n
   return out
@@ -335,6 +338,14 @@ class Bill:
   host_per_host: int = 0         # master and moments kept in host memory (offload), all local devices
 
 
+def reference_line(cfg, st: dict) -> dict[str, tuple[int, str]]:
+  """DPO's frozen reference (train.objective=dpo), if any; its whole-microbatch float32 logits are not counted yet."""
+  if "reference" not in st:
+    return {}
+  return {"reference": (st["reference"], f"DPO's frozen reference: {cfg.model.dtype} matmul weights, sharded like the "
+                        "compute copy")}
+
+
 def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   """The bill for `plan`'s attention kernel (default: the step's own plan; inspect passes
   the plan of a target device such as an H100 when the mesh here is simulated)."""
@@ -387,8 +398,7 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
       "workspace": (max(work.values()) - gathered["layers"], "transient peak beyond the gathered weights, the larger "
                     "phase of: " + ", ".join(f"{k} {human(v)}" for k, v in work.items())),
   }
-  if piped:
-    lines.update(pipeline_lines(cfg, rows))
+  lines.update({**(pipeline_lines(cfg, rows) if piped else {}), **reference_line(cfg, st)})
   items = {k: v for k, (v, _) in lines.items()}
   notes = {k: note for k, (_, note) in lines.items()}
   items["margin"] = int(margin * sum(items.values()))

@@ -221,6 +221,12 @@ class TrainConfig:
       1024, "Cross-entropy in chunks of this many tokens per device (jaxtrain.model.loss): one chunk's float32 logits "
       "(chunk x vocab / tensor x 4 bytes, 0.5 GiB at a 128k vocabulary) instead of the whole batch's; "
       "0 = the plain unchunked loss.", math=False, min=0)
+  objective: Literal["lm", "dpo"] = key(
+      "lm", "What the step minimizes: lm = next-token cross-entropy; dpo = Direct Preference Optimization (TRL's "
+      "sigmoid loss) on preference data (data prepare --chosen-field/--rejected-field) against the frozen starting "
+      "model (jaxtrain.run.dpo, docs/training.md#dpo).", math=True)
+  dpo_beta: float = key(0.1, "DPO's beta: the weight of the log-probability ratios to the reference model "
+                        "(train.objective=dpo).", math=True, min=0.0, open_min=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,9 @@ def parse_args(argv=None):
   pr.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
   pr.add_argument("--prompt-field", help="supervised data: field of the prompt (masked out of the loss)")
   pr.add_argument("--completion-field", help="supervised data: field of the completion (trained on)")
+  pr.add_argument("--chosen-field", help="preference data (train.objective=dpo): field of the preferred response; "
+                  "with --prompt-field and --rejected-field")
+  pr.add_argument("--rejected-field", help="preference data: field of the dispreferred response")
   pr.add_argument("--chat-field", help="chat data: field holding a list of {role, content} turns, rendered with "
                   "the tokenizer's chat template; only assistant turns are trained on")
   pr.add_argument("--chat-template", metavar="FILE", help="chat data: a Jinja chat template with {% generation %} "
@@ -60,7 +63,8 @@ def main(argv=None) -> int:
               prompt_field=args.prompt_field, completion_field=args.completion_field, workers=args.workers,
               shard_mb=args.shard_mb, max_bad_records=args.max_bad_records, bos_token=args.bos_token,
               eos_token=args.eos_token, progress=not args.no_progress, chat_field=args.chat_field,
-              chat_template=args.chat_template)
+              chat_template=args.chat_template, chosen_field=args.chosen_field,
+              rejected_field=args.rejected_field)
     elif args.command == "show":
       from jaxtrain.data import show
       show.show(cli.start(args, "jaxtrain.data", mesh=False, overrides=[f"data.source={args.source}"]).cfg, args.row)

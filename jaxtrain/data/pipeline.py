@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxtrain.core import parse
 from jaxtrain.core.config import Config
-from jaxtrain.data import busy, readers, shards, tokenizer as tokenizer_lib
+from jaxtrain.data import busy, pairs, readers, shards, tokenizer as tokenizer_lib
 from jaxtrain.core.errors import RunAborted, UserError
 from jaxtrain.core.files import sha256_file
 
@@ -125,6 +125,11 @@ class Packer:
     return {"tokens": tok, "tokens_segment_ids": seg, "tokens_positions": pos, "tokens_trainable": train}
 
 
+def packer(ts: shards.TokenSet, seq_len: int, seed: int, tag: int, pad_id: int = 0):
+  """The rows of one source: packed documents, or preference pairs side by side (jaxtrain.data.pairs)."""
+  return (pairs.PairPacker if ts.pairs else Packer)(ts, seq_len, seed, tag, pad_id)
+
+
 def _split(ts: shards.TokenSet, fraction: float) -> tuple[shards.TokenSet, shards.TokenSet]:
   """(train, held-out): each document held out with probability `fraction` (fixed seed)."""
   held = np.random.default_rng(SPLIT_SEED).random(ts.n_docs) < fraction
@@ -177,7 +182,7 @@ class Mixture:
 
   def __init__(self, cfg: Config, sets: list[shards.TokenSet], seed: int, pad_id: int):
     self.cum_weights, self.seed, self.B = np.cumsum(_weights(cfg, sets)), seed, cfg.train.batch_size
-    self.packers = [Packer(ts, cfg.train.seq_len, seed, tag, pad_id) for tag, ts in enumerate(sets)]
+    self.packers = [packer(ts, cfg.train.seq_len, seed, tag, pad_id) for tag, ts in enumerate(sets)]
     self._counts, self._lock = {0: np.zeros(len(sets), np.int64)}, threading.Lock()  # step -> rows taken before
 
   def choices(self, step: int) -> np.ndarray:
@@ -283,6 +288,7 @@ def batches(cfg: Config, block: int = 0, blocks: int = 1, *, check_tokenizer: bo
   """Rows block `block` of `blocks` of each global batch (numpy dicts), with get_state()/set_state()/close()."""
   lo, hi = _slice(cfg, block, blocks)
   train, _, pad = open_sources(cfg, check_tokenizer)
+  pairs.check(cfg, train)
   return DataIterator(Mixture(cfg, train, cfg.train.seed, pad), lo, hi, cfg.data.workers, cfg.data.prefetch)
 
 

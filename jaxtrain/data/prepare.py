@@ -84,7 +84,8 @@ def run_unit(job: dict, n: int, output: str, tok=None) -> dict:
   chat = "chat" in job["fields"]
   records = readers.read_unit(Path(job["sources"][unit[0]]["path"]), unit[1], unit[2], job["fields"], on_bad,
                               _renderer(job).render if chat else None)
-  docs, train_from, mask, empty = (_chat_docs if chat else _text_docs)(tok, job, records)
+  make = _chat_docs if chat else _pair_docs if "chosen" in job["fields"] else _text_docs
+  docs, train_from, mask, empty = make(tok, job, records)
   tokens, index = shards.concat(docs, train_from)
   lengths, names = index[:, 1], {"tokens": f"shard-{n:05d}.tokens.npy", "index": f"shard-{n:05d}.index.npy"}
   arrays = [tokens.astype(job["dtype"]), index]
@@ -109,6 +110,20 @@ def _text_docs(tok, job, records):
   docs = [tokenizer_lib.frame(tok, p, c) for p, c in zip(prompts, tok.encode_batch([c for _, c in nonempty]))]
   train_from = [max(1, len(p) + (tok.bos_id is not None)) for p in prompts]  # BOS is never a target
   return docs, train_from, None, len(records) - len(nonempty)
+
+
+def _pair_docs(tok, job, records):
+  """Preference records -> two documents each, in the record's order (chosen at 2i, rejected at 2i + 1: the loader
+  keeps them together): [BOS] prompt response EOS, trained from the response on. A record with an all-whitespace
+  response is dropped whole, so pairs stay aligned."""
+  kept = [(p, c, r) for p, c, r in records if c.strip() and r.strip()]
+  prompts = tok.encode_batch([p for p, _, _ in kept])
+  chosen, rejected = tok.encode_batch([c for _, c, _ in kept]), tok.encode_batch([r for _, _, r in kept])
+  docs, train_from = [], []
+  for p, c, r in zip(prompts, chosen, rejected):
+    docs += [tokenizer_lib.frame(tok, p, c), tokenizer_lib.frame(tok, p, r)]
+    train_from += [max(1, len(p) + (tok.bos_id is not None))] * 2
+  return docs, train_from, None, len(records) - len(kept)
 
 
 _renderers = {}  # per process: the job's compiled chat template
@@ -177,7 +192,7 @@ def _shown(value) -> str:
 
 
 def _check_options(inputs, workers, shard_mb, max_bad_records, prompt_field, completion_field, chat_field=None,
-                   chat_template=None) -> None:
+                   chat_template=None, pair_fields=(None, None)) -> None:
   if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
     raise UserError(f"--workers {workers}: must be a positive integer")
   if not isinstance(shard_mb, (int, float)) or not math.isfinite(shard_mb) or not 0 < shard_mb <= MAX_SHARD_MB:
@@ -187,11 +202,22 @@ def _check_options(inputs, workers, shard_mb, max_bad_records, prompt_field, com
     raise UserError(f"--max-bad-records {max_bad_records}: must be 0 or a positive integer")
   if not inputs:
     raise UserError("prepare needs at least one --input")
+  if any(f is not None for f in pair_fields):
+    if None in pair_fields or prompt_field is None:
+      raise UserError("preference data needs all of --prompt-field, --chosen-field and --rejected-field")
+    if completion_field is not None or chat_field is not None:
+      raise UserError(f"--{'completion' if completion_field else 'chat'}-field is another kind of data than "
+                      "preference data (--chosen-field/--rejected-field): give one kind")
+    return _check_chat_template(chat_template, chat_field)
   if (prompt_field is None) != (completion_field is None):
     raise UserError("supervised data needs both --prompt-field and --completion-field")
   if chat_field is not None and prompt_field is not None:
     raise UserError("--chat-field is chat data; --prompt-field/--completion-field are prompt/completion data: give "
                     "one kind")
+  _check_chat_template(chat_template, chat_field)
+
+
+def _check_chat_template(chat_template, chat_field) -> None:
   if chat_template is not None and chat_field is None:
     raise UserError("--chat-template applies to chat data: give --chat-field too")
 
@@ -217,12 +243,14 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
             prompt_field: str | None = None, completion_field: str | None = None, workers: int = 1,
             shard_mb: float = 64.0, max_bad_records: int = 0, bos_token: str | None = None,
             eos_token: str | None = None, progress: bool = True, chat_field: str | None = None,
-            chat_template: str | None = None) -> dict:
+            chat_template: str | None = None, chosen_field: str | None = None,
+            rejected_field: str | None = None) -> dict:
   """Prepares `inputs` into `output`; returns the manifest (also written to output/manifest.json)."""
   _check_options(inputs, workers, shard_mb, max_bad_records, prompt_field, completion_field, chat_field,
-                 chat_template)
-  fields = ({"chat": chat_field} if chat_field else {"prompt": prompt_field, "completion": completion_field}
-            if prompt_field else {"text": text_field})
+                 chat_template, (chosen_field, rejected_field))
+  fields = ({"chat": chat_field} if chat_field else
+            {"prompt": prompt_field, "chosen": chosen_field, "rejected": rejected_field} if chosen_field else
+            {"prompt": prompt_field, "completion": completion_field} if prompt_field else {"text": text_field})
   tok = tokenizer_lib.load(tokenizer, bos_token, eos_token)
   job = plan(inputs, tok, fields, shard_mb, max_bad_records, _chat_spec(tokenizer, tok, chat_template, chat_field))
   out = Path(output)
@@ -323,6 +351,11 @@ def _run(job: dict, out: Path, tok, workers: int, tok_args: tuple, progress: boo
   return manifest
 
 
+def _kind(fields: dict) -> str:
+  return ("chat" if "chat" in fields else "preference" if "chosen" in fields else "supervised" if "prompt" in fields
+          else "text")
+
+
 def _manifest(job: dict, metas: dict[int, dict], out: Path) -> dict:
   ordered = [metas[n] for n in range(len(job["units"]))]
   bad = [b for m in ordered for b in m["bad_records"]]
@@ -333,7 +366,7 @@ def _manifest(job: dict, metas: dict[int, dict], out: Path) -> dict:
     raise UserError(f"the inputs ({', '.join(s['path'] for s in job['sources'])}) hold no documents: an empty corpus")
   manifest = {
       "format": shards.FORMAT, "tokenizer": job["tokenizer"], "dtype": job["dtype"],
-      "kind": "chat" if "chat" in job["fields"] else "supervised" if "prompt" in job["fields"] else "text",
+      "kind": _kind(job["fields"]),
       **({"chat_template": job["chat_template"]["where"]} if "chat_template" in job else {}),
       "fields": job["fields"], "sources": job["sources"],
       **{k: sum(m[k] for m in kept) for k in ("documents", "tokens", "trainable_tokens")},

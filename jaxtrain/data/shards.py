@@ -21,8 +21,10 @@ class TokenSet:
   """Documents as slices of token arrays. index: int64 (docs, 4) = shard, start, length, first trainable token.
   `masks` (chat data): per shard, one flag per token, 1 where that token is trained on as a target."""
 
-  def __init__(self, arrays: list[np.ndarray], index: np.ndarray, name: str, masks: list[np.ndarray] | None = None):
+  def __init__(self, arrays: list[np.ndarray], index: np.ndarray, name: str, masks: list[np.ndarray] | None = None,
+               pairs: bool = False):
     self.arrays, self.index, self.name, self.masks = arrays, index, name, masks
+    self.pairs = pairs  # preference data: documents 2i and 2i + 1 are the chosen and rejected responses of pair i
     self.lengths, self.n_docs = index[:, 2], len(index)
     self.n_tokens = int(self.lengths.sum())
 
@@ -38,6 +40,8 @@ class TokenSet:
     return self.masks[shard][start:start + length]
 
   def subset(self, rows: np.ndarray) -> "TokenSet":
+    if self.pairs:
+      raise UserError(f"{self.name!r} holds preference pairs, which a held-out split by document would separate")
     return TokenSet(self.arrays, self.index[rows], self.name, self.masks)
 
 
@@ -271,7 +275,8 @@ def open_prepared(directory: Path, verify: bool = True) -> tuple[TokenSet, dict]
   index = np.concatenate(parts) if parts else np.zeros((0, 4), np.int64)
   if any(m is not None for m in masks) and any(m is None for m in masks):
     raise UserError(f"{directory / MANIFEST}: some shards have a mask file and some do not (re-run prepare)")
-  ts = TokenSet(arrays, index, str(directory), masks if masks and masks[0] is not None else None)
+  ts = TokenSet(arrays, index, str(directory), masks if masks and masks[0] is not None else None,
+                manifest.get("kind") == "preference")
   with _lock:
     _opened[key] = ts
   return ts, manifest

@@ -43,7 +43,7 @@ def _cell(text: str) -> str:
 def row_fields(cfg: Config, row: int) -> tuple[dict[str, np.ndarray], int]:
   """Row `row` of epoch 0 of data.source (its training split) as the loader builds it: (fields, rows per epoch)."""
   train, _, pad = pipeline.open_sources(cfg, check_tokenizer=False)
-  packer = pipeline.Packer(train[0], cfg.train.seq_len, cfg.train.seed, 0, pad)  # tag 0: the only source
+  packer = pipeline.packer(train[0], cfg.train.seq_len, cfg.train.seed, 0, pad)  # tag 0: the only source
   if not 0 <= row < packer.rows_per_epoch:
     raise UserError(f"--row {row}: {cfg.data.source} has {packer.rows_per_epoch} rows of train.seq_len="
                     f"{cfg.train.seq_len} per epoch; give 0 to {packer.rows_per_epoch - 1}")

@@ -51,6 +51,18 @@ def adapted(module: nnx.Module, attr: str, x, y):
   return y if lora is None else y + lora(x).astype(y.dtype)
 
 
+def without_adapters(params: dict) -> dict:
+  """`params` (a pure dict) with every adapter's B zero: the model computes the base alone (DPO's reference under
+  LoRA, without a second copy of the base)."""
+  def walk(node, under_adapter=False):
+    if not isinstance(node, dict):
+      return node
+    return {k: jnp.zeros_like(v) if under_adapter and k == "lora_b" else walk(v, under_adapter or
+                                                                                 str(k).endswith(SUFFIX))
+            for k, v in node.items()}
+  return walk(params)
+
+
 def delta(a, b, mult: float, stacked: bool):
   """A B * alpha / r in the weight's own shape, float32 (`stacked`: both with a leading layers axis)."""
   one = lambda a, b: jnp.tensordot(a.astype(jnp.float32), b.astype(jnp.float32), 1) * mult  # noqa: E731

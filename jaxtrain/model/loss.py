@@ -38,6 +38,14 @@ def _plain(h_BxLxD, w_DxV, targets_BxL, weights_BxL, logits_dtype, gather):
   return jnp.sum((jax.nn.logsumexp(logits_BxLxV, axis=-1) - target_BxL) * weights_BxL)
 
 
+def target_logp(h_BxLxD, w_DxV, targets_BxL, logits_dtype: str = "float32"):
+  """log p(target) of every token in float32, from the whole (B, L, V) logits (DPO sums them per sequence; the
+  chunked loss keeps only totals). The target logit by a one-hot product: no gather over the vocabulary's split."""
+  logits_BxLxV = jnp.einsum("bld,dv->blv", h_BxLxD, w_DxV.astype(h_BxLxD.dtype),
+                            preferred_element_type=jnp.dtype(logits_dtype)).astype(jnp.float32)
+  return -_token_nll(logits_BxLxV, targets_BxL, ("batch", "length", "act_vocab"))
+
+
 def _token_nll(logits, targets, axes):
   """logsumexp - target logit per token, the target logit as sum(logits * one_hot): no gather over the vocab split."""
   logits = ops.constrain(logits, axes)

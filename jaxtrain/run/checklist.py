@@ -1,21 +1,29 @@
 """The seed's runtime checklist, added to each metrics record: device and host memory, the loader's own rate and its
-headroom over training, the data wait split into the host batch and the host-to-device transfer, and a save's
-blocking time as a share of the interval since the previous one."""
+headroom over training, the data wait split into the host batch and the host-to-device transfer, a save's
+blocking time as a share of the interval since the previous one; with optim.offload=host the host link's bytes and
+time per step; with several processes each one's own time per step and the stragglers among them."""
 
 from __future__ import annotations
 
 import collections
+import math
 import os
 import resource
 import sys
 import time
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 RHO_WARN = 1.2  # loader rate / training rate under this: the loader is (nearly) the bottleneck
 WINDOW = 20  # records over which the loader's and the training's rates are compared
 MIN_RECORDS = 5  # no warning before: the first steps' start-up says little about the steady state
-WARN_GAP_S = 300.0  # a low headroom is said when it starts, and again at most this often
+WARN_GAP_S = 300.0  # a low headroom (a straggler) is said when it starts, and again at most this often
+STRAGGLER = 1.2  # a process whose own time per step is over this times the processes' median
+STRAGGLER_FLOOR = 0.05  # ... by more than this share of the step: milliseconds of noise flag nobody
+PROBE_BYTES = 256 << 20  # the host link's rate is measured on a copy of this size (or the master's, if smaller)
+GATHER_EVERY = 10  # records between the processes' exchanges of their own times (each over these records)
 
 
 def host_rss() -> tuple[int | None, int | None]:
@@ -40,17 +48,86 @@ def device_memory(devices) -> tuple[int | None, int | None]:
           max(s.get("peak_bytes_in_use", s["bytes_in_use"]) for s in stats))
 
 
+def link_rate(device, nbytes: int) -> tuple[float, float]:
+  """(host-to-device, device-to-host) bytes per second of `device`'s host link: one array of `nbytes` (at most
+  PROBE_BYTES) copied from its host memory to the device and back, the best of 3. Once, at start-up: inside the
+  step the copies overlap the update's math and cannot be timed apart from it."""
+  n = max(min(nbytes, PROBE_BYTES) // 4, 1)
+  here = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+  host = jax.device_put(np.zeros(n, np.float32), here.with_memory_kind("pinned_host"))
+  up = down = float("inf")
+  for _ in range(3):
+    t0 = time.perf_counter()
+    dev = jax.block_until_ready(jax.device_put(host, here))
+    t1 = time.perf_counter()
+    jax.block_until_ready(jax.device_put(dev, host.sharding))
+    up, down = min(up, t1 - t0), min(down, time.perf_counter() - t1)
+  return 4 * n / max(up, 1e-9), 4 * n / max(down, 1e-9)
+
+
+class Stragglers:
+  """Each process's own time per step (the step's interval less the time it waited for its devices, which includes
+  waiting for the others in the step's collectives: what is left is its host's work, the batch above all), the
+  mean over GATHER_EVERY records, exchanged among the processes then; a process over STRAGGLER times their median
+  is flagged. Every process takes part in the exchange (a collective); process 0 says it."""
+
+  def __init__(self):
+    self.own, self.steps, self.waited = [], [], 0.0
+    self.flagged, self.warned_at = (), None
+
+  def wait(self, seconds: float) -> None:
+    self.waited += seconds
+
+  def fields(self, step: int, step_time: float) -> dict:
+    self.own.append(step_time - self.waited)
+    self.steps.append(step_time)
+    self.waited = 0.0
+    if len(self.own) < GATHER_EVERY:
+      return {}
+    mine = np.array([np.mean(self.own), np.mean(self.steps)])
+    self.own, self.steps = [], []
+    own_P, step_P = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2).T
+    median = float(np.median(own_P))
+    bar = max(STRAGGLER * median, median + STRAGGLER_FLOOR * float(np.median(step_P)))
+    flagged = tuple(int(i) for i in np.flatnonzero(own_P > bar))
+    self._warn(step, flagged, own_P, median)
+    return {"process_own_s": [float(v) for v in own_P], "stragglers": list(flagged),
+            "straggler_ratio": float(own_P.max() / max(median, 1e-9))}
+
+  def _warn(self, step: int, flagged: tuple, own_P, median: float) -> None:
+    now = time.monotonic()
+    new = flagged and flagged != self.flagged and (self.warned_at is None or now - self.warned_at >= WARN_GAP_S)
+    self.flagged = flagged
+    if not new or jax.process_index() != 0:
+      return
+    self.warned_at = now
+    who = ", ".join(f"process {i} {own_P[i] * 1e3:,.0f} ms" for i in flagged)
+    print(f"jaxtrain: warning: straggler at step {step}: {who} of its own work per step (the processes' median "
+          f"{median * 1e3:,.0f} ms, over the last {GATHER_EVERY} steps); the others wait for it in each step",
+          file=sys.stderr, flush=True)
+
+
 class Checklist:
   """One per run: the loop calls next_batch() for each batch, saved() after each save, fields() for each record."""
 
-  def __init__(self, devices, batches, blocks: int):
+  def __init__(self, devices, batches, blocks: int, layout=None):
     self.devices, self.blocks = list(devices), blocks  # blocks: row blocks of a global batch (this process has one)
+    self.link = None  # offload: ((h2d, d2h) bytes per step, their seconds at the link's measured rate)
+    if layout is not None and layout.link is not None:
+      rate = link_rate(self.devices[0], layout.link[0])
+      self.link = layout.link, layout.link[0] / rate[0] + layout.link[1] / rate[1]
     self.clock = getattr(batches, "busy", None)  # the loader's BusyClock (jaxtrain.data.busy)
     self.window = collections.deque([(0, 0.0, 0, 0.0)], maxlen=WINDOW + 1)
     self.train_tokens, self.train_time, self.records = 0, 0.0, 0
     self.low, self.warned_at = False, None
     self.interval_start, self.save = time.perf_counter(), None
     self.multi = jax.process_count() > 1
+    self.stragglers = Stragglers() if self.multi else None
+
+  def waited(self, seconds: float) -> None:
+    """Time the loop spent waiting for its devices (a dispatch that blocked, fetching a step's metrics)."""
+    if self.stragglers is not None:
+      self.stragglers.wait(seconds)
 
   def note(self) -> str:
     """Said once, with the start-up's last line, where device memory cannot be reported ('' elsewhere)."""
@@ -85,6 +162,10 @@ class Checklist:
     if self.save is not None:
       out["ckpt_block_s"], out["ckpt_block_frac"] = self.save
       self.save = None
+    if self.link is not None:
+      (out["offload_h2d_bytes"], out["offload_d2h_bytes"]), out["offload_link_s"] = self.link
+    if self.stragglers is not None:
+      out.update(self.stragglers.fields(step, rec["step_time_s"]))
     return out
 
   def _headroom(self, step: int, rec: dict) -> dict:

@@ -3,7 +3,8 @@ hold_manifest=STEP:SECONDS|PATH, enospc_at=STEP, metrics_enospc_at=STEP, loader_
 the batch of training step STEP fails with EIO, in the loader's worker thread, as a broken disk would),
 kill=WHERE:STEP:PROCESS:MARKER (SIGKILL of that process at `step` (a step dispatched, not finished), `save`
 (an async save in flight, before its manifest) or `restore` (restoring that step); once: MARKER is created
-first, so the restarted trainer runs on)."""
+first, so the restarted trainer runs on), slow=PROCESS:SECONDS:FROM (that process's host works SECONDS more for
+each step from step FROM on: a straggler)."""
 
 import errno
 import os
@@ -59,3 +60,13 @@ def loader_read(step: int) -> None:
   at = _spec("loader_fail_at")
   if at and int(at) == step:
     raise OSError(errno.EIO, os.strerror(errno.EIO), "(injected fault)")
+
+
+def slow_point(step: int) -> None:
+  spec = _spec("slow")
+  if not spec:
+    return
+  process, seconds, start = spec.split(":")
+  import jax
+  if int(process) == jax.process_index() and step >= int(start):
+    time.sleep(float(seconds))

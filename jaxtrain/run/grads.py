@@ -90,6 +90,10 @@ class Objective:
     stats = stats + head_stats
     return out + self.aux(stats, w), (ce, moe_balance.totals(self.cfg.model, stats))
 
+  def zero_totals(self) -> dict:
+    """The statistics an executor sums over the microbatches (the second part of `__call__`'s aux), as zeros."""
+    return moe_balance.zero_totals(self.cfg.model)
+
   def loss_sum(self, params, mb):
     """The microbatch's summed next-token loss alone (evaluation)."""
     model = self.model(params)
@@ -130,7 +134,7 @@ def accumulate(objective: Objective, params, mbs, w: Weights, grad_sharding=None
     (_, (ce, moe)), g = value_and_grad(trained, mb)
     return (loss_sum + ce, jax.tree.map(jnp.add, grad_sum, keep(g)), jax.tree.map(jnp.add, moe_sum, moe)), None
 
-  init = (jnp.float32(0), keep(jax.tree.map(jnp.zeros_like, trained)), moe_balance.zero_totals(objective.cfg.model))
+  init = (jnp.float32(0), keep(jax.tree.map(jnp.zeros_like, trained)), objective.zero_totals())
   return jax.lax.scan(body, init, mbs)[0]
 
 

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.model import roles
 from jaxtrain.parallel import sharding
+from jaxtrain.run import offload as offload_lib
 
 
 def _on_device(tree):
@@ -21,7 +22,7 @@ class Layout:
   """The shardings of (params as computed, params as stored, optimizer state, gradients) for one plan."""
 
   def __init__(self, cfg, plan, opt: optax.GradientTransformation, abstract_params, param_sh, notes: list[str]):
-    self.cfg, self.param = cfg, param_sh
+    self.cfg, self.param, self.abstract_params = cfg, param_sh, abstract_params
     mesh = plan.mesh
     host = "pinned_host" if cfg.optim.offload == "host" else None
 
@@ -35,6 +36,8 @@ class Layout:
     self.opt = optax.tree_map_params(opt, lambda _, sh: sh, jax.eval_shape(opt.init, self.trained(abstract_params)),
                                      self.trained(self.stored), transform_non_params=lambda _: replicated)
     self.offload = host is not None
+    # (host-to-device, device-to-host) bytes per step over one device's host link; None without offload
+    self.link = offload_lib.link_bytes(self.stored, abstract_params) if self.offload else None
     self.separate = plan.zero_stage > 0 or self.offload  # else the master is what the step computes with
     # pinned for ZeRO (stage 1 too: XLA would split the gradients like the update's operands otherwise)
     self.grads = self.trained(_on_device(self.stored) if plan.zero_stage == 2 else param_sh)

@@ -19,7 +19,7 @@ from jaxtrain.core.errors import UserError
 from jaxtrain.model import flops
 from jaxtrain.parallel import devices, mesh as mesh_lib, pipeline
 from jaxtrain.run import checkpoint, faults, goodput, lock as lock_lib, metrics, observe, progress as progress_lib
-from jaxtrain.run import runfiles
+from jaxtrain.run import dpo, runfiles
 from jaxtrain.run import step as step_lib
 from jaxtrain.run import checklist as checklist_lib
 from jaxtrain.run import watchdog as watchdog_lib
@@ -104,6 +104,7 @@ def _same_run(current: dict, allowed: set[str], setup):
                       "or --fresh")
     if "model" in allowed:
       checkpoint.check_shapes(step_dir, setup.abstract_state()["params"])
+    dpo.check_start(setup.cfg, step_dir, manifest)  # an lm run's checkpoint holds no DPO reference
   return accept
 
 
@@ -199,8 +200,10 @@ class _Steps:
   def log_step(self, s, device_metrics, wait, since, params=None) -> float:
     """Writes step s's record; returns when the next step's time starts. `params`: evaluate them after the
     step's own time is taken, so that neither the eval nor its set-up counts as a step's time."""
+    t = time.perf_counter()
     fetched = jax.device_get(device_metrics)
     done = time.perf_counter()
+    self.checklist.waited(done - t)
     self.dog.beat(s)  # a step counts as completed once its metrics are here
     self.ledger.spent("productive", done - since - sum(wait), step=s)
     if params is not None:
@@ -233,7 +236,10 @@ class _Steps:
     pending, wait, last_done = None, (0.0, 0.0), time.perf_counter()
     for s in range(self.progress.step + 1, stop_at + 1):
       self.profiler.before(s)
+      t = time.perf_counter()
       state, step_metrics = compiled(state, batch)
+      self.checklist.waited(time.perf_counter() - t)  # a dispatch waits where the device queue is full
+      faults.slow_point(s)
       faults.kill_point("step", s)
       self.profiler.after(s, step_metrics)
       if pending:  # step s-1's metrics: reading them waits for s-1, while s is already queued
@@ -331,7 +337,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     except data.LoaderError as e:  # no step of this run to save: the resume point (if any) is the committed one
       raise _stopped_by_loader(e, ckpts, progress.step) from e
     compiled = dog.compiled = setup.step.lower(state, batch).compile()
-    steps.checklist = checklist_lib.Checklist(jax.local_devices(), batches, setup.placement.rows()[1])
+    steps.checklist = checklist_lib.Checklist(jax.local_devices(), batches, setup.placement.rows()[1], setup.layout)
     note = steps.checklist.note() if jax.process_index() == 0 else ""  # no extra line: terminals stay quiet
     print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s{note}", flush=True)
     cache.stop()

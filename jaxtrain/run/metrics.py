@@ -11,6 +11,7 @@ from jaxtrain.run import runfiles
 
 MOE_FIELDS = ("moe_aux_loss", "moe_dropped_frac", "moe_load_imbalance")
 EVAL_FIELDS = ("eval_loss", "eval_ppl")
+DPO_FIELDS = ("dpo_reward_chosen", "dpo_reward_rejected", "dpo_reward_accuracy", "dpo_reward_margin")
 
 
 def record(step: int, fetched: dict, step_time: float, data_wait: float, progress, flops_per_step: float,
@@ -24,7 +25,7 @@ def record(step: int, fetched: dict, step_time: float, data_wait: float, progres
       "mfu": flops_per_step / step_time / peak_total if peak_total else None,
       "skipped": bool(m["skipped"]), "loss_scale": m["loss_scale"],
       "tokens_seen": progress.tokens_seen, "tokens_updated": progress.tokens_updated,
-      **{k: m[k] for k in (*EVAL_FIELDS, *MOE_FIELDS) if k in m},  # eval steps / MoE models only
+      **{k: m[k] for k in (*EVAL_FIELDS, *MOE_FIELDS, *DPO_FIELDS) if k in m},  # eval steps / MoE / DPO only
   }
 
 
@@ -33,7 +34,8 @@ def _gib(n: int) -> str:
 
 
 def _checklist(rec: dict) -> str:
-  """Device memory in use/peak (host RSS where the backend keeps no statistics) and the loader's headroom."""
+  """Device memory in use/peak (host RSS where the backend keeps no statistics), the loader's headroom and, with
+  optim.offload=host, the host link's time per step."""
   out = ""
   if rec.get("device_mem_bytes") is not None:
     out += f"  mem {_gib(rec['device_mem_bytes'])}/{_gib(rec['device_mem_peak_bytes'])}GiB"
@@ -41,6 +43,8 @@ def _checklist(rec: dict) -> str:
     out += f"  rss {_gib(rec['host_rss_bytes'])}GiB"
   if rec.get("data_rho") is not None:
     out += f"  rho {rec['data_rho']:.1f}"
+  if rec.get("offload_link_s") is not None:
+    out += f"  link {rec['offload_link_s'] * 1e3:.1f}ms"
   return out
 
 
@@ -59,6 +63,8 @@ class ConsoleSink:
           f"data {rec['data_wait_s'] * 1e3:.1f}ms  mfu {mfu}"
           + _checklist(rec) + (f"  scale {rec['loss_scale']:g}" if rec["loss_scale"] != 1.0 else "")
           + ("  SKIPPED (non-finite gradients)" if rec["skipped"] else "")
+          + (f"  acc {rec['dpo_reward_accuracy']:.2f} margin {rec['dpo_reward_margin']:.3f}"
+             if "dpo_reward_margin" in rec else "")
           + (f"  eval {rec['eval_loss']:.4f} (ppl {rec['eval_ppl']:.2f})" if "eval_loss" in rec else ""), flush=True)
 
   def close(self) -> None:

@@ -1,5 +1,6 @@
 """The train step, readable top to bottom, and the sharded setup around it (docs/training.md).
-State: {"params": fp32 pure dict, "opt": optax state, "step": int32 applied updates, "loss_scale"}."""
+State: {"params": fp32 pure dict, "opt": optax state, "step": int32 applied updates, "loss_scale"}, and with
+train.objective=dpo without LoRA "ref": the frozen reference (jaxtrain.run.dpo)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,17 @@ from jaxtrain.core.errors import UserError
 from jaxtrain.model import moe_balance, ops, roles, transformer as model_lib
 from jaxtrain.parallel import expert_layout as moe_layout, pipeline, placement as placement_lib, plan as plan_lib
 from jaxtrain.parallel import data_region, sharding
-from jaxtrain.run import grads as grads_lib, offload as offload_lib, optimizer as optim_lib, precision
+from jaxtrain.run import dpo, grads as grads_lib, offload as offload_lib, optimizer as optim_lib, precision
 from jaxtrain.run.layout import Layout
 
 
 def init_state(cfg: Config, opt: optax.GradientTransformation, params) -> dict:
-  """The state around float32 `params`; with LoRA the frozen base in the compute dtype, moments for the adapters."""
+  """The state around float32 `params`; with LoRA the frozen base in the compute dtype, moments for the adapters;
+  with DPO the reference (jaxtrain.run.dpo: none of its own under LoRA, where it is the base without adapters)."""
   params = roles.stored(cfg.model, params)
-  return {"params": params, "opt": opt.init(roles.split(cfg.model, params)[0]), "step": jnp.zeros((), jnp.int32),
-          "loss_scale": precision.init(cfg)}
+  state = {"params": params, "opt": opt.init(roles.split(cfg.model, params)[0]), "step": jnp.zeros((), jnp.int32),
+           "loss_scale": precision.init(cfg)}
+  return {**state, "ref": dpo.reference(cfg.model, params)} if dpo.holds_reference(cfg) else state
 
 
 def train_step(objective, opt, plan, layout: Layout, state, batch, executor=grads_lib.accumulate):
@@ -34,13 +37,17 @@ def train_step(objective, opt, plan, layout: Layout, state, batch, executor=grad
   scale = state["loss_scale"]["scale"]
   with ops.use(plan):
     params = layout.compute(state["params"])
-    loss, g, n_valid, moe_metrics = grads_lib.grads(objective, params, batch, scale, layout.grad_sharding,
-                                                     executor)
+    if dpo.active(cfg):  # DPO: the frozen reference beside the policy
+      loss, g, n_valid, extra = dpo.grads(objective, params, dpo.reference_of(state, params), batch, scale,
+                                          layout.grad_sharding,
+                                          executor)
+    else:
+      loss, g, n_valid, extra = grads_lib.grads(objective, params, batch, scale, layout.grad_sharding, executor)
   grad_norm = optax.tree.norm(g)  # unscaled, before the optimizer clips it: as logged
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)  # a non-finite element makes the norm non-finite
   ok = finite & (n_valid > 0)
   # aux-loss-free balancing: the routing biases move with an applied update (nothing when off)
-  delta = moe_balance.bias_delta(cfg.model, moe_metrics.pop("moe_load"))
+  delta = moe_balance.bias_delta(cfg.model, extra.pop("moe_load", None))
   if layout.offload:  # master and moments in host memory, updated a unit at a time
     params, opt_state, apply = offload_lib.streamed_update(
         optim_lib.parts(cfg), (layout.device_state(), (layout.stored, layout.opt)), grad_norm, state["params"],
@@ -49,12 +56,12 @@ def train_step(objective, opt, plan, layout: Layout, state, batch, executor=grad
     trained, frozen = roles.split(cfg.model, state["params"])
     params, opt_state, apply = optim_lib.guarded_update(opt, trained, state["opt"], g, ok, delta)
     params = roles.join(params, frozen)
-  new_state = {"params": params, "opt": opt_state, "step": state["step"] + apply.astype(jnp.int32),
+  new_state = {**state, "params": params, "opt": opt_state, "step": state["step"] + apply.astype(jnp.int32),
                "loss_scale": precision.update(cfg, state["loss_scale"], finite)}
   metrics = {"loss": loss, "grad_norm": grad_norm, "lr": optim_lib.lr_schedule(cfg.optim, cfg.train.steps)(state["step"]),
              "tokens": n_valid, "skipped": ~apply, "loss_scale": scale}
-  if cfg.model.moe_experts:
-    metrics.update(moe_metrics)
+  if cfg.model.moe_experts or dpo.active(cfg):
+    metrics.update(extra)
   return new_state, metrics
 
 
@@ -80,12 +87,13 @@ class Setup:
                                   self.notes)
     replicated = NamedSharding(mesh, P())
     self.state_shardings = {"params": layout.stored, "opt": layout.opt, "step": replicated,
-                            "loss_scale": {"scale": replicated, "good_steps": replicated}}
+                            "loss_scale": {"scale": replicated, "good_steps": replicated},
+                            **({"ref": layout.param} if dpo.holds_reference(cfg) else {})}
     self.grad_shardings = layout.grads
     t = cfg.train
     self.placement = placement_lib.Placement(self.plan, t.batch_size, t.seq_len)
     self.batch_sharding = self.placement.sharding
-    self.objective = objective = grads_lib.Objective(self.graphdef, cfg)
+    self.objective = objective = (dpo.Objective if dpo.active(cfg) else grads_lib.Objective)(self.graphdef, cfg)
     # mesh pipeline > 1: the microbatches' forward and backward run as the pipeline schedule says
     self.pipelined = pipeline.active(mesh)
     executor = pipeline.executor(cfg, mesh) if self.pipelined else grads_lib.accumulate
@@ -140,3 +148,4 @@ def check_fits_mesh(cfg: Config, mesh) -> None:
   if t.seq_len % mesh.shape["sequence"]:
     raise UserError(f"train.seq_len={t.seq_len} must divide over sequence={mesh.shape['sequence']} devices")
   moe_layout.check(cfg, mesh)
+  dpo.check(cfg, mesh)

@@ -122,6 +122,8 @@ MATH_KEYS = {
     "loss_scale.backoff_factor", "loss_scale.min", "loss_scale.max",
     # what is trained on
     "data.text_field", "data.weights", "data.eval_fraction",
+    # the objective: DPO (train.objective=dpo) and its beta
+    "train.objective", "train.dpo_beta",
 }
 # Math keys naming files: compared by the digest of what they name, not by their text.
 CONTENT_KEYS = {"data.source", "data.tokenizer"}

@@ -249,3 +249,20 @@ def test_fresh_relative_workdirs_and_a_metrics_failure_on_process_0(tp8):
     line = next(l for l in log.splitlines() if "error:" in l)  # one line each, naming process 0's failure
     assert "w/metrics.jsonl at step 3: No space left" in line
     assert f"checkpoint {steps[-1]} was saved first" in line
+
+
+def test_a_slow_host_is_flagged_as_the_straggler(tmp_path):
+  """Process 1's host works 1 s more per step from step 11 (the fault hook): over steps 1-10 nobody is flagged;
+  over 11-20 process 1 is, with its own time per step near the injected second, process 0's near nothing (it waits
+  for process 1 in each step's collectives), and process 0 says so in one line."""
+  cwd = _two(tmp_path, "slow", "--steps", "20", "--set", "checkpoint.interval=0",
+             env={"JAXTRAIN_FAULTS": "slow=1:1.0:11"}).parent
+  recs = _records(cwd / "w")
+  assert [s for s in recs if "stragglers" in recs[s]] == [10, 20]
+  assert recs[10]["stragglers"] == [] and recs[20]["stragglers"] == [1], (recs[10], recs[20])
+  own = recs[20]["process_own_s"]
+  assert 0.8 < own[1] < 1.5 and own[0] < 0.5, own  # a record's interval holds the next step's sleep: 9 of 10 here
+  warnings = [l for l in multihost.log_of(cwd, 0).splitlines() if "straggler" in l]
+  assert len(warnings) == 1, warnings
+  assert re.search(r"straggler at step 20: process 1 [\d,]+ ms of its own work per step", warnings[0]), warnings
+  assert "straggler" not in multihost.log_of(cwd, 1)

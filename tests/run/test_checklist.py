@@ -152,3 +152,44 @@ def test_device_memory_is_the_most_loaded_device():
   devs = [Dev({"bytes_in_use": 5, "peak_bytes_in_use": 9}), Dev({"bytes_in_use": 7, "peak_bytes_in_use": 8})]
   assert checklist.device_memory(devs) == (7, 9)
   assert checklist.device_memory([Dev(None)]) == (None, None)
+
+
+def _own_copy_time(nbytes: int) -> tuple[float, float]:
+  """The test's own (up, down) seconds for `nbytes` in one array, from host memory to the device and back."""
+  pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  on_host = jax.device_put(np.ones(nbytes // 4, np.float32), pinned)
+  up = down = float("inf")
+  for _ in range(5):
+    t0 = time.perf_counter()
+    back = jax.block_until_ready(jax.device_put(on_host, pinned.with_memory_kind("device")))
+    t1 = time.perf_counter()
+    jax.block_until_ready(jax.device_put(back, pinned))
+    up, down = min(up, t1 - t0), min(down, time.perf_counter() - t1)
+  return up, down
+
+
+def test_offload_reports_the_host_links_bytes_and_time(tmp_path):
+  """optim.offload=host on one device: each step fetches the float32 master 3 times (the forward, the update's two
+  passes) and the two moments twice, and writes all three back once: 28 and 12 bytes per parameter, against the
+  model's parameter count; the time at the link's rate, against the test's own copy of the whole master."""
+  cfg = config.load("tiny", ["train.steps=3", "checkpoint.interval=0", "model.n_layers=1", "train.batch_size=4",
+                             "train.seq_len=32", "run.tensorboard=false", "optim.offload=host"])
+  loop.run(cfg, mesh_of("dp=1"), tmp_path / "w", "tiny")
+  records = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+  setup = step_lib.Setup(cfg, mesh_of("dp=1"))
+  n = setup.n_params
+  assert all(r["offload_h2d_bytes"] == 28 * n and r["offload_d2h_bytes"] == 12 * n for r in records)
+  up, down = _own_copy_time(4 * n)
+  mine = 7 * up + 3 * down  # the master's bytes 7 times up, 3 times down
+  assert all(mine / 3 < r["offload_link_s"] < mine * 3 for r in records), (mine, records[-1]["offload_link_s"])
+  plain = step_lib.Setup(config.load("tiny", ["model.n_layers=1"]), mesh_of("dp=1"))
+  assert plain.layout.link is None
+
+
+@pytest.mark.slow
+def test_offload_link_bytes_follow_the_master_shards():
+  """Split over fsdp=2, each device's link moves its shard: half of the split arrays, all of the replicated ones."""
+  sets = ["model.n_layers=1", "optim.offload=host", "train.batch_size=4"]
+  one = step_lib.Setup(config.load("tiny", sets), mesh_of("dp=1")).layout.link
+  two = step_lib.Setup(config.load("tiny", sets), mesh_of("fsdp=2")).layout.link
+  assert one[0] / 2 < two[0] < one[0] * 0.55 and one[1] / 2 < two[1] < one[1] * 0.55, (one, two)
