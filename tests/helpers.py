@@ -67,13 +67,13 @@ def grads_of(cfg, graphdef, params, batch, microbatches: int | None = None, loss
   return grads_lib.grads(grads_lib.Objective(graphdef, cfg), params, batch, loss_scale)[:3]
 
 
-def trajectory(cfg, spec: str, steps: int):
-  """(loss, grad_norm) at each of `steps` train steps of `cfg` on mesh `spec`."""
+def trajectory(cfg, spec: str, steps: int, keys=("loss", "grad_norm")):
+  """The metrics `keys` (default loss, grad_norm) at each of `steps` train steps of `cfg` on mesh `spec`."""
   setup = step.Setup(cfg, mesh_of(spec))
   it = data.batches(cfg)
   state, out = setup.init(), []
   for _ in range(steps):
     state, m = setup.step(state, setup.device_batch(next(it)))
-    out.append((float(m["loss"]), float(m["grad_norm"])))
+    out.append([float(m[k]) for k in keys])
   it.close()
   return np.array(out)

@@ -20,6 +20,7 @@ from jaxtrain.data.prepare import prepare
 from jaxtrain.model import lora, transformer as model_lib
 from jaxtrain.run import dpo, step
 from tests.corpora import write_jsonl
+from tests import helpers
 from tests.helpers import mesh_of
 
 BETA = 0.1
@@ -120,14 +121,7 @@ def text(ids) -> str:
 
 
 def trajectory(cfg, spec: str, steps: int):
-  setup = step.Setup(cfg, mesh_of(spec))
-  it = data.batches(cfg)
-  state, out = setup.init(), []
-  for _ in range(steps):
-    state, m = setup.step(state, setup.device_batch(next(it)))
-    out.append([float(m[k]) for k in ("loss", "grad_norm", "dpo_reward_accuracy", "dpo_reward_margin")])
-  it.close()
-  return np.array(out)
+  return helpers.trajectory(cfg, spec, steps, ("loss", "grad_norm", "dpo_reward_accuracy", "dpo_reward_margin"))
 
 
 def test_step_zero_is_ln2_in_the_compute_dtype(tmp_path):
