@@ -13,7 +13,8 @@ from jaxtrain.analysis import memory
 from jaxtrain.core import config
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import quant, roles, transformer as model_lib
-from jaxtrain.run import checkpoint, step
+from jaxtrain.interop import hf_export
+from jaxtrain.run import checkpoint, runs, step
 from tests.helpers import mesh_of, trajectory
 from tests.model.test_quant import PUBLISHED_NF4, _ref_int8, _ref_nf4
 
@@ -133,6 +134,24 @@ def test_trains_and_resumes_exactly(tmp_path):
     restored, m = setup.step(restored, b)
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_merged_export_is_the_dequantized_base_plus_the_adapters(tmp_path):
+  """What export reads (runs.restore_params) is the base dequantized to float32; the merged weight adds A B alpha/r."""
+  cfg = _cfg("int8")
+  setup = step.Setup(cfg, mesh_of("fsdp=1"))
+  state = setup.init()
+  attn = state["params"]["layers"][1]["attn"]
+  attn["wo_lora"]["lora_b"] = attn["wo_lora"]["lora_b"] + 0.5  # B nonzero: the delta shows
+  ck = checkpoint.Checkpoints(tmp_path, 3, 0, False)
+  ck.save(0, state, {"config": cfg.to_dict()})
+  ck.close()
+  _, params = runs.restore_params(cfg, mesh_of("fsdp=1"), tmp_path / "0")
+  merged = hf_export._merged(cfg, params)["layers"][1]["attn"]["wo"]
+  a, b = (np.asarray(attn["wo_lora"][k], np.float64) for k in ("lora_a", "lora_b"))
+  want = (np.asarray(quant.dequantize(attn["wo"], jnp.float32), np.float64)
+          + np.tensordot(a, b, 1) * cfg.model.lora_alpha / cfg.model.lora_rank)
+  np.testing.assert_allclose(np.asarray(merged), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("spec", ["fsdp=2", "tp=2"])
