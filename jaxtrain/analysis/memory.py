@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import roles
+from jaxtrain.model import quant, roles
 from jaxtrain.parallel import devices, pipeline
 from jaxtrain.parallel import sharding
 
@@ -70,13 +70,26 @@ def param_rows(setup, stored: bool = False) -> list[Row]:
   for path, var in jax.tree_util.tree_leaves_with_path(setup.abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
     keys = [getattr(k, "key", k) for k in path]
     sh = functools.reduce(operator.getitem, keys, shardings)
+    role = roles.of(setup.cfg.model, keys)
+    if isinstance(sh, quant.QTensor):  # QLoRA's stored base: its codes and scales on one device
+      rows.append(_quantized_row(keys, var, sh, role))
+      continue
     spec = tuple(sh.spec) + (None,) * (len(var.shape) - len(sh.spec))
     dshape = tuple(sh.shard_shape(var.shape))
-    role = roles.of(setup.cfg.model, keys)
     dtype = np.dtype(setup.cfg.model.dtype if role.low_master else var.dtype)  # LoRA's frozen base: no master
     rows.append(Row("/".join(map(str, keys)), tuple(var.get_metadata()["axes"]), spec, tuple(var.shape), dshape,
                     dtype.name, math.prod(dshape) * dtype.itemsize, role=role))
   return rows
+
+
+def _quantized_row(keys, var, sh, role) -> Row:
+  """A QLoRA base weight as stored: quant.nbytes of the codes and scales one device holds (spec: the codes')."""
+  codes, scales = quant.stored_shapes(var.shape, role.quant, role.in_axis)
+  dcodes, dscales = tuple(sh.codes.shard_shape(codes)), tuple(sh.scales.shard_shape(scales))
+  n_codes = math.prod(dcodes)  # one byte each: an int8 code, or a uint8 of two nf4 codes
+  spec = tuple(sh.codes.spec) + (None,) * (len(codes) - len(sh.codes.spec))
+  return Row("/".join(map(str, keys)), tuple(var.get_metadata()["axes"]), spec, tuple(var.shape), dcodes,
+             role.quant, n_codes + 4 * math.prod(dscales), role=role)
 
 
 _LAYER = re.compile(r"(^|/)layers/\d+(/|$)")
@@ -411,6 +424,10 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
 
 def _frozen_note(cfg) -> str:
   """LoRA: what the params line holds beside the adapters' master."""
+  if cfg.model.lora_base_dtype != "none":
+    return (f" (the adapters'); the frozen base is stored quantized ({cfg.model.lora_base_dtype} decoder projections: "
+            f"codes and float32 scales; embedding and head {cfg.model.dtype}, norms float32), with no master, "
+            "gradient or moments")
   return (f" (the adapters'); the frozen base is stored as used ({cfg.model.dtype} matmul weights, norms float32), "
           "with no master, gradient or moments") if cfg.model.lora_rank else ""
 

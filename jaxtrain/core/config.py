@@ -157,6 +157,11 @@ class ModelConfig:
                           "lora_alpha).", math=True, min=0.0, open_min=True)
   lora_targets: str = key("q,v", "LoRA: comma-separated projections that get adapters, any of: "
                           "q, k, v, o, gate, up, down.", math=True)
+  lora_base_dtype: Literal["none", "nf4", "int8"] = key(
+      "none", "QLoRA: the frozen base's decoder-layer projections stored quantized and dequantized to model.dtype "
+      "at use: nf4 (4-bit NormalFloat, blocks of 64 with a float32 absmax each, bitsandbytes' codes) or int8 "
+      "(per output channel); embedding, head and norms stay as LoRA keeps them. none = LoRA's model.dtype base. "
+      "Needs model.lora_rank > 0.", math=True)
   # math: not the math, but the checkpoint's layout
   scan_layers: bool = key(False, "Stack the blocks' params on a leading `layers` axis and run them with one "
                           "jax.lax.scan (faster compiles); dense first layers (moe_first_dense) are a second stack, "
@@ -534,6 +539,9 @@ def validate(cfg: Config) -> None:
 def check_lora(cfg: Config) -> None:
   """LoRA's targets, and the combinations it does not support yet, refused in one line."""
   m = cfg.model
+  if m.lora_base_dtype != "none" and not m.lora_rank:
+    raise UserError(f"model.lora_base_dtype={m.lora_base_dtype!r} quantizes LoRA's frozen base: set model.lora_rank "
+                    "> 0 (or model.lora_base_dtype=none)")
   if not m.lora_rank:
     return
   names = m.lora_target_names()

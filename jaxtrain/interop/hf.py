@@ -462,6 +462,9 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   from jaxtrain.run import step as step_lib
   t0 = time.perf_counter()
   cfg, w = plan.cfg, plan.workdir
+  if cfg.model.lora_base_dtype != "none":  # the step-0 checkpoint holds a plain base; init_state quantizes its own
+    raise UserError(f"model.lora_base_dtype={cfg.model.lora_base_dtype!r} with hf import is not supported yet "
+                    "(QLoRA quantizes a base initialized by train; import with model.lora_base_dtype=none)")
   is_writer = jax.process_index() == 0
   if is_writer:
     (w / "hf").mkdir(parents=True, exist_ok=True)

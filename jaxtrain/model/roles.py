@@ -5,7 +5,8 @@ The optimizer (decay), the compute copy of ZeRO and offload (cast at use), MoE b
 A parameter's kind comes from its leaf name (KINDS: every name a model family has; an unknown one is an error, so a
 new parameter must say what it is). Weight decay is by rule: every matrix is decayed except the kinds listed in
 NOT_DECAYED. The rest follows from where the parameter sits in the tree and from the config: with LoRA
-(model.lora_rank) every parameter but the adapters is frozen (`split`: what trains; `stored`: the dtype kept)."""
+(model.lora_rank) every parameter but the adapters is frozen (`split`: what trains; `stored`: the dtype kept); with
+QLoRA (model.lora_base_dtype) the frozen decoder-layer projections are stored as quant.QTensors (`dequantized`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import dataclasses
 import jax
 
 from jaxtrain.core.config import ModelConfig
+from jaxtrain.model import quant
 
 KINDS = {
     "embed": "embedding",
@@ -27,6 +29,8 @@ KINDS = {
   "lora_a": "adapter",  # LoRA (model.lora_rank): A (in, r) and B (r, out) beside a targeted projection
   "lora_b": "adapter",
 }
+# input dimensions of a matrix with more than one (attention's output (heads, head_dim, embed)); the rest have one
+N_IN = {"wo": 2}
 # Matrices not decayed: the embedding (a rare token's row would shrink between the updates that touch it).
 NOT_DECAYED = frozenset({"embedding"})
 MATRICES = frozenset({"matrix", "embedding", "router", "adapter"})
@@ -45,6 +49,8 @@ class Role:
   layer: bool  # in one of the decoder blocks (`layers`, `dense_layers`)
   stacked: bool  # has a leading `layers` axis (a scanned stack, model.scan_layers)
   frozen: bool = False  # LoRA: not trained (no gradient, master or moments); only the adapters train
+  quant: str = "none"  # QLoRA: the format it is stored in (model.lora_base_dtype), "none" = a plain array
+  in_axis: int = 0  # the (last) input axis of a matrix: quantization's blocks or channels run along it
 
   @property
   def low_master(self) -> bool:
@@ -86,7 +92,16 @@ def of(cfg: ModelConfig, path) -> Role:
               head=top in ("final_norm", "lm_head", "mtp") or (top == "embed" and cfg.tie_embeddings),
               output=top == "lm_head" or (top == "embed" and cfg.tie_embeddings),
               layer=top in ("layers", "dense_layers"), stacked=cfg.scan_layers and top in cfg.stacks(),
-              frozen=cfg.lora_rank > 0 and kind != "adapter")
+              frozen=cfg.lora_rank > 0 and kind != "adapter", quant=_quant(cfg, names, kind),
+              in_axis=int(cfg.scan_layers and top in cfg.stacks()) + N_IN.get(leaf, 1) - 1)
+
+
+def _quant(cfg: ModelConfig, names, kind: str) -> str:
+  """QLoRA quantizes the decoder layers' frozen projections only: embedding and head stay as LoRA keeps them (as
+  bitsandbytes/PEFT QLoRA do), norms float32."""
+  if cfg.lora_rank and kind == "matrix" and names[0] in ("layers", "dense_layers"):
+    return cfg.lora_base_dtype
+  return "none"
 
 
 def tree(cfg: ModelConfig, params):
@@ -104,8 +119,21 @@ def stored(cfg: ModelConfig, params):
   are cast at use in the compute dtype (the model's own cast then changes nothing), the rest float32."""
   if not cfg.lora_rank:
     return params
-  return jax.tree_util.tree_map_with_path(
-      lambda path, p: p.astype(cfg.dtype) if of(cfg, path).low_master else p, params)
+  def one(path, p):
+    role = of(cfg, path)
+    if role.quant != "none":  # QLoRA: quantized once from the float32 weight
+      return quant.quantize(p, role.quant, role.in_axis)
+    return p.astype(cfg.dtype) if role.low_master else p
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def is_quantized(x) -> bool:
+  return isinstance(x, quant.QTensor)
+
+
+def dequantized(params, dtype):
+  """`params` with every QTensor (QLoRA's stored base) dequantized to `dtype`; the rest as it is."""
+  return jax.tree.map(lambda x: quant.dequantize(x, dtype) if is_quantized(x) else x, params, is_leaf=is_quantized)
 
 
 def split(cfg: ModelConfig, tree) -> tuple[dict, dict]:

@@ -1,7 +1,8 @@
 """Where the train state lives and the parameters the step computes with: the stored layout of master and moments
 (ZeRO-1/2 also split them over `data`, offload puts them in host memory), the gradients' layout (ZeRO-2: split over
 `data` too) and the compute copy the step differentiates. The update's math never changes with the layout. With
-LoRA the moments and gradients are the adapters' alone (`roles.split`); the frozen base is stored as it is used."""
+LoRA the moments and gradients are the adapters' alone (`roles.split`); the frozen base is stored as it is used, or
+with QLoRA quantized (codes and scales sharded as `quant.code_axes` says) and dequantized in `compute`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain.model import roles
+from jaxtrain.model import quant, roles
 from jaxtrain.parallel import sharding
 from jaxtrain.run import offload as offload_lib
 
@@ -30,7 +31,10 @@ class Layout:
       where = jax.tree_util.keystr(path, simple=True, separator="/")
       return sharding.storage_sharding(sh, x.shape, plan.zero_stage > 0, host, notes, where,
                                        stacked=roles.of(cfg.model, path).stacked)
-    self.stored = jax.tree_util.tree_map_with_path(stored, param_sh, abstract_params)
+    dense = jax.tree_util.tree_map_with_path(stored, param_sh, abstract_params)
+    # QLoRA: the quantized base's codes and scales, sharded like the weight where the format allows
+    self.stored = quantized_shardings(cfg.model, mesh, dense, abstract_params, notes)
+    self.param_at_rest = quantized_shardings(cfg.model, mesh, param_sh, abstract_params, [])  # a restore's
     replicated = NamedSharding(mesh, P())
     self.trained = lambda tree: roles.split(cfg.model, tree)[0]  # LoRA: the adapters; else every parameter
     self.opt = optax.tree_map_params(opt, lambda _, sh: sh, jax.eval_shape(opt.init, self.trained(abstract_params)),
@@ -45,6 +49,8 @@ class Layout:
 
   def compute(self, master):
     """The parameters the step computes with, from the stored float32 master (itself without ZeRO or offload)."""
+    if self.cfg.model.lora_base_dtype != "none":  # QLoRA: the base as the model sees it, on its compute sharding
+      master = jax.lax.with_sharding_constraint(roles.dequantized(master, self.cfg.model.dtype), self.param)
     if not self.separate:
       return master
     return compute_copy(self.cfg.model, master, self.param, self.cfg.model.dtype,
@@ -69,3 +75,27 @@ def compute_copy(model_cfg, params, shardings, dtype, fetch=None):
   copy = jax.lax.optimization_barrier(jax.tree_util.tree_map_with_path(low, params, shardings, fetch or shardings))
   copy = jax.lax.with_sharding_constraint(copy, shardings)  # the barrier's output too, else it may stay split
   return jax.tree.map(lambda c, p: c.astype(p.dtype), copy, params)
+
+
+def quantized_shardings(model_cfg, mesh, shardings, abstract_params, notes: list[str]):
+  """`shardings` with each weight QLoRA quantizes as a QTensor of (codes, scales) shardings: `quant.code_axes` of
+  the weight's spec; an nf4 input axis whose shard is not whole blocks of 64 (or the flat layout) is replicated."""
+  if model_cfg.lora_base_dtype == "none":
+    return shardings
+
+  def one(path, sh, x):
+    role = roles.of(model_cfg, path)
+    if role.quant == "none":
+      return sh
+    spec = (*sh.spec, *(None,) * (len(x.shape) - len(sh.spec)))
+    piece = sh.shard_shape(x.shape)[role.in_axis]
+    if role.quant == "nf4" and piece % quant.BLOCK:  # a block would straddle two shards
+      spec = tuple(None if a == role.in_axis else s for a, s in enumerate(spec))
+      if spec != tuple(sh.spec) + (None,) * (len(x.shape) - len(sh.spec)):
+        notes.append(f"{jax.tree_util.keystr(path, simple=True, separator='/')}: nf4 codes not split on the input "
+                     f"axis (shards of {piece} values, not whole blocks of {quant.BLOCK})")
+    codes, scales = quant.code_axes(x.shape, role.quant, spec, role.in_axis)
+    return quant.QTensor(NamedSharding(mesh, P(*codes), memory_kind=sh.memory_kind),
+                         NamedSharding(mesh, P(*scales), memory_kind=sh.memory_kind), tuple(x.shape), role.quant,
+                         role.in_axis)
+  return jax.tree_util.tree_map_with_path(one, shardings, abstract_params)

@@ -30,7 +30,8 @@ def config_of(manifest: dict) -> config.Config:
 
 
 def restore_params(cfg: config.Config, mesh, step_dir: Path):
-  """(step.Setup, params pure dict) restored from `step_dir` onto the mesh's shardings. Only
+  """(step.Setup, params pure dict) restored from `step_dir` onto the mesh's shardings (a QLoRA base dequantized to
+  float32). Only
   the parameters are read (orbax partial restore): the Adam moments, twice their size, stay on disk."""
   import jax
   import orbax.checkpoint as ocp
@@ -41,7 +42,7 @@ def restore_params(cfg: config.Config, mesh, step_dir: Path):
   checkpoint.verify(step_dir, manifest, cfg.checkpoint.verify)
   # the compute layout, in device memory, whatever the run's optim.zero_stage / optim.offload stored
   want = {"params": jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                                 setup.abstract_state()["params"], setup.param_shardings)}
+                                 setup.abstract_state()["params"], setup.layout.param_at_rest)}
   try:
     with ocp.PyTreeCheckpointer() as ckptr:
       state = ckptr.restore(step_dir / "default", args=ocp.args.PyTreeRestore(
@@ -49,4 +50,9 @@ def restore_params(cfg: config.Config, mesh, step_dir: Path):
   except Exception as e:  # noqa: BLE001 (orbax raises many types; one line for the user)
     raise checkpoint.CheckpointError(f"checkpoint {step_dir}: parameters could not be restored: "
                                      f"{checkpoint._reason(e)}") from e  # noqa: SLF001
-  return setup, state["params"]
+  if cfg.model.lora_base_dtype == "none":
+    return setup, state["params"]
+  # QLoRA: the quantized base as the float32 weights its codes stand for (what export and decode read)
+  from jaxtrain.model import roles
+  dense = jax.jit(lambda p: roles.dequantized(p, jax.numpy.float32), out_shardings=setup.param_shardings)
+  return setup, dense(state["params"])

@@ -34,6 +34,8 @@ def test_overrides_are_typed():
     ("model.lora_rank=4 model.attention_type=mla", ["model.lora_rank=4 with model.attention_type='mla'"]),
     ("model.lora_rank=4 optim.offload=host", ["model.lora_rank=4 with optim.offload='host' is not supported"]),
     ("model.lora_rank=4 model.fp8=tensorwise", ["model.lora_rank=4 with model.fp8='tensorwise'"]),
+    ("model.lora_base_dtype=nf4", ["model.lora_base_dtype='nf4'", "model.lora_rank > 0"]),
+    ("model.lora_rank=4 model.lora_base_dtype=fp4", ["model.lora_base_dtype='fp4'", "none, nf4, int8"]),
     ("lr=1", ["section.key=value"]),
 ])
 def test_bad_overrides_name_the_key_and_what_is_allowed(override, words):
@@ -96,7 +98,7 @@ def test_scan_layers_with_mixed_moe_layers_is_a_user_error():
 MATH_KEYS = {
     # the model's shapes and numerics
     "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.head_dim",
-    "model.lora_rank", "model.lora_alpha", "model.lora_targets",
+    "model.lora_rank", "model.lora_alpha", "model.lora_targets", "model.lora_base_dtype",
     "model.d_ff", "model.rope_theta", "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor",
     "model.rope_high_freq_factor", "model.rope_original_max_position", "model.norm_eps", "model.tie_embeddings",
     "model.init_std", "model.dtype", "model.attention_logits_dtype", "model.head_logits_dtype",
