@@ -411,7 +411,8 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
       "workspace": (max(work.values()) - gathered["layers"], "transient peak beyond the gathered weights, the larger "
                     "phase of: " + ", ".join(f"{k} {human(v)}" for k, v in work.items())),
   }
-  lines.update({**(pipeline_lines(cfg, rows) if piped else {}), **reference_line(cfg, st)})
+  lines.update({**(pipeline_lines(cfg, rows) if piped else {}), **reference_line(cfg, st),
+                **dequantized_line(cfg, rows)})
   items = {k: v for k, (v, _) in lines.items()}
   notes = {k: note for k, (_, note) in lines.items()}
   items["margin"] = int(margin * sum(items.values()))
@@ -420,6 +421,16 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   me = mesh.devices.flat[0].process_index  # offload: every device of this host keeps its shards in host memory
   per_host = sum(d.process_index == me for d in mesh.devices.flat) if host else 0
   return Bill(items, notes, sum(items.values()), full, per_host * kept)
+
+
+def dequantized_line(cfg, rows: list[Row]) -> dict:
+  """QLoRA: Layout.compute dequantizes every quantized projection for the step at once; that copy, in the compute
+  dtype and layout, lives through the step beside the quantized state (not yet layer by layer)."""
+  if cfg.model.lora_base_dtype == "none":
+    return {}
+  n = sum(r.bytes * r.count for r in rows if r.role is not None and r.role.quant != "none")
+  return {"dequantized_base": (n, f"{cfg.model.lora_base_dtype} decoder projections dequantized to {cfg.model.dtype} "
+                                  "for the step, all at once, as computed with (sharded like the params)")}
 
 
 def _frozen_note(cfg) -> str:

@@ -91,7 +91,7 @@ def test_logits_within_tolerance_of_the_bf16_base(fmt):
 @pytest.mark.parametrize("fmt", ["nf4", "int8"])
 def test_bill_counts_the_quantized_bytes(fmt):
   """The bill's stored params = quant.nbytes of each quantized weight + the rest at their dtype = the real state's
-  arrays' bytes."""
+  arrays' bytes; its dequantized_base = those weights in the compute dtype."""
   cfg = _cfg(fmt)
   setup = step.Setup(cfg, mesh_of("fsdp=1"))
   state = setup.init()
@@ -106,6 +106,11 @@ def test_bill_counts_the_quantized_bytes(fmt):
   lora_state = step.Setup(config.load("tiny", LORA), mesh_of("fsdp=1")).init()
   lora = sum(x.nbytes for x in jax.tree.leaves(lora_state["params"]))
   assert actual < lora
+  # the step's dequantized copy (Layout.compute makes it whole): billed in the compute dtype
+  bill = memory.bill(setup, memory.grouped(memory.param_rows(setup)), 0.1)
+  deq = sum(w.size * np.dtype(cfg.model.dtype).itemsize for path, w in jax.tree_util.tree_leaves_with_path(_base(cfg))
+            if roles.of(cfg.model, path).quant != "none")
+  assert bill.items["dequantized_base"] == deq > 0
 
 
 def test_trains_and_resumes_exactly(tmp_path):
