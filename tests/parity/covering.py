@@ -45,6 +45,8 @@ FACTORS = (
     Factor("mtp", (False, True)),
     Factor("fp8", ("none", "tensorwise")),
     Factor("dtype", ("float32", "bfloat16", "float16")),
+    Factor("lora", ("off", "on")),
+    Factor("objective", ("lm", "dpo")),
 )
 BY_NAME = {f.name: f for f in FACTORS}
 
@@ -53,6 +55,17 @@ REFUSED = {
     (("pipeline", 2), ("sequence", 2)): (("pipeline=2", "sequence=2"), "the pipeline's region is manual over "
                                          "`pipeline` only; ring and Ulysses attention would nest their own regions"),
     (("pipeline", 2), ("microbatches", 1)): (("train.microbatches=1", "pipeline"), "every stage needs a microbatch"),
+    **{(("lora", "on"), pair): (("model.lora_rank=", words), "LoRA trains dense attention and MLP projections, with "
+                                "the optimizer state on the device, on a mesh without a pipeline")
+       for pair, words in ((("moe", "capacity"), "model.moe_experts=4"), (("moe", "dropless"), "model.moe_experts=4"),
+                           (("attention", "mla"), "model.attention_type='mla'"), (("mtp", True), "model.mtp_layers=1"),
+                           (("fp8", "tensorwise"), "model.fp8='tensorwise'"),
+                           (("offload", "host"), "optim.offload='host'"), (("pipeline", 2), "pipeline=2"))},
+    **{(("objective", "dpo"), pair): (("train.objective=dpo", words), "DPO (jaxtrain.run.dpo.check): its pairs "
+                                      "and reference pass not on a pipeline, nor with MTP, MoE or host offload yet")
+       for pair, words in ((("pipeline", 2), "pipeline=2"), (("mtp", True), "model.mtp_layers=1"),
+                           (("moe", "capacity"), "model.moe_experts=4"), (("moe", "dropless"), "model.moe_experts=4"),
+                           (("offload", "host"), "optim.offload=host"))},
 }
 
 

@@ -19,6 +19,7 @@ from jaxtrain.parallel import plan as plan_lib
 from jaxtrain.run import step
 from tests.helpers import mesh_of
 from tests.parity import covering
+from tests.run.test_dpo import preference_data
 
 pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out of -m 'not slow'
 
@@ -36,9 +37,16 @@ FAST = {"xla_backend_optimization_level": 0}  # LLVM at -O0, both sides: half th
 FP8_TOLERANCE = 5e-2
 
 
-def overrides(row: dict) -> list[str]:
+@pytest.fixture(scope="session")
+def pairs_source(tmp_path_factory) -> str:
+  """The preference data of the DPO rows, prepared once."""
+  return preference_data(tmp_path_factory.mktemp("pairs"))
+
+
+def overrides(row: dict, source: str = "unset") -> list[str]:
   """The config of a matrix row (what is not in force stays at the default): 1 layer, 2 on a pipeline's 2 stages,
-  4 where it runs two chunks per device."""
+  4 where it runs two chunks per device. A DPO row reads the preference data at `source`, 32 rows a batch (16 pairs:
+  an even number of rows on each of up to 8 batch devices in each of 2 microbatches)."""
   on = lambda name: covering.BY_NAME[name].active(row)  # noqa: E731
   layers = (4 if row["schedule"] in ("interleaved", "zbv") else 2) if on("schedule") else 1
   sets = [*BASE, f"model.n_layers={layers}", *ATTENTION[row["attention"]], *MOE[row["moe"]],
@@ -55,6 +63,10 @@ def overrides(row: dict) -> list[str]:
     sets += [f"model.sequence_attention={row['sequence_attention']}"]
   if on("schedule"):
     sets += [f"pipeline.schedule={row['schedule']}"]
+  if row["lora"] == "on":
+    sets += ["model.lora_rank=4", "model.lora_targets=q,k,v,o,gate,up,down"]
+  if row["objective"] == "dpo":
+    sets += ["train.objective=dpo", "train.dpo_beta=0.1", f"data.source={source}", "train.batch_size=32"]
   return sets
 
 
@@ -86,9 +98,9 @@ ROWS = covering.matrix()
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[f"row{i}:{mesh_spec(r)}" for i, r in enumerate(ROWS)])
-def test_a_row_of_the_matrix_equals_its_one_device_run(row):
+def test_a_row_of_the_matrix_equals_its_one_device_run(row, pairs_source):
   # the same config: with what the row's mesh implies (a pipeline's stacked layers) on one device too
-  cfg, _ = plan_lib.implied(config.load("tiny", overrides(row)), mesh_of(mesh_spec(row)))
+  cfg, _ = plan_lib.implied(config.load("tiny", overrides(row, pairs_source)), mesh_of(mesh_spec(row)))
   ref, init = trajectory(cfg, "data=1")
   got, _ = trajectory(cfg, mesh_spec(row), init)
   rtol = FP8_TOLERANCE if row["fp8"] != "none" else TOLERANCE[row["dtype"]]
@@ -96,9 +108,9 @@ def test_a_row_of_the_matrix_equals_its_one_device_run(row):
 
 
 @pytest.mark.parametrize("row,words,why", covering.refusal_rows(), ids=lambda x: str(x)[:40])
-def test_a_refused_pair_is_one_line_naming_both_options(row, words, why):
+def test_a_refused_pair_is_one_line_naming_both_options(row, words, why, pairs_source):
   with pytest.raises(UserError) as e:
-    step.Setup(config.load("tiny", overrides(row)), mesh_of(mesh_spec(row)))
+    step.Setup(config.load("tiny", overrides(row, pairs_source)), mesh_of(mesh_spec(row)))
   msg = str(e.value)
   assert "\n" not in msg and all(w in msg for w in words), (msg, words, why)
 
