@@ -47,6 +47,8 @@ def pytest_configure(config):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # children share the device
   else:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from tests.suite_env import SUITE_XLA_FLAGS
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *SUITE_XLA_FLAGS]).strip()
   import jax
   if not gpu:  # also where a plugin imported jax before the variable was set
     jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])

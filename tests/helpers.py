@@ -15,6 +15,7 @@ from jaxtrain.core import config
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import plan as plan_lib
 from jaxtrain.run import grads as grads_lib, step
+from tests.suite_env import SUITE_XLA_FLAGS
 
 # Set by this test process (or a developer's shell) for in-process simulated devices or
 # fault injection; a subprocess that stands for a user's run must not inherit them.
@@ -25,8 +26,10 @@ NOT_INHERITED = ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAXTRAIN_FAULTS")
 needs_plugin = pytest.mark.skipif(not gpu_compile.plugin_installed(), reason="no CUDA plugin (gpu-aot extra)")
 
 def clean_env(**extra):
-  """os.environ without NOT_INHERITED, then `extra` on top: the environment for a subprocess."""
+  """os.environ without NOT_INHERITED (XLA_FLAGS back to the suite's own), then `extra` on top: the environment
+  for a subprocess."""
   env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
+  env["XLA_FLAGS"] = " ".join(SUITE_XLA_FLAGS)
   env.update(extra)
   return env
 

@@ -22,8 +22,8 @@ How they run (test_examples): per page, its runnable blocks in order, each as on
 tests/, pyproject.toml; from a source tree jaxtrain reads configs/ and meshes/ where they are,
 jaxtrain/core/resources.py), so what one block writes (`runs/...`) is there for the next, as
 for a reader who runs them in order. `python` is this interpreter, PYTHONPATH the copy;
-JAX_PLATFORMS=cpu and no inherited XLA_FLAGS, as on a machine without a GPU (the commands
-simulate the CPU devices a mesh needs). Each block must exit 0 within BLOCK_TIMEOUT_S.
+JAX_PLATFORMS=cpu and no inherited XLA_FLAGS but the suite's (LLVM at -O0, tests/suite_env.py), as on a
+machine without a GPU (the commands simulate the CPU devices a mesh needs). Each block must exit 0 within BLOCK_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.suite_env import SUITE_XLA_FLAGS
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -162,7 +164,7 @@ def _env(tmp: Path, work: Path) -> dict[str, str]:
     wrapper.chmod(0o755)
   env = {k: v for k, v in os.environ.items()
          if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAXTRAIN_FAULTS", "PYTHONPATH")}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(work), PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}")
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(SUITE_XLA_FLAGS), PYTHONPATH=str(work), PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}")
   return env
 
 
