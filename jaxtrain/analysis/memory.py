@@ -400,9 +400,7 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
       "adam_v": (on_device("adam_v"), stored),
       "counters": (st["counters"], "step, Adam count, loss scale"),
       "batch": (batch, "inputs, targets, positions, segment ids, loss mask (int32)"),
-      "weight_residuals": (gathered["stored"] if remat == "none" else gathered["stored"] // 2,
-                           f"{cfg.model.dtype} casts of the layers' weights, as stored (sharded), kept for backward"
-                           + ("" if remat == "none" else " (about half of them with remat; measured)")),
+      "weight_residuals": _weight_residuals(cfg, gathered["stored"]),
       "activations": (sum(act.values()), f"kept for backward: remat {remat}, attention {kernel}, one microbatch"
                       + (" through one pipeline chunk, and the schedule's stash" if piped else "") + ": "
                       + ", ".join(f"{k} {human(v)}" for k, v in act.items())),
@@ -431,6 +429,18 @@ def dequantized_line(cfg, rows: list[Row]) -> dict:
   n = sum(r.bytes * r.count for r in rows if r.role is not None and r.role.quant != "none")
   return {"dequantized_base": (n, f"{cfg.model.lora_base_dtype} decoder projections dequantized to {cfg.model.dtype} "
                                   "for the step, all at once, as computed with (sharded like the params)")}
+
+
+def _weight_residuals(cfg, stored: int) -> tuple[int, str]:
+  """The compute-dtype casts of the layers' weights that backward keeps; none of LoRA's frozen base, which is
+  stored as the step uses it (QLoRA: dequantized once, the dequantized_base line) and read in place."""
+  if cfg.model.lora_rank:
+    return 0, ("none: LoRA's frozen base is read in place by the backward (stored as used); the adapters' casts "
+               "are rank-sized")
+  remat = cfg.model.remat
+  return (stored if remat == "none" else stored // 2,
+          f"{cfg.model.dtype} casts of the layers' weights, as stored (sharded), kept for backward"
+          + ("" if remat == "none" else " (about half of them with remat; measured)"))
 
 
 def _frozen_note(cfg) -> str:

@@ -164,6 +164,14 @@ def report(hlo: Hlo, row=None) -> dict:
       out["per_kind"][k] = {f: sum(r[f] * r["per_step"] for r in mine) for f in (
           "bytes", "wire_bytes", *(("seconds", "exposed_seconds") if costs else ()))}
       out["per_kind"][k].update(ops=len(mine), asynchronous=sum(r["async"] for r in mine))
+  out["loops"] = _loops(hlo, rows, order, costs)
+  if costs:
+    out["totals"] = _totals(hlo, costs, rows, row)
+  return out
+
+
+def _loops(hlo: Hlo, rows: list[dict], order: dict, costs) -> list[dict]:
+  """Per scanned loop with all-gathers: how many are async, have compute under them, fetch the next iteration's."""
   loops = []
   for body, _, trip in hlo.loops:
     ags = [r for r in rows if r["computation"] == body and r["kind"] == "all-gather"]
@@ -182,10 +190,7 @@ def report(hlo: Hlo, row=None) -> dict:
         loop.update(hidden_fraction=sum(r["overlapped_seconds"] for r in ags) / t if t else 1.0,
                     matmuls_under=sum(r["flops_under"] > 0 for r in ags))
       loops.append(loop)
-  out["loops"] = loops
-  if costs:
-    out["totals"] = _totals(hlo, costs, rows, row)
-  return out
+  return loops
 
 
 def _totals(hlo: Hlo, costs: Costs, rows: list[dict], row) -> dict:

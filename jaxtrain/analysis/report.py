@@ -127,34 +127,35 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
     from jaxtrain.analysis import timeline
     rep["pipeline"] = timeline.report(setup)
   if compile:
-    c = rep["compiled"] = compiled_memory(setup)
-    if c["available"]:
-      i = b.items
-      state = i["master"] + i["adam_m"] + i["adam_v"] + i["counters"] + (0 if setup.layout.separate else i["params"])
-      c["analytic"] = {"arguments": state + i["batch"], "outputs": state,
-                       "temporaries": b.total - state - i["batch"], "total": b.total}
-      offload, placed = target.cfg.optim.offload == "host", c["host_arguments"] > 0
-      c["total"] -= c["host_arguments"]  # on the device
-      c["ratio"] = c["total"] / b.total
-      c["ratio_without_margin"] = c["total"] / (b.total - i["margin"])
-      if offload and not placed:
-        c["host_placement"] = (f"{c['compiler']} placed no argument in host memory (the target's devices report "
-                               "no memory kinds), so its figures keep master and moments on the device; the "
-                               "verdict is the bill's")
-      elif capacity is not None:  # the compiled total, when there is one, decides the fit
-        rep["memory"]["fits"], rep["memory"]["verdict"] = fit.verdict(c["total"], capacity, compiler=c["compiler"])
+    rep["compiled"] = _compiled_section(setup, b, target, capacity, rep["memory"])
   return rep
 
 
-def render(rep: dict) -> str:
-  from jaxtrain.model import flops
-  fp8 = rep.get("fp8", "none")
-  L = [f"jaxtrain.inspect: {rep['config']} ({rep['param_count']:,} params) on mesh {rep['mesh']} "
-       f"({rep['devices']} x {rep['device_kind']}); batch {rep['batch_size']} x {rep['seq_len']} tokens, "
-       f"{rep['microbatches']} microbatch(es), compute {rep['compute_dtype']}{flops.fp8_label(fp8)}", "",
-       "Parameters (float32 master per device, as stored: "
-       f"{rep.get('param_layout', 'train state: zero-0').removeprefix('train state: ')}; "
-       "layers/* = repeated layers, shown once with their count)"]
+def _compiled_section(setup, b, target, capacity, mem: dict) -> dict:
+  """The compiled step's memory beside the bill's (`mem`'s verdict becomes the compiled total's)."""
+  c = compiled_memory(setup)
+  if not c["available"]:
+    return c
+  i = b.items
+  state = i["master"] + i["adam_m"] + i["adam_v"] + i["counters"] + (0 if setup.layout.separate else i["params"])
+  c["analytic"] = {"arguments": state + i["batch"], "outputs": state,
+                   "temporaries": b.total - state - i["batch"], "total": b.total}
+  offload, placed = target.cfg.optim.offload == "host", c["host_arguments"] > 0
+  c["total"] -= c["host_arguments"]  # on the device
+  c["ratio"] = c["total"] / b.total
+  c["ratio_without_margin"] = c["total"] / (b.total - i["margin"])
+  if offload and not placed:
+    c["host_placement"] = (f"{c['compiler']} placed no argument in host memory (the target's devices report "
+                           "no memory kinds), so its figures keep master and moments on the device; the "
+                           "verdict is the bill's")
+  elif capacity is not None:  # the compiled total, when there is one, decides the fit
+    mem["fits"], mem["verdict"] = fit.verdict(c["total"], capacity, compiler=c["compiler"])
+  return c
+
+
+def _render_params(rep: dict) -> list[str]:
+  """The parameter table: one row per parameter (repeated layers once, with their count)."""
+  L = []
   spec = lambda s: "(" + ", ".join("+".join(e) if isinstance(e, list) else str(e) for e in s) + ")"  # noqa: E731
   cols = [(p["path"], str(p["count"]), "(" + ", ".join(map(str, p["axes"])) + ")", spec(p["spec"]),
            str(tuple(p["shape"])), str(tuple(p["device_shape"])), p["dtype"], f"{p['bytes']:,}")
@@ -165,6 +166,12 @@ def render(rep: dict) -> str:
     L.append("  " + "  ".join(c.rjust(w) if i in (1, 7) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
   L += [f"  total: {rep['param_count']:,} parameters; {rep['param_bytes_per_device']:,} bytes per device "
         f"({human(rep['param_bytes_per_device'])})", ""]
+  return L
+
+
+def _render_memory(rep: dict) -> list[str]:
+  """The memory bill, then the compiled step's memory beside it (inspect --compile)."""
+  L = []
   mem = rep["memory"]
   L.append(f"Memory per device (analytic, for {mem['for_device']}: attention {mem['attention']}, "
            f"remat {mem['remat']})")
@@ -192,6 +199,20 @@ def render(rep: dict) -> str:
         where = c.get("host_placement") or f"{human(c['host_arguments'])} of arguments (not in the totals)"
         L.append(f"  host memory: {where}")
     L.extend(render_compiled(c))
+  return L
+
+
+def render(rep: dict) -> str:
+  from jaxtrain.model import flops
+  fp8 = rep.get("fp8", "none")
+  L = [f"jaxtrain.inspect: {rep['config']} ({rep['param_count']:,} params) on mesh {rep['mesh']} "
+       f"({rep['devices']} x {rep['device_kind']}); batch {rep['batch_size']} x {rep['seq_len']} tokens, "
+       f"{rep['microbatches']} microbatch(es), compute {rep['compute_dtype']}{flops.fp8_label(fp8)}", "",
+       "Parameters (per device, as stored: float32 master, or the dtype shown where there is none; "
+       f"{rep.get('param_layout', 'train state: zero-0').removeprefix('train state: ')}; "
+       "layers/* = repeated layers, shown once with their count)"]
+  L += _render_params(rep)
+  L += _render_memory(rep)
   if "pipeline" in rep:
     from jaxtrain.analysis import timeline
     L += ["", *timeline.render(rep["pipeline"])]

@@ -172,11 +172,40 @@ def summarize(side: _Side, valid: list[int], flops_per_step: float, n_devices: i
           "peak_memory_bytes": side.peak_memory, "memory_note": side.memory_note, "devices": n_devices}
 
 
+def _baseline_sides(cfg, setup, batches, baselines: list[str], dev0, progress) -> list:
+  """The baselines' sides, each starting from jaxtrain's initial weights (fetched before any step donates them)."""
+  if not baselines:
+    return []
+  import jax
+  from jaxtrain.analysis import baselines as baselines_lib
+  params0 = baselines_lib.layer_list(jax.device_get(setup.init()["params"]), cfg.model.n_layers)
+  out = []
+  for name in baselines:
+    progress(f"compiling the {name} baseline")
+    out.append(minimal_side(cfg, params0, batches, dev0) if name == "minimal"
+               else torch_side(cfg, params0, batches, dev0.platform))
+  return out
+
+
+def _note_peak_memory(side, first_round: bool, last_round: bool, platform: str) -> None:
+  """Peak memory: jaxtrain's before any baseline's timed step, torch's after its last."""
+  if side.name == "jaxtrain" and first_round:
+    side.peak_memory = device_peak_memory(side.devices)
+    side.memory_note = ("device.memory_stats() peak_bytes_in_use, max over devices" if side.peak_memory is not None
+                        else f"not reported by the {platform} backend")
+  elif side.name == "torch" and last_round:
+    side.peak_memory = side.torch_baseline.peak_memory()
+    side.memory_note = ("torch.cuda.max_memory_allocated()" if side.peak_memory is not None
+                        else "not reported for torch on CPU")
+  elif side.name == "minimal":
+    side.memory_note = "not separable: shares the device (and its peak counter) with jaxtrain"
+
+
 def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list[str], rounds: int,
         measure: bool, breakdown: int = 0, trace_dir: Path | None = None, batches: list[dict] | None = None) -> dict:
   """`batches`: numpy batches to cycle instead of jaxtrain.data's (e.g. synthetic tokens, tests/gpu)."""
   import jax
-  from jaxtrain.analysis import baselines as baselines_lib, costs, fit, memory
+  from jaxtrain.analysis import costs, fit, memory
   from jaxtrain.model import flops
   from jaxtrain.parallel import devices
   from jaxtrain.parallel import mesh as mesh_lib
@@ -197,26 +226,8 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
   n_rounds = rounds if baselines else 1
   progress = lambda text: print(f"bench: {text}", flush=True)  # noqa: E731 (long work gets a line, not a silent minute)
   progress(f"compiling the jaxtrain step ({config_name}, mesh {mesh_lib.describe(dict(mesh.shape))})")
-  sides = [jaxtrain_side(cfg, setup, batches)]
-  if baselines:
-    # The baselines start from jaxtrain's initial weights (fetched before any step donates them).
-    params0 = baselines_lib.layer_list(jax.device_get(setup.init()["params"]), cfg.model.n_layers)
-    for name in baselines:
-      progress(f"compiling the {name} baseline")
-      sides.append(minimal_side(cfg, params0, batches, dev0) if name == "minimal"
-                   else torch_side(cfg, params0, batches, dev0.platform))
-
-  def on_timed(side, r):  # peak memory: jaxtrain's before any baseline's timed step, torch's after its last
-    if side.name == "jaxtrain" and r == 0:
-      side.peak_memory = device_peak_memory(side.devices)
-      side.memory_note = ("device.memory_stats() peak_bytes_in_use, max over devices" if side.peak_memory is not None
-                          else f"not reported by the {dev0.platform} backend")
-    elif side.name == "torch" and r == n_rounds - 1:
-      side.peak_memory = side.torch_baseline.peak_memory()
-      side.memory_note = ("torch.cuda.max_memory_allocated()" if side.peak_memory is not None
-                          else "not reported for torch on CPU")
-    elif side.name == "minimal":
-      side.memory_note = "not separable: shares the device (and its peak counter) with jaxtrain"
+  sides = [jaxtrain_side(cfg, setup, batches), *_baseline_sides(cfg, setup, batches, baselines, dev0, progress)]
+  on_timed = lambda side, r: _note_peak_memory(side, r == 0, r == n_rounds - 1, dev0.platform)  # noqa: E731
   medians = alternate(sides, steps=steps, warmup=warmup, rounds=n_rounds, on_timed=on_timed,
                       on_round=lambda r: progress(f"timing round {r + 1}/{n_rounds}: {steps} steps per side"))
   # same batches: step-time ratio = tokens/s ratio

@@ -276,6 +276,42 @@ class _Steps:
       print(f"preempted: checkpoint committed at step {self.progress.step}; run the same command to resume")
 
 
+@dataclasses.dataclass
+class _Opened:
+  """What a run has opened so far, closed in reverse order whatever ends it (`close`)."""
+  batches: object
+  workdir: Path
+  lock: object = None
+  created: bool = False
+  ckpts: object = None
+  preempt: object = None
+  profiler: object = None
+  runlog: object = None
+  dog: object = None
+  ledger: object = None
+  sinks: object = None
+
+  def close(self) -> None:
+    for part in (self.dog, self.profiler, self.preempt):
+      if part is not None:
+        part.close()
+    if self.sinks is not None:
+      self.sinks.close()
+    self.batches.close()
+    try:  # a save already in flight still gets its manifest, whatever ended the run
+      if self.ckpts is not None:
+        self.ckpts.close()
+    except checkpoint.CheckpointError as e:
+      print(f"jaxtrain: warning: {e}", file=sys.stderr)
+    finally:  # orbax's own errors (a barrier timeout when a peer is gone) still close the log and free the lock
+      if self.runlog is not None:
+        self.runlog.close()
+      if self.lock is not None and self.runlog is None:  # refused or nothing to do: no lock file or workdir left
+        runfiles.remove_new(self.workdir if self.created else None, self.lock)
+      elif self.lock is not None:
+        self.lock.release()
+
+
 def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = None, fresh: bool = False,
         resume_from: str | None = None, allow_mismatch: str = "") -> Summary:
   """Trains until `stop_at` (default train.steps) total steps."""
@@ -287,15 +323,14 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   fit.check(setup, cfg.run.fit_check)
   # Every check that can refuse the run comes before anything in the workdir is written, moved or created.
   current = checkpoint.fingerprint(cfg, data.tokenizer_digest(cfg), data.source_digest(cfg))
-  batches = data.batches(cfg, *setup.placement.rows())
-  lock = ckpts = sinks = runlog = profiler = preempt = created = dog = None
+  opened = _Opened(data.batches(cfg, *setup.placement.rows()), workdir)
   summary = Summary()
   try:
     evaluate = Evaluator(cfg, setup)
-    created = not workdir.exists()
+    opened.created = not workdir.exists()
     runfiles.prepare_workdir(workdir)
     # One trainer per workdir, taken before anything in it is moved or removed.
-    lock = lock_lib.WorkdirLock(workdir).acquire() if jax.process_index() == 0 else None
+    opened.lock = lock_lib.WorkdirLock(workdir).acquire() if jax.process_index() == 0 else None
     mesh_text = _banner(setup, mesh, config_name, workdir)
     ck, ckdir = cfg.checkpoint, workdir / "checkpoints"
     if fresh and ckdir.exists() and jax.process_index() == 0:  # the others wait in resume_point's collective
@@ -307,63 +342,59 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     if at >= stop_at:
       print(f"nothing to do: the run is at step {at} and {asked}")
       return summary
-    ckpts = checkpoint.Checkpoints(ckdir, ck.keep, ck.keep_every, ck.async_save,
-                                   is_writer=jax.process_index() == 0, verify=ck.verify)
-    preempt = Preemption(jax.process_count() > 1)
-    profiler = observe.Profiler(cfg.run.profile_steps, workdir / "profile", enabled=jax.process_index() == 0)
-    runlog = runfiles.RunLog(workdir, jax.process_index())  # library noise -> <workdir>/jaxtrain.log
-    ledger = goodput.Ledger(workdir if jax.process_index() == 0 else None)
-    ledger.event("start", t=goodput.process_start(), resumed=at)
-    ledger.spent("startup", time.time() - goodput.process_start())
-    # From here a stuck restore, compile or step (a peer alive but stopped) ends this process with a report.
-    dog = watchdog_lib.Watchdog(cfg.run.hang_timeout_s, cfg.run.hang_first_step_s, runlog.path, jax.process_index(),
-                                ckdir, mesh_shape=dict(mesh.shape)).start(step=at)
-    t0 = time.perf_counter()
-    state, progress, manifest = _resume(ckpts, step_dir, setup, batches, mesh_text)
-    ledger.spent("restore", time.perf_counter() - t0)
-    t_restored = time.perf_counter()
-    if jax.process_index() == 0:  # once the checkpoint is restored: a refused or failed resume rewrites nothing
-      runfiles.write_json(workdir / "config.json", cfg.to_dict())
-    resumed_at = progress.step if state is not None else None
-    cache = goodput.CacheCount()  # did the step come from the compilation cache?
-    state = setup.init() if state is None else state
-    sinks = _sinks(cfg, workdir, stop_at, resumed_at, manifest.get("unwritten_metrics"))
+    _open_parts(opened, cfg, at, dict(mesh.shape))
     identity = {"mesh": mesh_text, "fingerprint": current, "config": cfg.to_dict(), "seed": cfg.train.seed,
                 "process_count": jax.process_count()}
-    steps = _Steps(cfg, setup, batches, ckpts, progress_lib.Every(ck.interval), preempt, profiler, evaluate, sinks,
-                   ledger, dog, progress, summary, identity, workdir)
-    try:
-      batch = setup.device_batch(next(batches))
-    except data.LoaderError as e:  # no step of this run to save: the resume point (if any) is the committed one
-      raise _stopped_by_loader(e, ckpts, progress.step) from e
-    compiled = dog.compiled = setup.step.lower(state, batch).compile()
-    steps.checklist = checklist_lib.Checklist(jax.local_devices(), batches, setup.placement.rows()[1], setup.layout)
-    note = steps.checklist.note() if jax.process_index() == 0 else ""  # no extra line: terminals stay quiet
-    print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s{note}", flush=True)
-    cache.stop()
-    ledger.spent("compile", time.perf_counter() - t_restored, cache=cache.verdict())
-    steps.run(state, batch, compiled, stop_at)
+    _resume_and_train(opened, setup, step_dir, evaluate, identity, stop_at, summary)
     return summary
   except Exception as e:  # noqa: BLE001 (details to the log; the terminal gets one line)
-    if runlog is None:  # refused before the run's files: nothing of it is written, the log included
+    if opened.runlog is None:  # refused before the run's files: nothing of it is written, the log included
       raise
-    raise runlog.ending(e, sinks.writer() if sinks else None) from None
+    raise opened.runlog.ending(e, opened.sinks.writer() if opened.sinks else None) from None
   finally:
-    for part in (dog, profiler, preempt):
-      if part is not None:
-        part.close()
-    if sinks is not None:
-      sinks.close()
-    batches.close()
-    try:  # a save already in flight still gets its manifest, whatever ended the run
-      if ckpts is not None:
-        ckpts.close()
-    except checkpoint.CheckpointError as e:
-      print(f"jaxtrain: warning: {e}", file=sys.stderr)
-    finally:  # orbax's own errors (a barrier timeout when a peer is gone) still close the log and free the lock
-      if runlog is not None:
-        runlog.close()
-      if lock is not None and runlog is None:  # refused or nothing to do: no lock file or workdir of its own left
-        runfiles.remove_new(workdir if created else None, lock)
-      elif lock is not None:
-        lock.release()
+    opened.close()
+
+
+def _open_parts(opened: _Opened, cfg, at: int, mesh_shape: dict) -> None:
+  """The run's checkpointer, preemption handler, profiler, log, goodput ledger and hang watchdog."""
+  workdir, ckdir, ck = opened.workdir, opened.workdir / "checkpoints", cfg.checkpoint
+  opened.ckpts = checkpoint.Checkpoints(ckdir, ck.keep, ck.keep_every, ck.async_save,
+                                        is_writer=jax.process_index() == 0, verify=ck.verify)
+  opened.preempt = Preemption(jax.process_count() > 1)
+  opened.profiler = observe.Profiler(cfg.run.profile_steps, workdir / "profile", enabled=jax.process_index() == 0)
+  opened.runlog = runfiles.RunLog(workdir, jax.process_index())  # library noise -> <workdir>/jaxtrain.log
+  opened.ledger = goodput.Ledger(workdir if jax.process_index() == 0 else None)
+  opened.ledger.event("start", t=goodput.process_start(), resumed=at)
+  opened.ledger.spent("startup", time.time() - goodput.process_start())
+  # From here a stuck restore, compile or step (a peer alive but stopped) ends this process with a report.
+  opened.dog = watchdog_lib.Watchdog(cfg.run.hang_timeout_s, cfg.run.hang_first_step_s, opened.runlog.path,
+                                     jax.process_index(), ckdir, mesh_shape=mesh_shape).start(step=at)
+
+
+def _resume_and_train(opened: _Opened, setup, step_dir, evaluate, identity: dict, stop_at: int,
+                      summary: Summary) -> None:
+  """Restores (or initializes) the state, compiles the step and runs the steps up to `stop_at`."""
+  cfg, ledger, batches, workdir = setup.cfg, opened.ledger, opened.batches, opened.workdir
+  t0 = time.perf_counter()
+  state, progress, manifest = _resume(opened.ckpts, step_dir, setup, batches, identity["mesh"])
+  ledger.spent("restore", time.perf_counter() - t0)
+  t_restored = time.perf_counter()
+  if jax.process_index() == 0:  # once the checkpoint is restored: a refused or failed resume rewrites nothing
+    runfiles.write_json(workdir / "config.json", cfg.to_dict())
+  resumed_at = progress.step if state is not None else None
+  cache = goodput.CacheCount()  # did the step come from the compilation cache?
+  state = setup.init() if state is None else state
+  opened.sinks = _sinks(cfg, workdir, stop_at, resumed_at, manifest.get("unwritten_metrics"))
+  steps = _Steps(cfg, setup, batches, opened.ckpts, progress_lib.Every(cfg.checkpoint.interval), opened.preempt,
+                 opened.profiler, evaluate, opened.sinks, ledger, opened.dog, progress, summary, identity, workdir)
+  try:
+    batch = setup.device_batch(next(batches))
+  except data.LoaderError as e:  # no step of this run to save: the resume point (if any) is the committed one
+    raise _stopped_by_loader(e, opened.ckpts, progress.step) from e
+  compiled = opened.dog.compiled = setup.step.lower(state, batch).compile()
+  steps.checklist = checklist_lib.Checklist(jax.local_devices(), batches, setup.placement.rows()[1], setup.layout)
+  note = steps.checklist.note() if jax.process_index() == 0 else ""  # no extra line: terminals stay quiet
+  print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s{note}", flush=True)
+  cache.stop()
+  ledger.spent("compile", time.perf_counter() - t_restored, cache=cache.verdict())
+  steps.run(state, batch, compiled, stop_at)
