@@ -85,8 +85,8 @@ def _files(items: list, max_shard_bytes: int) -> list[list]:
 def _merged(cfg, params):
   """LoRA: the base model's parameters with the adapters folded in (float32), on the adapters' devices."""
   import jax
-  from jaxtrain.model import lora, roles
-  return jax.jit(lambda p: lora.merged(cfg.model, p, lambda path: roles.of(cfg.model, path).stacked))(params)
+  from jaxtrain.model import lora
+  return jax.jit(lambda p: lora.merged(cfg.model, p))(params)
 
 
 def _write_adapter_config(m, out: Path, workdir: Path) -> None:
