@@ -34,6 +34,8 @@ def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes
   t0 = time.perf_counter()
   if adapter and not cfg.model.lora_rank:
     raise UserError(f"--adapter: the run in {workdir} has no adapters (model.lora_rank=0); export without --adapter")
+  if adapter:
+    lora_table(cfg.model)  # what PEFT cannot express (MoE experts' adapters) refused before the params are read
   np_dtype = DTYPES[dtype]  # safetensors tags the file dtype from the numpy dtype
   if np_dtype == "bfloat16":
     import ml_dtypes
