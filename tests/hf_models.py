@@ -134,14 +134,14 @@ DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "ori
                  "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
-def deepseek_v3(path, seed=0, q_lora_rank=24):
+def deepseek_v3(path, seed=0, q_lora_rank=24, vocab=96):
   """A 3-layer DeepSeek-V3 (MLA with q_lora_rank, YaRN, a dense first layer, 8 routed experts in 4 groups of which
   2 are chosen, a shared expert, routed scaling, a nonzero correction bias) saved to `path`; returns the model."""
   import torch
   import transformers
   torch.manual_seed(seed)
   cfg = transformers.DeepseekV3Config(
-      vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+      vocab_size=vocab, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
       num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
       kv_lora_rank=16, q_lora_rank=q_lora_rank, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8, n_group=4,
       topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=32, initializer_range=0.2,

@@ -13,8 +13,10 @@ from typing import Any, Literal, get_args, get_origin
 from jaxtrain.core import parse, resources
 from jaxtrain.core.errors import UserError
 
-# The projections model.lora_targets may name: attention's q, k, v, o and the SwiGLU MLP's gate, up, down.
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# The projections model.lora_targets may name: attention's q, k, v, o, MLA's q (its plain query projection), q_a,
+# q_b (its low-rank query pair), kv_a, kv_b and o, and the SwiGLU MLP's (each expert's, the shared experts') gate,
+# up, down.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "q_a", "q_b", "kv_a", "kv_b")
 
 # Fingerprint categories (what --allow-mismatch names), and the category of each section's math keys.
 MISMATCH_CATEGORIES = ("model", "train", "tokenizer", "data")
@@ -155,8 +157,9 @@ class ModelConfig:
                        min=0)
   lora_alpha: float = key(16.0, "LoRA: the adapters' output is scaled by lora_alpha / lora_rank (PEFT's "
                           "lora_alpha).", math=True, min=0.0, open_min=True)
-  lora_targets: str = key("q,v", "LoRA: comma-separated projections that get adapters, any of: "
-                          "q, k, v, o, gate, up, down.", math=True)
+  lora_targets: str = key("q,v", "LoRA: comma-separated projections that get adapters, any the attention has: "
+                          "q, k, v, o (grouped-query); q (q_lora_rank 0) or q_a, q_b, and kv_a, kv_b, o (mla); and "
+                          "gate, up, down (the MLP; with MoE every expert's and the shared experts').", math=True)
   lora_base_dtype: Literal["none", "nf4", "int8"] = key(
       "none", "QLoRA: the frozen base's decoder-layer projections stored quantized and dequantized to model.dtype "
       "at use: nf4 (4-bit NormalFloat, blocks of 64 with a float32 absmax each, bitsandbytes' codes) or int8 "
@@ -549,14 +552,29 @@ def check_lora(cfg: Config) -> None:
   if bad or not names or len(set(names)) != len(names):
     raise UserError(f"model.lora_targets={m.lora_targets!r}: name each projection once, any of: "
                     f"{', '.join(LORA_TARGETS)}")
-  refused = (("model.moe_experts", m.moe_experts, m.moe_experts > 0),
-             ("model.attention_type", m.attention_type, m.attention_type == "mla"),
-             ("model.mtp_layers", m.mtp_layers, m.mtp_layers > 0), ("model.fp8", m.fp8, m.fp8 != "none"),
+  _check_lora_targets(m, names)
+  refused = (("model.mtp_layers", m.mtp_layers, m.mtp_layers > 0), ("model.fp8", m.fp8, m.fp8 != "none"),
              ("optim.offload", cfg.optim.offload, cfg.optim.offload != "none"))
   for name, value, unsupported in refused:
     if unsupported:
-      raise UserError(f"model.lora_rank={m.lora_rank} with {name}={value!r} is not supported yet (LoRA trains dense "
-                      f"attention and MLP projections, with the optimizer state on the device)")
+      raise UserError(f"model.lora_rank={m.lora_rank} with {name}={value!r} is not supported yet (LoRA trains "
+                      f"attention, MLP and expert projections, with the optimizer state on the device)")
+  if m.lora_base_dtype != "none" and m.moe_experts:  # QLoRA's blocks run along a matrix's input axis: not experts'
+    raise UserError(f"model.lora_base_dtype={m.lora_base_dtype!r} with model.moe_experts={m.moe_experts} is not "
+                    "supported yet (QLoRA quantizes dense projections; use model.lora_base_dtype=none)")
+
+
+def _check_lora_targets(m: ModelConfig, names) -> None:
+  """Every target is a projection this attention has (q, k, v, o; MLA's q or q_a, q_b, and kv_a, kv_b, o)."""
+  if m.attention_type == "mla":
+    has = {"o", "kv_a", "kv_b", *(("q_a", "q_b") if m.q_lora_rank else ("q",))}
+  else:
+    has = {"q", "k", "v", "o"}
+  bad = [t for t in names if t not in has | {"gate", "up", "down"}]
+  if bad:
+    raise UserError(f"model.lora_targets={m.lora_targets!r}: {', '.join(bad)} not in model.attention_type="
+                    f"{m.attention_type!r} (q_lora_rank={m.q_lora_rank}); its projections: "
+                    f"{', '.join(t for t in LORA_TARGETS if t in has)}, gate, up, down")
 
 
 def help_text() -> str:

@@ -246,14 +246,23 @@ def table(cfg) -> list[Tensor]:
 
 # LoRA: our adapter of weight `w` -> the HF module PEFT targets (its name in adapter_config.json's target_modules)
 LORA_MODULES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w_gate": "gate_proj",
-                "w_up": "up_proj", "w_down": "down_proj"}
+                "w_up": "up_proj", "w_down": "down_proj", "wq_a": "q_a_proj", "wq_b": "q_b_proj",
+                "wkv_a": "kv_a_proj_with_mqa", "wkv_b": "kv_b_proj"}
 
 
 def lora_table(cfg) -> list[Tensor]:
   """Every LoRA adapter of `cfg` (a ModelConfig) as PEFT saves it: A (r, in) and B (out, r) named
-  base_model.model.<the base weight's module>.lora_A/B.weight; ours A (*in, r), B (r, *out)."""
+  base_model.model.<the base weight's module>.lora_A/B.weight; ours A (*in, r), B (r, *out), B's rows in the
+  weight's HF row order (MLA's RoPE parts). MoE experts' adapters are refused: transformers fuses the experts into
+  3-D parameters, which a PEFT LoRA on modules cannot address."""
   from jaxtrain.model import lora
-  targets = {lora.WEIGHTS[t] for t in cfg.lora_target_names()}
+  names = cfg.lora_target_names()
+  experts = [t for t in names if t in ("gate", "up", "down")] if cfg.moe_experts else []
+  if experts:
+    raise UserError(f"--adapter with model.lora_targets={cfg.lora_targets!r}: {', '.join(experts)} adapt the MoE "
+                    f"experts (model.moe_experts={cfg.moe_experts}), which a PEFT adapter cannot express on "
+                    "transformers' fused expert parameters; export merged (without --adapter)")
+  targets = {lora.WEIGHTS[t] for t in names}
   out, r = [], cfg.lora_rank
   for t in table(cfg):
     if t.path[-1] not in targets:
@@ -262,7 +271,7 @@ def lora_table(cfg) -> list[Tensor]:
     peft = np.vectorize(lambda n, x: f"base_model.model.{n.removesuffix('.weight')}.lora_{x}.weight", otypes=[object])
     at = (*t.path[:-1], t.path[-1] + lora.SUFFIX)
     out += [Tensor((*at, "lora_a"), peft(t.names, "A"), (r, t.hf_shape[1]), (*t.ours[:split], r)),
-            Tensor((*at, "lora_b"), peft(t.names, "B"), (t.hf_shape[0], r), (r, *t.ours[split:]))]
+            Tensor((*at, "lora_b"), peft(t.names, "B"), (t.hf_shape[0], r), (r, *t.ours[split:]), t.rows)]
   return out
 
 

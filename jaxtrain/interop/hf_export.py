@@ -34,6 +34,8 @@ def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes
   t0 = time.perf_counter()
   if adapter and not cfg.model.lora_rank:
     raise UserError(f"--adapter: the run in {workdir} has no adapters (model.lora_rank=0); export without --adapter")
+  if adapter:
+    lora_table(cfg.model)  # what PEFT cannot express (MoE experts' adapters) refused before the params are read
   np_dtype = DTYPES[dtype]  # safetensors tags the file dtype from the numpy dtype
   if np_dtype == "bfloat16":
     import ml_dtypes
@@ -85,8 +87,8 @@ def _files(items: list, max_shard_bytes: int) -> list[list]:
 def _merged(cfg, params):
   """LoRA: the base model's parameters with the adapters folded in (float32), on the adapters' devices."""
   import jax
-  from jaxtrain.model import lora, roles
-  return jax.jit(lambda p: lora.merged(cfg.model, p, lambda path: roles.of(cfg.model, path).stacked))(params)
+  from jaxtrain.model import lora
+  return jax.jit(lambda p: lora.merged(cfg.model, p))(params)
 
 
 def _write_adapter_config(m, out: Path, workdir: Path) -> None:

@@ -14,13 +14,15 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtrain.model import ops, rope as rope_lib
 from jaxtrain.model.attention import NEG_INF
 from jaxtrain.model.layers import RMSNorm, param as _param, rope
+from jaxtrain.model.lora import adapted, add_adapters, effective
 
 LATENT_EPS = 1e-6  # the latent norms keep DeepSeek's eps whatever model.norm_eps says (as transformers does)
 
 
 class MLA(nnx.Module):
-  """Every projection (wq or wq_a/wq_b, wkv_a, wkv_b, wo) runs as ops says (FP8 included); decoding's absorbed
-  latent-space products are float32 math of the cached latent."""
+  """Every projection (wq or wq_a/wq_b, wkv_a, wkv_b, wo) runs as ops says (FP8 included), with its LoRA adapter
+  (targets q or q_a/q_b, kv_a, kv_b, o) beside it; decoding's absorbed latent-space products are float32 math of the
+  cached latent, wkv_b's adapter merged into it."""
 
   def __init__(self, cfg, rngs: nnx.Rngs):
     D, H, Q, C, std = cfg.d_model, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.init_std
@@ -37,6 +39,7 @@ class MLA(nnx.Module):
     self.kv_norm = RMSNorm(C, LATENT_EPS)
     self.wkv_b = _param(rngs, (C, H, N + V), ("embed", "heads", "head_dim"), std)
     self.wo = _param(rngs, (H, V, D), ("heads", "head_dim", "embed"), std)
+    add_adapters(self, cfg, rngs, {"wq": 1, "wq_a": 1, "wq_b": 1, "wkv_a": 1, "wkv_b": 1, "wo": 2})
     self.dims = (N, R, C)
     self.scale = rope_lib.softmax_scale(cfg)  # YaRN's mscale^2 on the usual (N + R)^-0.5
     self.logits_dtype = cfg.attention_logits_dtype
@@ -46,11 +49,11 @@ class MLA(nnx.Module):
     N, _, C = self.dims
     dt = x_BxLxD.dtype
     if hasattr(self, "wq_a"):
-      q_BxLxQ = self.q_norm(ops.matmul(x_BxLxD, self.wq_a[...].astype(dt)))
-      q_BxLxHxE = ops.einsum("blq,qhe->blhe", q_BxLxQ, self.wq_b[...].astype(dt))
+      q_BxLxQ = self.q_norm(adapted(self, "wq_a", x_BxLxD, ops.matmul(x_BxLxD, self.wq_a[...].astype(dt))))
+      q_BxLxHxE = adapted(self, "wq_b", q_BxLxQ, ops.einsum("blq,qhe->blhe", q_BxLxQ, self.wq_b[...].astype(dt)))
     else:
-      q_BxLxHxE = ops.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt))
-    kv_BxLxCR = ops.matmul(x_BxLxD, self.wkv_a[...].astype(dt))
+      q_BxLxHxE = adapted(self, "wq", x_BxLxD, ops.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt)))
+    kv_BxLxCR = adapted(self, "wkv_a", x_BxLxD, ops.matmul(x_BxLxD, self.wkv_a[...].astype(dt)))
     c_BxLxC = self.kv_norm(kv_BxLxCR[..., :C])
     k_rot_BxLxR = rope(kv_BxLxCR[..., None, C:], tables)[:, :, 0]
     return q_BxLxHxE[..., :N], rope(q_BxLxHxE[..., N:], tables), c_BxLxC, k_rot_BxLxR
@@ -62,8 +65,8 @@ class MLA(nnx.Module):
     q_nope_BxLxHxN, q_rot_BxLxHxR, c_BxLxC, k_rot_BxLxR = self._q_and_latent(x_BxLxD, rope_tables)
     if cache is not None:
       o_BxLxHxV, cache = self._decode(q_nope_BxLxHxN, q_rot_BxLxHxR, c_BxLxC, k_rot_BxLxR, seg_BxL, cache)
-      return ops.einsum("blhv,hvd->bld", o_BxLxHxV, self.wo[...].astype(dt)), cache
-    kv_BxLxHxNV = ops.einsum("blc,che->blhe", c_BxLxC, self.wkv_b[...].astype(dt))
+      return self.out(o_BxLxHxV), cache
+    kv_BxLxHxNV = adapted(self, "wkv_b", c_BxLxC, ops.einsum("blc,che->blhe", c_BxLxC, self.wkv_b[...].astype(dt)))
     H = kv_BxLxHxNV.shape[2]
     k_BxLxHxE = jnp.concatenate(
         [kv_BxLxHxNV[..., :N], jnp.broadcast_to(k_rot_BxLxR[:, :, None], (*k_rot_BxLxR.shape[:2], H, R))], axis=-1)
@@ -75,7 +78,10 @@ class MLA(nnx.Module):
     v_BxLxHxV = ops.constrain(kv_BxLxHxNV[..., N:], heads)
     qkv = checkpoint_name(q_BxLxHxE, "q"), checkpoint_name(k_BxLxHxE, "k"), checkpoint_name(v_BxLxHxV, "v")
     o_BxLxHxV = checkpoint_name(ops.current().attend(*qkv, seg_BxL, self.logits_dtype), "attn_out")
-    return ops.einsum("blhv,hvd->bld", o_BxLxHxV, self.wo[...].astype(dt))
+    return self.out(o_BxLxHxV)
+
+  def out(self, o_BxLxHxV):
+    return adapted(self, "wo", o_BxLxHxV, ops.einsum("blhv,hvd->bld", o_BxLxHxV, self.wo[...].astype(o_BxLxHxV.dtype)))
 
   def _decode(self, q_nope_BxTxHxN, q_rot_BxTxHxR, c_BxTxC, k_rot_BxTxR, seg_BxT, cache):
     """Writes this chunk's latent and RoPE key at slot `start`, then attends over the cache in latent space:
@@ -84,7 +90,7 @@ class MLA(nnx.Module):
     start = cache["start"]
     c_BxSxC = jax.lax.dynamic_update_slice(cache["c"], c_BxTxC.astype(cache["c"].dtype), (0, start, 0))
     k_rot_BxSxR = jax.lax.dynamic_update_slice(cache["k_rot"], k_rot_BxTxR.astype(cache["k_rot"].dtype), (0, start, 0))
-    w_CxHxNV = self.wkv_b[...].astype(jnp.float32)
+    w_CxHxNV = effective(self, "wkv_b", jnp.float32)  # LoRA: absorbed merged, as the training path's x A B adds
     q_lat_BxTxHxC = jnp.einsum("bthn,chn->bthc", q_nope_BxTxHxN.astype(jnp.float32), w_CxHxNV[..., :N])
     s_BxHxTxS = (jnp.einsum("bthc,bsc->bhts", q_lat_BxTxHxC, c_BxSxC.astype(jnp.float32))
                  + jnp.einsum("bthr,bsr->bhts", q_rot_BxTxHxR.astype(jnp.float32), k_rot_BxSxR.astype(jnp.float32)))

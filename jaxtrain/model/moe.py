@@ -14,6 +14,7 @@ from flax import nnx
 from jaxtrain.core.config import ModelConfig
 from jaxtrain.model import ops
 from jaxtrain.model.layers import MLP, param
+from jaxtrain.model.lora import add_adapters, effective
 
 
 def capacity(tokens: int, experts: int, top_k: int, factor: float) -> int:
@@ -77,7 +78,8 @@ def _group_limited(pick_BxLxX, n: int, best: int):
 
 
 class MoE(nnx.Module):
-  """X routed SwiGLU experts, optional shared experts, and a gradient-free routing bias; returns (y, stats)."""
+  """X routed SwiGLU experts, optional shared experts (a dense MLP, its own LoRA adapters), and a gradient-free
+  routing bias; returns (y, stats)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     D, X, std = cfg.d_model, cfg.moe_experts, cfg.init_std
@@ -86,6 +88,7 @@ class MoE(nnx.Module):
     self.w_gate = param(rngs, (X, D, F), ("experts", "embed", "mlp"), std)
     self.w_up = param(rngs, (X, D, F), ("experts", "embed", "mlp"), std)
     self.w_down = param(rngs, (X, F, D), ("experts", "mlp", "embed"), std)
+    add_adapters(self, cfg, rngs, {"w_gate": 1, "w_up": 1, "w_down": 1}, n_batch=1)  # LoRA: one adapter an expert
     if cfg.moe_bias_rate > 0:
       self.router_bias = nnx.Param(jnp.zeros((X,), jnp.float32), axes=(None,))
     if cfg.moe_shared_experts:
@@ -98,7 +101,8 @@ class MoE(nnx.Module):
     bias = jax.lax.stop_gradient(self.router_bias[...]) if c.moe_bias_rate > 0 else None
     idx, w, stats = route(x_BxLxD, self.router[...], c.moe_top_k, c.moe_router, bias, c.moe_norm_top_k,
                           (c.moe_n_group, c.moe_topk_group), c.moe_routed_scale)
-    weights = tuple(p[...].astype(dt) for p in (self.w_gate, self.w_up, self.w_down))
+    # LoRA: each expert's weight merged with its adapter (one layer's at a time), so the dispatch is the plain one
+    weights = tuple(effective(self, attr, dt) for attr in ("w_gate", "w_up", "w_down"))
     G = group_size(c, B, L, decoding)
     cap = None if c.moe_dropless else capacity(G, c.moe_experts, c.moe_top_k, c.moe_capacity_factor)
     y_BxLxD, dropped = ops.current().experts(x_BxLxD, idx, w, weights, G, cap)

@@ -30,8 +30,13 @@ def test_overrides_are_typed():
     ("train.microbatches=3", ["must divide train.batch_size=16"]),
     ("model.lora_rank=4 model.lora_targets=q,wq", ["model.lora_targets='q,wq'", "q, k, v, o, gate, up, down"]),
     ("model.lora_rank=4 model.lora_targets=q,q", ["name each projection once"]),
-    ("model.lora_rank=4 model.moe_experts=4", ["model.lora_rank=4 with model.moe_experts=4 is not supported"]),
-    ("model.lora_rank=4 model.attention_type=mla", ["model.lora_rank=4 with model.attention_type='mla'"]),
+    ("model.lora_rank=4 model.attention_type=mla", ["model.lora_targets='q,v'", "v not in model.attention_type='mla'",
+                                                    "its projections: q, o, kv_a, kv_b, gate, up, down"]),
+    ("model.lora_rank=4 model.attention_type=mla model.q_lora_rank=8 model.lora_targets=q,kv_b",
+     ["q not in model.attention_type='mla' (q_lora_rank=8)", "o, q_a, q_b, kv_a, kv_b"]),
+    ("model.lora_rank=4 model.lora_targets=q_a,kv_b", ["q_a, kv_b not in model.attention_type='gqa'", "q, k, v, o"]),
+    ("model.lora_rank=4 model.moe_experts=4 model.lora_base_dtype=nf4",
+     ["model.lora_base_dtype='nf4' with model.moe_experts=4 is not supported"]),
     ("model.lora_rank=4 optim.offload=host", ["model.lora_rank=4 with optim.offload='host' is not supported"]),
     ("model.lora_rank=4 model.fp8=tensorwise", ["model.lora_rank=4 with model.fp8='tensorwise'"]),
     ("model.lora_base_dtype=nf4", ["model.lora_base_dtype='nf4'", "model.lora_rank > 0"]),
@@ -43,6 +48,12 @@ def test_bad_overrides_name_the_key_and_what_is_allowed(override, words):
     config.load("tiny", override.split(" "))
   for w in words:
     assert w in str(e.value)
+
+
+def test_lora_on_moe_and_mla_loads():
+  cfg = config.load("tiny", ["model.lora_rank=4", "model.moe_experts=4", "model.attention_type=mla",
+                             "model.q_lora_rank=8", "model.lora_targets=q_a,q_b,kv_a,kv_b,o,gate,up,down"])
+  assert cfg.model.lora_target_names() == ("q_a", "q_b", "kv_a", "kv_b", "o", "gate", "up", "down")
 
 
 def test_unknown_key_in_a_file_is_rejected(tmp_path):

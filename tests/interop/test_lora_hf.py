@@ -92,3 +92,67 @@ def test_adapter_export_of_a_run_without_lora_is_one_line(trained, tmp_path, cap
     hf_command.main(["export", "--workdir", str(tmp_path / "plain"), "--out", str(tmp_path / "o"), "--adapter"])
   err = capsys.readouterr().err.strip()
   assert e.value.code == 2 and "--adapter" in err and "model.lora_rank=0" in err and len(err.splitlines()) == 1
+
+
+DEEPSEEK_IDS = np.random.default_rng(1).integers(0, 320, (2, 16))
+MLA_TARGETS = "q_a,q_b,kv_a,kv_b,o"
+
+
+@pytest.fixture(scope="module", params=[MLA_TARGETS, f"{MLA_TARGETS},gate,up,down"], ids=["mla", "mla_experts"])
+def deepseek_trained(tmp_path_factory, request):
+  """(hf dir, workdir): a tiny DeepSeek-V3 (MLA, a dense layer, routed and shared experts) imported with LoRA on
+  MLA's projections (and every expert's, the shared expert's, the dense MLP's), trained 2 steps."""
+  d = tmp_path_factory.mktemp("lora_deepseek")
+  H.deepseek_v3(d / "hf", vocab=320)
+  sets = ["model.lora_rank=4", "model.lora_alpha=8", f"model.lora_targets={request.param}", "train.batch_size=4",
+          "train.seq_len=16", "optim.lr=3e-2", "optim.warmup_steps=1", "data.workers=0"]
+  path = H.imported(d / "hf", d / "w", "fsdp=1", sets)
+  loop.run(config.load(str(path)), mesh_of("fsdp=1"), d / "w", "m", stop_at=2)
+  return d / "hf", d / "w"
+
+
+def test_merged_export_of_mla_and_expert_adapters_is_the_adapted_model(deepseek_trained, tmp_path):
+  """Plain export folds every adapter (each expert's A (X, in, r) B (X, r, out) included) into its weight: the
+  transformers model it writes gives jaxtrain's logits with the adapters, not the base's."""
+  import torch
+  import transformers
+  hf_dir, w = deepseek_trained
+  _, _, p2 = H.load(w, step=2)
+  assert all(b.any() for k, b in _flat(p2).items() if k.endswith("lora_b"))
+  step_dir = runs.locate(w, 2)
+  hf_export.run_export(runs.config_of(checkpoint.read_manifest(step_dir)), mesh_of("fsdp=1"), step_dir,
+                       tmp_path / "merged", "float32", 10**9, w)
+  merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+  base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+  _, model, _ = H.load(w, "fsdp=1", step=2)
+  ours = H.jax_logits(model, DEEPSEEK_IDS)
+  assert H.rel_err(ours, H.torch_logits(merged, DEEPSEEK_IDS)) < 1e-5
+  assert H.rel_err(ours, H.torch_logits(base, DEEPSEEK_IDS)) > 1e-3
+
+
+def test_peft_adapter_of_mla_or_refused_for_experts(deepseek_trained, tmp_path, capsys):
+  """MLA's adapters export as PEFT's on q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj (B's rows in
+  HF's RoPE order) and give jaxtrain's logits; adapters on the experts (fused 3-D parameters in transformers) are
+  refused in one line."""
+  import torch
+  import transformers
+  hf_dir, w = deepseek_trained
+  args = ["export", "--workdir", str(w), "--out", str(tmp_path / "adapter"), "--adapter", "--dtype", "float32",
+          "--mesh", "dp=4,tp=2"]
+  if "gate" in runs.config_of(checkpoint.read_manifest(runs.locate(w, 2))).model.lora_targets:
+    with pytest.raises(SystemExit) as e:
+      hf_command.main(args)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert "--adapter" in err and "gate, up, down adapt the MoE experts" in err and "without --adapter" in err
+    return
+  assert hf_command.main(args) == 0
+  conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  assert sorted(conf["target_modules"]) == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"]
+  base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+  plain = H.torch_logits(base, DEEPSEEK_IDS)
+  with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+  _, model, _ = H.load(w, "fsdp=1", step=2)
+  ours = H.jax_logits(model, DEEPSEEK_IDS)
+  assert H.rel_err(ours, H.torch_logits(with_adapter, DEEPSEEK_IDS)) < 1e-5
+  assert H.rel_err(ours, plain) > 1e-3

@@ -55,10 +55,9 @@ REFUSED = {
     (("pipeline", 2), ("sequence", 2)): (("pipeline=2", "sequence=2"), "the pipeline's region is manual over "
                                          "`pipeline` only; ring and Ulysses attention would nest their own regions"),
     (("pipeline", 2), ("microbatches", 1)): (("train.microbatches=1", "pipeline"), "every stage needs a microbatch"),
-    **{(("lora", "on"), pair): (("model.lora_rank=", words), "LoRA trains dense attention and MLP projections, with "
-                                "the optimizer state on the device, on a mesh without a pipeline")
-       for pair, words in ((("moe", "capacity"), "model.moe_experts=4"), (("moe", "dropless"), "model.moe_experts=4"),
-                           (("attention", "mla"), "model.attention_type='mla'"), (("mtp", True), "model.mtp_layers=1"),
+    **{(("lora", "on"), pair): (("model.lora_rank=", words), "LoRA trains attention, MLP and expert projections, "
+                                "with the optimizer state on the device, on a mesh without a pipeline")
+       for pair, words in ((("mtp", True), "model.mtp_layers=1"),
                            (("fp8", "tensorwise"), "model.fp8='tensorwise'"),
                            (("offload", "host"), "optim.offload='host'"), (("pipeline", 2), "pipeline=2"))},
     **{(("objective", "dpo"), pair): (("train.objective=dpo", words), "DPO (jaxtrain.run.dpo.check): its pairs "

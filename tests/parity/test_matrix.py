@@ -64,7 +64,8 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
   if on("schedule"):
     sets += [f"pipeline.schedule={row['schedule']}"]
   if row["lora"] == "on":
-    sets += ["model.lora_rank=4", "model.lora_targets=q,k,v,o,gate,up,down"]
+    attn = "q_a,q_b,kv_a,kv_b,o" if row["attention"] == "mla" else "q,k,v,o"  # every projection the attention has
+    sets += ["model.lora_rank=4", f"model.lora_targets={attn},gate,up,down"]
   if row["objective"] == "dpo":
     sets += ["train.objective=dpo", "train.dpo_beta=0.1", f"data.source={source}", "train.batch_size=32"]
   return sets

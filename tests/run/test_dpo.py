@@ -280,7 +280,7 @@ def test_lora_dpo_holds_no_reference_copy_its_reference_is_the_base_and_it_learn
   assert losses[0] == pytest.approx(math.log(2), rel=1e-6) and losses[-1] < 0.8 * losses[0], losses
   params = jax.device_get(state["params"])
   plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=0))
-  base = lora.merged(dataclasses.replace(cfg.model, lora_alpha=0.0), params, lambda _: False)  # adapters dropped
+  base = lora.merged(dataclasses.replace(cfg.model, lora_alpha=0.0), params)  # adapters dropped
   want = seq_logps(model_lib.abstract(plain.model)[0], base, batch)
   graphdef = model_lib.abstract(cfg.model)[0]
   got = seq_logps(graphdef, dpo.reference_of({}, params), batch)
