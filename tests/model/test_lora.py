@@ -22,6 +22,16 @@ def _random_b(params):
       params)
 
 
+def _assert_same_logits(cfg, adapted, plain, base):
+  """The adapted model's logits equal the plain model's with merged weights, and differ from the base's (B zero):
+  each argument a (graphdef, params) pair."""
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16))
+  pos, seg = np.broadcast_to(np.arange(16), (2, 16)), np.ones((2, 16), np.int32)
+  got, want, zero = (nnx.merge(g, p)(tokens, pos, seg) for g, p in (adapted, plain, base))
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  assert float(np.max(np.abs(got - zero))) > 1e-2
+
+
 @pytest.mark.parametrize("scan", [False, True])
 def test_adapted_model_equals_the_plain_model_with_merged_weights(scan):
   cfg = config.load("tiny", [*LORA, f"model.scan_layers={str(scan).lower()}"]).model
@@ -31,13 +41,7 @@ def test_adapted_model_equals_the_plain_model_with_merged_weights(scan):
   merged = lora.merged(cfg, params)
   plain_graphdef, plain_state = nnx.split(model_lib.Transformer(plain, nnx.Rngs(0)))
   assert jax.tree.structure(merged) == jax.tree.structure(nnx.to_pure_dict(plain_state))
-  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16))
-  pos, seg = np.broadcast_to(np.arange(16), (2, 16)), np.ones((2, 16), np.int32)
-  got = nnx.merge(graphdef, params)(tokens, pos, seg)
-  want = nnx.merge(plain_graphdef, merged)(tokens, pos, seg)
-  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
-  base = nnx.merge(graphdef, nnx.to_pure_dict(state))(tokens, pos, seg)  # B zero: the base model
-  assert float(np.max(np.abs(got - base))) > 1e-2
+  _assert_same_logits(cfg, (graphdef, params), (plain_graphdef, merged), (graphdef, nnx.to_pure_dict(state)))
 
 
 def test_adapters_take_their_weights_axes_and_only_they_train():
@@ -101,13 +105,8 @@ def test_moe_and_mla_adapted_equal_the_plain_model_with_merged_weights(name, sca
   assert jax.tree.structure(want_params) == jax.tree.structure(nnx.to_pure_dict(plain_state))
   ours = lora.merged(cfg, params)
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6), ours, want_params)
-  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16))
-  pos, seg = np.broadcast_to(np.arange(16), (2, 16)), np.ones((2, 16), np.int32)
-  got = nnx.merge(graphdef, params)(tokens, pos, seg)
-  want = nnx.merge(plain_graphdef, want_params)(tokens, pos, seg)
-  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
-  base = nnx.merge(graphdef, nnx.to_pure_dict(state))(tokens, pos, seg)  # B zero: the base model
-  assert float(np.max(np.abs(got - base))) > 1e-2
+  _assert_same_logits(cfg, (graphdef, params), (plain_graphdef, want_params),
+                      (graphdef, nnx.to_pure_dict(state)))
 
 
 def test_moe_layer_adapts_every_expert_against_a_one_device_reference():
