@@ -84,7 +84,7 @@ def param_rows(setup, stored: bool = False) -> list[Row]:
 
 def _quantized_row(keys, var, sh, role) -> Row:
   """A QLoRA base weight as stored: quant.nbytes of the codes and scales one device holds (spec: the codes')."""
-  codes, scales = quant.stored_shapes(var.shape, role.quant, role.in_axis)
+  codes, scales = quant.stored_shapes(var.shape, role.quant, role.in_axis, role.lead)
   dcodes, dscales = tuple(sh.codes.shard_shape(codes)), tuple(sh.scales.shard_shape(scales))
   n_codes = math.prod(dcodes)  # one byte each: an int8 code, or a uint8 of two nf4 codes
   spec = tuple(sh.codes.spec) + (None,) * (len(codes) - len(sh.codes.spec))
@@ -422,18 +422,26 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
 
 
 def dequantized_line(cfg, rows: list[Row]) -> dict:
-  """QLoRA: Layout.compute dequantizes every quantized projection for the step at once; that copy, in the compute
-  dtype and layout, lives through the step beside the quantized state (not yet layer by layer)."""
+  """QLoRA: the model dequantizes a layer's quantized projections where the layer runs (transformer.dense), in the
+  compute dtype and layout, and backward makes them again: one layer's live at a time. A stack's row holds all its
+  layers (a layer is a 1/n slice); rows of unscanned layers are each one layer's, counted once (so a model whose
+  layers differ is billed the sum of each kind's: at most a layer too many)."""
   if cfg.model.lora_base_dtype == "none":
     return {}
-  n = sum(r.bytes * r.count for r in rows if r.role is not None and r.role.quant != "none")
-  return {"dequantized_base": (n, f"{cfg.model.lora_base_dtype} decoder projections dequantized to {cfg.model.dtype} "
-                                  "for the step, all at once, as computed with (sharded like the params)")}
+  quantized = [r for r in rows if r.role is not None and r.role.quant != "none"]
+  per_stack: dict[str, int] = {}
+  for r in quantized:
+    top = r.path.split("/")[0]
+    per_stack[top] = per_stack.get(top, 0) + (r.bytes // r.shape[0] if r.role.stacked else r.bytes)
+  n = max(per_stack.values(), default=0)
+  return {"dequantized_base": (n, f"one layer's {cfg.model.lora_base_dtype} decoder projections dequantized to "
+                                  f"{cfg.model.dtype} where it runs (sharded like the params); made again by "
+                                  "backward, never kept")}
 
 
 def _weight_residuals(cfg, stored: int) -> tuple[int, str]:
   """The compute-dtype casts of the layers' weights that backward keeps; none of LoRA's frozen base, which is
-  stored as the step uses it (QLoRA: dequantized once, the dequantized_base line) and read in place."""
+  stored as the step uses it and read in place (QLoRA: dequantized a layer at a time, the dequantized_base line)."""
   if cfg.model.lora_rank:
     return 0, ("none: LoRA's frozen base is read in place by the backward (stored as used); the adapters' casts "
                "are rank-sized")

@@ -161,10 +161,10 @@ class ModelConfig:
                           "q, k, v, o (grouped-query); q (q_lora_rank 0) or q_a, q_b, and kv_a, kv_b, o (mla); and "
                           "gate, up, down (the MLP; with MoE every expert's and the shared experts').", math=True)
   lora_base_dtype: Literal["none", "nf4", "int8"] = key(
-      "none", "QLoRA: the frozen base's decoder-layer projections stored quantized and dequantized to model.dtype "
-      "at use: nf4 (4-bit NormalFloat, blocks of 64 with a float32 absmax each, bitsandbytes' codes) or int8 "
-      "(per output channel); embedding, head and norms stay as LoRA keeps them. none = LoRA's model.dtype base. "
-      "Needs model.lora_rank > 0.", math=True)
+      "none", "QLoRA: the frozen base's decoder-layer projections (every expert's with MoE) stored quantized, "
+      "each matrix alone, and dequantized to model.dtype one layer at a time where it runs: nf4 (4-bit NormalFloat, "
+      "blocks of 64 with a float32 absmax each, bitsandbytes' codes) or int8 (per output channel); embedding, head "
+      "and norms stay as LoRA keeps them. none = LoRA's model.dtype base. Needs model.lora_rank > 0.", math=True)
   # math: not the math, but the checkpoint's layout
   scan_layers: bool = key(False, "Stack the blocks' params on a leading `layers` axis and run them with one "
                           "jax.lax.scan (faster compiles); dense first layers (moe_first_dense) are a second stack, "
@@ -559,9 +559,6 @@ def check_lora(cfg: Config) -> None:
     if unsupported:
       raise UserError(f"model.lora_rank={m.lora_rank} with {name}={value!r} is not supported yet (LoRA trains "
                       f"attention, MLP and expert projections, with the optimizer state on the device)")
-  if m.lora_base_dtype != "none" and m.moe_experts:  # QLoRA's blocks run along a matrix's input axis: not experts'
-    raise UserError(f"model.lora_base_dtype={m.lora_base_dtype!r} with model.moe_experts={m.moe_experts} is not "
-                    "supported yet (QLoRA quantizes dense projections; use model.lora_base_dtype=none)")
 
 
 def _check_lora_targets(m: ModelConfig, names) -> None:

@@ -25,7 +25,7 @@ def parse_args(argv=None):
   pr.add_argument("--rejected-field", help="preference data: field of the dispreferred response")
   pr.add_argument("--chat-field", help="chat data: field holding a list of {role, content} turns, rendered with "
                   "the tokenizer's chat template; only assistant turns are trained on")
-  pr.add_argument("--chat-template", metavar="FILE", help="chat data: a Jinja chat template with {% generation %} "
+  pr.add_argument("--chat-template", metavar="FILE", help="chat data: a Jinja chat template with {%% generation %%} "
                   "markers (default: chat_template.jinja or tokenizer_config.json beside the tokenizer.json)")
   pr.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (default: CPUs)")
   pr.add_argument("--shard-mb", type=float, default=64.0, help="input megabytes per shard (default 64)")

@@ -471,9 +471,6 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   from jaxtrain.run import step as step_lib
   t0 = time.perf_counter()
   cfg, w = plan.cfg, plan.workdir
-  if cfg.model.lora_base_dtype != "none":  # the step-0 checkpoint holds a plain base; init_state quantizes its own
-    raise UserError(f"model.lora_base_dtype={cfg.model.lora_base_dtype!r} with hf import is not supported yet "
-                    "(QLoRA quantizes a base initialized by train; import with model.lora_base_dtype=none)")
   is_writer = jax.process_index() == 0
   if is_writer:
     (w / "hf").mkdir(parents=True, exist_ok=True)
@@ -487,8 +484,8 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   cfg = setup.cfg  # with what the mesh implies (a pipeline's stacked layers)
   by_path = {t.path: t for t in table(cfg.model)}
   params = setup.abstract_state()["params"]
-  if cfg.model.lora_rank:  # LoRA: the base is read, its adapters start fresh
-    params, nread = _place_params(plan, by_path, roles.split(cfg.model, params)[1])
+  if cfg.model.lora_rank:  # LoRA: the base is read (QLoRA: quantized a tensor at a time), its adapters start fresh
+    params, nread = _place_params(plan, by_path, *_frozen_base(setup, roles.split(cfg.model, params)[1]))
     params = roles.join(setup.init_adapters(), params)
   else:
     params, nread = _place_params(plan, by_path, params)
@@ -514,8 +511,35 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   return w / f"{plan.name}.toml"
 
 
-def _place_params(plan: ImportPlan, by_path: dict, abstract_params) -> tuple[Any, int]:
-  """(params on their shardings, each in `_stored_dtype`; bytes read): every device reads its own part."""
+def _frozen_base(setup, frozen):
+  """(abstract params to place, what to make of each placed one) for LoRA's frozen base: as stored, but QLoRA's
+  quantized weights placed dense on their compute sharding and quantized to their stored one as each arrives, so
+  that one dense tensor at a time is held."""
+  import jax
+  from jaxtrain.model import quant, roles
+  cfg, layout = setup.cfg.model, setup.layout
+
+  def at(tree, path):
+    for k in path:
+      tree = tree[getattr(k, "key", getattr(k, "idx", k))]
+    return tree
+
+  def dense(path, x):
+    if not quant.is_quantized(x):
+      return x
+    return jax.ShapeDtypeStruct(at(layout.abstract_params, path).shape, np.float32, sharding=at(layout.param, path))
+
+  def finish(path, x):
+    role = roles.of(cfg, path)
+    if role.quant == "none":
+      return x
+    return jax.jit(lambda w: roles.quantized(role, w), out_shardings=at(layout.stored, path))(x)
+  return jax.tree_util.tree_map_with_path(dense, frozen, is_leaf=quant.is_quantized), finish
+
+
+def _place_params(plan: ImportPlan, by_path: dict, abstract_params, finish=None) -> tuple[Any, int]:
+  """(params on their shardings, each in `_stored_dtype`, then `finish`(path, array) if given; bytes read): every
+  device reads its own part."""
   import jax
   safe_open, nread = safetensors_api().safe_open, [0]
 
@@ -541,6 +565,7 @@ def _place_params(plan: ImportPlan, by_path: dict, abstract_params) -> tuple[Any
   def place(path, x):
     t = by_path[tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)]
     dtype = _stored_dtype(t, plan.headers, x.dtype)
-    return jax.make_array_from_callback(x.shape, x.sharding, lambda index: shard(t, index, dtype))
+    x = jax.make_array_from_callback(x.shape, x.sharding, lambda index: shard(t, index, dtype))
+    return x if finish is None else finish(path, x)
 
   return jax.tree_util.tree_map_with_path(place, abstract_params), nread[0]

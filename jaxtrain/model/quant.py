@@ -1,14 +1,15 @@
 """Weight-only quantization of a frozen base weight (QLoRA's base, issue 41): `quantize` stores a weight as codes
 and float32 scales, `dequantize` gives it back (jit-able; both are plain jnp), `nbytes` is the stored size for the
-memory bill. Not wired into the model or the config here.
+memory bill.
 
 Formats (`fmt`):
 - "nf4": 4-bit NormalFloat of QLoRA (Dettmers et al. 2023) with bitsandbytes' block rule: blocks of 64 consecutive
   values, one float32 absmax per block, each value times 1/absmax mapped to the nearest of the 16 NF4 levels (a
   value exactly between two levels takes the lower), two codes per uint8, the first value in the high nibble.
   Double quantization (8-bit scales) is not done: the scales stay float32.
-- "int8": per-output-channel symmetric absmax: scale = absmax / 127 over the input axis, codes = round(w / scale)
-  (half to even) as int8 in [-127, 127].
+- "int8": per-output-channel symmetric absmax: scale = absmax / 127 over the input axis, codes = round(w * (1 /
+  scale)) (half to even) as int8 in [-127, 127]: times the float32 reciprocal, as nf4, because XLA may turn a
+  division by a broadcast scale into that product in one program and not in another (a code 1 apart at a tie).
 
 Layout. A weight has an input axis `in_axis` (the contracted one: 0 for an (in, out) projection, 1 for (E, in, out)
 experts) and output axes, the rest. nf4 moves the input axis last: the blocks run along it, so codes are
@@ -18,7 +19,12 @@ axis shards codes and scales the same way, and one sharded on its input axis int
 too: no block straddles two shards, so each shard dequantizes alone (`code_axes` maps a weight's sharding to the
 codes'). An input axis that is not a multiple of 64 keeps bitsandbytes' flat rule instead (blocks over the
 flattened (*out, in) array, codes (ceil(n/2),), scales (ceil(n/64),)): exact, but not shardable. int8 keeps the
-weight's shape for the codes and drops the input axis for the scales."""
+weight's shape for the codes and drops the input axis for the scales.
+
+Stacks. `lead` leading axes (a scanned stack's layers, MoE's experts) hold separate matrices, each quantized as
+bitsandbytes quantizes one nn.Linear: the QTensor's `shape` and `in_axis` are one matrix's, its codes and scales
+carry the leading axes in front. So a scan over a stack slices a QTensor into one layer's, which dequantizes
+alone."""
 
 from __future__ import annotations
 
@@ -81,16 +87,19 @@ def _check(shape, fmt, in_axis):
   return in_axis % len(shape)
 
 
-def quantize(w, fmt: str, in_axis: int = 0) -> QTensor:
-  """`w` as a QTensor in `fmt` (jit-able with fmt and in_axis static)."""
+def quantize(w, fmt: str, in_axis: int = 0, lead: int = 0) -> QTensor:
+  """`w` as a QTensor in `fmt` (jit-able with fmt, in_axis and lead static); `in_axis` counts `w`'s axes, the
+  first `lead` of which hold separate matrices."""
+  if lead:
+    return jax.vmap(lambda m: quantize(m, fmt, in_axis - 1, lead - 1))(w)
   shape = tuple(int(s) for s in w.shape)
   in_axis = _check(shape, fmt, in_axis)
   w = jnp.asarray(w, jnp.float32)
   if fmt == "int8":
     absmax = jnp.max(jnp.abs(w), axis=in_axis)
     scales = absmax * np.float32(1 / 127)  # what XLA makes of absmax / 127 anyway: one float32 product
-    safe = jnp.expand_dims(jnp.where(scales > 0, scales, 1), in_axis)  # an all-zero channel: codes 0
-    codes = jnp.clip(jnp.round(w / safe), -127, 127).astype(jnp.int8)  # the clip: absmax/scale may round past 127
+    inv = jnp.expand_dims(1 / jnp.where(scales > 0, scales, 1), in_axis)  # an all-zero channel: codes 0
+    codes = jnp.clip(jnp.round(w * inv), -127, 127).astype(jnp.int8)  # the clip: absmax/scale may round past 127
     return QTensor(codes, scales, shape, fmt, in_axis)
   return _nf4(w, shape, in_axis)
 
@@ -124,7 +133,9 @@ def _nf4(w, shape, in_axis) -> QTensor:
 
 
 def dequantize(q: QTensor, dtype=jnp.bfloat16) -> jax.Array:
-  """The weight `q` stands for, in `dtype` (computed in float32, then cast)."""
+  """The weight `q` stands for, in `dtype` (computed in float32, then cast); a stack's (`lead`) whole."""
+  if q.scales.ndim > len(stored_shapes(q.shape, q.fmt, q.in_axis)[1]):  # a stack: each matrix alone
+    return jax.vmap(lambda c, s: dequantize(QTensor(c, s, q.shape, q.fmt, q.in_axis), dtype))(q.codes, q.scales)
   if q.fmt == "int8":
     return (q.codes.astype(jnp.float32) * jnp.expand_dims(q.scales, q.in_axis)).astype(dtype)
   if q.fmt != "nf4":
@@ -144,9 +155,21 @@ def dequantize(q: QTensor, dtype=jnp.bfloat16) -> jax.Array:
   return jnp.moveaxis(w_OxI, -1, q.in_axis).astype(dtype)
 
 
-def stored_shapes(shape, fmt: str, in_axis: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """(codes shape, scales shape) of a weight of `shape` in `fmt`."""
+def is_quantized(x) -> bool:
+  return isinstance(x, QTensor)
+
+
+def dequantized(tree, dtype):
+  """`tree` with every QTensor dequantized to `dtype`; the rest as it is."""
+  return jax.tree.map(lambda x: dequantize(x, dtype) if is_quantized(x) else x, tree, is_leaf=is_quantized)
+
+
+def stored_shapes(shape, fmt: str, in_axis: int = 0, lead: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(codes shape, scales shape) of a weight of `shape` in `fmt` (`lead`: as `quantize`)."""
   shape = tuple(shape)
+  if lead:
+    codes, scales = stored_shapes(shape[lead:], fmt, in_axis - lead)
+    return (*shape[:lead], *codes), (*shape[:lead], *scales)
   in_axis = _check(shape, fmt, in_axis)
   out_shape = tuple(s for a, s in enumerate(shape) if a != in_axis)
   if fmt == "int8":
@@ -157,18 +180,21 @@ def stored_shapes(shape, fmt: str, in_axis: int = 0) -> tuple[tuple[int, ...], t
   return (-(-n // 2),), (-(-n // BLOCK),)
 
 
-def nbytes(shape, fmt: str, in_axis: int = 0) -> int:
+def nbytes(shape, fmt: str, in_axis: int = 0, lead: int = 0) -> int:
   """Bytes stored for a weight of `shape` in `fmt`: codes (1 byte per int8, half a byte per nf4 code) plus float32
   scales."""
-  codes, scales = stored_shapes(shape, fmt, in_axis)
+  codes, scales = stored_shapes(shape, fmt, in_axis, lead)
   return math.prod(codes) + 4 * math.prod(scales)
 
 
-def code_axes(shape, fmt: str, spec, in_axis: int = 0) -> tuple[tuple, tuple]:
+def code_axes(shape, fmt: str, spec, in_axis: int = 0, lead: int = 0) -> tuple[tuple, tuple]:
   """(codes spec, scales spec): the per-axis sharding of the stored arrays of a weight whose axes are sharded as
   `spec` (one entry per weight axis: a mesh or logical axis name, or None). A shard of the input axis must hold a
-  multiple of 64 values for nf4; the flat nf4 layout is replicated."""
+  multiple of 64 values for nf4; the flat nf4 layout is replicated (a stack's leading axes keep their split)."""
   shape, spec = tuple(shape), tuple(spec)
+  if lead:
+    codes, scales = code_axes(shape[lead:], fmt, spec[lead:], in_axis - lead)
+    return (*spec[:lead], *codes), (*spec[:lead], *scales)
   in_axis = _check(shape, fmt, in_axis)
   if len(spec) != len(shape):
     raise ValueError(f"spec {spec} has {len(spec)} entries for a weight of {len(shape)} axes")

@@ -6,7 +6,7 @@ A parameter's kind comes from its leaf name (KINDS: every name a model family ha
 new parameter must say what it is). Weight decay is by rule: every matrix is decayed except the kinds listed in
 NOT_DECAYED. The rest follows from where the parameter sits in the tree and from the config: with LoRA
 (model.lora_rank) every parameter but the adapters is frozen (`split`: what trains; `stored`: the dtype kept); with
-QLoRA (model.lora_base_dtype) the frozen decoder-layer projections are stored as quant.QTensors (`dequantized`)."""
+QLoRA (model.lora_base_dtype) the frozen decoder-layer projections are stored as quant.QTensors (`stored`)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ class Role:
   frozen: bool = False  # LoRA: not trained (no gradient, master or moments); only the adapters train
   quant: str = "none"  # QLoRA: the format it is stored in (model.lora_base_dtype), "none" = a plain array
   in_axis: int = 0  # the (last) input axis of a matrix: quantization's blocks or channels run along it
+  lead: int = 0  # leading axes that hold separate matrices (a scanned stack's layers, MoE's experts)
 
   @property
   def low_master(self) -> bool:
@@ -87,13 +88,24 @@ def of(cfg: ModelConfig, path) -> Role:
   if leaf not in KINDS:
     raise KeyError(f"parameter {'/'.join(names)}: {leaf!r} has no role in jaxtrain.model.roles.KINDS")
   kind = KINDS[leaf]
+  stacked = cfg.scan_layers and top in cfg.stacks()
+  lead = int(stacked) + int(kind == "matrix" and _experts(cfg, names, stacked))
   return Role(kind=kind, decayed=decayed(leaf), cast_at_use=kind in CAST_AT_USE,
               router_bias=kind == "router_bias",
               head=top in ("final_norm", "lm_head", "mtp") or (top == "embed" and cfg.tie_embeddings),
               output=top == "lm_head" or (top == "embed" and cfg.tie_embeddings),
-              layer=top in ("layers", "dense_layers"), stacked=cfg.scan_layers and top in cfg.stacks(),
+              layer=top in ("layers", "dense_layers"), stacked=stacked,
               frozen=cfg.lora_rank > 0 and kind != "adapter", quant=_quant(cfg, names, kind),
-              in_axis=int(cfg.scan_layers and top in cfg.stacks()) + N_IN.get(leaf, 1) - 1)
+              in_axis=lead + N_IN.get(leaf, 1) - 1, lead=lead)
+
+
+def _experts(cfg: ModelConfig, names, stacked: bool) -> bool:
+  """Whether the weight at `names` is MoE's experts' (X, in, out): an `mlp` of a MoE layer (not its shared MLP)."""
+  if len(names) < 3 or names[-2] != "mlp" or not cfg.moe_experts:
+    return False
+  if stacked:  # the `layers` stack is all MoE layers (a dense prefix is `dense_layers`)
+    return names[0] == "layers"
+  return names[0] == "layers" and cfg.is_moe_layer(int(names[1]))
 
 
 def _quant(cfg: ModelConfig, names, kind: str) -> str:
@@ -121,19 +133,17 @@ def stored(cfg: ModelConfig, params):
     return params
   def one(path, p):
     role = of(cfg, path)
-    if role.quant != "none":  # QLoRA: quantized once from the float32 weight
-      return quant.quantize(p, role.quant, role.in_axis)
+    if quant.is_quantized(p):  # an import's base, quantized as it was read
+      return p
+    if role.quant != "none":  # QLoRA: quantized once from the float32 weight, each matrix of a stack alone
+      return quantized(role, p)
     return p.astype(cfg.dtype) if role.low_master else p
-  return jax.tree_util.tree_map_with_path(one, params)
+  return jax.tree_util.tree_map_with_path(one, params, is_leaf=quant.is_quantized)
 
 
-def is_quantized(x) -> bool:
-  return isinstance(x, quant.QTensor)
-
-
-def dequantized(params, dtype):
-  """`params` with every QTensor (QLoRA's stored base) dequantized to `dtype`; the rest as it is."""
-  return jax.tree.map(lambda x: quant.dequantize(x, dtype) if is_quantized(x) else x, params, is_leaf=is_quantized)
+def quantized(role: Role, w):
+  """QLoRA's stored form of the weight `w` whose role is `role`."""
+  return quant.quantize(w, role.quant, role.in_axis, role.lead)
 
 
 def split(cfg: ModelConfig, tree) -> tuple[dict, dict]:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.core.config import ModelConfig
-from jaxtrain.model import mla as mla_lib, ops
+from jaxtrain.model import mla as mla_lib, ops, quant
 from jaxtrain.model.block import RESIDUAL, Block, empty_cache
 from jaxtrain.model.layers import RMSNorm, param, rope_tables
 from jaxtrain.model.mtp import MTP
@@ -21,7 +21,7 @@ def remat_policy(name: str):
   """model.remat -> (use jax.checkpoint, its policy). `none` saves everything autodiff wants."""
   cp = jax.checkpoint_policies
   return {
-      "none": (False, None),
+      "none": (False, None),  # (with QLoRA's base: every matmul's output, `_remat`)
       "full": (True, cp.nothing_saveable),
       "save_dots": (True, cp.dots_with_no_batch_dims_saveable),  # projections, not the L x L scores
       "save_named": (True, cp.save_only_these_names(*NAMED)),
@@ -76,10 +76,10 @@ class Transformer(nnx.Module):
     moe_stats = []
     if self.cfg.scan_layers:
       for name in self.cfg.stacks():
-        x_BxLxD, stats = run_stack(getattr(self, name), x_BxLxD, tables, seg_BxL, self.cfg.remat)
+        x_BxLxD, stats = run_stack(getattr(self, name), x_BxLxD, tables, seg_BxL, self.cfg.remat, self.cfg.dtype)
         moe_stats += stats
     else:
-      run_block = _remat(self.cfg.remat, prevent_cse=True)
+      run_block = _remat(self.cfg.remat, prevent_cse=True, dtype=self.cfg.dtype)
       for block in self.layers:
         x_BxLxD, stats = run_block(block, x_BxLxD, tables, seg_BxL)
         moe_stats += [] if stats is None else [stats]
@@ -104,13 +104,13 @@ class Transformer(nnx.Module):
         graphdef, state = nnx.split(getattr(self, name))
 
         def body(x, layer, graphdef=graphdef):
-          x, _, kv = nnx.merge(graphdef, layer[0])(x, tables, seg_BxT, {**layer[1], **shared})
+          x, _, kv = dense(nnx.merge(graphdef, layer[0]), self.cfg.dtype)(x, tables, seg_BxT, {**layer[1], **shared})
           return x, kv
         x_BxTxD, new[name] = jax.lax.scan(body, x_BxTxD, (state, cache[name]))
     else:
       new["layers"] = []
       for block, kv in zip(self.layers, cache["layers"]):
-        x_BxTxD, _, kv = block(x_BxTxD, tables, seg_BxT, {**kv, **shared})
+        x_BxTxD, _, kv = dense(block, self.cfg.dtype)(x_BxTxD, tables, seg_BxT, {**kv, **shared})
         new["layers"].append(kv)
     logits_BxTxV = self.logits(self.final_norm(x_BxTxD))
     return logits_BxTxV, {**new, "seg": kv_seg_BxS, "start": start + tokens_BxT.shape[1]}
@@ -138,18 +138,38 @@ def stack_blocks(blocks: list[Block]) -> Block:
   return block
 
 
-def _remat(remat: str, prevent_cse: bool):
-  """block(x, tables, seg) under model.remat's policy."""
+def dense(block: Block, dtype) -> Block:
+  """`block` with QLoRA's quantized weights (quant.QTensor values) dequantized to `dtype`; the block itself when it
+  has none. Called where one layer runs, so one layer's dense weights live at a time."""
+  if not _quantized(block):
+    return block
+  graphdef, state = nnx.split(block)
+  return nnx.merge(graphdef, quant.dequantized(state, dtype))
+
+
+def _remat(remat: str, prevent_cse: bool, dtype=jnp.bfloat16):
+  """block(x, tables, seg) under model.remat's policy, QLoRA's weights dequantized inside it (`dense`). No policy
+  saves them (none is a matmul's output or a name); `none` would (a value computed from undifferentiated inputs is
+  kept for backward: every layer's dense weights at once), so under QLoRA it saves every matmul's output instead and
+  recomputes the elementwise work, the dequantization among it."""
   use_remat, policy = remat_policy(remat)
-  run = lambda block, x_BxLxD, tables, seg_BxL: block(x_BxLxD, tables, seg_BxL)  # noqa: E731
-  return nnx.remat(run, policy=policy, prevent_cse=prevent_cse) if use_remat else run
+  run = lambda block, x_BxLxD, tables, seg_BxL: dense(block, dtype)(x_BxLxD, tables, seg_BxL)  # noqa: E731
+  if use_remat:
+    return nnx.remat(run, policy=policy, prevent_cse=prevent_cse)
+  dots = jax.checkpoint_policies.checkpoint_dots
+  return lambda block, *args: (nnx.remat(run, policy=dots, prevent_cse=prevent_cse)(block, *args)
+                               if _quantized(block) else run(block, *args))
 
 
-def run_stack(stacked: Block, x_BxLxD, tables, seg_BxL, remat: str = "none"):
+def _quantized(block) -> bool:
+  return any(map(quant.is_quantized, jax.tree.leaves(nnx.state(block), is_leaf=quant.is_quantized)))
+
+
+def run_stack(stacked: Block, x_BxLxD, tables, seg_BxL, remat: str = "none", dtype=jnp.bfloat16):
   """A stack of blocks (`stack_blocks`; or any slice of one) as one jax.lax.scan over its leading axis, each block
-  under the remat policy: (x, list of each MoE layer's stats)."""
+  under the remat policy (QLoRA: dequantized there, `dense`): (x, list of each MoE layer's stats)."""
   graphdef, state = nnx.split(stacked)
-  run_block = _remat(remat, prevent_cse=False)  # the scan already keeps the recomputation apart
+  run_block = _remat(remat, prevent_cse=False, dtype=dtype)  # the scan already keeps the recomputation apart
   body = lambda x, layer_state: run_block(nnx.merge(graphdef, layer_state), x, tables, seg_BxL)  # noqa: E731
   x_BxLxD, stats = jax.lax.scan(body, x_BxLxD, state)
   n = jax.tree.leaves(state)[0].shape[0]

@@ -2,7 +2,8 @@
 (ZeRO-1/2 also split them over `data`, offload puts them in host memory), the gradients' layout (ZeRO-2: split over
 `data` too) and the compute copy the step differentiates. The update's math never changes with the layout. With
 LoRA the moments and gradients are the adapters' alone (`roles.split`); the frozen base is stored as it is used, or
-with QLoRA quantized (codes and scales sharded as `quant.code_axes` says) and dequantized in `compute`."""
+with QLoRA quantized (codes and scales sharded as `quant.code_axes` says), and the model dequantizes it layer by
+layer (transformer.dense)."""
 
 from __future__ import annotations
 
@@ -48,12 +49,11 @@ class Layout:
     self.grad_sharding = self.grads if plan.zero_stage > 0 else None  # where the step pins the gradients
 
   def compute(self, master):
-    """The parameters the step computes with, from the stored float32 master (itself without ZeRO or offload)."""
-    if self.cfg.model.lora_base_dtype != "none":  # QLoRA: the base as the model sees it, on its compute sharding
-      master = jax.lax.with_sharding_constraint(roles.dequantized(master, self.cfg.model.dtype), self.param)
+    """The parameters the step computes with, from the stored float32 master (itself without ZeRO or offload).
+    QLoRA's quantized base passes through as stored: the model dequantizes one layer's at a time."""
     if not self.separate:
       return master
-    return compute_copy(self.cfg.model, master, self.param, self.cfg.model.dtype,
+    return compute_copy(self.cfg.model, master, self.param_at_rest, self.cfg.model.dtype,
                         _on_device(self.stored) if self.offload else None)
 
   def device_state(self):
@@ -70,9 +70,12 @@ def compute_copy(model_cfg, params, shardings, dtype, fetch=None):
   device; it runs no arithmetic on them outside `compute_on`)."""
   def low(path, p, sh, dev):
     p = p if fetch is None else jax.device_put(p, dev)
+    if quant.is_quantized(p):  # QLoRA's base: its codes and scales on the compute sharding, dequantized in the model
+      return jax.device_put(p, sh)
     return jax.device_put(p.astype(dtype) if roles.of(model_cfg, path).cast_at_use else p, sh)
   # the barrier keeps the gathered copy whole: XLA would otherwise re-gather each layer at each use (ZeRO-3)
-  copy = jax.lax.optimization_barrier(jax.tree_util.tree_map_with_path(low, params, shardings, fetch or shardings))
+  copy = jax.lax.optimization_barrier(jax.tree_util.tree_map_with_path(low, params, shardings, fetch or shardings,
+                                                                       is_leaf=quant.is_quantized))
   copy = jax.lax.with_sharding_constraint(copy, shardings)  # the barrier's output too, else it may stay split
   return jax.tree.map(lambda c, p: c.astype(p.dtype), copy, params)
 
@@ -94,8 +97,8 @@ def quantized_shardings(model_cfg, mesh, shardings, abstract_params, notes: list
       if spec != tuple(sh.spec) + (None,) * (len(x.shape) - len(sh.spec)):
         notes.append(f"{jax.tree_util.keystr(path, simple=True, separator='/')}: nf4 codes not split on the input "
                      f"axis (shards of {piece} values, not whole blocks of {quant.BLOCK})")
-    codes, scales = quant.code_axes(x.shape, role.quant, spec, role.in_axis)
+    codes, scales = quant.code_axes(x.shape, role.quant, spec, role.in_axis, role.lead)
     return quant.QTensor(NamedSharding(mesh, P(*codes), memory_kind=sh.memory_kind),
-                         NamedSharding(mesh, P(*scales), memory_kind=sh.memory_kind), tuple(x.shape), role.quant,
-                         role.in_axis)
+                         NamedSharding(mesh, P(*scales), memory_kind=sh.memory_kind), tuple(x.shape[role.lead:]),
+                         role.quant, role.in_axis - role.lead)
   return jax.tree_util.tree_map_with_path(one, shardings, abstract_params)

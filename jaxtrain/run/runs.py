@@ -53,6 +53,6 @@ def restore_params(cfg: config.Config, mesh, step_dir: Path):
   if cfg.model.lora_base_dtype == "none":
     return setup, state["params"]
   # QLoRA: the quantized base as the float32 weights its codes stand for (what export and decode read)
-  from jaxtrain.model import roles
-  dense = jax.jit(lambda p: roles.dequantized(p, jax.numpy.float32), out_shardings=setup.param_shardings)
+  from jaxtrain.model import quant
+  dense = jax.jit(lambda p: quant.dequantized(p, jax.numpy.float32), out_shardings=setup.param_shardings)
   return setup, dense(state["params"])

@@ -35,8 +35,6 @@ def test_overrides_are_typed():
     ("model.lora_rank=4 model.attention_type=mla model.q_lora_rank=8 model.lora_targets=q,kv_b",
      ["q not in model.attention_type='mla' (q_lora_rank=8)", "o, q_a, q_b, kv_a, kv_b"]),
     ("model.lora_rank=4 model.lora_targets=q_a,kv_b", ["q_a, kv_b not in model.attention_type='gqa'", "q, k, v, o"]),
-    ("model.lora_rank=4 model.moe_experts=4 model.lora_base_dtype=nf4",
-     ["model.lora_base_dtype='nf4' with model.moe_experts=4 is not supported"]),
     ("model.lora_rank=4 optim.offload=host", ["model.lora_rank=4 with optim.offload='host' is not supported"]),
     ("model.lora_rank=4 model.fp8=tensorwise", ["model.lora_rank=4 with model.fp8='tensorwise'"]),
     ("model.lora_base_dtype=nf4", ["model.lora_base_dtype='nf4'", "model.lora_rank > 0"]),

@@ -156,3 +156,38 @@ def test_peft_adapter_of_mla_or_refused_for_experts(deepseek_trained, tmp_path, 
   ours = H.jax_logits(model, DEEPSEEK_IDS)
   assert H.rel_err(ours, H.torch_logits(with_adapter, DEEPSEEK_IDS)) < 1e-5
   assert H.rel_err(ours, plain) > 1e-3
+
+
+def _du(path) -> int:
+  return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+def test_qlora_import_quantizes_what_it_read_and_trains(tmp_path, scan):
+  """`hf import` with model.lora_base_dtype=nf4 quantizes each base tensor as it is placed (on fsdp=2): the step-0
+  base is exactly quant of the plain LoRA import's float32 base (each matrix alone), the checkpoint is smaller, and
+  the first train creates the optimizer state around it, moves the adapters and leaves the codes alone."""
+  import jax
+  import jax.numpy as jnp
+  from jaxtrain.model import quant, roles
+  H.llama(tmp_path / "hf", vocab=320)
+  sets = [*LORA, "train.batch_size=4", "train.seq_len=32", "optim.lr=3e-2", "optim.warmup_steps=1", "data.workers=0",
+          f"model.scan_layers={str(scan).lower()}"]
+  H.imported(tmp_path / "hf", tmp_path / "lora", "fsdp=2", sets)
+  path = H.imported(tmp_path / "hf", tmp_path / "q", "fsdp=2", [*sets, "model.lora_base_dtype=nf4"])
+  _, _, plain = H.load(tmp_path / "lora", step=0)
+  qcfg, _, deq = H.load(tmp_path / "q", step=0)  # the quantized base dequantized to float32
+  got, n = _flat(deq), 0
+  for keys, w in jax.tree_util.tree_leaves_with_path(plain):
+    role, name = roles.of(qcfg.model, keys), "/" + "/".join(roles.keys_of(keys))
+    want = np.asarray(w) if role.quant == "none" else np.asarray(
+        quant.dequantize(roles.quantized(role, jnp.asarray(w)), jnp.float32))
+    n += role.quant != "none"
+    np.testing.assert_array_equal(got[name], want, err_msg=name)
+  assert n and _du(tmp_path / "q" / "checkpoints") < _du(tmp_path / "lora" / "checkpoints")
+  loop.run(config.load(str(path)), mesh_of("fsdp=2"), tmp_path / "q", "m", stop_at=2)
+  after = _flat(H.load(tmp_path / "q", step=2)[2])
+  assert all(after[k].any() for k in after if k.endswith("lora_b"))
+  for k in got:
+    if "_lora" not in k:
+      np.testing.assert_array_equal(after[k], got[k], err_msg=k)

@@ -109,8 +109,8 @@ def test_nf4_error_is_at_most_half_a_level_gap():
 
 def _ref_int8(w, in_axis):
   scale = np.abs(w).max(axis=in_axis) * np.float32(1 / 127)  # the float32 product (XLA's form of absmax / 127)
-  safe = np.where(scale > 0, scale, np.float32(1))
-  return np.clip(np.round(w / np.expand_dims(safe, in_axis)), -127, 127).astype(np.int8), scale
+  inv = np.float32(1) / np.where(scale > 0, scale, np.float32(1))  # times the float32 reciprocal
+  return np.clip(np.round(w * np.expand_dims(inv, in_axis)), -127, 127).astype(np.int8), scale
 
 
 @pytest.mark.parametrize("shape,in_axis", SHAPES)

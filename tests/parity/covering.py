@@ -45,7 +45,7 @@ FACTORS = (
     Factor("mtp", (False, True)),
     Factor("fp8", ("none", "tensorwise")),
     Factor("dtype", ("float32", "bfloat16", "float16")),
-    Factor("lora", ("off", "on")),
+    Factor("lora", ("off", "on", "nf4")),  # nf4: QLoRA, the frozen base stored in 4 bits
     Factor("objective", ("lm", "dpo")),
 )
 BY_NAME = {f.name: f for f in FACTORS}
@@ -55,8 +55,9 @@ REFUSED = {
     (("pipeline", 2), ("sequence", 2)): (("pipeline=2", "sequence=2"), "the pipeline's region is manual over "
                                          "`pipeline` only; ring and Ulysses attention would nest their own regions"),
     (("pipeline", 2), ("microbatches", 1)): (("train.microbatches=1", "pipeline"), "every stage needs a microbatch"),
-    **{(("lora", "on"), pair): (("model.lora_rank=", words), "LoRA trains attention, MLP and expert projections, "
+    **{(("lora", lora), pair): (("model.lora_rank=", words), "LoRA trains attention, MLP and expert projections, "
                                 "with the optimizer state on the device, on a mesh without a pipeline")
+       for lora in ("on", "nf4")
        for pair, words in ((("mtp", True), "model.mtp_layers=1"),
                            (("fp8", "tensorwise"), "model.fp8='tensorwise'"),
                            (("offload", "host"), "optim.offload='host'"), (("pipeline", 2), "pipeline=2"))},

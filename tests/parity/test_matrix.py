@@ -63,9 +63,10 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
     sets += [f"model.sequence_attention={row['sequence_attention']}"]
   if on("schedule"):
     sets += [f"pipeline.schedule={row['schedule']}"]
-  if row["lora"] == "on":
+  if row["lora"] != "off":
     attn = "q_a,q_b,kv_a,kv_b,o" if row["attention"] == "mla" else "q,k,v,o"  # every projection the attention has
     sets += ["model.lora_rank=4", f"model.lora_targets={attn},gate,up,down"]
+    sets += ["model.lora_base_dtype=nf4"] if row["lora"] == "nf4" else []
   if row["objective"] == "dpo":
     sets += ["train.objective=dpo", "train.dpo_beta=0.1", f"data.source={source}", "train.batch_size=32"]
   return sets
