@@ -13,10 +13,19 @@ import numpy as np
 from jaxtrain.core.errors import UserError
 from jaxtrain.parallel import data_region, devices, expert_layout as moe_layout
 from jaxtrain.analysis.memory import Row
+from jaxtrain.model import quant
 from jaxtrain.parallel import sharding
 
 GRAD_BYTES = 4
 BATCH_LIKE = ("data", "fsdp", "expert", "sequence")
+
+
+def _wire_bytes(r: Row, s: int) -> float:
+  """Bytes an element of parameter row `r` takes on the wire when gathered for the matmuls: the compute dtype's
+  `s`, or QLoRA's codes and scales (plan.dequantize gathers those, not the dequantized weight)."""
+  if r.role.quant == "none":
+    return s
+  return quant.nbytes(r.shape, r.role.quant, r.role.in_axis, r.role.lead) / math.prod(r.shape)
 
 
 def _axes_of(spec) -> set[str]:
@@ -37,11 +46,13 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
     g = 1 if axis == "data" and cfg.optim.zero_stage != 2 else k  # once per update over data (data_region)
     for r in rows:
       e = math.prod(r.device_shape) * r.count
-      gb = data_region.wire_dtype(m, r.role, platform).itemsize if axis == "data" and g == 1 else GRAD_BYTES
+      # LoRA's frozen base has no gradient: nothing to reduce (0 bytes a gradient element)
+      gb = 0 if r.role.frozen else (
+          data_region.wire_dtype(m, r.role, platform).itemsize if axis == "data" and g == 1 else GRAD_BYTES)
       if axis == "expert" and "experts" in r.axes:
         continue  # expert parallelism: each device keeps and updates its own experts
       if axis in _axes_of(r.spec):
-        out[axis]["param all-gather (fwd+bwd)"] += 2 * k * (n - 1) * e * s
+        out[axis]["param all-gather (fwd+bwd)"] += int(2 * k * (n - 1) * e * _wire_bytes(r, s))
         out[axis]["grad reduce-scatter"] += g * (n - 1) * e * gb
       elif axis == "data" and cfg.optim.zero_stage:  # master split over data: the compute copy is gathered once
         cast = r.role.cast_at_use
@@ -61,7 +72,7 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
     if sharding.axis_ways("vocab", m.vocab_size, mesh) > 1:
       out["tensor"]["embedding + LM head all-reduce"] += int(k * ring * T * m.d_model * (4 + s))
     for r in rows:
-      if len(r.shape) >= 2 and "tensor" not in _axes_of(r.spec) and r.role.kind != "embedding":
+      if len(r.shape) >= 2 and "tensor" not in _axes_of(r.spec) and r.role.kind != "embedding" and not r.role.frozen:
         out["tensor"]["grad all-reduce (weights replicated over tensor)"] += int(
             k * ring * math.prod(r.device_shape) * r.count * GRAD_BYTES)
 

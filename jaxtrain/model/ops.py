@@ -12,7 +12,7 @@ import contextvars
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.model import attention, moe_kernels
+from jaxtrain.model import attention, moe_kernels, quant
 
 
 class Ops:
@@ -38,6 +38,11 @@ class Ops:
   def attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype: str = "float32"):
     """Causal grouped-query attention within segments; `logits_dtype`: the reference kernel's scores."""
     return attention.attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, jnp.dtype(logits_dtype))
+
+  def dequantize(self, q, axes, dtype):
+    """QLoRA's weight `q` (a quant.QTensor whose weight has logical `axes`, leading stack axes included) in `dtype`,
+    as the layer's matmuls use it."""
+    return quant.dequantize(q, dtype)
 
   def project(self, fn, x, w, *args):
     """A projection: the bilinear `fn(x, w, *args)` (einsum, ragged_dot). The FP8 policy replaces it."""
@@ -67,6 +72,10 @@ def use(ops: Ops):
     yield ops
   finally:
     _CURRENT.reset(token)
+
+
+def dequantize(q, axes, dtype):
+  return current().dequantize(q, axes, dtype)
 
 
 def constrain(x, axes):

@@ -73,6 +73,11 @@ class QTensor:
   fmt: str = dataclasses.field(metadata=dict(static=True))
   in_axis: int = dataclasses.field(default=0, metadata=dict(static=True))
 
+  @property
+  def lead(self) -> int:
+    """Leading axes of the codes in front of one matrix's: a stack's (see the module's Stacks)."""
+    return self.codes.ndim - len(stored_shapes(self.shape, self.fmt, self.in_axis)[0])
+
 
 def _blocked(shape, in_axis) -> bool:
   """Whether nf4 keeps the (*out, in/2) layout (the input axis is whole blocks) rather than the flat one."""
@@ -134,7 +139,7 @@ def _nf4(w, shape, in_axis) -> QTensor:
 
 def dequantize(q: QTensor, dtype=jnp.bfloat16) -> jax.Array:
   """The weight `q` stands for, in `dtype` (computed in float32, then cast); a stack's (`lead`) whole."""
-  if q.scales.ndim > len(stored_shapes(q.shape, q.fmt, q.in_axis)[1]):  # a stack: each matrix alone
+  if q.lead:  # a stack: each matrix alone
     return jax.vmap(lambda c, s: dequantize(QTensor(c, s, q.shape, q.fmt, q.in_axis), dtype))(q.codes, q.scales)
   if q.fmt == "int8":
     return (q.codes.astype(jnp.float32) * jnp.expand_dims(q.scales, q.in_axis)).astype(dtype)
@@ -204,3 +209,14 @@ def code_axes(shape, fmt: str, spec, in_axis: int = 0, lead: int = 0) -> tuple[t
   if not _blocked(shape, in_axis):
     return (None,), (None,)
   return (*out_spec, spec[in_axis]), (*out_spec, spec[in_axis])
+
+
+def split_axes(shape, fmt: str, spec, ways, in_axis: int = 0, lead: int = 0) -> tuple[tuple, tuple, bool]:
+  """(codes spec, scales spec, whether the input axis was kept whole) of a weight of `shape` whose axes are split as
+  `spec` (mesh axis entries; `ways(entry)`: how many devices one splits over): `code_axes`, with an nf4 input axis
+  whose shards would not be whole blocks of 64 kept whole (a block would straddle two shards)."""
+  spec = (*spec, *(None,) * (len(shape) - len(spec)))
+  whole = fmt == "nf4" and (shape[in_axis] // ways(spec[in_axis])) % BLOCK != 0 and spec[in_axis] is not None
+  if whole:
+    spec = tuple(None if a == in_axis else s for a, s in enumerate(spec))
+  return (*code_axes(shape, fmt, spec, in_axis, lead), whole)

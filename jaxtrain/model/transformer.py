@@ -144,7 +144,14 @@ def dense(block: Block, dtype) -> Block:
   if not _quantized(block):
     return block
   graphdef, state = nnx.split(block)
-  return nnx.merge(graphdef, quant.dequantized(state, dtype))
+
+  def one(var):
+    q = var.get_value()
+    if not quant.is_quantized(q):
+      return var
+    # the weight's logical axes: a stacked block's metadata leads with `layers`, which a scan slice no longer has
+    return var.replace(ops.dequantize(q, var.get_metadata()["axes"][-(q.lead + len(q.shape)):], dtype))
+  return nnx.merge(graphdef, jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 def _remat(remat: str, prevent_cse: bool, dtype=jnp.bfloat16):

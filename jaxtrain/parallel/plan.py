@@ -12,11 +12,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.core.config import Config
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import attention as attention_lib, ops
+from jaxtrain.model import attention as attention_lib, ops, quant
 from jaxtrain.parallel import devices, fp8, kernels, sharding
 
 
@@ -54,6 +54,20 @@ class Plan(ops.Ops):
     if self.mesh is None:
       return x
     return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
+
+  def dequantize(self, q, axes, dtype):
+    """The codes and scales gathered to the weight's compute layout first (`embed`'s fsdp/expert split is storage:
+    gathered; tensor and expert splits stay), then dequantized there: the wire carries 4-bit codes, not the
+    float32 values XLA would otherwise gather after the lookup."""
+    if self.mesh is None:
+      return quant.dequantize(q, dtype)
+    lead = q.lead
+    shape = (*q.codes.shape[:lead], *q.shape)
+    spec = sharding.spec_for(tuple(axes), shape, self.mesh, rules={**self.rules, "embed": ()})
+    codes, scales, _ = quant.split_axes(shape, q.fmt, spec, lambda e: sharding.ways(e, self.mesh), q.in_axis + lead,
+                                        lead)
+    keep = lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*s)))  # noqa: E731
+    return quant.dequantize(dataclasses.replace(q, codes=keep(q.codes, codes), scales=keep(q.scales, scales)), dtype)
 
   def ways(self, axes, shape) -> tuple[int, ...]:
     if self.mesh is None:

@@ -90,14 +90,12 @@ def quantized_shardings(model_cfg, mesh, shardings, abstract_params, notes: list
     role = roles.of(model_cfg, path)
     if role.quant == "none":
       return sh
-    spec = (*sh.spec, *(None,) * (len(x.shape) - len(sh.spec)))
-    piece = sh.shard_shape(x.shape)[role.in_axis]
-    if role.quant == "nf4" and piece % quant.BLOCK:  # a block would straddle two shards
-      spec = tuple(None if a == role.in_axis else s for a, s in enumerate(spec))
-      if spec != tuple(sh.spec) + (None,) * (len(x.shape) - len(sh.spec)):
-        notes.append(f"{jax.tree_util.keystr(path, simple=True, separator='/')}: nf4 codes not split on the input "
-                     f"axis (shards of {piece} values, not whole blocks of {quant.BLOCK})")
-    codes, scales = quant.code_axes(x.shape, role.quant, spec, role.in_axis, role.lead)
+    codes, scales, whole = quant.split_axes(x.shape, role.quant, sh.spec, lambda e: sharding.ways(e, mesh),
+                                            role.in_axis, role.lead)
+    if whole:
+      notes.append(f"{jax.tree_util.keystr(path, simple=True, separator='/')}: nf4 codes not split on the input "
+                   f"axis (shards of {sh.shard_shape(x.shape)[role.in_axis]} values, not whole blocks of "
+                   f"{quant.BLOCK})")
     return quant.QTensor(NamedSharding(mesh, P(*codes), memory_kind=sh.memory_kind),
                          NamedSharding(mesh, P(*scales), memory_kind=sh.memory_kind), tuple(x.shape[role.lead:]),
                          role.quant, role.in_axis - role.lead)

@@ -1,6 +1,7 @@
 """The overlap report (jaxtrain.analysis.overlap) on a CPU-compiled 8-device step: every collective of
 the program listed with its async flag and bytes, the bytes equal to the analytic `comms` figures."""
 
+import math
 import re
 
 import pytest
@@ -62,3 +63,16 @@ def test_h100_prediction_is_calibrated_by_the_peers_measured_over_predicted():
   assert tot["predicted_step_seconds"] > 0
   assert tot["calibrated_step_seconds"] == pytest.approx(tot["predicted_step_seconds"] * 0.721 / 0.608)
   assert "calibrated_step_seconds" not in overlap.report(gpu_compile.Hlo.parse(HLO), devices.TABLE["A100"])["totals"]
+
+
+def test_lora_reduces_the_adapters_gradients_alone():
+  """LoRA on dp=8: the frozen base has no gradient, so the compiled program's all-reduce carries the adapters'
+  alone, and comms bills that (it billed every parameter's gradient before)."""
+  setup = step.Setup(config.load("tiny", ["model.lora_rank=4", "model.lora_targets=q,k,v,o"]), mesh_of("dp=8"))
+  rep = overlap.report(gpu_compile.Hlo.parse(setup.step.lower(*gpu_compile.abstract_inputs(setup)).compile().as_text()))
+  rows = memory.grouped(memory.param_rows(setup))
+  want = comms.traffic(setup.cfg, setup.mesh, rows)["data"]["grad all-reduce"]
+  adapters = sum(math.prod(r.device_shape) * r.count for r in rows if not r.role.frozen)
+  assert want == int(2 * 7 / 8 * adapters * 4) > 0
+  got = rep["per_kind"]["all-reduce"]["wire_bytes"]
+  assert want <= got <= want + 2 * 7 / 8 * 4 * 4, (got, want)
