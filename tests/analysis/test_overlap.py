@@ -65,6 +65,7 @@ def test_h100_prediction_is_calibrated_by_the_peers_measured_over_predicted():
   assert "calibrated_step_seconds" not in overlap.report(gpu_compile.Hlo.parse(HLO), devices.TABLE["A100"])["totals"]
 
 
+@pytest.mark.slow  # a compile of a whole step
 def test_lora_reduces_the_adapters_gradients_alone():
   """LoRA on dp=8: the frozen base has no gradient, so the compiled program's all-reduce carries the adapters'
   alone, and comms bills that (it billed every parameter's gradient before)."""

@@ -172,6 +172,7 @@ def test_two_devices_match_one(spec):
 MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_first_dense=1", "model.n_layers=3"]
 
 
+@pytest.mark.slow  # a MoE state initialized twice
 @pytest.mark.parametrize("fmt", ["nf4", "int8"])
 def test_experts_are_quantized_one_expert_at_a_time(fmt):
   """MoE (scanned, after a dense first layer): each expert's (in, out) matrix of each layer is quantized alone, as
