@@ -7,6 +7,7 @@ tensor at a time onto its sharding."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import shutil
@@ -529,11 +530,13 @@ def _frozen_base(setup, frozen):
       return x
     return jax.ShapeDtypeStruct(at(layout.abstract_params, path).shape, np.float32, sharding=at(layout.param, path))
 
+  @functools.cache  # one program per (role, sharding): the layers of an unscanned model share it
+  def quantizer(role, sh):
+    return jax.jit(lambda w: roles.quantized(role, w), out_shardings=sh)
+
   def finish(path, x):
     role = roles.of(cfg, path)
-    if role.quant == "none":
-      return x
-    return jax.jit(lambda w: roles.quantized(role, w), out_shardings=at(layout.stored, path))(x)
+    return x if role.quant == "none" else quantizer(role, at(layout.stored, path))(x)
   return jax.tree_util.tree_map_with_path(dense, frozen, is_leaf=quant.is_quantized), finish
 
 
