@@ -242,7 +242,7 @@ def pipeline_activations(cfg, mesh, remat: str = "none", kernel: str = "xla", pa
   inputs, then their gradients; +1 discard slot) and, during a backward, the residuals of the one chunk it
   recomputes (its layers only: no final norm)."""
   t = pipeline.table(cfg, mesh)
-  _, S, G = pipeline.program_table(t)
+  _, S, G, WN = pipeline.program_table(t)
   chunk = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=cfg.model.n_layers // t.chunks))
   out = activations(chunk, mesh, remat, kernel, packed_segments, logits_residual=False)
   # the final norm's residuals are dead before a chunk's layers run backward (llama3.1-70b pp=4: no float32
@@ -254,9 +254,28 @@ def pipeline_activations(cfg, mesh, remat: str = "none", kernel: str = "xla", pa
   return out
 
 
-def pipeline_lines(cfg, rows: list[Row]) -> dict[str, tuple[int, str]]:
+def w_wait(cfg, mesh, rows: list[Row]) -> tuple[int, str]:
+  """A split backward's (zb-h1, zbv) W slots: per pass of a chunk, each deferred projection's input and output
+  gradient (one microbatch, the compute dtype; split over tensor where the weight's side is), from its B to its W."""
+  t = pipeline.table(cfg, mesh)
+  if not t.split:
+    return 0, f"none ({t.name} does not split the backward)"
+  slots = pipeline.program_table(t)[3] + 1
+  tensor = mesh.shape.get("tensor", 1)
+
+  def sides(r):
+    named = [(a,) if isinstance(a, str) else tuple(a or ()) for a in r.spec[1:]]
+    dims = [n // (tensor if "tensor" in a else 1) for n, a in zip(r.shape[1:], named)]
+    return math.prod(dims[:r.role.n_in]) + math.prod(dims[r.role.n_in:])
+  per_pass = (cfg.model.n_layers // t.chunks * sharding.tokens_per_device(cfg, mesh)
+              * np.dtype(cfg.model.dtype).itemsize * sum(sides(r) for r in rows if r.role.deferred))
+  return slots * per_pass, (f"{slots} W slots ({slots - 1} + 1 discard) of {human(per_pass)}: per pass, each "
+                            "projection's input and output gradient, from B to W (model/wgrad.py)")
+
+
+def pipeline_lines(cfg, mesh, rows: list[Row]) -> dict[str, tuple[int, str]]:
   """Mesh pipeline > 1, the bill's lines that differ: the gradient a backward makes of one chunk (float32)
-  before adding it, and no stacked weight casts (each block casts its weights inside its remat)."""
+  before adding it, no stacked weight casts (each block casts its weights inside its remat), W's slots."""
   v = cfg.pipeline.virtual_stages
   f32 = lambda keep: sum(math.prod(r.device_shape) * 4 * r.count for r in rows if keep(r))  # noqa: E731
   layers = f32(lambda r: r.role.layer)
@@ -266,7 +285,8 @@ def pipeline_lines(cfg, rows: list[Row]) -> dict[str, tuple[int, str]]:
                                f"float32 gradient of one chunk (1/{v} of the stage's layers) and the head, made by a "
                                f"backward before it is added to the gradients{restack}"),
           "weight_residuals": (0, "none: a backward recomputes its chunk from the chunk input and each block casts "
-                               "its weights inside its remat (no stacked casts in the compiled program)")}
+                               "its weights inside its remat (no stacked casts in the compiled program)"),
+          "w_wait": w_wait(cfg, mesh, rows)}
 
 
 def workspace(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segments: int = 0,
@@ -409,7 +429,7 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
       "workspace": (max(work.values()) - gathered["layers"], "transient peak beyond the gathered weights, the larger "
                     "phase of: " + ", ".join(f"{k} {human(v)}" for k, v in work.items())),
   }
-  lines.update({**(pipeline_lines(cfg, rows) if piped else {}), **reference_line(cfg, st),
+  lines.update({**(pipeline_lines(cfg, mesh, rows) if piped else {}), **reference_line(cfg, st),
                 **dequantized_line(cfg, rows)})
   items = {k: v for k, (v, _) in lines.items()}
   notes = {k: note for k, (_, note) in lines.items()}

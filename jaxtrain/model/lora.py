@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.core.config import ModelConfig
+from jaxtrain.model import wgrad
 
 SUFFIX = "_lora"  # the adapter of weight `wq` is the module `wq_lora` beside it
 # model.lora_targets' names (config.LORA_TARGETS) -> the weight each adapts
@@ -61,7 +62,9 @@ def add_adapters(module: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs, n_in: dic
 
 
 def adapted(module: nnx.Module, attr: str, x, y):
-  """`y` (x through `module`'s weight `attr`) plus that weight's adapter's delta, where it has one."""
+  """`y` (x through `module`'s weight `attr`) plus that weight's adapter's delta, where it has one (and, where the
+  weight's gradient is deferred, handing its (x, dy) to the pipeline's W: wgrad.tap)."""
+  y = wgrad.tap(getattr(module, attr), x, y)
   lora = getattr(module, attr + SUFFIX, None)
   return y if lora is None else y + lora(x).astype(y.dtype)
 

@@ -65,6 +65,17 @@ class Role:
     return self.kind == "matrix" and self.cast_at_use
 
   @property
+  def deferred(self) -> bool:
+    """A trained projection of a scanned decoder layer (not MoE's experts): a zero-bubble pipeline's B hands its
+    input and output gradient to W, which makes its weight gradient (model/wgrad.py; lora.adapted runs it)."""
+    return self.kind == "matrix" and self.layer and self.stacked and self.lead == 1 and not self.frozen
+
+  @property
+  def n_in(self) -> int:
+    """A matrix's input dimensions (after its `lead` axes)."""
+    return self.in_axis - self.lead + 1
+
+  @property
   def matmul(self) -> bool:
     """A weight of a matmul (not a norm scale, a bias, or a lookup table that is not also the head)."""
     return self.kind in ("matrix", "router") or self.output

@@ -1,8 +1,9 @@
 """Pipeline parallelism: an executor of the gradient contract (jaxtrain.run.grads) that runs the microbatches'
 forward and backward work as a static schedule says. One SPMD program, manual over `pipeline` only, scans the
 schedule's ticks and runs per tick idle, forward or backward of one chunk of layers (recomputing from the stashed
-input), the backward whole or split into B (input gradient) and W (weight gradient). The objective, its weights,
-the microbatches and the gradient layout are the contract's; only the order of the work is the pipeline's."""
+input), the backward whole or split into B (input gradient; it hands each projection's input and output gradient
+to W) and W (the projections' weight gradients from them, model/wgrad.py). The objective, its weights, the
+microbatches and the gradient layout are the contract's; only the order of the work is the pipeline's."""
 
 from __future__ import annotations
 
@@ -18,19 +19,19 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import loss as xent, moe_balance, mtp as mtp_lib, ops, roles, transformer as model_lib
+from jaxtrain.model import loss as xent, moe_balance, mtp as mtp_lib, ops, roles, transformer as model_lib, wgrad
 from jaxtrain.model.layers import rope_tables
-from jaxtrain.parallel import schedule as schedule_lib, sharding
+from jaxtrain.parallel import fp8, schedule as schedule_lib, sharding
 
 AXIS = "pipeline"
 ACT = ("batch", "act_length", "act_embed")  # a chunk's input/output activation
 IDLE, FWD, BWD, BWD_X, BWD_W = range(5)  # branches of the per-tick switch: BWD whole, or as B (X) and W
 # columns of the per-(tick, device) table given to the program (XSLOT: where chunk 0's input gradient replaces
 # its input; ESLOT: where the gradient of the MTP module's target embeddings, made by the last chunk's weight
-# gradient, replaces them), then one per link (`links`): the slot an activation (then a gradient) arriving over it
-# lands in
-BRANCH, MB, CHUNK, GCHUNK, SLOT, GSLOT, XSLOT, ESLOT = range(8)
-NCOL = 8
+# gradient, replaces them; WSLOT: where B leaves what W needs), then one per link (`links`): the slot an activation
+# (then a gradient) arriving over it lands in
+BRANCH, MB, CHUNK, GCHUNK, SLOT, GSLOT, XSLOT, ESLOT, WSLOT = range(9)
+NCOL = 9
 
 
 def stages(mesh) -> int:
@@ -87,16 +88,17 @@ def links(t: schedule_lib.Table) -> list[tuple[tuple[int, int], ...]]:
   return [tuple(sorted(pairs)) for _, pairs in sorted(by_offset.items())]
 
 
-def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int]:
-  """The table as int32 (ticks, p, NCOL + 2 x links) columns, and the stash and gradient slot counts (+1 trash)."""
+def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int, int]:
+  """The table as int32 (ticks, p, NCOL + 2 x links) columns, and the stash, gradient and W slot counts (+1
+  trash each)."""
   p, last, F, B = t.p, t.chunks - 1, schedule_lib.F, schedule_lib.B
-  stash = [schedule_lib.assign_slots(iv) for iv in t.stash_intervals()]
-  grads = [schedule_lib.assign_slots(iv) for iv in t.grad_intervals()]
-  S, G = max(max(n for _, n in stash), 1), max(max(n for _, n in grads), 1)
+  stash, grads, wait = ([schedule_lib.assign_slots(iv) for iv in ivs]
+                        for ivs in (t.stash_intervals(), t.grad_intervals(), t.w_intervals()))
+  S, G, WN = (max(max(n for _, n in slots), 1) for slots in (stash, grads, wait))
   ls = links(t)
   link = {pair: k for k, pairs in enumerate(ls) for pair in pairs}
   out = np.zeros((t.ticks, p, NCOL + 2 * len(ls)), np.int32)
-  out[:, :, SLOT], out[:, :, GSLOT], out[:, :, XSLOT], out[:, :, ESLOT] = S, G, t.m, t.m
+  out[:, :, SLOT], out[:, :, GSLOT], out[:, :, XSLOT], out[:, :, ESLOT], out[:, :, WSLOT] = S, G, t.m, t.m, WN
   out[:, :, NCOL:NCOL + len(ls)], out[:, :, NCOL + len(ls):] = S, G
   kinds = {F: FWD, B: BWD_X if t.split else BWD, schedule_lib.W: BWD_W}
   first = {F: FWD, B: IDLE, schedule_lib.W: BWD} if t.split else kinds  # chunk 0's W also gives its input gradient
@@ -116,11 +118,13 @@ def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int]:
         out[tick, d, NCOL + len(ls) + link[(d, s)]] = grads[d][0][(op.mb, c - 1)]
       if c == 0 and r[BRANCH] == BWD:  # its input is used for the last time: its gradient takes its slot
         r[XSLOT] = op.mb
-      if c == last and r[BRANCH] in (BWD, BWD_W):  # the head's weight gradients, the target embeddings' with them
+      if c == last and r[BRANCH] in (BWD, BWD_X):  # the head's gradients, the target embeddings' with them
         r[ESLOT] = op.mb
+      if r[BRANCH] in (BWD_X, BWD_W):  # B leaves the projections' inputs and output gradients for W here
+        r[WSLOT] = wait[s][0][(op.mb, c)]
       if op.kind != F and c < last:
         r[GSLOT] = grads[s][0][(op.mb, c)]
-  return out, S, G
+  return out, S, G, WN
 
 
 def reversed_rows(t: schedule_lib.Table) -> list[bool]:
@@ -154,6 +158,10 @@ class _Static:
   links: list
   S: int  # stash slots
   G: int  # gradient slots
+  WN: int  # slots of what B leaves for W
+  deferred: tuple  # per leaf of a chunk's parameters (jax.tree order): W makes its gradient (roles.Role.deferred)
+  n_in: tuple  # per leaf: a deferred projection's input dimensions
+  fp8: str  # model.fp8: W's products take FP8 operands as the projection's backward would
   p: int
   v: int
   m: int
@@ -170,7 +178,7 @@ def _execute(objective, params, mbs, w, grad_sharding, *, cfg, mesh, forward_onl
   plan, mc = ops.current(), cfg.model
   p, v, m = stages(mesh), cfg.pipeline.virtual_stages, mbs["inputs"].shape[0]
   t = (schedule_lib.build_forward if forward_only else schedule_lib.build)(cfg.pipeline.schedule, p, m, v)
-  prog, S, G = program_table(t)
+  prog, S, G, WN = program_table(t)
   used = sorted(set(prog[..., BRANCH].flat))  # only the branches this table uses are compiled
   prog[..., BRANCH] = np.searchsorted(used, prog[..., BRANCH])
   # (layers, ...) -> (v, p, layers per chunk, ...): [j, s] is global chunk j*p + s (zbv: 2p-1-s on j = 1), so
@@ -190,8 +198,11 @@ def _execute(objective, params, mbs, w, grad_sharding, *, cfg, mesh, forward_onl
   head = [k for k in rest if all(r.head for r in jax.tree.leaves(roles.tree(mc, {k: rest[k]})))]
   specs = None if grad_sharding is None else jax.tree.map(lambda sh: sh.spec, (
       grad_sharding["layers"], {k: grad_sharding[k] for k in head}))
-  static = _Static(objective, plan, jnp.asarray(prog), used, links(t), S, G, p, v, m, jnp.dtype(mc.dtype), axes,
-                   head, specs, forward_only, mtp, t.device_of(t.chunks - 1)[0])
+  layer_roles = jax.tree.leaves(roles.tree(mc, {"layers": params["layers"]}))
+  deferred = tuple(t.split and r.deferred for r in layer_roles)
+  static = _Static(objective, plan, jnp.asarray(prog), used, links(t), S, G, WN, deferred,
+                   tuple(r.n_in for r in layer_roles), mc.fp8, p, v, m, jnp.dtype(mc.dtype), axes, head, specs,
+                   forward_only, mtp, t.device_of(t.chunks - 1)[0])
   w = w if w is not None else jnp.float32(0)  # evaluation: no objective weights
   slots = [plan.constrain(jnp.concatenate([x, jnp.zeros_like(x[:1])]), (None, *ACT)) for x in embedded]  # +discard
   # plan.mesh: the abstract mesh inside a region already manual over data (data_region), else `mesh`
@@ -220,6 +231,27 @@ def _embed(plan, e, tokens, dt):
   return plan.constrain(rows.astype(dt), (None, *ACT))
 
 
+# The per-tick buffers (stash, gradient and W slots, the embedded tokens) hold a 16-bit float's bits as uint16 and
+# are written and read as dynamic slices: XLA:CPU updates a bfloat16 buffer in float32, converting the whole buffer
+# both ways at every tick (`.at[i].set`, a scatter, adds a select); bits are moved as they are.
+def bits(dtype):
+  dtype = jnp.dtype(dtype)
+  return jnp.dtype(jnp.uint16) if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2 else dtype
+
+
+def as_bits(x):
+  return jax.lax.bitcast_convert_type(x, bits(x.dtype)) if bits(x.dtype) != x.dtype else x
+
+
+def put(buf, value, i):
+  return jax.lax.dynamic_update_index_in_dim(buf, as_bits(value), i, 0)
+
+
+def get(buf, i, dtype):
+  x = jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+  return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
 def _region(static: _Static, layers, rest, mbs, slots, w):
   """The per-device program: the tick scan under the plan as seen inside the region. `slots`: the embedded tokens
   (and the MTP module's embedded targets), m + 1 slots each (the last one a discard)."""
@@ -242,23 +274,33 @@ class _Ticks:
     self.zero_head_load = jnp.zeros((X,), jnp.float32)
     # the head's weights as stored too, like a chunk's
     self.heads = {k: jax.tree.map(lambda a, ax: plan.constrain(a, ax), rest[k], static.axes[k]) for k in static.head}
+    self.tokens = (b, L)
+    chunk0 = jax.tree.map(lambda a: a[0], self.layers)
+    # one pass's (input, output gradient) zeros of each deferred projection: B's probes, W's operands
+    self.zero_kept = wgrad.zero_probes(chunk0, static.deferred, static.n_in, self.tokens, 1, static.dt)
+    # Without other mesh axes no branch holds a collective: each device can take its own on CPU too
+    self.own_branch = plan.platform != "cpu" or all(n == AXIS or k == 1 for n, k in plan.mesh.shape.items())
 
   def act(self, x):
     return self.plan.constrain(x, ACT)
 
   # The stages take different branches at the same tick. XLA:CPU runs a collective only when every device joins
-  # (the collective-permutes with which XLA splits a stage's work between its axes too), so on CPU every device
-  # computes every branch and selects its own: the same values, some times the work. Elsewhere, lax.switch/cond.
+  # (the collective-permutes with which XLA splits a stage's work between its axes too), so on CPU with another
+  # mesh axis every device computes every branch and selects its own: the same values, some times the work.
+  # Elsewhere (and on CPU with `pipeline` the only axis: no collective in a branch), lax.switch/cond.
   def switch(self, index, branches, *args):
-    if self.plan.platform != "cpu":
+    if self.own_branch:
       return jax.lax.switch(index, branches, *args)
     outs = [b(*args) for b in branches]
     return jax.tree.map(lambda *xs: jax.lax.select_n(index, *xs), *outs)
 
   def cond(self, pred, true_fn, false_fn):
-    if self.plan.platform != "cpu":
+    if self.own_branch:
       return jax.lax.cond(pred, true_fn, false_fn)
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fn(), false_fn())
+
+  def pin(self, g, spec):
+    return g if spec is None else jax.lax.with_sharding_constraint(g, NamedSharding(self.plan.mesh, spec))
 
   def keep(self, g_chunks, g_head, lead: int = 1):
     """Chunk and head gradients in the gradients' layout (ZeRO-2: split over data too) where it is pinned; `lead`:
@@ -266,16 +308,20 @@ class _Ticks:
     if self.st.grad_specs is None:
       return g_chunks, g_head
     specs_l, specs_h = self.st.grad_specs
-    put = lambda g, spec: jax.lax.with_sharding_constraint(g, NamedSharding(self.plan.mesh, spec))  # noqa: E731
-    return (jax.tree.map(lambda g, sp: put(g, P(*(None,) * lead, *sp[1:])), g_chunks, specs_l),
-            jax.tree.map(put, g_head, specs_h))
+    return (jax.tree.map(lambda g, sp: self.pin(g, P(*(None,) * lead, *sp[1:])), g_chunks, specs_l),
+            jax.tree.map(self.put, g_head, specs_h))
 
-  def stage(self, chunk, x, mb):
-    """One chunk's layers: output, its MoE stats (list per layer)."""
+  def deferred(self) -> list[int]:
+    return [i for i, d in enumerate(self.st.deferred) if d]
+
+  def stage(self, chunk, x, mb, probes=None):
+    """One chunk's layers: output, its MoE stats (list per layer). `probes`: B's zero probes (px, pdy) of the
+    deferred projections, which then hand their inputs and output gradients to them (wgrad.Tapped)."""
     mc = self.st.objective.cfg.model
     # the chunk's weights as stored (split over fsdp), so that their gradient is too: unconstrained, the
     # backward of the layers' scan all-reduces each layer's weight gradient and stacks the chunk's whole
     chunk = jax.tree.map(lambda a, ax: self.plan.constrain(a, (None, *ax[1:])), chunk, self.st.axes["layers"])
+    chunk = chunk if probes is None else wgrad.wrap(chunk, self.st.deferred, probes)
     model = self.st.objective.model({**self.rest, "layers": chunk})
     y, stats = model_lib.run_stack(model.layers, x, rope_tables(mb["positions"], mc), mb["segment_ids"], mc.remat)
     return self.act(y), stats
@@ -296,21 +342,31 @@ class _Ticks:
     return xent.nll_sum(model.final_norm(y), model.head_weight(), mb["targets"], mb["loss_mask"],
                         c.train.loss_chunk_tokens, c.model.head_logits_dtype, gather=False)
 
-  def result(self, acc, y=None, dx=None, loss=0.0, moe=None, load=None, head_load=None, de=None):
+  def result(self, acc, y=None, dx=None, loss=0.0, moe=None, load=None, head_load=None, de=None, kept=None):
     f32 = jnp.float32
     moe = moe or {"aux": f32(0), "dropped": f32(0), "assigned": f32(0)}
+    kept = kept if kept is not None else [(jnp.zeros_like(a), jnp.zeros_like(b)) for a, b in self.zero_kept]
     return {"y": self.zero_act if y is None else y, "dx": self.zero_act if dx is None else dx, "acc": acc,
+            "kept": kept,
             "de": self.zero_act if de is None else self.act(de.astype(self.st.dt)),
             "loss": f32(loss), "moe": moe, "load": self.zeros_load if load is None else load,
             "head_load": self.zero_head_load if head_load is None else head_load}
 
-  def add(self, acc, j, g_chunk, g_head):
-    """The float32 accumulators (layers, head) plus local chunk j's gradients, inside the branch: the switch then
-    returns the accumulators (aliased in place), not gradient-sized values from every branch."""
+  def add(self, acc, j, g_chunk: dict, g_head=None):
+    """The float32 accumulators (layers, head) plus local chunk j's gradients ({leaf index: gradient}, some of the
+    chunk's leaves), inside the branch: the switch then returns the accumulators (aliased in place), not
+    gradient-sized values from every branch."""
     acc_layers, acc_head = acc
-    g_chunk, g_head = self.keep(g_chunk, g_head)
-    return (jax.tree.map(lambda a, g: a.at[j].add(g.astype(jnp.float32)), acc_layers, g_chunk),
-            jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_head, g_head))
+    flat, tdef = jax.tree.flatten(acc_layers)
+    specs = [None] * len(flat) if self.st.grad_specs is None else [
+        P(None, *sp[1:]) for sp in jax.tree.leaves(self.st.grad_specs[0], is_leaf=lambda x: isinstance(x, P))]
+    for i, g in g_chunk.items():
+      flat[i] = flat[i].at[j].add(self.pin(g, specs[i]).astype(jnp.float32))
+    if g_head is not None:
+      if self.st.grad_specs is not None:
+        g_head = jax.tree.map(self.put, g_head, self.st.grad_specs[1])
+      acc_head = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_head, g_head)
+    return tdef.unflatten(flat), acc_head
 
   def totals(self, stats):
     """A chunk's (or the head's) MoE totals: its share of the aux loss, dropped and assigned, load rows."""
@@ -323,7 +379,7 @@ class _Ticks:
   def idle(self, acc, *_):
     return self.result(acc)
 
-  def forward(self, acc, j, chunk, x, dy, e, mb, last):
+  def forward(self, acc, j, chunk, x, dy, e, mb, last, waiting):
     y, stats = self.stage(chunk, x, mb)
     tot, load = self.totals(stats)
     if self.st.forward_only:
@@ -339,63 +395,94 @@ class _Ticks:
 
   def objective_of(self, dy, mb, last):
     """The chunk's share of the objective as a function of (chunk params, head params, chunk input, MTP target
-    embeddings)."""
-    def objective(c, h, x, e):
-      y, stats = self.stage(c, x, mb)
+    embeddings, B's probes)."""
+    def objective(c, h, x, e, probes=None):
+      y, stats = self.stage(c, x, mb, probes)
       # last chunk: the head terms; else <y, dy>, whose gradient is the vjp with dy
       out = self.cond(last, lambda: self.head_terms(h, y, e, mb)[0],
                          lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)))
       return out + self.st.objective.aux(stats, self.w)
     return objective
 
-  def backward(self, acc, j, chunk, x, dy, e, mb, last):
+  def backward(self, acc, j, chunk, x, dy, e, mb, last, waiting):
     g_chunk, g_head, dx, de = jax.grad(self.objective_of(dy, mb, last), argnums=(0, 1, 2, 3))(
         chunk, self.heads, x, e)
-    return self.result(self.add(acc, j, g_chunk, g_head), dx=self.act(dx.astype(self.st.dt)), de=de)
+    return self.result(self.add(acc, j, dict(enumerate(jax.tree.leaves(g_chunk))), g_head),
+                       dx=self.act(dx.astype(self.st.dt)), de=de)
 
-  # Split backward (zero-bubble schedules): B and W each recompute the chunk's forward from the stashed
-  # input; B differentiates w.r.t. the input only (no weight-gradient matmuls), W w.r.t. the weights only
-  # (it redoes the activation gradients inside the chunk, which the weights' need).
-  def backward_x(self, acc, j, chunk, x, dy, e, mb, last):
-    dx = jax.grad(self.objective_of(dy, mb, last), argnums=2)(chunk, self.heads, x, e)
-    return self.result(acc, dx=self.act(dx.astype(self.st.dt)))
+  # Split backward (zero-bubble schedules). B recomputes the chunk's forward from the stashed input and
+  # differentiates it w.r.t. the input, the head and the parameters that are not deferred projections (norms,
+  # router, experts); each deferred projection hands its input x and output gradient dy to B's probes, kept in a
+  # W slot. W is only the deferred projections' x^T dy: no forward, no activation gradient again.
+  def backward_x(self, acc, j, chunk, x, dy, e, mb, last, waiting):
+    leaves, tdef = jax.tree.flatten(chunk)
+    free = [i for i, d in enumerate(self.st.deferred) if not d]
 
-  def backward_w(self, acc, j, chunk, x, dy, e, mb, last):
-    g_chunk, g_head, de = jax.grad(self.objective_of(dy, mb, last), argnums=(0, 1, 3))(chunk, self.heads, x, e)
-    return self.result(self.add(acc, j, g_chunk, g_head), de=de)
+    def objective(free_leaves, h, x, e, probes):
+      mixed = list(leaves)
+      for i, a in zip(free, free_leaves):
+        mixed[i] = a
+      return self.objective_of(dy, mb, last)(tdef.unflatten(mixed), h, x, e, probes)
+    g_free, g_head, dx, de, got = jax.grad(objective, argnums=(0, 1, 2, 3, 4))(
+        [leaves[i] for i in free], self.heads, x, e, self.zero_kept)
+    return self.result(self.add(acc, j, dict(zip(free, g_free)), g_head), dx=self.act(dx.astype(self.st.dt)), de=de,
+                       kept=got)
+
+  def backward_w(self, acc, j, chunk, x, dy, e, mb, last, waiting):
+    g = {}
+    wait, ws = waiting  # the W slots, and this pass's
+    for i, (a, b) in zip(self.deferred(), wait):
+      px, pdy = get(a, ws, self.st.dt), get(b, ws, self.st.dt)
+      if self.st.fp8 != "none":  # the operands the FP8 projection's weight gradient has, per layer's tensors
+        px, pdy = jax.vmap(lambda a: fp8.qdq(a, fp8.E4M3))(px), jax.vmap(lambda a: fp8.qdq(a, fp8.E5M2))(pdy)
+      g[i] = wgrad.weight_grad(px, pdy, lead=1)
+    return self.result(self.add(acc, j, g))
 
   def tick(self, carry, row_PxK):
-    stash, gbuf, slots, acc, loss, tot, acc_load, head_load = carry
+    stash, gbuf, wait, slots, acc, loss, tot, acc_load, head_load = carry
     st, r = self.st, row_PxK[self.s]
     mb = jax.tree.map(lambda a: a[r[MB]], self.mbs)
     chunk = jax.tree.map(lambda a: a[r[CHUNK]], self.layers)
     c = r[GCHUNK]
-    x = jnp.where(c == 0, slots[0][r[MB]], stash[r[SLOT]])  # chunk 0: the embedded tokens
-    e = slots[1][r[MB]] if st.mtp else None
+    x = jnp.where(c == 0, get(slots[0], r[MB], st.dt), get(stash, r[SLOT], st.dt))  # chunk 0: the embedded tokens
+    e = get(slots[1], r[MB], st.dt) if st.mtp else None
     branches = [(self.idle, self.forward, self.backward, self.backward_x, self.backward_w)[k] for k in st.used]
-    out = self.switch(r[BRANCH], branches, acc, r[CHUNK], chunk, x, gbuf[r[GSLOT]], e, mb, c == st.p * st.v - 1)
+    dy, last = get(gbuf, r[GSLOT], st.dt), c == st.p * st.v - 1
+    out = self.switch(r[BRANCH], branches, acc, r[CHUNK], chunk, x, dy, e, mb, last, (wait, r[WSLOT]))
+    # B's inputs and output gradients of the projections, in its W slot (the other branches: zeros, into the
+    # discard slot or the slot W has just read)
+    wait = [(put(a, ka, r[WSLOT]), put(b, kb, r[WSLOT])) for (a, b), (ka, kb) in zip(wait, out["kept"])]
     # the input's gradient takes the slot of chunk 0's input (else the discard slot), the MTP target embeddings'
     # that of theirs, once the last chunk's weight gradient has made it
-    slots = [slots[0].at[r[XSLOT]].set(out["dx"]), *([slots[1].at[r[ESLOT]].set(out["de"])] if st.mtp else [])]
+    slots = [put(slots[0], out["dx"], r[XSLOT]), *([put(slots[1], out["de"], r[ESLOT])] if st.mtp else [])]
     tot = jax.tree.map(jnp.add, tot, out["moe"])
     acc_load = acc_load.at[r[CHUNK]].add(out["load"])  # forwards only (the other branches give zeros)
     for k, pairs in enumerate(st.links):  # (s, s): zbv's turn stays on the device
       same = pairs[0][0] == pairs[0][1]
-      stash = stash.at[r[NCOL + k]].set(out["y"] if same else jax.lax.ppermute(out["y"], AXIS, pairs))
+      stash = put(stash, out["y"] if same else jax.lax.ppermute(out["y"], AXIS, pairs), r[NCOL + k])
       back = [(b, a) for a, b in pairs]
-      gbuf = gbuf.at[r[NCOL + len(st.links) + k]].set(
-          out["dx"] if same else jax.lax.ppermute(out["dx"], AXIS, back))
-    return (stash, gbuf, slots, out["acc"], loss + out["loss"], tot, acc_load, head_load + out["head_load"]), None
+      gbuf = put(gbuf, out["dx"] if same else jax.lax.ppermute(out["dx"], AXIS, back), r[NCOL + len(st.links) + k])
+    return (stash, gbuf, wait, slots, out["acc"], loss + out["loss"], tot, acc_load,
+            head_load + out["head_load"]), None
+
+  def w_slots(self) -> list:
+    """(inputs, output gradients) of each deferred projection, WN + 1 slots of a chunk's layers x microbatch."""
+    buf = lambda z: self.plan.constrain(  # noqa: E731
+        jnp.zeros((self.st.WN + 1, *z.shape), bits(z.dtype)), (None, None, "batch", *(None,) * (z.ndim - 2)))
+    return [(buf(x), buf(dy)) for x, dy in self.zero_kept]
 
   def run(self, slots):
     st, f32 = self.st, jnp.float32
-    buf = lambda n: self.plan.constrain(jnp.zeros((n + 1, *self.zero_act.shape), st.dt), (None, *ACT))  # noqa: E731
+    buf = lambda n: self.plan.constrain(  # noqa: E731
+        jnp.zeros((n + 1, *self.zero_act.shape), bits(st.dt)), (None, *ACT))
     acc = self.keep(jax.tree.map(lambda a: jnp.zeros(a.shape, f32), self.layers),
                     jax.tree.map(lambda a: jnp.zeros(a.shape, f32), self.heads), lead=2)
-    carry = (buf(st.S), buf(st.G), slots, acc, f32(0), {"aux": f32(0), "dropped": f32(0), "assigned": f32(0)},
-             jnp.zeros((st.v, *self.zeros_load.shape), f32), self.zero_head_load)
-    (_, _, g_slots, (acc_layers, acc_head), loss, tot, acc_load, head_load), _ = jax.lax.scan(
+    carry = (buf(st.S), buf(st.G), self.w_slots(), [as_bits(x) for x in slots], acc, f32(0),
+             {"aux": f32(0), "dropped": f32(0), "assigned": f32(0)}, jnp.zeros((st.v, *self.zeros_load.shape), f32),
+             self.zero_head_load)
+    (_, _, _, g_slots, (acc_layers, acc_head), loss, tot, acc_load, head_load), _ = jax.lax.scan(
         self.tick, carry, st.prog)
+    g_slots = [jax.lax.bitcast_convert_type(g, st.dt) if g.dtype != st.dt else g for g in g_slots]
     # chunk gradients stay on their device; the head's, chunk 0's input gradients (device 0's) and the MTP target
     # embeddings' (the last chunk's device) are summed over it (in float32: exact, as the others are zeros; a
     # bfloat16 all-reduce in this region aborts XLA:CPU's all-reduce promotion, jax 0.10.2)
@@ -404,6 +491,8 @@ class _Ticks:
     acc_head, loss, tot, head_load, g_slots = jax.lax.psum((acc_head, loss, tot, head_load, g_slots), AXIS)
     return (jax.tree.map(lambda a: a[:, None], acc_layers), acc_head, loss, tot, acc_load[:, None], head_load,
             g_slots)
+
+
 def act_bytes(cfg, mesh) -> int:
   """Bytes of one chunk input on one device (a microbatch's tokens x d_model, compute dtype)."""
   return sharding.tokens_per_device(cfg, mesh) * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize

@@ -87,13 +87,17 @@ class Table:
     """(device, local chunk) of global chunk c."""
     return next((s, j) for s in range(self.p) for j in range(self.v) if self.chunk_of(s, j) == c)
 
-  def bubble(self, cost=None) -> float:
-    """Fraction of device time spent idle. Devices run in lock-step (a tick lasts as long as its slowest
-    op), so with `cost` ({kind: seconds}; default 1 each) a tick costs the most of its ops'."""
+  def span(self, cost=None) -> float:
+    """The step's length in lock-step ticks: each tick lasts as long as its slowest op (`cost`: {kind: seconds};
+    default 1 each)."""
     cost = cost or {F: 1.0, B: 1.0, W: 1.0}
-    span = [max(cost[op.kind] for op in row if op is not None) for row in self.grid]
+    return sum(max(cost[op.kind] for op in row if op is not None) for row in self.grid)
+
+  def bubble(self, cost=None) -> float:
+    """Fraction of device time spent idle in lock-step ticks (`span`)."""
+    cost = cost or {F: 1.0, B: 1.0, W: 1.0}
     busy = sum(cost[op.kind] for row in self.grid for op in row if op is not None)
-    return 1 - busy / (sum(span) * self.p)
+    return 1 - busy / (self.span(cost) * self.p)
 
   def bubble_formula(self) -> float:
     """Unit costs: (p-1) idle ticks per device over the v*m F and B (and W) ticks of one device."""
@@ -106,18 +110,28 @@ class Table:
 
   def stash_intervals(self) -> list[list[tuple[int, int, int, int]]]:
     """Per device: (arrival, last use, microbatch, global chunk) of each stashed chunk input (none for chunk 0);
-    the last use is the backward, or with a split backward its W."""
-    done, out, use = self.done(), [[] for _ in range(self.p)], W if self.split else B
+    the last use is the backward, or with a split backward its B (W works from what B hands it)."""
+    done, out = self.done(), [[] for _ in range(self.p)]
     for (kind, mb, c), t in done.items():
       if kind == F and c > 0:
-        out[self.device_of(c)[0]].append((done[(F, mb, c - 1)] + 1, done.get((use, mb, c), t), mb, c))
+        out[self.device_of(c)[0]].append((done[(F, mb, c - 1)] + 1, done.get((B, mb, c), t), mb, c))
+    return out
+
+  def w_intervals(self) -> list[list[tuple[int, int, int, int]]]:
+    """Per device, a split backward: (B, W, microbatch, global chunk) of each pass whose matmul inputs and output
+    gradients wait from its B to its W (chunk 0's W is its whole backward: nothing waits)."""
+    done, out = self.done(), [[] for _ in range(self.p)]
+    for (kind, mb, c), t in done.items():
+      if self.split and kind == B and c > 0:
+        out[self.device_of(c)[0]].append((t, done[(W, mb, c)], mb, c))
     return out
 
   def grad_intervals(self) -> list[list[tuple[int, int, int, int]]]:
-    """Per device: the output gradients waiting for their chunk's backward (its B and W)."""
-    done, out, last, use = self.done(), [[] for _ in range(self.p)], self.chunks - 1, W if self.split else B
+    """Per device: the output gradients waiting for their chunk's backward (its B; chunk 0's W with a split one)."""
+    done, out, last = self.done(), [[] for _ in range(self.p)], self.chunks - 1
     for (kind, mb, c), t in done.items():
       if kind == B and c < last:
+        use = W if self.split and c == 0 else B
         out[self.device_of(c)[0]].append((done[(B, mb, c + 1)] + 1, done[(use, mb, c)], mb, c))
     return out
 

@@ -1,5 +1,6 @@
 """inspect's pipeline section (jaxtrain.analysis.timeline): the XLA-costed slot FLOPs against the matmul count
-written out here, and the bubble of a table with unit costs against the schedule's formula."""
+written out here (a split backward's F + B + W against F + one whole backward), and the bubble of a table with unit
+costs against the schedule's formula."""
 
 import pytest
 
@@ -24,3 +25,7 @@ def test_slot_flops_are_a_chunks_matmuls_and_the_bubble_the_formula(schedule):
   assert 2.5 * forward <= c["BW"] <= 3.5 * forward  # the recomputed forward and two gradients per matmul
   assert rep["bubble"] == pytest.approx(rep["bubble_formula"]) and rep["ticks"] > 0
   assert rep["split"] == (schedule == "zb-h1") and "stage 1:" in rep["timeline"]
+  if rep["split"]:  # W is the projections' weight gradients alone, B the rest of one backward: nothing twice
+    projections = 2 * tokens * (m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.d_model * m.d_ff)
+    assert c["W"] == pytest.approx(projections * m.n_layers // 2, rel=0.01)  # (XLA adds one per weight element)
+    assert abs(c["F"] + c["B"] + c["W"] - (c["F"] + c["BW"])) <= 0.05 * (c["F"] + c["BW"]), c

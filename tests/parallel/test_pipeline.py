@@ -108,8 +108,8 @@ def test_1f1b_stash_is_about_p_over_m_of_gpipe(runs):
   _, g = runs("pp=4", *SCHEDULES["gpipe"], *LONG)
   _, f = runs("pp=4", *SCHEDULES["1f1b"], *LONG)
   slot_bytes = (16 // m) * 64 * 32 * 4  # one microbatch's chunk input: rows x seq x d_model x float32
-  _, s_g, _ = pipeline.program_table(schedule.build("gpipe", p, m))
-  _, s_f, _ = pipeline.program_table(schedule.build("1f1b", p, m))
+  _, s_g, _, _ = pipeline.program_table(schedule.build("gpipe", p, m))
+  _, s_f, _, _ = pipeline.program_table(schedule.build("1f1b", p, m))
   assert (s_g, s_f) == (m, p)
   tg, tf = g.memory_analysis().temp_size_in_bytes, f.memory_analysis().temp_size_in_bytes
   print(f"temporaries: gpipe {tg:,} B, 1f1b {tf:,} B; stash slots {s_g} vs {s_f} of {slot_bytes:,} B")
@@ -120,25 +120,42 @@ def test_1f1b_stash_is_about_p_over_m_of_gpipe(runs):
 @needs_plugin
 @pytest.mark.slow
 def test_zb_h1_temporaries_are_1f1bs_plus_the_slots_w_keeps():
-  """p=4, m=16, compiled for H100s (the program a GPU runs: one branch per tick; on CPU every device computes
-  every branch and selects its own, which keeps more alive at once). W recomputes from the chunk input and needs
-  the output gradient, so those stay stashed until W: zb-h1 has the same 4 stash slots as 1f1b and 3 gradient
-  slots instead of 1 (+1 discard slot each), of 8,192 B each (64 tokens); beyond them, 2% of XLA's own for the two
-  backward branches. Keeping jax.vjp's residuals from B for W instead of recomputing would hold a chunk's
-  activations per pass waiting for its W (inspect prints how many bytes)."""
-  from jaxtrain.analysis import gpu_compile as gc
+  """p=4, m=16, compiled for H100s (the program a GPU runs: one branch per tick). B frees the chunk input and the
+  output gradient (W no longer recomputes) and leaves each projection's input and output gradient in a W slot until
+  its W: zb-h1's temporaries are at most 1F1B's, plus its W slots (+1 discard), plus the difference in stash and
+  gradient slots of 8,192 B each (64 tokens), plus 2% of XLA's own for the two backward branches."""
+  from jaxtrain.analysis import gpu_compile as gc, timeline
   p, m = 4, 16
-  temps = {}
+  temps, setups = {}, {}
   for name in ("1f1b", "zb-h1"):
-    setup = step.Setup(cfg_of(*SCHEDULES[name], *LONG, "model.attention=xla"), gc.mesh("H100", "pp=4"))
-    temps[name] = gc.compile_step(setup)[0].memory_analysis().temp_size_in_bytes
+    setups[name] = step.Setup(cfg_of(*SCHEDULES[name], *LONG, "model.attention=xla"), gc.mesh("H100", "pp=4"))
+    temps[name] = gc.compile_step(setups[name])[0].memory_analysis().temp_size_in_bytes
   slot_bytes = (16 // m) * 64 * 32 * 4
-  _, s_f, g_f = pipeline.program_table(schedule.build("1f1b", p, m))
-  _, s_z, g_z = pipeline.program_table(schedule.build("zb-h1", p, m))
-  assert (s_f, g_f, s_z, g_z) == (p, 1, p, 3)
+  _, s_f, g_f, _ = pipeline.program_table(schedule.build("1f1b", p, m))
+  _, s_z, g_z, w_z = pipeline.program_table(schedule.build("zb-h1", p, m))
+  w_pass = timeline.slot_costs(setups["zb-h1"])["w_bytes"]
+  assert s_z <= s_f and w_pass > 0
   tf, tz = temps["1f1b"], temps["zb-h1"]
-  print(f"temporaries: 1f1b {tf:,} B, zb-h1 {tz:,} B")
-  assert tz <= tf + (s_z + g_z - s_f - g_f) * slot_bytes + 0.02 * tf
+  print(f"temporaries: 1f1b {tf:,} B, zb-h1 {tz:,} B ({w_z} W slots of {w_pass:,} B)")
+  assert tz <= tf + (s_z + g_z - s_f - g_f) * slot_bytes + (w_z + 1) * w_pass + 0.02 * tf
+
+
+# float32, MoE (experts and router differentiated in B) with MLA's projections and the MTP module (on the last
+# chunk, whose head terms B differentiates); FP8 projections (W gives its products FP8 operands)
+SPLIT_CASES = {"moe-mla-mtp": MOE[:3] + ["model.attention_type=mla", "model.q_lora_rank=16", "model.kv_lora_rank=16",
+                                         "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8",
+                                         "model.v_head_dim=8", "model.mtp_layers=1", "model.mtp_weight=0.3",
+                                         "model.n_layers=4"],
+               "fp8": ["model.fp8=tensorwise", "model.n_layers=4"]}
+
+
+@pytest.mark.parametrize("case,name", [("moe-mla-mtp", "zbv"), ("fp8", "zb-h1")])
+def test_split_backward_gives_the_whole_backwards_gradients(runs, case, name):
+  """B then W (no forward or activation gradient twice) against 1F1B's whole backward, same mesh and order of
+  microbatches: the same losses and gradient norms to float32 rounding."""
+  ref, _ = runs("pp=2", *SCHEDULES["1f1b"], *SPLIT_CASES[case])
+  got, _ = runs("pp=2", *SCHEDULES[name], *SPLIT_CASES[case])
+  np.testing.assert_allclose(got[:, :2], ref[:, :2], rtol=1e-6, err_msg=f"{name} {case}")
 
 
 def test_eval_runs_the_pipelined_forward():

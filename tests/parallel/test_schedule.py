@@ -139,6 +139,32 @@ def test_slots_never_overlap():
           assert a[1] < b[0] or b[1] < a[0]
 
 
+@pytest.mark.parametrize("name,p,m,v", [("zb-h1", 4, 8, 1), ("zb-h1", 3, 7, 1), ("zbv", 4, 8, 2), ("zbv", 2, 5, 2)])
+def test_w_slots_hold_each_pass_from_its_b_to_its_w(name, p, m, v):
+  """Replays the program's table: every B of a chunk past the first leaves its projections' inputs and output
+  gradients in a free W slot of its device, and that chunk's W reads them there; nothing else takes the slot between."""
+  from jaxtrain.parallel import pipeline
+  t = S.build(name, p, m, v)
+  prog, _, _, n = pipeline.program_table(t)
+  held = [dict() for _ in range(p)]  # device -> {slot: (mb, global chunk)}
+  passes = 0
+  for tick, row in enumerate(t.grid):
+    for s, op in enumerate(row):
+      if op is None or t.chunk_of(s, op.chunk) == 0:
+        continue
+      key, slot = (op.mb, t.chunk_of(s, op.chunk)), int(prog[tick, s, pipeline.WSLOT])
+      if op.kind == S.B:
+        assert slot < n and slot not in held[s], (tick, s, op)
+        held[s][slot] = key
+      elif op.kind == S.W:
+        assert held[s].pop(slot) == key, (tick, s, op)
+        passes += 1
+  assert passes == m * (p * v - 1) and not any(held)
+  # the stash no longer waits for W: each chunk input is freed at its B, so zb-h1 stashes no more than 1F1B
+  if name == "zb-h1":
+    assert max(t.in_flight()) <= max(S.build("1f1b", p, m).in_flight())
+
+
 @pytest.mark.parametrize("name,p,m,v,msg", [
     ("1f1b", 4, 2, 1, "train.microbatches=2 must be >= the pipeline stages (4)"),
     ("gpipe", 2, 4, 2, "pipeline.virtual_stages=2 needs pipeline.schedule=interleaved"),

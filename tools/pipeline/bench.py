@@ -1,0 +1,83 @@
+"""The pipeline schedules side by side on simulated CPU devices (docs/pipeline.md, "Measured on CPU"): each case
+compiled once, then ROUNDS rounds that each time STEPS steps of every case in turn (the order reversed every other
+round: the machine is shared and noisy); per case the median step, its ratio to the no-pipeline case, XLA's
+compiled temporaries and the table's lock-step time with XLA's FLOPs per slot (inspect's costed bubble).
+
+usage: XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
+       python tools/pipeline/bench.py [--microbatches 8,16] [--rounds 3] [--steps 5] [--cases "pp=4 1f1b,pp=4 zb-h1"]
+"""
+import argparse
+import statistics
+import time
+
+import jax
+
+from jaxtrain import data
+from jaxtrain.analysis import timeline
+from jaxtrain.core import config
+from jaxtrain.parallel import mesh as mesh_lib, pipeline, schedule as schedule_lib
+from jaxtrain.run import step
+
+BASE = ["model.n_layers=8", "model.scan_layers=true", "train.batch_size=64", "train.seq_len=64",
+        "model.dtype=bfloat16"]
+CASES = {"fsdp=4": ("fsdp=4", []), "pp=4 gpipe": ("pp=4", ["pipeline.schedule=gpipe"]),
+         "pp=4 1f1b": ("pp=4", ["pipeline.schedule=1f1b"]),
+         "pp=4 interleaved v=2": ("pp=4", ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2"]),
+         "pp=4 zb-h1": ("pp=4", ["pipeline.schedule=zb-h1"]),
+         "pp=4 zbv v=2": ("pp=4", ["pipeline.schedule=zbv", "pipeline.virtual_stages=2"])}
+
+
+def prepare(spec, sets, m):
+  cfg = config.load("tiny", BASE + sets + [f"train.microbatches={m}"])
+  setup = step.Setup(cfg, mesh_lib.build(mesh_lib.parse(spec), jax.devices()[:4]))
+  it = data.batches(setup.cfg)
+  batch = setup.device_batch(next(it))
+  it.close()
+  state = setup.init()
+  compiled = setup.step.lower(state, batch).compile()
+  state, _ = compiled(state, batch)  # warm-up
+  jax.block_until_ready(state)
+  costed = None
+  if pipeline.active(setup.mesh):
+    t, c = pipeline.table(setup.cfg, setup.mesh), timeline.slot_costs(setup)
+    F, B, W = schedule_lib.F, schedule_lib.B, schedule_lib.W
+    per_op = {F: c["F"], B: c["B"], W: c["W"]} if t.split else {F: c["F"], B: c["BW"]}
+    costed = t.span(per_op)
+  return {"run": compiled, "state": state, "batch": batch, "times": [],
+          "temp": compiled.memory_analysis().temp_size_in_bytes, "costed": costed}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--microbatches", default="8,16")
+  ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--steps", type=int, default=5)
+  ap.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES (fsdp=4 always runs)")
+  args = ap.parse_args()
+  names = ["fsdp=4", *(n for n in args.cases.split(",") if n != "fsdp=4")]
+  for m in map(int, args.microbatches.split(",")):
+    cases = {name: prepare(*CASES[name], m) for name in names}
+    order = list(cases)
+    for r in range(args.rounds):
+      for name in (order if r % 2 == 0 else order[::-1]):
+        c = cases[name]
+        for _ in range(args.steps):
+          t0 = time.perf_counter()
+          c["state"], _ = c["run"](c["state"], c["batch"])
+          jax.block_until_ready(c["state"])
+          c["times"].append(time.perf_counter() - t0)
+    ref = statistics.median(cases["fsdp=4"]["times"])
+    print(f"\nm={m}: {args.rounds} alternating rounds x {args.steps} steps per case")
+    print("| m | mesh, schedule | step ms median [min..max] | vs fsdp=4 | compiled temporaries per device (B) "
+          "| lock-step time, XLA FLOPs per slot (vs 1f1b) |")
+    print("|---|---|---|---|---|---|")
+    base = cases["pp=4 1f1b"]["costed"] if "pp=4 1f1b" in cases else None
+    for name, c in cases.items():
+      med = statistics.median(c["times"])
+      lock = "-" if c["costed"] is None else f"{c['costed']:.3g}" + (f" ({c['costed'] / base:.2f})" if base else "")
+      print(f"| {m} | {name} | {med * 1e3:.0f} [{min(c['times']) * 1e3:.0f}..{max(c['times']) * 1e3:.0f}] | "
+            f"{med / ref:.2f} | {c['temp']:,} | {lock} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
