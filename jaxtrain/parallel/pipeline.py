@@ -275,6 +275,7 @@ class _Ticks:
     # the head's weights as stored too, like a chunk's
     self.heads = {k: jax.tree.map(lambda a, ax: plan.constrain(a, ax), rest[k], static.axes[k]) for k in static.head}
     self.tokens = (b, L)
+    self.layer_axes = jax.tree.leaves(static.axes["layers"], is_leaf=lambda x: isinstance(x, tuple))
     chunk0 = jax.tree.map(lambda a: a[0], self.layers)
     # one pass's (input, output gradient) zeros of each deferred projection: B's probes, W's operands
     self.zero_kept = wgrad.zero_probes(chunk0, static.deferred, static.n_in, self.tokens, 1, static.dt)
@@ -309,7 +310,7 @@ class _Ticks:
       return g_chunks, g_head
     specs_l, specs_h = self.st.grad_specs
     return (jax.tree.map(lambda g, sp: self.pin(g, P(*(None,) * lead, *sp[1:])), g_chunks, specs_l),
-            jax.tree.map(self.put, g_head, specs_h))
+            jax.tree.map(self.pin, g_head, specs_h))
 
   def deferred(self) -> list[int]:
     return [i for i, d in enumerate(self.st.deferred) if d]
@@ -364,7 +365,7 @@ class _Ticks:
       flat[i] = flat[i].at[j].add(self.pin(g, specs[i]).astype(jnp.float32))
     if g_head is not None:
       if self.st.grad_specs is not None:
-        g_head = jax.tree.map(self.put, g_head, self.st.grad_specs[1])
+        g_head = jax.tree.map(self.pin, g_head, self.st.grad_specs[1])
       acc_head = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_head, g_head)
     return tdef.unflatten(flat), acc_head
 
@@ -435,7 +436,8 @@ class _Ticks:
       px, pdy = get(a, ws, self.st.dt), get(b, ws, self.st.dt)
       if self.st.fp8 != "none":  # the operands the FP8 projection's weight gradient has, per layer's tensors
         px, pdy = jax.vmap(lambda a: fp8.qdq(a, fp8.E4M3))(px), jax.vmap(lambda a: fp8.qdq(a, fp8.E5M2))(pdy)
-      g[i] = wgrad.weight_grad(px, pdy, lead=1)
+      # in the weight's stored split, as the recomputing backward's (unconstrained: all-reduced whole over fsdp)
+      g[i] = self.plan.constrain(wgrad.weight_grad(px, pdy, lead=1), (None, *self.layer_axes[i][1:]))
     return self.result(self.add(acc, j, g))
 
   def tick(self, carry, row_PxK):

@@ -252,11 +252,12 @@ def test_fresh_relative_workdirs_and_a_metrics_failure_on_process_0(tp8):
 
 
 def test_a_slow_host_is_flagged_as_the_straggler(tmp_path):
-  """Process 1's host works 1 s more per step from step 11 (the fault hook): over steps 1-10 nobody is flagged;
+  """Process 1's host works 1 s more per step from step 12 (the fault hook): over steps 1-10 nobody is flagged;
   over 11-20 process 1 is, with its own time per step near the injected second, process 0's near nothing (it waits
-  for process 1 in each step's collectives), and process 0 says so in one line."""
+  for process 1 in each step's collectives), and process 0 says so in one line. (From step 12, not 11: a record's
+  interval can hold the next step's sleep, which put step 11's second into the first ten records' mean.)"""
   cwd = _two(tmp_path, "slow", "--steps", "20", "--set", "checkpoint.interval=0",
-             env={"JAXTRAIN_FAULTS": "slow=1:1.0:11"}).parent
+             env={"JAXTRAIN_FAULTS": "slow=1:1.0:12"}).parent
   recs = _records(cwd / "w")
   assert [s for s in recs if "stragglers" in recs[s]] == [10, 20]
   assert recs[10]["stragglers"] == [] and recs[20]["stragglers"] == [1], (recs[10], recs[20])
