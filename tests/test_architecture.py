@@ -278,6 +278,7 @@ COVERED_BY = {
     "jaxtrain.parallel.expert_layout": ("tests/parity/test_moe_parity.py", "moe_layout"),
     "jaxtrain.parallel.experts_dropless": ("tests/parity/test_moe_parity.py", "dropless"),
     "jaxtrain.parallel.placement": ("tests/multihost/test_multihost.py", "rows"),
+    "jaxtrain.parallel.program": ("tests/parallel/test_schedule.py", "program.program_table"),
     "jaxtrain.run.faults": ("tests/recovery/test_recovery.py", "JAXTRAIN_FAULTS"),
     "jaxtrain.run.grads": ("tests/run/test_step.py", "grads_of"),
     "jaxtrain.run.layout": ("tests/parity/test_zero_parity.py", "layout"),

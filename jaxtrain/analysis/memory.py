@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import quant, roles
-from jaxtrain.parallel import devices, pipeline
+from jaxtrain.parallel import devices, pipeline, program
 from jaxtrain.parallel import sharding
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -242,7 +242,7 @@ def pipeline_activations(cfg, mesh, remat: str = "none", kernel: str = "xla", pa
   inputs, then their gradients; +1 discard slot) and, during a backward, the residuals of the one chunk it
   recomputes (its layers only: no final norm)."""
   t = pipeline.table(cfg, mesh)
-  _, S, G, WN = pipeline.program_table(t)
+  _, S, G, WN = program.program_table(t)
   chunk = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=cfg.model.n_layers // t.chunks))
   out = activations(chunk, mesh, remat, kernel, packed_segments, logits_residual=False)
   # the final norm's residuals are dead before a chunk's layers run backward (llama3.1-70b pp=4: no float32
@@ -255,12 +255,12 @@ def pipeline_activations(cfg, mesh, remat: str = "none", kernel: str = "xla", pa
 
 
 def w_wait(cfg, mesh, rows: list[Row]) -> tuple[int, str]:
-  """A split backward's (zb-h1, zbv) W slots: per pass of a chunk, each deferred projection's input and output
+  """A split backward's (zb-h1, zbv; dualpipev's split passes) W slots: per pass of a chunk, each deferred projection's input and output
   gradient (one microbatch, the compute dtype; split over tensor where the weight's side is), from its B to its W."""
   t = pipeline.table(cfg, mesh)
   if not t.split:
     return 0, f"none ({t.name} does not split the backward)"
-  slots = pipeline.program_table(t)[3] + 1
+  slots = program.program_table(t)[3] + 1
   tensor = mesh.shape.get("tensor", 1)
 
   def sides(r):

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxtrain.model import roles, transformer as model_lib, wgrad
 from jaxtrain.model.layers import rope_tables
-from jaxtrain.parallel import pipeline, schedule as schedule_lib
+from jaxtrain.parallel import pipeline, program, schedule as schedule_lib
 
 
 def slot_costs(setup) -> dict:
@@ -42,13 +42,7 @@ def slot_costs(setup) -> dict:
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
 
   def split_b(c, x, dy, pos, rest):  # the input, the parameters W does not make, the probes
-    free = lambda c: [a for a, d in zip(jax.tree.leaves(c), deferred) if not d]  # noqa: E731
-    def of(free_leaves, x, probes):
-      it = iter(free_leaves)
-      mixed = jax.tree.unflatten(jax.tree.structure(c), [a if d else next(it) for a, d in zip(
-          jax.tree.leaves(c), deferred)])
-      return objective(mixed, x, dy, pos, rest, probes)
-    return jax.grad(of, argnums=(0, 1, 2))(free(c), x, zeros(probes))
+    return wgrad.split_grad(objective, c, deferred, zeros(probes), x, dy, pos, rest, argnums=(0,))
 
   def split_w(kept):
     return [wgrad.weight_grad(a, b, lead=1) for a, b in kept]
@@ -66,14 +60,20 @@ def zeros(tree):
   return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
 
 
+def op_costs(t, costs) -> dict:
+  """{op kind: FLOPs} for `Table.span`/`bubble` from `slot_costs`: a split schedule's B and W, else the whole
+  backward as B (a dualpipev whole backward is its B + W)."""
+  F, B, W = schedule_lib.F, schedule_lib.B, schedule_lib.W
+  return {F: costs["F"], B: costs["B"], W: costs["W"]} if t.split else {F: costs["F"], B: costs["BW"]}
+
+
 def report(setup) -> dict:
   """The schedule for `inspect`: timeline, bubble (unit costs, formula, XLA-costed), stash per stage."""
   cfg, mesh = setup.cfg, setup.mesh
   t = pipeline.table(cfg, mesh)
-  _, S, G, WN = pipeline.program_table(t)
+  _, S, G, WN = program.program_table(t)
   costs = slot_costs(setup)
-  F, B, W = schedule_lib.F, schedule_lib.B, schedule_lib.W
-  per_op = {F: costs["F"], B: costs["B"], W: costs["W"]} if t.split else {F: costs["F"], B: costs["BW"]}
+  per_op = op_costs(t, costs)
   return {"schedule": t.name, "stages": t.p, "virtual_stages": t.v, "microbatches": t.m, "ticks": t.ticks,
           "split": t.split, "bubble": t.bubble(), "bubble_formula": t.bubble_formula(),
           "bubble_costed": t.bubble(per_op), "span_costed": t.span(per_op), "slot_flops": costs,
@@ -88,9 +88,10 @@ def render(rep: dict) -> list[str]:
   L = [f"Pipeline schedule: {rep['schedule']}, {rep['stages']} stages x {rep['virtual_stages']} virtual, "
        f"{rep['microbatches']} microbatches, {rep['ticks']} ticks (F = forward, {back}; digit = microbatch"
        f"{', letter = chunk on the device' if rep['virtual_stages'] > 1 else ''}, "
-       ". = idle)"]
+       f"{'X = B and W at once, F+X = a pair in one tick, ' if rep['schedule'] == 'dualpipev' else ''}. = idle)"]
   L += ["  " + line for line in rep["timeline"].splitlines()]
-  formula = "(p-1)/(3*v*m+p-1)" if rep["split"] else "(p-1)/(v*m+p-1)"
+  formula = {"dualpipev": "(5p-8)/(6m+5p-8)"}.get(
+      rep["schedule"], "(p-1)/(3*v*m+p-1)" if rep["split"] else "(p-1)/(v*m+p-1)")
   c = rep["slot_flops"]
   ops = f"F {c['F']:.3g}, B {c['B']:.3g}, W {c['W']:.3g}" if rep["split"] else f"F {c['F']:.3g}, B {c['BW']:.3g}"
   L.append(f"  bubble: {rep['bubble']:.1%} of device-ticks idle in this table (unit costs); formula {formula} = "

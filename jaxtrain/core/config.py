@@ -268,13 +268,15 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-  schedule: Literal["gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv"] = key(
+  schedule: Literal["gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv", "dualpipev"] = key(
       "1f1b", "Pipeline schedule when the mesh has pipeline > 1 (microbatches = train.microbatches): gpipe; "
       "1f1b (stashes at most `stages` microbatches); interleaved (1f1b over virtual_stages chunks per device, "
       "bubble / virtual_stages); looped-bfs (breadth-first over the chunks); zb-h1 (1f1b with the backward split "
       "into input and weight gradients, weight gradients filling the bubbles); zbv (zero-bubble V: 2 chunks per "
-      "device, virtual_stages=2).", math=False)
-  virtual_stages: int = key(1, "Model chunks per pipeline device: >= 2 for interleaved and looped-bfs, 2 for zbv, "
+      "device, virtual_stages=2); dualpipev (DeepSeek's DualPipe on a V: ticks pair one microbatch's forward with "
+      "another's backward so that each one's communication runs under the other's compute; virtual_stages=2, "
+      "microbatches >= 2 x pipeline).", math=False)
+  virtual_stages: int = key(1, "Model chunks per pipeline device: >= 2 for interleaved and looped-bfs, 2 for zbv and dualpipev, "
                             "else 1.", math=False, min=1)
 
 

@@ -26,14 +26,6 @@ class Tapped:
     return self.w[key]
 
 
-def probes(w, tokens: tuple[int, ...], n_in: int, lead: int, dtype) -> Tapped:
-  """`w` tapped, with zero probes for `tokens` (the microbatch's (rows, length)); `n_in`: the weight's input
-  dimensions after its `lead` stack axes."""
-  stack, inner = w.shape[:lead], w.shape[lead:]
-  zeros = lambda dims: jnp.zeros((*stack, *tokens, *dims), dtype)  # noqa: E731
-  return Tapped(w, zeros(inner[:n_in]), zeros(inner[n_in:]))
-
-
 def wrap(tree, deferred, probe_pairs):
   """`tree` (a chunk's parameters) with each leaf `deferred` marks (jax.tree order) Tapped with the next (x, dy)
   zeros of `probe_pairs`."""
@@ -43,9 +35,28 @@ def wrap(tree, deferred, probe_pairs):
 
 
 def zero_probes(tree, deferred, n_in, tokens: tuple[int, ...], lead: int, dtype) -> list[tuple]:
-  """The (x, dy) zeros of each deferred leaf of `tree` (its stack's `lead` axes first)."""
-  return [(t.x, t.dy) for t in (probes(a, tokens, k, lead, dtype)
-                               for a, d, k in zip(jax.tree.leaves(tree), deferred, n_in) if d)]
+  """The (x, dy) zeros of each deferred leaf of `tree`: (stack..., tokens..., in...) and (stack..., tokens...,
+  out...), `lead` stack axes first; `n_in`: each leaf's input dimensions after them."""
+  def pair(w, k):
+    stack, inner = w.shape[:lead], w.shape[lead:]
+    return tuple(jnp.zeros((*stack, *tokens, *dims), dtype) for dims in (inner[:k], inner[k:]))
+  return [pair(a, k) for a, d, k in zip(jax.tree.leaves(tree), deferred, n_in) if d]
+
+
+def split_grad(fn, tree, deferred, probe_pairs, *args, argnums=()):
+  """B's gradient of fn(tree, *args, probes): w.r.t. the leaves of `tree` that `deferred` does not mark, `args` at
+  `argnums` and the probes (each deferred projection's input and output gradient, handed over by `tap`), the
+  deferred leaves held fixed. Returns ({leaf index: gradient}, (the args' gradients...), probe cotangents)."""
+  leaves, tdef = jax.tree.flatten(tree)
+  free = [i for i, d in enumerate(deferred) if not d]
+
+  def of(free_leaves, probes, *args):
+    mixed = list(leaves)
+    for i, a in zip(free, free_leaves):
+      mixed[i] = a
+    return fn(tdef.unflatten(mixed), *args, probes)
+  g = jax.grad(of, argnums=(0, 1, *(2 + k for k in argnums)))([leaves[i] for i in free], probe_pairs, *args)
+  return dict(zip(free, g[0])), tuple(g[2:]), g[1]
 
 
 def tap(var, x, y):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,16 +22,12 @@ from jaxtrain.core.errors import UserError
 from jaxtrain.model import loss as xent, moe_balance, mtp as mtp_lib, ops, roles, transformer as model_lib, wgrad
 from jaxtrain.model.layers import rope_tables
 from jaxtrain.parallel import fp8, schedule as schedule_lib, sharding
+from jaxtrain.parallel.program import (
+    BRANCH, BWD, BWD_W, BWD_X, CHUNK, ESLOT, FCHUNK, FGCHUNK, FMB, FSLOT, FWD, GCHUNK, GSLOT, IDLE, MB, NCOL, PAIRED,
+    SLOT, WSLOT, XSLOT, links, paired, program_table, reversed_rows)
 
 AXIS = "pipeline"
 ACT = ("batch", "act_length", "act_embed")  # a chunk's input/output activation
-IDLE, FWD, BWD, BWD_X, BWD_W = range(5)  # branches of the per-tick switch: BWD whole, or as B (X) and W
-# columns of the per-(tick, device) table given to the program (XSLOT: where chunk 0's input gradient replaces
-# its input; ESLOT: where the gradient of the MTP module's target embeddings, made by the last chunk's weight
-# gradient, replaces them; WSLOT: where B leaves what W needs), then one per link (`links`): the slot an activation
-# (then a gradient) arriving over it lands in
-BRANCH, MB, CHUNK, GCHUNK, SLOT, GSLOT, XSLOT, ESLOT, WSLOT = range(9)
-NCOL = 9
 
 
 def stages(mesh) -> int:
@@ -78,64 +74,6 @@ def table(cfg, mesh) -> schedule_lib.Table:
   return schedule_lib.build(cfg.pipeline.schedule, stages(mesh), cfg.train.microbatches, cfg.pipeline.virtual_stages)
 
 
-def links(t: schedule_lib.Table) -> list[tuple[tuple[int, int], ...]]:
-  """The device pairs activations move over, one tuple of (source, target) per ppermute (a fixed offset
-  mod p; (s, s) = kept on the device, zbv's turn); gradients go back over the same links reversed."""
-  by_offset = {}
-  for c in range(t.chunks - 1):
-    a, b = t.device_of(c)[0], t.device_of(c + 1)[0]
-    by_offset.setdefault((b - a) % t.p, set()).add((a, b))
-  return [tuple(sorted(pairs)) for _, pairs in sorted(by_offset.items())]
-
-
-def program_table(t: schedule_lib.Table) -> tuple[np.ndarray, int, int, int]:
-  """The table as int32 (ticks, p, NCOL + 2 x links) columns, and the stash, gradient and W slot counts (+1
-  trash each)."""
-  p, last, F, B = t.p, t.chunks - 1, schedule_lib.F, schedule_lib.B
-  stash, grads, wait = ([schedule_lib.assign_slots(iv) for iv in ivs]
-                        for ivs in (t.stash_intervals(), t.grad_intervals(), t.w_intervals()))
-  S, G, WN = (max(max(n for _, n in slots), 1) for slots in (stash, grads, wait))
-  ls = links(t)
-  link = {pair: k for k, pairs in enumerate(ls) for pair in pairs}
-  out = np.zeros((t.ticks, p, NCOL + 2 * len(ls)), np.int32)
-  out[:, :, SLOT], out[:, :, GSLOT], out[:, :, XSLOT], out[:, :, ESLOT], out[:, :, WSLOT] = S, G, t.m, t.m, WN
-  out[:, :, NCOL:NCOL + len(ls)], out[:, :, NCOL + len(ls):] = S, G
-  kinds = {F: FWD, B: BWD_X if t.split else BWD, schedule_lib.W: BWD_W}
-  first = {F: FWD, B: IDLE, schedule_lib.W: BWD} if t.split else kinds  # chunk 0's W also gives its input gradient
-  for tick, row in enumerate(t.grid):
-    for s, op in enumerate(row):
-      if op is None:
-        continue
-      c, r = t.chunk_of(s, op.chunk), out[tick, s]
-      r[BRANCH], r[MB], r[CHUNK], r[GCHUNK] = (first if c == 0 else kinds)[op.kind], op.mb, op.chunk, c
-      if c > 0:  # the chunk's stashed input (chunk 0 reads the embedded tokens)
-        r[SLOT] = stash[s][0][(op.mb, c)]
-      if op.kind == F and c < last:  # the activation goes to chunk c + 1's device
-        d = t.device_of(c + 1)[0]
-        out[tick, d, NCOL + link[(s, d)]] = stash[d][0][(op.mb, c + 1)]
-      if op.kind == B and c > 0:  # the input gradient goes to chunk c - 1's device
-        d = t.device_of(c - 1)[0]
-        out[tick, d, NCOL + len(ls) + link[(d, s)]] = grads[d][0][(op.mb, c - 1)]
-      if c == 0 and r[BRANCH] == BWD:  # its input is used for the last time: its gradient takes its slot
-        r[XSLOT] = op.mb
-      if c == last and r[BRANCH] in (BWD, BWD_X):  # the head's gradients, the target embeddings' with them
-        r[ESLOT] = op.mb
-      if r[BRANCH] in (BWD_X, BWD_W):  # B leaves the projections' inputs and output gradients for W here
-        r[WSLOT] = wait[s][0][(op.mb, c)]
-      if op.kind != F and c < last:
-        r[GSLOT] = grads[s][0][(op.mb, c)]
-  return out, S, G, WN
-
-
-def reversed_rows(t: schedule_lib.Table) -> list[bool]:
-  """Per local chunk j: whether devices hold global chunks in reverse (zbv's second row: 2p-1-s), else j*p + s."""
-  order = np.array([[t.chunk_of(s, j) for s in range(t.p)] for j in range(t.v)])
-  rev = [t.p > 1 and order[j, 0] > order[j, 1] for j in range(t.v)]
-  assert all((row == j * t.p + (np.arange(t.p)[::-1] if r else np.arange(t.p))).all()
-             for j, (row, r) in enumerate(zip(order, rev))), order
-  return rev
-
-
 def executor(cfg, mesh):
   """The gradient contract's executor for this mesh: (token loss sum, scaled gradient sum, MoE totals)."""
   return functools.partial(_execute, cfg=cfg, mesh=mesh)
@@ -155,6 +93,7 @@ class _Static:
   plan: Any
   prog: Any  # the table, (ticks, p, columns) int32
   used: list  # branch kinds the table uses
+  paired: bool  # some tick pairs a forward with another microbatch's backward op (read from their own columns)
   links: list
   S: int  # stash slots
   G: int  # gradient slots
@@ -200,7 +139,7 @@ def _execute(objective, params, mbs, w, grad_sharding, *, cfg, mesh, forward_onl
       grad_sharding["layers"], {k: grad_sharding[k] for k in head}))
   layer_roles = jax.tree.leaves(roles.tree(mc, {"layers": params["layers"]}))
   deferred = tuple(t.split and r.deferred for r in layer_roles)
-  static = _Static(objective, plan, jnp.asarray(prog), used, links(t), S, G, WN, deferred,
+  static = _Static(objective, plan, jnp.asarray(prog), used, paired(t), links(t), S, G, WN, deferred,
                    tuple(r.n_in for r in layer_roles), mc.fp8, p, v, m, jnp.dtype(mc.dtype), axes, head, specs,
                    forward_only, mtp, t.device_of(t.chunks - 1)[0])
   w = w if w is not None else jnp.float32(0)  # evaluation: no objective weights
@@ -250,6 +189,17 @@ def put(buf, value, i):
 def get(buf, i, dtype):
   x = jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
   return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+class Part(NamedTuple):
+  """One op's inputs in a tick: local chunk index, the chunk's parameters, its input (stashed, or the embedded
+  tokens), the MTP module's target embeddings (or None), the microbatch, whether it is the model's last chunk."""
+  j: Any
+  chunk: Any
+  x: Any
+  e: Any
+  mb: Any
+  last: Any
 
 
 def _region(static: _Static, layers, rest, mbs, slots, w):
@@ -375,12 +325,13 @@ class _Ticks:
            **{k: sum((s[k] for s in stats), jnp.float32(0)) for k in ("dropped", "assigned")}}
     return tot, jnp.stack([s["load"] for s in stats]) if stats else None
 
-  # Branches: (accumulators, local chunk index, chunk params, chunk input, output gradient, the MTP target
-  # embeddings, microbatch, last); the model's last chunk runs the head terms (a lax.cond: one copy of the layers).
+  # Branches: (accumulators, the forward's `Part`, the backward op's, the output gradient, (W slots, this pass's));
+  # the model's last chunk runs the head terms (a lax.cond: one copy of the layers).
   def idle(self, acc, *_):
     return self.result(acc)
 
-  def forward(self, acc, j, chunk, x, dy, e, mb, last, waiting):
+  def forward(self, acc, fwd, *_):
+    _, chunk, x, e, mb, last = fwd
     y, stats = self.stage(chunk, x, mb)
     tot, load = self.totals(stats)
     if self.st.forward_only:
@@ -405,7 +356,8 @@ class _Ticks:
       return out + self.st.objective.aux(stats, self.w)
     return objective
 
-  def backward(self, acc, j, chunk, x, dy, e, mb, last, waiting):
+  def backward(self, acc, fwd, bwd, dy, waiting):
+    j, chunk, x, e, mb, last = bwd
     g_chunk, g_head, dx, de = jax.grad(self.objective_of(dy, mb, last), argnums=(0, 1, 2, 3))(
         chunk, self.heads, x, e)
     return self.result(self.add(acc, j, dict(enumerate(jax.tree.leaves(g_chunk))), g_head),
@@ -415,22 +367,14 @@ class _Ticks:
   # differentiates it w.r.t. the input, the head and the parameters that are not deferred projections (norms,
   # router, experts); each deferred projection hands its input x and output gradient dy to B's probes, kept in a
   # W slot. W is only the deferred projections' x^T dy: no forward, no activation gradient again.
-  def backward_x(self, acc, j, chunk, x, dy, e, mb, last, waiting):
-    leaves, tdef = jax.tree.flatten(chunk)
-    free = [i for i, d in enumerate(self.st.deferred) if not d]
+  def backward_x(self, acc, fwd, bwd, dy, waiting):
+    j, chunk, x, e, mb, last = bwd
+    g_free, (g_head, dx, de), got = wgrad.split_grad(self.objective_of(dy, mb, last), chunk, self.st.deferred,
+                                                     self.zero_kept, self.heads, x, e, argnums=(0, 1, 2))
+    return self.result(self.add(acc, j, g_free, g_head), dx=self.act(dx.astype(self.st.dt)), de=de, kept=got)
 
-    def objective(free_leaves, h, x, e, probes):
-      mixed = list(leaves)
-      for i, a in zip(free, free_leaves):
-        mixed[i] = a
-      return self.objective_of(dy, mb, last)(tdef.unflatten(mixed), h, x, e, probes)
-    g_free, g_head, dx, de, got = jax.grad(objective, argnums=(0, 1, 2, 3, 4))(
-        [leaves[i] for i in free], self.heads, x, e, self.zero_kept)
-    return self.result(self.add(acc, j, dict(zip(free, g_free)), g_head), dx=self.act(dx.astype(self.st.dt)), de=de,
-                       kept=got)
-
-  def backward_w(self, acc, j, chunk, x, dy, e, mb, last, waiting):
-    g = {}
+  def backward_w(self, acc, fwd, bwd, dy, waiting):
+    g, j = {}, bwd.j
     wait, ws = waiting  # the W slots, and this pass's
     for i, (a, b) in zip(self.deferred(), wait):
       px, pdy = get(a, ws, self.st.dt), get(b, ws, self.st.dt)
@@ -440,17 +384,36 @@ class _Ticks:
       g[i] = self.plan.constrain(wgrad.weight_grad(px, pdy, lead=1), (None, *self.layer_axes[i][1:]))
     return self.result(self.add(acc, j, g))
 
+  def paired(self, back):
+    """A forward and another microbatch's backward op in one tick (dualpipev): neither reads the other's values,
+    so XLA may overlap one's communication (the MoE all-to-alls, the sends) with the other's compute."""
+    def branch(acc, fwd, bwd, dy, waiting):
+      f, b = self.forward(acc, fwd), back(acc, fwd, bwd, dy, waiting)
+      return {**b, **{k: f[k] for k in ("y", "loss", "moe", "load", "head_load")}}
+    return branch
+
+  def branches(self) -> list:
+    own = {IDLE: self.idle, FWD: self.forward, BWD: self.backward, BWD_X: self.backward_x, BWD_W: self.backward_w}
+    own.update({k: self.paired(own[b]) for b, k in PAIRED.items()})
+    return [own[k] for k in self.st.used]
+
+  def part(self, r, slots, stash, cols) -> Part:
+    """The inputs of the op described by columns `cols` (MB, CHUNK, GCHUNK, SLOT or the forward's)."""
+    st, (mbc, jc, cc, sc) = self.st, cols
+    c = r[cc]
+    x = jnp.where(c == 0, get(slots[0], r[mbc], st.dt), get(stash, r[sc], st.dt))  # chunk 0: the embedded tokens
+    return Part(r[jc], jax.tree.map(lambda a: a[r[jc]], self.layers), x,
+                get(slots[1], r[mbc], st.dt) if st.mtp else None, jax.tree.map(lambda a: a[r[mbc]], self.mbs),
+                c == st.p * st.v - 1)
+
   def tick(self, carry, row_PxK):
     stash, gbuf, wait, slots, acc, loss, tot, acc_load, head_load = carry
     st, r = self.st, row_PxK[self.s]
-    mb = jax.tree.map(lambda a: a[r[MB]], self.mbs)
-    chunk = jax.tree.map(lambda a: a[r[CHUNK]], self.layers)
-    c = r[GCHUNK]
-    x = jnp.where(c == 0, get(slots[0], r[MB], st.dt), get(stash, r[SLOT], st.dt))  # chunk 0: the embedded tokens
-    e = get(slots[1], r[MB], st.dt) if st.mtp else None
-    branches = [(self.idle, self.forward, self.backward, self.backward_x, self.backward_w)[k] for k in st.used]
-    dy, last = get(gbuf, r[GSLOT], st.dt), c == st.p * st.v - 1
-    out = self.switch(r[BRANCH], branches, acc, r[CHUNK], chunk, x, dy, e, mb, last, (wait, r[WSLOT]))
+    bwd = self.part(r, slots, stash, (MB, CHUNK, GCHUNK, SLOT))
+    # a table without pairs writes a forward's columns into the backward's too: one read of the chunk and input
+    fwd = self.part(r, slots, stash, (FMB, FCHUNK, FGCHUNK, FSLOT)) if st.paired else bwd
+    dy = get(gbuf, r[GSLOT], st.dt)
+    out = self.switch(r[BRANCH], self.branches(), acc, fwd, bwd, dy, (wait, r[WSLOT]))
     # B's inputs and output gradients of the projections, in its W slot (the other branches: zeros, into the
     # discard slot or the slot W has just read)
     wait = [(put(a, ka, r[WSLOT]), put(b, kb, r[WSLOT])) for (a, b), (ka, kb) in zip(wait, out["kept"])]
@@ -458,8 +421,8 @@ class _Ticks:
     # that of theirs, once the last chunk's weight gradient has made it
     slots = [put(slots[0], out["dx"], r[XSLOT]), *([put(slots[1], out["de"], r[ESLOT])] if st.mtp else [])]
     tot = jax.tree.map(jnp.add, tot, out["moe"])
-    acc_load = acc_load.at[r[CHUNK]].add(out["load"])  # forwards only (the other branches give zeros)
-    for k, pairs in enumerate(st.links):  # (s, s): zbv's turn stays on the device
+    acc_load = acc_load.at[r[FCHUNK]].add(out["load"])  # forwards only (the other branches give zeros)
+    for k, pairs in enumerate(st.links):  # (s, s): the V's turn stays on the device
       same = pairs[0][0] == pairs[0][1]
       stash = put(stash, out["y"] if same else jax.lax.ppermute(out["y"], AXIS, pairs), r[NCOL + k])
       back = [(b, a) for a, b in pairs]
@@ -504,9 +467,8 @@ def traffic(cfg, mesh, rows) -> dict[str, int]:
   """Bytes per device per step over `pipeline`: ppermutes, the rest's gradient all-reduce, the v > 1 restack."""
   p, t, act = stages(mesh), table(cfg, mesh), act_bytes(cfg, mesh)
   sends = 2 * sum(pairs[0][0] != pairs[0][1] for pairs in links(t))  # activations and gradients per link
-  useful = sum(op is not None and ((op.kind == schedule_lib.F and t.chunk_of(s, op.chunk) < t.chunks - 1)
-                                   or (op.kind == schedule_lib.B and t.chunk_of(s, op.chunk) > 0))
-               for row in t.grid for s, op in enumerate(row))
+  useful = sum((op.kind == schedule_lib.F and t.chunk_of(s, op.chunk) < t.chunks - 1)
+               or (schedule_lib.B in op.kinds() and t.chunk_of(s, op.chunk) > 0) for _, s, op in t.ops())
   out = {f"activations + grads, ppermute x{sends} per tick ({t.ticks} ticks; on average {useful / p:.0f} of a "
          f"device's {sends * t.ticks} sends carry data)": sends * t.ticks * act}
   ring = 2 * (p - 1) / p

@@ -179,7 +179,7 @@ class Plan(ops.Ops):
 
 def implied(cfg: Config, mesh) -> tuple[Config, tuple[str, ...]]:
   """The config with every setting the mesh implies set, and a note for each: a pipeline runs stacked layers, zbv
-  two chunks per device, interleaved and looped-bfs at least two."""
+  and dualpipev two chunks per device, interleaved and looped-bfs at least two."""
   p = mesh.shape.get("pipeline", 1) if mesh is not None else 1
   if p == 1:
     return cfg, ()
@@ -187,10 +187,10 @@ def implied(cfg: Config, mesh) -> tuple[Config, tuple[str, ...]]:
   if not m.scan_layers:
     m = dataclasses.replace(m, scan_layers=True)
     notes.append(f"model.scan_layers=true (pipeline={p} stages hold slices of the stacked layers)")
-  if pc.virtual_stages == 1 and pc.schedule in ("zbv", "interleaved", "looped-bfs"):
+  if pc.virtual_stages == 1 and pc.schedule in ("zbv", "dualpipev", "interleaved", "looped-bfs"):
     pc = dataclasses.replace(pc, virtual_stages=2)
     notes.append(f"pipeline.virtual_stages=2 (pipeline.schedule={pc.schedule} runs "
-                 f"{'two' if pc.schedule == 'zbv' else 'at least two'} chunks per device)")
+                 f"{'two' if pc.schedule in ('zbv', 'dualpipev') else 'at least two'} chunks per device)")
   return dataclasses.replace(cfg, model=m, pipeline=pc), tuple(notes)
 
 

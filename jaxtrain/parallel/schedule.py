@@ -1,16 +1,18 @@
 """Pipeline schedules as static tables (pure Python): chunk c of the p*v lives on device c % p as local chunk
-c // p (zbv: in a V, device d holds chunks d and 2p-1-d); a simulator places each device's ops at the first
-tick their inputs have arrived. Zero-bubble schedules split the backward into B (the chunk input's gradient)
-and W (the weights' gradient), W being free to fill the bubbles."""
+c // p (zbv, dualpipev: in a V, device d holds chunks d and 2p-1-d); a simulator places each device's ops at the
+first tick their inputs have arrived. Zero-bubble schedules split the backward into B (the chunk input's gradient)
+and W (the weights' gradient), W being free to fill the bubbles; dualpipev pairs one microbatch's forward with
+another's backward in one tick (a `Pair`), so that the communication of each runs under the other's compute."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv")
-SPLIT = ("zb-h1", "zbv")  # backward as B then W; elsewhere B is the whole backward
-F, B, W = 1, 2, 3  # op kinds
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv", "dualpipev")
+SPLIT = ("zb-h1", "zbv", "dualpipev")  # backward as B then W (dualpipev: or BW); elsewhere B is the whole backward
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per device, in a V
+F, B, W, BW = 1, 2, 3, 4  # op kinds; BW: B and W at once (a split schedule's whole backward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +20,23 @@ class Op:
   kind: int  # F, B or W
   mb: int  # microbatch
   chunk: int  # local chunk index j on its device (global chunk: `Table.chunk_of`)
+
+  def kinds(self) -> tuple[int, ...]:
+    """The kinds of work it does: BW is a B and a W."""
+    return (B, W) if self.kind == BW else (self.kind,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+  """One device's two ops in one tick (dualpipev): a forward and another microbatch's backward op (B, W or BW).
+  Neither needs the other, so XLA may run one's communication under the other's compute."""
+  f: Op
+  b: Op
+
+
+def ops_of(cell) -> tuple[Op, ...]:
+  """The ops of a table cell (an Op, a Pair or None)."""
+  return () if cell is None else (cell.f, cell.b) if isinstance(cell, Pair) else (cell,)
 
 
 def _fwd_order(p: int, v: int, k: int) -> tuple[int, int]:
@@ -55,13 +74,13 @@ def device_order(name: str, p: int, m: int, v: int, s: int) -> list[Op]:
 
 
 def chunk_of(name: str, p: int, s: int, j: int) -> int:
-  """The global chunk of local chunk j on device s: looped (j*p + s), or zbv's V (s, then 2p-1-s)."""
-  return (2 * p - 1 - s if j else s) if name == "zbv" else j * p + s
+  """The global chunk of local chunk j on device s: looped (j*p + s), or a V (s, then 2p-1-s)."""
+  return (2 * p - 1 - s if j else s) if name in V_SHAPED else j * p + s
 
 
 @dataclasses.dataclass(frozen=True)
 class Table:
-  """A placed schedule. grid[t][s] is the Op of device s at tick t, or None (idle)."""
+  """A placed schedule. grid[t][s] is the Op (or Pair) of device s at tick t, or None (idle)."""
   name: str
   p: int
   m: int
@@ -87,26 +106,39 @@ class Table:
     """(device, local chunk) of global chunk c."""
     return next((s, j) for s in range(self.p) for j in range(self.v) if self.chunk_of(s, j) == c)
 
+  def ops(self):
+    """(tick, device, op) of every op, both of a pair's."""
+    return ((t, s, op) for t, row in enumerate(self.grid) for s, cell in enumerate(row) for op in ops_of(cell))
+
+  @staticmethod
+  def cost_of(cell, cost) -> float:
+    """A cell's time: its ops one after the other on the device (a pair overlaps communication, not compute)."""
+    return sum(cost[k] for op in ops_of(cell) for k in op.kinds())
+
   def span(self, cost=None) -> float:
-    """The step's length in lock-step ticks: each tick lasts as long as its slowest op (`cost`: {kind: seconds};
+    """The step's length in lock-step ticks: each tick lasts as long as its slowest cell (`cost`: {kind: seconds};
     default 1 each)."""
     cost = cost or {F: 1.0, B: 1.0, W: 1.0}
-    return sum(max(cost[op.kind] for op in row if op is not None) for row in self.grid)
+    return sum(max(self.cost_of(cell, cost) for cell in row) for row in self.grid)
 
   def bubble(self, cost=None) -> float:
     """Fraction of device time spent idle in lock-step ticks (`span`)."""
     cost = cost or {F: 1.0, B: 1.0, W: 1.0}
-    busy = sum(cost[op.kind] for row in self.grid for op in row if op is not None)
+    busy = sum(self.cost_of(cell, cost) for row in self.grid for cell in row)
     return 1 - busy / (self.span(cost) * self.p)
 
   def bubble_formula(self) -> float:
-    """Unit costs: (p-1) idle ticks per device over the v*m F and B (and W) ticks of one device."""
+    """Unit costs: (p-1) idle ticks per device over the v*m F and B (and W) ticks of one device. dualpipev: 5p-8
+    idle units per device over its 6m (F, B, W of two half-stage chunks). Run as DeepSeek's ranks run it, each
+    as soon as its inputs are there, it idles (p-1) units like zbv; in lock-step ticks, a tick lasting as long
+    as its longest cell, a pair (F + B + W: 3 units) beside another device's single op costs the rest 4p-7."""
+    if self.name == "dualpipev":
+      return (5 * self.p - 8) / (6 * self.m + 5 * self.p - 8)
     return (self.p - 1) / ((3 if self.split else 1) * self.v * self.m + self.p - 1)
 
   def done(self) -> dict[tuple[int, int, int], int]:
-    """{(kind, microbatch, global chunk): tick}."""
-    return {(op.kind, op.mb, self.chunk_of(s, op.chunk)): t
-            for t, row in enumerate(self.grid) for s, op in enumerate(row) if op is not None}
+    """{(kind, microbatch, global chunk): tick} (a BW is its B and its W at one tick)."""
+    return {(k, op.mb, self.chunk_of(s, op.chunk)): t for t, s, op in self.ops() for k in op.kinds()}
 
   def stash_intervals(self) -> list[list[tuple[int, int, int, int]]]:
     """Per device: (arrival, last use, microbatch, global chunk) of each stashed chunk input (none for chunk 0);
@@ -122,7 +154,7 @@ class Table:
     gradients wait from its B to its W (chunk 0's W is its whole backward: nothing waits)."""
     done, out = self.done(), [[] for _ in range(self.p)]
     for (kind, mb, c), t in done.items():
-      if self.split and kind == B and c > 0:
+      if self.split and kind == B and c > 0 and done[(W, mb, c)] > t:  # (a BW keeps nothing)
         out[self.device_of(c)[0]].append((t, done[(W, mb, c)], mb, c))
     return out
 
@@ -150,9 +182,11 @@ class Table:
     return [_max_overlap(x) / self.v for x in iv]
 
   def timeline(self) -> str:
-    """One row per device, one cell per tick: F3 / B3 / W3 (microbatch 3), a/b/.. = local chunk, '.' idle."""
-    def cell(op):
-      return "." if op is None else ("FBW"[op.kind - 1] + str(op.mb) + (chr(ord("a") + op.chunk) if self.v > 1 else ""))
+    """One row per device, one cell per tick: F3 / B3 / W3 / X3 (a whole backward in a split schedule; microbatch
+    3), a/b/.. = local chunk, F1a+X0b a pair, '.' idle."""
+    def cell(c):
+      return "+".join("FBWX"[op.kind - 1] + str(op.mb) + (chr(ord("a") + op.chunk) if self.v > 1 else "")
+                      for op in ops_of(c)) or "."
     cells = [[cell(self.grid[t][s]) for t in range(self.ticks)] for s in range(self.p)]
     w = max(len(c) for row in cells for c in row)
     return "\n".join(f"stage {s}: " + " ".join(c.ljust(w) for c in row) for s, row in enumerate(cells))
@@ -179,12 +213,15 @@ def check(name: str, p: int, m: int, v: int) -> str | None:
     return f"pipeline.schedule={name!r} is not one of {', '.join(SCHEDULES)}"
   if name in ("gpipe", "1f1b", "zb-h1") and v != 1:
     return f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved or looped-bfs ({name} runs 1 chunk per device)"
-  if name == "zbv" and v != 2:
-    return f"pipeline.schedule=zbv runs 2 chunks per device (a V): pipeline.virtual_stages must be 2 (got {v})"
+  if name in V_SHAPED and v != 2:
+    return f"pipeline.schedule={name} runs 2 chunks per device (a V): pipeline.virtual_stages must be 2 (got {v})"
   if name in ("interleaved", "looped-bfs") and v < 2:
     return f"pipeline.schedule={name} needs pipeline.virtual_stages >= 2 (got {v}); use 1f1b or gpipe for 1"
   if m < p:
     return f"train.microbatches={m} must be >= the pipeline stages ({p}) so that every stage gets work"
+  if name == "dualpipev" and m < 2 * p:
+    return (f"pipeline.schedule=dualpipev pairs forwards with backwards from 2 x pipeline = {2 * p} microbatches on: "
+            f"train.microbatches={m} must be >= {2 * p}")
   if name == "interleaved" and m % p:
     return f"pipeline.schedule=interleaved runs microbatches in groups of pipeline={p}: train.microbatches={m} must be a multiple of {p}"
   return None
@@ -197,7 +234,8 @@ def build(name: str, p: int, m: int, v: int = 1) -> Table:
     raise ValueError(why)
   if name == "zbv":
     return _build_zbv(p, m)
-  return _place(name, p, m, v, [device_order(name, p, m, v, s) for s in range(p)])
+  order = _dualpipev_order if name == "dualpipev" else functools.partial(device_order, name)
+  return _place(name, p, m, v, [order(p, m, v, s) for s in range(p)])
 
 
 @functools.lru_cache(maxsize=16)
@@ -211,21 +249,21 @@ def build_forward(name: str, p: int, m: int, v: int = 1) -> Table:
 
 
 def _place(name, p, m, v, orders) -> Table:
-  """Each device's ops in order, each at the first tick its inputs have arrived."""
+  """Each device's ops (or pairs) in order, each at the first tick its inputs (both ops' for a pair) have arrived."""
   nxt, done, last, grid = [0] * p, {}, p * v - 1, []
   while any(n < len(o) for n, o in zip(nxt, orders)):
     t, row = len(grid), []
     for s in range(p):
-      op = orders[s][nxt[s]] if nxt[s] < len(orders[s]) else None
-      if op is not None and not _ready(done, op.kind, op.mb, chunk_of(name, p, s, op.chunk), last, t):
-        op = None
-      row.append(op)
-    if all(op is None for op in row):
+      cell = orders[s][nxt[s]] if nxt[s] < len(orders[s]) else None
+      if not all(_ready(done, op.kind, op.mb, chunk_of(name, p, s, op.chunk), last, t) for op in ops_of(cell)):
+        cell = None
+      row.append(cell)
+    if all(cell is None for cell in row):
       raise RuntimeError(f"schedule {name} p={p} m={m} v={v} deadlocks at tick {t}")
-    for s, op in enumerate(row):
-      if op is not None:
-        done[(op.kind, op.mb, chunk_of(name, p, s, op.chunk))] = t
-        nxt[s] += 1
+    for s, cell in enumerate(row):
+      for op in ops_of(cell):
+        done.update({(k, op.mb, chunk_of(name, p, s, op.chunk)): t for k in op.kinds()})
+      nxt[s] += cell is not None
     grid.append(tuple(row))
   return Table(name, p, m, v, tuple(grid))
 
@@ -237,6 +275,44 @@ def _ready(done, kind, mb, c, last, t) -> bool:
   if kind == W:
     return done.get((B, mb, c), t) < t
   return done.get((F, mb, c), t) < t and (c == last or done.get((B, mb, c + 1), t) < t)
+
+
+def _dualpipev_order(p: int, m: int, v: int, r: int) -> list:
+  """Device r's work in DualPipeV (DeepSeek's DualPipe cut to one V: chunk a = stage r, chunk b = stage 2p-1-r;
+  every microbatch enters at device 0's a and leaves at its b). In phases, counts per device:
+  1. 2(p-1-r) forwards of a: the microbatches the V's deeper devices need before their first backward;
+  2. r+1 times F a, F b; 3. p-1-r times B b, W b, F b (the backward split: its W fills the wait for the next F);
+  4. the steady state, m-2p+r+1 times: F a paired with a whole backward (BW) of b, then F b with BW a;
+  5. p-1-r times BW b, then F b with BW a; 6. r+1 times B b, B a, the last r+1 of these split (W later);
+  7. p-1-r times a pending W, then B a split; 8. the remaining r+1 Ws. The first steady step of the turn device
+  (r = p-1) runs unpaired, as its F a feeds its own b."""
+  nf, nb, pending, out = [0, 0], [0, 0], [], []
+
+  def f(j):
+    nf[j] += 1
+    return Op(F, nf[j] - 1, j)
+
+  def b(j, split=False):
+    nb[j] += 1
+    if split:
+      pending.append(Op(W, nb[j] - 1, j))
+    return Op(B if split else BW, nb[j] - 1, j)
+
+  out += [f(0) for _ in range(2 * (p - 1 - r))]
+  for _ in range(r + 1):
+    out += [f(0), f(1)]
+  for _ in range(p - 1 - r):
+    out += [b(1, split=True), pending.pop(0), f(1)]
+  for i in range(m - 2 * p + r + 1):
+    out += [f(0), b(1)] if i == 0 and r == p - 1 else [Pair(f(0), b(1))]
+    out += [Pair(f(1), b(0))]
+  for _ in range(p - 1 - r):
+    out += [b(1), Pair(f(1), b(0))]
+  for i in range(2 * (r + 1)):
+    out += [b(1 - i % 2, split=i >= r + 1)]
+  for _ in range(p - 1 - r):
+    out += [pending.pop(0), b(0, split=True)]
+  return out + pending
 
 
 def _build_zbv(p: int, m: int) -> Table:

@@ -26,3 +26,32 @@ def test_zb_h1_with_cudnn_attention_compiles_for_h100s():
   # the weights' gradients are reduce-scattered per layer, as outside a pipeline: unconstrained inside the
   # region, XLA all-reduced each layer's whole (llama3.1-70b on pp=4,fsdp=16: 702 GiB per step, 64 GiB of them kept)
   assert c["collectives"]["all-reduce"]["bytes_per_step"] < memory.state_bytes(setup)["params"], c["collectives"]
+
+
+@needs_plugin
+def test_dualpipev_runs_one_microbatchs_expert_all_to_alls_under_anothers_compute():
+  """MoE on pp=2 x ep=2 compiled for H100s. In the branch that pairs a forward with another microbatch's whole
+  backward, XLA schedules matmuls under the expert all-to-alls (the two share no value: the matmuls under a
+  forward's dispatch are the backward's, and the reverse); in the branches that run a forward or a backward alone
+  no all-to-all has a matmul of note under it (a projection here is 6.7e7 FLOPs; 1e7 is the line)."""
+  from jaxtrain.analysis import overlap
+  from jaxtrain.parallel import devices, pipeline, program
+  cfg = config.load("tiny", ["model.moe_experts=8", "model.moe_top_k=2", "model.n_layers=4", "model.scan_layers=true",
+                             "model.dtype=bfloat16", "model.d_model=256", "model.n_heads=4", "model.head_dim=64",
+                             "model.d_ff=512", "model.attention=xla", "train.seq_len=256", "train.batch_size=32",
+                             "train.microbatches=8", "pipeline.schedule=dualpipev"])
+  setup = step_lib.Setup(cfg, gpu_compile.mesh("H100", "pp=2,ep=2"))
+  hlo = gpu_compile.Hlo.parse(gpu_compile.compile_step(setup)[0].as_text())
+  used = sorted(set(program.program_table(pipeline.table(setup.cfg, setup.mesh))[0][..., program.BRANCH].flat))
+  switch = next(i for i in hlo.instrs if i.opcode == "conditional" and i.rest.count("region") >= len(used))
+  names = [b.strip().lstrip("%") for b in switch.rest.split("branch_computations={")[1].split("}")[0].split(",")]
+  assert len(names) == len(used), names
+  branch = dict(zip(used, names))
+  a2a = [r for r in overlap.report(hlo, devices.TABLE["H100"])["collectives"] if r["kind"] == "all-to-all"]
+  under = {k: [r["flops_under"] for r in a2a if r["computation"] == branch[k]]
+           for k in (program.FWD, program.BWD, program.PAIRED[program.BWD])}
+  print("FLOPs under each all-to-all, forward / backward / pair:", *([f"{f:.2g}" for f in v] for v in under.values()))
+  # a forward: dispatch and combine of its one MoE layer; a backward recomputes them and adds their transposes
+  assert [len(v) for v in under.values()] == [2, 4, 6], under
+  assert max(under[program.FWD] + under[program.BWD]) < 1e7, under
+  assert sum(f > 1e7 for f in under[program.PAIRED[program.BWD]]) >= 2, under

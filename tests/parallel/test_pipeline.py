@@ -13,7 +13,7 @@ import pytest
 from jaxtrain import data
 from jaxtrain.core import config
 from jaxtrain.parallel import mesh as mesh_lib
-from jaxtrain.parallel import pipeline
+from jaxtrain.parallel import pipeline, program
 from jaxtrain.parallel import schedule
 from jaxtrain.run import step
 from jaxtrain.core.errors import UserError
@@ -62,7 +62,8 @@ def runs():
 
 SCHEDULES = {"gpipe": ["pipeline.schedule=gpipe"], "1f1b": ["pipeline.schedule=1f1b"],
              "interleaved": ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2"],
-             "zb-h1": ["pipeline.schedule=zb-h1"], "zbv": ["pipeline.schedule=zbv", "pipeline.virtual_stages=2"]}
+             "zb-h1": ["pipeline.schedule=zb-h1"], "zbv": ["pipeline.schedule=zbv", "pipeline.virtual_stages=2"],
+             "dualpipev": ["pipeline.schedule=dualpipev"]}  # (virtual_stages=2 implied)
 # pp=4: m=16 and 64 tokens for gpipe/1f1b/zb-h1 (shared with the memory tests: the stash shows in the
 # temporaries' peak), m=8 for interleaved (8 chunks).
 LONG = ["train.microbatches=16", "train.seq_len=64"]
@@ -75,7 +76,10 @@ PARITY = ([("pp=2", "gpipe", [])]
              # zbv's V moves activations both ways and keeps the turn on the last device (zb-h1 and MoE on
              # pp=2 beside data and expert axes: the matrix)
              ("pp=4", "zbv", []),
-             ("pp=2,fsdp=2,tp=2", "zbv", ["run.sequence_parallel=true"])])
+             ("pp=2,fsdp=2,tp=2", "zbv", ["run.sequence_parallel=true"]),
+             # dualpipev's paired ticks (a forward beside another microbatch's backward) from 2p microbatches on
+             ("pp=4", "dualpipev", ["train.microbatches=8"]),
+             ("pp=2,fsdp=2,tp=2", "dualpipev", ["run.sequence_parallel=true"])])
 
 
 def assert_parity(got, ref, what):
@@ -89,6 +93,16 @@ def test_loss_parity_with_one_device(runs, spec, name, extra):
   ref, _ = runs("dp=1", *(["train.seq_len=64"] if extra == LONG else []))
   got, _ = runs(spec, *SCHEDULES[name], *extra)
   assert_parity(got, ref, f"{spec} {name} {extra}")
+
+
+def test_dualpipev_moe_on_pipeline_x_expert_equals_one_device(runs):
+  """MoE with the aux-free routing bias on pp=2 x ep=2 under dualpipev: a pair's forward (its all-to-alls, its
+  routing loads) and its backward are independent in one tick; losses, gradient norms and load imbalance equal
+  one device's."""
+  ref, _ = runs("dp=1", *MOE)
+  got, _ = runs("pp=2,ep=2", *SCHEDULES["dualpipev"], *MOE)
+  assert_parity(got, ref, "pp=2,ep=2 dualpipev MoE")
+  np.testing.assert_allclose(got[:, 3], ref[:, 3], rtol=1e-5, err_msg="load imbalance")
 
 
 def test_moe_hf_aux_convention_under_pipeline_is_a_one_line_error():
@@ -108,8 +122,8 @@ def test_1f1b_stash_is_about_p_over_m_of_gpipe(runs):
   _, g = runs("pp=4", *SCHEDULES["gpipe"], *LONG)
   _, f = runs("pp=4", *SCHEDULES["1f1b"], *LONG)
   slot_bytes = (16 // m) * 64 * 32 * 4  # one microbatch's chunk input: rows x seq x d_model x float32
-  _, s_g, _, _ = pipeline.program_table(schedule.build("gpipe", p, m))
-  _, s_f, _, _ = pipeline.program_table(schedule.build("1f1b", p, m))
+  _, s_g, _, _ = program.program_table(schedule.build("gpipe", p, m))
+  _, s_f, _, _ = program.program_table(schedule.build("1f1b", p, m))
   assert (s_g, s_f) == (m, p)
   tg, tf = g.memory_analysis().temp_size_in_bytes, f.memory_analysis().temp_size_in_bytes
   print(f"temporaries: gpipe {tg:,} B, 1f1b {tf:,} B; stash slots {s_g} vs {s_f} of {slot_bytes:,} B")
@@ -131,8 +145,8 @@ def test_zb_h1_temporaries_are_1f1bs_plus_the_slots_w_keeps():
     setups[name] = step.Setup(cfg_of(*SCHEDULES[name], *LONG, "model.attention=xla"), gc.mesh("H100", "pp=4"))
     temps[name] = gc.compile_step(setups[name])[0].memory_analysis().temp_size_in_bytes
   slot_bytes = (16 // m) * 64 * 32 * 4
-  _, s_f, g_f, _ = pipeline.program_table(schedule.build("1f1b", p, m))
-  _, s_z, g_z, w_z = pipeline.program_table(schedule.build("zb-h1", p, m))
+  _, s_f, g_f, _ = program.program_table(schedule.build("1f1b", p, m))
+  _, s_z, g_z, w_z = program.program_table(schedule.build("zb-h1", p, m))
   w_pass = timeline.slot_costs(setups["zb-h1"])["w_bytes"]
   assert s_z <= s_f and w_pass > 0
   tf, tz = temps["1f1b"], temps["zb-h1"]

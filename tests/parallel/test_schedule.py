@@ -61,23 +61,37 @@ def test_zbv_p2_m2_matches_hand_written_table():
   ]
 
 
+def test_dualpipev_p2_m4_matches_hand_written_table():
+  # The V as zbv's; X = a whole backward (B and W at once), F+X: one microbatch's forward paired in one tick with
+  # another's backward. Device 0: 2 forwards of a; F a, F b; B b, W b, F b (split); the steady pairs F a + X b,
+  # F b + X a; X b, F b + X a; X b, B a; W a, B a; W a. Device 1 (the turn) runs its first steady step unpaired.
+  assert rows(S.build("dualpipev", 2, 4, 2)) == [
+      "F0a F1a F2a F0b B0b W0b F1b F3a+X1b F2b+X0a X2b     F3b+X1a X3b B2a W2a B3a W3a".split(),
+      ".   F0a F0b F1a F1b F2a X0b F2b+X0a F3a+X1b F3b+X1a X2b     X2a B3b B3a W3b W3a".split(),
+  ]
+
+
 CASES = [(name, p, m, v) for p in (2, 3, 4) for m in (p, 2 * p, 4 * p)
          for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("looped-bfs", 2),
                          ("zb-h1", 1), ("zbv", 2))]
 
 
-@pytest.mark.parametrize("name,p,m,v", CASES)
-def test_table_is_valid_and_its_bubble_is_the_formula(name, p, m, v):
-  t = S.build(name, p, m, v)
+def assert_valid(t):
+  """Every F, B (and W) of every microbatch and chunk once (a BW is a B and a W), each after its inputs arrived; a
+  device-tick holds one op, or a pair of a forward and another microbatch's backward op."""
   done = {}
   for tick, row in enumerate(t.grid):
-    for s, op in enumerate(row):
-      if op is not None:
-        key = (op.kind, op.mb, t.chunk_of(s, op.chunk))  # zbv: the V, else op.chunk * p + s
-        assert key not in done, f"{key} runs twice"
-        done[key] = tick
-  chunks, kinds = p * v, (S.F, S.B, S.W) if name in S.SPLIT else (S.F, S.B)
-  assert set(done) == {(k, i, c) for k in kinds for i in range(m) for c in range(chunks)}
+    for s, cell in enumerate(row):
+      ops = S.ops_of(cell)
+      if len(ops) == 2:
+        assert ops[0].kind == S.F and ops[1].kind != S.F and ops[0].mb != ops[1].mb, (tick, s, cell)
+      for op in ops:
+        for kind in op.kinds():
+          key = (kind, op.mb, t.chunk_of(s, op.chunk))  # a V, else op.chunk * p + s
+          assert key not in done, f"{key} runs twice"
+          done[key] = tick
+  chunks, kinds = t.chunks, (S.F, S.B, S.W) if t.name in S.SPLIT else (S.F, S.B)
+  assert set(done) == {(k, i, c) for k in kinds for i in range(t.m) for c in range(chunks)}
   for (kind, i, c), tick in done.items():  # inputs were sent at the end of an earlier tick
     if kind == S.F and c > 0:
       assert done[(S.F, i, c - 1)] < tick
@@ -85,12 +99,37 @@ def test_table_is_valid_and_its_bubble_is_the_formula(name, p, m, v):
       assert done[(S.F, i, c)] < tick
       assert c == chunks - 1 or done[(S.B, i, c + 1)] < tick
     if kind == S.W:
-      assert done[(S.B, i, c)] < tick
+      assert done[(S.B, i, c)] <= tick  # the same tick: a whole backward
+  return kinds
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_table_is_valid_and_its_bubble_is_the_formula(name, p, m, v):
+  t = S.build(name, p, m, v)
+  kinds = assert_valid(t)
   # one op per device-tick; (p-1) idle ticks per device: 2 (F, B) or 3 (F, B, W) ops per microbatch-chunk
   assert t.ticks == len(kinds) * v * m + (p - 1) * (1 if name in S.SPLIT else 2)
   per_tick = 3 if name in S.SPLIT else 1  # microbatch-chunk work per device-tick of idle: F+B+W, or F (B alike)
   assert t.bubble() == pytest.approx((p - 1) / (per_tick * v * m + p - 1), abs=1e-12)
   assert t.bubble() == pytest.approx(t.bubble_formula(), abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (2, 3, 4, 5, 8) for m in (2 * p, 3 * p + 1, 4 * p)])
+def test_dualpipev_is_valid_and_its_bubble_is_the_formula(p, m):
+  """DualPipeV: with unit F, B, W (X = 2, a pair F + X = 3) a device idles 5p-8 units of its 6m in lock-step ticks;
+  the steady state is pairs only; peak memory p + 1/2 stages of passes (2p+1 half-stage chunks), as DeepSeek's
+  DualPipeV, and p W slots."""
+  t = S.build("dualpipev", p, m, 2)
+  assert_valid(t)
+  assert t.span() == 6 * m + 5 * p - 8 and t.ticks == 2 * m + 5 * p - 2
+  assert t.bubble() == pytest.approx((5 * p - 8) / (6 * m + 5 * p - 8), abs=1e-12)
+  assert t.bubble() == pytest.approx(t.bubble_formula(), abs=1e-12)
+  pairs = sum(isinstance(cell, S.Pair) for row in t.grid for cell in row)
+  # device r pairs 2(m-2p+r+1) (one fewer on the turn device r = p-1) + (p-1-r) steady-state ticks
+  assert pairs == sum(2 * (m - 2 * p + r + 1) - (r == p - 1) + (p - 1 - r) for r in range(p))
+  assert max(t.passes_in_flight()) == p + 0.5
+  assert max(t.in_flight()) == 2 * p + 2  # chunk inputs: device 0's chunk a reads the tokens
+  assert max(S._max_overlap(iv) for iv in t.w_intervals()) == p
 
 
 @pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16)])
@@ -139,27 +178,32 @@ def test_slots_never_overlap():
           assert a[1] < b[0] or b[1] < a[0]
 
 
-@pytest.mark.parametrize("name,p,m,v", [("zb-h1", 4, 8, 1), ("zb-h1", 3, 7, 1), ("zbv", 4, 8, 2), ("zbv", 2, 5, 2)])
+@pytest.mark.parametrize("name,p,m,v", [("zb-h1", 4, 8, 1), ("zb-h1", 3, 7, 1), ("zbv", 4, 8, 2), ("zbv", 2, 5, 2),
+                                        ("dualpipev", 4, 8, 2), ("dualpipev", 3, 7, 2)])
 def test_w_slots_hold_each_pass_from_its_b_to_its_w(name, p, m, v):
   """Replays the program's table: every B of a chunk past the first leaves its projections' inputs and output
   gradients in a free W slot of its device, and that chunk's W reads them there; nothing else takes the slot between."""
-  from jaxtrain.parallel import pipeline
+  from jaxtrain.parallel import program
   t = S.build(name, p, m, v)
-  prog, _, _, n = pipeline.program_table(t)
+  prog, _, _, n = program.program_table(t)
   held = [dict() for _ in range(p)]  # device -> {slot: (mb, global chunk)}
   passes = 0
-  for tick, row in enumerate(t.grid):
-    for s, op in enumerate(row):
-      if op is None or t.chunk_of(s, op.chunk) == 0:
-        continue
-      key, slot = (op.mb, t.chunk_of(s, op.chunk)), int(prog[tick, s, pipeline.WSLOT])
-      if op.kind == S.B:
-        assert slot < n and slot not in held[s], (tick, s, op)
-        held[s][slot] = key
-      elif op.kind == S.W:
-        assert held[s].pop(slot) == key, (tick, s, op)
-        passes += 1
-  assert passes == m * (p * v - 1) and not any(held)
+  for tick, s, op in t.ops():  # (a pair's backward op is the one with a W slot)
+    if t.chunk_of(s, op.chunk) == 0:
+      continue
+    key, slot = (op.mb, t.chunk_of(s, op.chunk)), int(prog[tick, s, program.WSLOT])
+    if op.kind == S.B:
+      assert slot < n and slot not in held[s], (tick, s, op)
+      held[s][slot] = key
+    elif op.kind == S.W:
+      assert held[s].pop(slot) == key, (tick, s, op)
+      passes += 1
+  assert not any(held)
+  done = t.done()  # dualpipev's whole backwards (B and W at one tick) keep nothing; every other pass is split
+  assert passes == sum(k == S.B and c > 0 and done[(S.W, i, c)] > tick for (k, i, c), tick in done.items())
+  # dualpipev: device r splits 2(p-1-r) + (r+1) passes (its warm-up's and cool-down's), device 0's p of chunk 0
+  # whole (its W gives the input gradient): 3p(p-1)/2 in all
+  assert passes == (m * (p * v - 1) if name != "dualpipev" else 3 * p * (p - 1) // 2)
   # the stash no longer waits for W: each chunk input is freed at its B, so zb-h1 stashes no more than 1F1B
   if name == "zb-h1":
     assert max(t.in_flight()) <= max(S.build("1f1b", p, m).in_flight())
@@ -172,6 +216,8 @@ def test_w_slots_hold_each_pass_from_its_b_to_its_w(name, p, m, v):
     ("interleaved", 4, 6, 2, "train.microbatches=6 must be a multiple of 4"),
     ("zbv", 2, 4, 1, "pipeline.virtual_stages must be 2 (got 1)"),
     ("zb-h1", 2, 4, 2, "pipeline.virtual_stages=2 needs pipeline.schedule=interleaved"),
+    ("dualpipev", 4, 6, 2, "train.microbatches=6 must be >= 8"),
+    ("dualpipev", 2, 4, 3, "pipeline.virtual_stages must be 2 (got 3)"),
 ])
 def test_bad_combinations_are_named(name, p, m, v, msg):
   assert msg in S.check(name, p, m, v)

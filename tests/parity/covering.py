@@ -31,7 +31,7 @@ FACTORS = (
     *(Factor(a, (1, 2)) for a in AXES),
     Factor("sequence_attention", ("ring", "ulysses"), when=("sequence", (2,))),
     Factor("sequence_parallel", (False, True)),
-    Factor("schedule", ("1f1b", "interleaved", "zb-h1", "zbv"), when=("pipeline", (2,))),
+    Factor("schedule", ("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"), when=("pipeline", (2,))),
     Factor("zero_stage", (0, 1, 2)),
     Factor("offload", ("none", "host")),
     Factor("remat", ("none", "full", "save_dots")),

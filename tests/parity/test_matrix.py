@@ -45,15 +45,18 @@ def pairs_source(tmp_path_factory) -> str:
 
 def overrides(row: dict, source: str = "unset") -> list[str]:
   """The config of a matrix row (what is not in force stays at the default): 1 layer, 2 on a pipeline's 2 stages,
-  4 where it runs two chunks per device. A DPO row reads the preference data at `source`, 32 rows a batch (16 pairs:
-  an even number of rows on each of up to 8 batch devices in each of 2 microbatches)."""
+  4 where it runs two chunks per device. Microbatches: 1 or several, several being 2, or 4 under dualpipev (it
+  pairs forwards with backwards from 2 x pipeline microbatches on). A DPO row reads the preference data at
+  `source`, 32 rows a batch (16 pairs: an even number of rows on each of up to 8 batch devices in each of 2
+  microbatches)."""
   on = lambda name: covering.BY_NAME[name].active(row)  # noqa: E731
-  layers = (4 if row["schedule"] in ("interleaved", "zbv") else 2) if on("schedule") else 1
+  layers = (4 if row["schedule"] in ("interleaved", "zbv", "dualpipev") else 2) if on("schedule") else 1
+  micro = 4 if on("schedule") and row["schedule"] == "dualpipev" and row["microbatches"] == 2 else row["microbatches"]
   sets = [*BASE, f"model.n_layers={layers}", *ATTENTION[row["attention"]], *MOE[row["moe"]],
           f"model.tie_embeddings={str(row['tied']).lower()}", f"model.qk_norm={str(row['qk_norm']).lower()}",
           f"model.remat={row['remat']}", f"model.scan_layers={str(row['scan_layers']).lower()}",
           f"model.fp8={row['fp8']}", f"model.dtype={row['dtype']}", f"optim.zero_stage={row['zero_stage']}",
-          f"optim.offload={row['offload']}", f"train.microbatches={row['microbatches']}",
+          f"optim.offload={row['offload']}", f"train.microbatches={micro}",
           f"run.sequence_parallel={str(row['sequence_parallel']).lower()}"]
   if row["mtp"]:
     sets += ["model.mtp_layers=1", "model.mtp_weight=0.3"]

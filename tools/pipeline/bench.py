@@ -15,7 +15,7 @@ import jax
 from jaxtrain import data
 from jaxtrain.analysis import timeline
 from jaxtrain.core import config
-from jaxtrain.parallel import mesh as mesh_lib, pipeline, schedule as schedule_lib
+from jaxtrain.parallel import mesh as mesh_lib, pipeline
 from jaxtrain.run import step
 
 BASE = ["model.n_layers=8", "model.scan_layers=true", "train.batch_size=64", "train.seq_len=64",
@@ -24,7 +24,8 @@ CASES = {"fsdp=4": ("fsdp=4", []), "pp=4 gpipe": ("pp=4", ["pipeline.schedule=gp
          "pp=4 1f1b": ("pp=4", ["pipeline.schedule=1f1b"]),
          "pp=4 interleaved v=2": ("pp=4", ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2"]),
          "pp=4 zb-h1": ("pp=4", ["pipeline.schedule=zb-h1"]),
-         "pp=4 zbv v=2": ("pp=4", ["pipeline.schedule=zbv", "pipeline.virtual_stages=2"])}
+         "pp=4 zbv v=2": ("pp=4", ["pipeline.schedule=zbv", "pipeline.virtual_stages=2"]),
+         "pp=4 dualpipev v=2": ("pp=4", ["pipeline.schedule=dualpipev", "pipeline.virtual_stages=2"])}
 
 
 def prepare(spec, sets, m):
@@ -39,10 +40,8 @@ def prepare(spec, sets, m):
   jax.block_until_ready(state)
   costed = None
   if pipeline.active(setup.mesh):
-    t, c = pipeline.table(setup.cfg, setup.mesh), timeline.slot_costs(setup)
-    F, B, W = schedule_lib.F, schedule_lib.B, schedule_lib.W
-    per_op = {F: c["F"], B: c["B"], W: c["W"]} if t.split else {F: c["F"], B: c["BW"]}
-    costed = t.span(per_op)
+    t = pipeline.table(setup.cfg, setup.mesh)
+    costed = t.span(timeline.op_costs(t, timeline.slot_costs(setup)))
   return {"run": compiled, "state": state, "batch": batch, "times": [],
           "temp": compiled.memory_analysis().temp_size_in_bytes, "costed": costed}
 
