@@ -35,9 +35,9 @@ class Attention(nnx.Module):
   def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None):
     """With a KV `cache` (decoding) returns (output, updated {"k", "v"})."""
     dt = x_BxLxD.dtype
-    q_BxLxHxE = adapted(self, "wq", x_BxLxD, ops.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt)))
-    k_BxLxKxE = adapted(self, "wk", x_BxLxD, ops.einsum("bld,dke->blke", x_BxLxD, self.wk[...].astype(dt)))
-    v_BxLxKxE = adapted(self, "wv", x_BxLxD, ops.einsum("bld,dke->blke", x_BxLxD, self.wv[...].astype(dt)))
+    q_BxLxHxE = adapted(self, "wq", x_BxLxD, ops.einsum("bld,dhe->blhe", x_BxLxD, ops.weight(self.wq, dt)))
+    k_BxLxKxE = adapted(self, "wk", x_BxLxD, ops.einsum("bld,dke->blke", x_BxLxD, ops.weight(self.wk, dt)))
+    v_BxLxKxE = adapted(self, "wv", x_BxLxD, ops.einsum("bld,dke->blke", x_BxLxD, ops.weight(self.wv, dt)))
     if self.qk_norm:
       q_BxLxHxE, k_BxLxKxE = self.q_norm(q_BxLxHxE), self.k_norm(k_BxLxKxE)
     q_BxLxHxE = ops.constrain(rope(q_BxLxHxE, rope_tables), ("batch", "length", "act_heads", None))
@@ -51,7 +51,7 @@ class Attention(nnx.Module):
     return self.out(o_BxLxHxE)
 
   def out(self, o_BxLxHxE):
-    return adapted(self, "wo", o_BxLxHxE, ops.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...].astype(o_BxLxHxE.dtype)))
+    return adapted(self, "wo", o_BxLxHxE, ops.einsum("blhe,hed->bld", o_BxLxHxE, ops.weight(self.wo, o_BxLxHxE.dtype)))
 
 
 class Block(nnx.Module):

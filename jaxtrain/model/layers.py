@@ -42,11 +42,11 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BxLxD):
     dt = x_BxLxD.dtype
-    g_BxLxF = adapted(self, "w_gate", x_BxLxD, ops.matmul(x_BxLxD, self.w_gate[...].astype(dt)))
-    u_BxLxF = adapted(self, "w_up", x_BxLxD, ops.matmul(x_BxLxD, self.w_up[...].astype(dt)))
+    g_BxLxF = adapted(self, "w_gate", x_BxLxD, ops.matmul(x_BxLxD, ops.weight(self.w_gate, dt)))
+    u_BxLxF = adapted(self, "w_up", x_BxLxD, ops.matmul(x_BxLxD, ops.weight(self.w_up, dt)))
     h_BxLxF = ops.constrain(jax.nn.silu(g_BxLxF) * u_BxLxF, ("batch", "length", "act_mlp"))
     h_BxLxF = checkpoint_name(h_BxLxF, "mlp_hidden")
-    return adapted(self, "w_down", h_BxLxF, ops.matmul(h_BxLxF, self.w_down[...].astype(dt)))
+    return adapted(self, "w_down", h_BxLxF, ops.matmul(h_BxLxF, ops.weight(self.w_down, dt)))
 
 
 def rope_tables(pos_BxL, cfg: ModelConfig):

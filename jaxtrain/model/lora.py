@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.core.config import ModelConfig
-from jaxtrain.model import wgrad
+from jaxtrain.model import ops, wgrad
 
 SUFFIX = "_lora"  # the adapter of weight `wq` is the module `wq_lora` beside it
 # model.lora_targets' names (config.LORA_TARGETS) -> the weight each adapts
@@ -72,7 +72,7 @@ def adapted(module: nnx.Module, attr: str, x, y):
 def effective(module: nnx.Module, attr: str, dt):
   """`module`'s weight `attr` in `dt`, its adapter merged in (W + A B * alpha / r) where it has one: for products
   that use the weight itself (MoE's expert dispatch, MLA's absorbed decoding); gradients reach A and B through it."""
-  w = getattr(module, attr)[...].astype(dt)
+  w = ops.weight(getattr(module, attr), dt)
   lora = getattr(module, attr + SUFFIX, None)
   return w if lora is None else w + lora.delta(dt)
 

@@ -12,6 +12,9 @@ import jax.numpy as jnp
 from jaxtrain.model import ops
 
 
+HEAD_AXES = ("embed", "vocab")  # the output projection (D, V) as stored
+
+
 def nll_sum(h_BxLxD, w_DxV, targets_BxL, weights_BxL, chunk_tokens: int = 0, logits_dtype: str = "float32",
             gather: bool = True, grad_scale=1.0):
   """sum of weight * (logsumexp(logits) - logits[target]) in float32, in chunks of `chunk_tokens` per device
@@ -28,7 +31,7 @@ def nll_sum(h_BxLxD, w_DxV, targets_BxL, weights_BxL, chunk_tokens: int = 0, log
 
 def _plain(h_BxLxD, w_DxV, targets_BxL, weights_BxL, logits_dtype, gather):
   """The whole (B, L, V) float32 logits at once (the reference, and train.loss_chunk_tokens=0)."""
-  logits_BxLxV = jnp.einsum("bld,dv->blv", h_BxLxD, w_DxV.astype(h_BxLxD.dtype),
+  logits_BxLxV = jnp.einsum("bld,dv->blv", h_BxLxD, ops.cast(w_DxV, HEAD_AXES, h_BxLxD.dtype),
                             preferred_element_type=logits_dtype).astype(jnp.float32)
   axes = ("batch", "length", "act_vocab")
   if not gather:
@@ -41,7 +44,7 @@ def _plain(h_BxLxD, w_DxV, targets_BxL, weights_BxL, logits_dtype, gather):
 def target_logp(h_BxLxD, w_DxV, targets_BxL, logits_dtype: str = "float32"):
   """log p(target) of every token in float32, from the whole (B, L, V) logits (DPO sums them per sequence; the
   chunked loss keeps only totals). The target logit by a one-hot product: no gather over the vocabulary's split."""
-  logits_BxLxV = jnp.einsum("bld,dv->blv", h_BxLxD, w_DxV.astype(h_BxLxD.dtype),
+  logits_BxLxV = jnp.einsum("bld,dv->blv", h_BxLxD, ops.cast(w_DxV, HEAD_AXES, h_BxLxD.dtype),
                             preferred_element_type=jnp.dtype(logits_dtype)).astype(jnp.float32)
   return -_token_nll(logits_BxLxV, targets_BxL, ("batch", "length", "act_vocab"))
 
@@ -85,7 +88,7 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, ld, chunk_tokens, scale):
 
   def run(h_BxLxD, w_DxV, targets_BxL, weights_BxL, scale, grad: bool):
     # gathered here, once, to the layout the chunks use (whole over fsdp, split over tensor like the logits)
-    w16_DxV = ops.constrain(w_DxV.astype(h_BxLxD.dtype), (None, "act_vocab"))
+    w16_DxV = ops.constrain(ops.cast(w_DxV, HEAD_AXES, h_BxLxD.dtype), (None, "act_vocab"))
     dw0 = ops.constrain(jnp.zeros((G, S) + w_DxV.shape if grad else (), jnp.float32),
                         ("batch", "length", None, "act_vocab") if grad else ())
     xs = (split(h_BxLxD), split(targets_BxL), split(weights_BxL))
@@ -100,7 +103,7 @@ def _chunked(h_BxLxD, w_DxV, targets_BxL, weights_BxL, ld, chunk_tokens, scale):
     # wraps it in a sharding constraint, so the collective's reducer ends in a copy and XLA:CPU's
     # all-reduce-promotion (bf16 -> f32) aborts: "Invalid binary instruction opcode copy"
     dw16 = dw_GxSxDxV.astype(h_BxLxD.dtype)
-    dw_DxV = ops.constrain(jax.lax.reduce_sum(dw16, (0, 1)), ("embed", "vocab"))
+    dw_DxV = ops.constrain(jax.lax.reduce_sum(dw16, (0, 1)), HEAD_AXES)
     return total, (dh_BxLxD, dw_DxV, scale)
 
   # every array an argument: a custom_vjp must not close over traced values (it breaks inside the pipeline)

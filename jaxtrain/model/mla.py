@@ -49,11 +49,11 @@ class MLA(nnx.Module):
     N, _, C = self.dims
     dt = x_BxLxD.dtype
     if hasattr(self, "wq_a"):
-      q_BxLxQ = self.q_norm(adapted(self, "wq_a", x_BxLxD, ops.matmul(x_BxLxD, self.wq_a[...].astype(dt))))
-      q_BxLxHxE = adapted(self, "wq_b", q_BxLxQ, ops.einsum("blq,qhe->blhe", q_BxLxQ, self.wq_b[...].astype(dt)))
+      q_BxLxQ = self.q_norm(adapted(self, "wq_a", x_BxLxD, ops.matmul(x_BxLxD, ops.weight(self.wq_a, dt))))
+      q_BxLxHxE = adapted(self, "wq_b", q_BxLxQ, ops.einsum("blq,qhe->blhe", q_BxLxQ, ops.weight(self.wq_b, dt)))
     else:
-      q_BxLxHxE = adapted(self, "wq", x_BxLxD, ops.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...].astype(dt)))
-    kv_BxLxCR = adapted(self, "wkv_a", x_BxLxD, ops.matmul(x_BxLxD, self.wkv_a[...].astype(dt)))
+      q_BxLxHxE = adapted(self, "wq", x_BxLxD, ops.einsum("bld,dhe->blhe", x_BxLxD, ops.weight(self.wq, dt)))
+    kv_BxLxCR = adapted(self, "wkv_a", x_BxLxD, ops.matmul(x_BxLxD, ops.weight(self.wkv_a, dt)))
     c_BxLxC = self.kv_norm(kv_BxLxCR[..., :C])
     k_rot_BxLxR = rope(kv_BxLxCR[..., None, C:], tables)[:, :, 0]
     return q_BxLxHxE[..., :N], rope(q_BxLxHxE[..., N:], tables), c_BxLxC, k_rot_BxLxR
@@ -66,7 +66,7 @@ class MLA(nnx.Module):
     if cache is not None:
       o_BxLxHxV, cache = self._decode(q_nope_BxLxHxN, q_rot_BxLxHxR, c_BxLxC, k_rot_BxLxR, seg_BxL, cache)
       return self.out(o_BxLxHxV), cache
-    kv_BxLxHxNV = adapted(self, "wkv_b", c_BxLxC, ops.einsum("blc,che->blhe", c_BxLxC, self.wkv_b[...].astype(dt)))
+    kv_BxLxHxNV = adapted(self, "wkv_b", c_BxLxC, ops.einsum("blc,che->blhe", c_BxLxC, ops.weight(self.wkv_b, dt)))
     H = kv_BxLxHxNV.shape[2]
     k_BxLxHxE = jnp.concatenate(
         [kv_BxLxHxNV[..., :N], jnp.broadcast_to(k_rot_BxLxR[:, :, None], (*k_rot_BxLxR.shape[:2], H, R))], axis=-1)
@@ -81,7 +81,7 @@ class MLA(nnx.Module):
     return self.out(o_BxLxHxV)
 
   def out(self, o_BxLxHxV):
-    return adapted(self, "wo", o_BxLxHxV, ops.einsum("blhv,hvd->bld", o_BxLxHxV, self.wo[...].astype(o_BxLxHxV.dtype)))
+    return adapted(self, "wo", o_BxLxHxV, ops.einsum("blhv,hvd->bld", o_BxLxHxV, ops.weight(self.wo, o_BxLxHxV.dtype)))
 
   def _decode(self, q_nope_BxTxHxN, q_rot_BxTxHxR, c_BxTxC, k_rot_BxTxR, seg_BxT, cache):
     """Writes this chunk's latent and RoPE key at slot `start`, then attends over the cache in latent space:

@@ -25,7 +25,7 @@ class MTP(nnx.Module):
   def __call__(self, h_BxLxD, next_emb_BxLxD, tables, seg_BxL):
     """(head-normed hidden (B, L, D) whose logits predict the token after next, the block's MoE stats or None)."""
     x_BxLx2D = jnp.concatenate([self.enorm(next_emb_BxLxD), self.hnorm(h_BxLxD)], axis=-1)
-    x_BxLxD = ops.constrain(ops.matmul(x_BxLx2D, self.eh_proj[...].astype(x_BxLx2D.dtype)), RESIDUAL)
+    x_BxLxD = ops.constrain(ops.matmul(x_BxLx2D, ops.weight(self.eh_proj, x_BxLx2D.dtype)), RESIDUAL)
     x_BxLxD, stats = self.block(x_BxLxD, tables, seg_BxL)
     return self.head_norm(x_BxLxD), stats
 

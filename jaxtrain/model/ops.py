@@ -44,6 +44,10 @@ class Ops:
     as the layer's matmuls use it."""
     return quant.dequantize(q, dtype)
 
+  def cast(self, w, axes, dtype):
+    """A weight (logical `axes`) in the compute `dtype` for its use."""
+    return w.astype(dtype)
+
   def project(self, fn, x, w, *args):
     """A projection: the bilinear `fn(x, w, *args)` (einsum, ragged_dot). The FP8 policy replaces it."""
     return fn(x, w, *args)
@@ -88,6 +92,17 @@ def batch_mean(x_mean):
 
 def lookup(table_VxD, tokens_BxL):
   return current().lookup(table_VxD, tokens_BxL)
+
+
+def cast(w, axes, dtype):
+  return current().cast(w, axes, dtype)
+
+
+def weight(var, dtype):
+  """A module's weight variable in the compute `dtype`, for a projection (its logical axes from the variable; a
+  scanned stack's per-layer slice has the stack's `layers` axis no more)."""
+  w, axes = var[...], var.get_metadata().get("axes")
+  return cast(w, tuple(axes)[len(axes) - w.ndim:] if axes else None, dtype)
 
 
 def einsum(spec: str, x, w):

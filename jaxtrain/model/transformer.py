@@ -58,7 +58,7 @@ class Transformer(nnx.Module):
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
   def logits(self, h_BxLxD):
-    return jnp.einsum("bld,dv->blv", h_BxLxD, self.head_weight().astype(h_BxLxD.dtype),
+    return jnp.einsum("bld,dv->blv", h_BxLxD, ops.cast(self.head_weight(), ("embed", "vocab"), h_BxLxD.dtype),
                       preferred_element_type=jnp.float32)
 
   def embed_tokens(self, tokens_BxL):

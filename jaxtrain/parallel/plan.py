@@ -8,6 +8,7 @@ the config where it lives; nothing is copied, so what `describe()` prints is wha
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -93,6 +94,16 @@ class Plan(ops.Ops):
     own = x_mean / jax.lax.psum(1, self.rows_over)
     return own + jax.lax.stop_gradient(jax.lax.psum(own, self.rows_over) - own)
 
+  def cast(self, w, axes, dtype):
+    """XLA:CPU: cast where the weight is stored (its split) and gather the compute dtype's bits to the weight's
+    compute layout (`embed`'s split is storage: gathered; tensor and expert splits stay). XLA:CPU gathers a
+    bfloat16 array as float32, and a cast weight it gathers in float32 and casts after: twice the bytes, and the
+    gathered float32 copy among the step's temporaries. XLA's GPU passes already move the cast ahead of the gather."""
+    if self.mesh is None or axes is None or self.platform != "cpu" or jnp.dtype(w.dtype) == jnp.dtype(dtype):
+      return w.astype(dtype)
+    used = NamedSharding(self.mesh, sharding.spec_for(tuple(axes), w.shape, self.mesh, rules={**self.rules, "embed": ()}))
+    return _cast_in_place(w, jnp.dtype(dtype), self.sharding(axes, w.shape), used)
+
   def project(self, fn, x, w, *args):
     return fp8.matmul(self.cfg.model.fp8, fn, x, w, *args)
 
@@ -175,6 +186,31 @@ class Plan(ops.Ops):
             2: f"master, moments and gradients split over data={data}"}[self.zero_stage]
     where = "; master and moments in host memory" if self.cfg.optim.offload == "host" else ""
     return f"train state: zero-{self.zero_stage}, {what}{where}"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _cast_in_place(w, dtype, stored, used):
+  bits = jax.lax.with_sharding_constraint(_bits(w.astype(dtype)), stored)
+  out = jax.lax.with_sharding_constraint(bits, used)
+  return jax.lax.bitcast_convert_type(out, dtype) if out.dtype != dtype else out
+
+
+def _bits(x):
+  """A 16-bit float's bits as uint16 (XLA:CPU moves integers as they are)."""
+  return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+
+
+def _cast_in_place_fwd(w, dtype, stored, used):
+  return _cast_in_place(w, dtype, stored, used), jnp.zeros((0,), w.dtype)
+
+
+def _cast_in_place_bwd(dtype, stored, used, res, g):
+  # the cast's own transpose where the gradient is (the projection's layout); XLA reduces it to the weight's split
+  # in the weight's dtype afterwards, as it did without this
+  return (g.astype(res.dtype),)
+
+
+_cast_in_place.defvjp(_cast_in_place_fwd, _cast_in_place_bwd)
 
 
 def implied(cfg: Config, mesh) -> tuple[Config, tuple[str, ...]]:

@@ -105,3 +105,35 @@ def test_the_moe_kernel_and_groups_in_the_plan_line_are_what_runs():
     assert word in step.Setup(cfg, mesh_of("ep=2")).plan.describe()
     runs[word] = trajectory(cfg, "ep=2", 1)[0, 0]
   assert len(set(runs.values())) == 3, runs  # groups of 8 drop other tokens than groups of 32; dropless none
+
+
+def _two_steps(cfg, spec):
+  """(per-step [loss, grad norm], the all-gathers' result element types in the compiled step's HLO)."""
+  from jaxtrain import data
+  setup = step.Setup(cfg, mesh_of(spec))
+  it = data.batches(cfg)
+  batches = [setup.device_batch(next(it)) for _ in range(2)]
+  it.close()
+  state = setup.init()
+  compiled = setup.step.lower(state, batches[0]).compile()
+  out = []
+  for b in batches:
+    state, m = compiled(state, b)
+    out.append((float(m["loss"]), float(m["grad_norm"])))
+  return out, re.findall(r"= (\w+)\[[\d,]*\]\S* all-gather(?:-start)?\(", compiled.as_text())
+
+
+def test_weights_cross_a_cpu_mesh_in_the_compute_dtype_and_the_step_is_unchanged(monkeypatch):
+  """XLA:CPU gathers a bfloat16 array as float32, and a weight the model casts at use it gathers in float32 and
+  casts after. The plan casts where the weight is stored and gathers the bits (`Plan.cast`): on fsdp=4 x tensor=2
+  every all-gather of the bfloat16 step moves 16-bit values, where the plain cast gathers float32, and the two
+  steps' losses and gradient norms are the plain cast's bit for bit (the same values cross, the gradient is
+  reduced in float32 as before)."""
+  cfg = config.load("tiny", ["model.dtype=bfloat16", "model.n_layers=2", "train.batch_size=8", "train.seq_len=32"])
+  got, kinds = _two_steps(cfg, "fsdp=4,tp=2")
+  assert "u16" in kinds and not {"f32", "bf16"} & set(kinds), kinds  # (s32: the token ids)
+  from jaxtrain.model import ops
+  monkeypatch.setattr(plan_lib.Plan, "cast", ops.Ops.cast)
+  want, plain = _two_steps(cfg, "fsdp=4,tp=2")
+  assert "f32" in plain, plain
+  assert got == want

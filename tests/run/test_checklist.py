@@ -181,7 +181,9 @@ def test_offload_reports_the_host_links_bytes_and_time(tmp_path):
   assert all(r["offload_h2d_bytes"] == 28 * n and r["offload_d2h_bytes"] == 12 * n for r in records)
   up, down = _own_copy_time(4 * n)
   mine = 7 * up + 3 * down  # the master's bytes 7 times up, 3 times down
-  assert all(mine / 3 < r["offload_link_s"] < mine * 3 for r in records), (mine, records[-1]["offload_link_s"])
+  # both are the best of a few copies of a few MiB, timed apart: on a loaded 2-core host (the suite's other worker
+  # compiling) they differ by up to 3.2x measured; the bytes are exact above, and a wrong unit is off by 8x or 1000x
+  assert all(mine / 5 < r["offload_link_s"] < mine * 5 for r in records), (mine, records[-1]["offload_link_s"])
   plain = step_lib.Setup(config.load("tiny", ["model.n_layers=1"]), mesh_of("dp=1"))
   assert plain.layout.link is None
 
