@@ -255,8 +255,9 @@ def pipeline_activations(cfg, mesh, remat: str = "none", kernel: str = "xla", pa
 
 
 def w_wait(cfg, mesh, rows: list[Row]) -> tuple[int, str]:
-  """A split backward's (zb-h1, zbv; dualpipev's split passes) W slots: per pass of a chunk, each deferred projection's input and output
-  gradient (one microbatch, the compute dtype; split over tensor where the weight's side is), from its B to its W."""
+  """A split backward's (zb-h1, zbv; dualpipev's split passes) W slots: per pass of a chunk, each deferred
+  projection's input and output gradient (one microbatch, the compute dtype; split over tensor where the weight's
+  side is), from its B to its W."""
   t = pipeline.table(cfg, mesh)
   if not t.split:
     return 0, f"none ({t.name} does not split the backward)"

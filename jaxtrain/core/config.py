@@ -276,8 +276,8 @@ class PipelineConfig:
       "device, virtual_stages=2); dualpipev (DeepSeek's DualPipe on a V: ticks pair one microbatch's forward with "
       "another's backward so that each one's communication runs under the other's compute; virtual_stages=2, "
       "microbatches >= 2 x pipeline).", math=False)
-  virtual_stages: int = key(1, "Model chunks per pipeline device: >= 2 for interleaved and looped-bfs, 2 for zbv and dualpipev, "
-                            "else 1.", math=False, min=1)
+  virtual_stages: int = key(1, "Model chunks per pipeline device: >= 2 for interleaved and looped-bfs, 2 for zbv "
+                            "and dualpipev, else 1.", math=False, min=1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -239,10 +239,15 @@ class _Ticks:
   # (the collective-permutes with which XLA splits a stage's work between its axes too), so on CPU with another
   # mesh axis every device computes every branch and selects its own: the same values, some times the work.
   # Elsewhere (and on CPU with `pipeline` the only axis: no collective in a branch), lax.switch/cond.
-  def switch(self, index, branches, *args):
+  def run_op(self, index, *args):
+    """The tick's op (branch `index` of the table's used kinds). Where every device computes every branch (CPU
+    with another mesh axis), a pair's forward and backward are the lone ones' outputs merged, not computed again."""
     if self.own_branch:
-      return jax.lax.switch(index, branches, *args)
-    outs = [b(*args) for b in branches]
+      return jax.lax.switch(index, self.branches(), *args)
+    back_of = {k: b for b, k in PAIRED.items()}
+    needed = {j for k in self.st.used for j in ((FWD, back_of[k]) if k in back_of else (k,))}
+    base = {k: self.own()[k](*args) for k in sorted(needed)}
+    outs = [merged(base[FWD], base[back_of[k]]) if k in back_of else base[k] for k in self.st.used]
     return jax.tree.map(lambda *xs: jax.lax.select_n(index, *xs), *outs)
 
   def cond(self, pred, true_fn, false_fn):
@@ -387,13 +392,14 @@ class _Ticks:
   def paired(self, back):
     """A forward and another microbatch's backward op in one tick (dualpipev): neither reads the other's values,
     so XLA may overlap one's communication (the MoE all-to-alls, the sends) with the other's compute."""
-    def branch(acc, fwd, bwd, dy, waiting):
-      f, b = self.forward(acc, fwd), back(acc, fwd, bwd, dy, waiting)
-      return {**b, **{k: f[k] for k in ("y", "loss", "moe", "load", "head_load")}}
-    return branch
+    return lambda acc, fwd, bwd, dy, waiting: merged(self.forward(acc, fwd), back(acc, fwd, bwd, dy, waiting))
+
+  def own(self) -> dict:
+    """The ops a device runs alone, by branch kind."""
+    return {IDLE: self.idle, FWD: self.forward, BWD: self.backward, BWD_X: self.backward_x, BWD_W: self.backward_w}
 
   def branches(self) -> list:
-    own = {IDLE: self.idle, FWD: self.forward, BWD: self.backward, BWD_X: self.backward_x, BWD_W: self.backward_w}
+    own = self.own()
     own.update({k: self.paired(own[b]) for b, k in PAIRED.items()})
     return [own[k] for k in self.st.used]
 
@@ -413,7 +419,7 @@ class _Ticks:
     # a table without pairs writes a forward's columns into the backward's too: one read of the chunk and input
     fwd = self.part(r, slots, stash, (FMB, FCHUNK, FGCHUNK, FSLOT)) if st.paired else bwd
     dy = get(gbuf, r[GSLOT], st.dt)
-    out = self.switch(r[BRANCH], self.branches(), acc, fwd, bwd, dy, (wait, r[WSLOT]))
+    out = self.run_op(r[BRANCH], acc, fwd, bwd, dy, (wait, r[WSLOT]))
     # B's inputs and output gradients of the projections, in its W slot (the other branches: zeros, into the
     # discard slot or the slot W has just read)
     wait = [(put(a, ka, r[WSLOT]), put(b, kb, r[WSLOT])) for (a, b), (ka, kb) in zip(wait, out["kept"])]
@@ -456,6 +462,11 @@ class _Ticks:
     acc_head, loss, tot, head_load, g_slots = jax.lax.psum((acc_head, loss, tot, head_load, g_slots), AXIS)
     return (jax.tree.map(lambda a: a[:, None], acc_layers), acc_head, loss, tot, acc_load[:, None], head_load,
             g_slots)
+
+
+def merged(f: dict, b: dict) -> dict:
+  """A pair's outputs: the backward op's, with the forward's activation, loss and MoE terms."""
+  return {**b, **{k: f[k] for k in ("y", "loss", "moe", "load", "head_load")}}
 
 
 def act_bytes(cfg, mesh) -> int:

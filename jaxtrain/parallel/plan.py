@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtrain.core.config import Config
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import attention as attention_lib, ops, quant
-from jaxtrain.parallel import devices, fp8, kernels, sharding
+from jaxtrain.parallel import devices, fp8, kernels, schedule as schedule_lib, sharding
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -56,15 +56,19 @@ class Plan(ops.Ops):
       return x
     return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
 
+  def compute_spec(self, axes, shape) -> P:
+    """A weight's compute layout: `embed`'s fsdp/expert split is storage (gathered for the matmul); tensor and
+    expert splits stay."""
+    return sharding.spec_for(tuple(axes), shape, self.mesh, rules={**self.rules, "embed": ()})
+
   def dequantize(self, q, axes, dtype):
-    """The codes and scales gathered to the weight's compute layout first (`embed`'s fsdp/expert split is storage:
-    gathered; tensor and expert splits stay), then dequantized there: the wire carries 4-bit codes, not the
-    float32 values XLA would otherwise gather after the lookup."""
+    """The codes and scales gathered to the weight's compute layout (`compute_spec`) first, then dequantized
+    there: the wire carries 4-bit codes, not the float32 values XLA would otherwise gather after the lookup."""
     if self.mesh is None:
       return quant.dequantize(q, dtype)
     lead = q.lead
     shape = (*q.codes.shape[:lead], *q.shape)
-    spec = sharding.spec_for(tuple(axes), shape, self.mesh, rules={**self.rules, "embed": ()})
+    spec = self.compute_spec(axes, shape)
     codes, scales, _ = quant.split_axes(shape, q.fmt, spec, lambda e: sharding.ways(e, self.mesh), q.in_axis + lead,
                                         lead)
     keep = lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*s)))  # noqa: E731
@@ -96,12 +100,12 @@ class Plan(ops.Ops):
 
   def cast(self, w, axes, dtype):
     """XLA:CPU: cast where the weight is stored (its split) and gather the compute dtype's bits to the weight's
-    compute layout (`embed`'s split is storage: gathered; tensor and expert splits stay). XLA:CPU gathers a
+    compute layout (`compute_spec`). XLA:CPU gathers a
     bfloat16 array as float32, and a cast weight it gathers in float32 and casts after: twice the bytes, and the
     gathered float32 copy among the step's temporaries. XLA's GPU passes already move the cast ahead of the gather."""
     if self.mesh is None or axes is None or self.platform != "cpu" or jnp.dtype(w.dtype) == jnp.dtype(dtype):
       return w.astype(dtype)
-    used = NamedSharding(self.mesh, sharding.spec_for(tuple(axes), w.shape, self.mesh, rules={**self.rules, "embed": ()}))
+    used = NamedSharding(self.mesh, self.compute_spec(axes, w.shape))
     return _cast_in_place(w, jnp.dtype(dtype), self.sharding(axes, w.shape), used)
 
   def project(self, fn, x, w, *args):
@@ -223,10 +227,11 @@ def implied(cfg: Config, mesh) -> tuple[Config, tuple[str, ...]]:
   if not m.scan_layers:
     m = dataclasses.replace(m, scan_layers=True)
     notes.append(f"model.scan_layers=true (pipeline={p} stages hold slices of the stacked layers)")
-  if pc.virtual_stages == 1 and pc.schedule in ("zbv", "dualpipev", "interleaved", "looped-bfs"):
+  v_shaped = pc.schedule in schedule_lib.V_SHAPED
+  if pc.virtual_stages == 1 and (v_shaped or pc.schedule in ("interleaved", "looped-bfs")):
     pc = dataclasses.replace(pc, virtual_stages=2)
     notes.append(f"pipeline.virtual_stages=2 (pipeline.schedule={pc.schedule} runs "
-                 f"{'two' if pc.schedule in ('zbv', 'dualpipev') else 'at least two'} chunks per device)")
+                 f"{'two' if v_shaped else 'at least two'} chunks per device)")
   return dataclasses.replace(cfg, model=m, pipeline=pc), tuple(notes)
 
 
