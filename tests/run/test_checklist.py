@@ -183,7 +183,6 @@ def test_the_link_rate_is_bytes_over_the_best_copys_seconds(monkeypatch):
   assert up == pytest.approx(checklist.PROBE_BYTES // 4 * 4 / 0.001)
 
 
-
 @pytest.mark.slow
 def test_offload_link_bytes_follow_the_master_shards():
   """Split over fsdp=2, each device's link moves its shard: half of the split arrays, all of the replicated ones."""
