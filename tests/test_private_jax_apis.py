@@ -45,18 +45,22 @@ def test_without_the_key_value_client_process_0_hashes_every_file(tmp_path, monk
 
 
 def test_without_the_packed_cudnn_module_the_plan_takes_the_mask_path(monkeypatch):
+  """Probed, with a fall-back said on the plan line: packed rows go as an L x L mask without the private module;
+  one-document rows keep the causal path (the public jax.nn.dot_product_attention)."""
   from jax._src.cudnn import fused_attention_stablehlo as fa
   from jaxtrain.parallel import devices, kernels as attention
   m = config.load("tiny", ["model.dtype=bfloat16", "model.attention_max_segments=8"]).model
   h100 = devices.of("H100")
   attention.packed_module.cache_clear()
   try:
-    assert attention.uses_packed(m, h100)  # the independent reference: with the module, packed is chosen
+    assert attention.select(m, 64, h100, 5)[2] == 5  # the independent reference: with the module, packed is chosen
     monkeypatch.delattr(fa, "dot_product_attention")
     attention.packed_module.cache_clear()
-    kernel, why = attention.select(m, 64, h100)
-    assert kernel == "cudnn" and not attention.uses_packed(m, h100)
-    assert "segments as an L x L mask (the packed layout needs jax's private cuDNN module" in why, why
+    kernel, why, slots = attention.select(m, 64, h100, 5)
+    assert kernel == "cudnn" and slots == 0
+    assert "segments as an L x L mask: the packed layout needs jax's private cuDNN module" in why, why
+    assert attention.select(m, 64, h100, 1)[1:] == ("cuDNN fused attention (causal; one document per row: causal "
+                                                    "alone, no mask)", 1)
   finally:
     attention.packed_module.cache_clear()
 

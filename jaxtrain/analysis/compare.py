@@ -22,14 +22,14 @@ def parse(items: list[str]) -> list[tuple[str, list[str]]]:
   return out
 
 
-def _variant(name, cfg, mesh, batches, first: dict):
+def _variant(name, cfg, mesh, batches, first: dict, segments: int):
   """A timed side and its compiled memory. `first` holds the first variant's initial state on
   the host: a variant whose state has the same shapes starts from it (same weights, one
   initializer compile fewer)."""
   import jax
   from jaxtrain.analysis import gpu_compile, speed
   from jaxtrain.run import step as step_lib
-  setup = step_lib.Setup(cfg, mesh)
+  setup = step_lib.Setup(cfg, mesh, segments=segments)
   cfg = setup.cfg  # with what the mesh implies
   sig = lambda tree: (jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)])  # noqa: E731
   if "state" in first and sig(first["state"]) == sig(jax.eval_shape(setup.init)):
@@ -46,15 +46,17 @@ def _variant(name, cfg, mesh, batches, first: dict):
 
 def run(base_name: str, base_sets: list[str], variants: list[tuple[str, list[str]]], mesh, *, steps: int,
         warmup: int, rounds: int) -> dict:
+  from jaxtrain import data
   from jaxtrain.analysis import speed
   from jaxtrain.core import config
   from jaxtrain.parallel import mesh as mesh_lib
   from jaxtrain.run import step as step_lib
   cfgs = {name: config.load(base_name, base_sets, then=sets) for name, sets in variants}
   cfg0 = next(iter(cfgs.values()))
-  batches = speed.first_batches(cfg0, step_lib.Setup(cfg0, mesh), min(steps, 4), unpacked=False)
+  segments = data.most_segments(cfg0, min(steps, 4))
+  batches = speed.first_batches(cfg0, step_lib.Setup(cfg0, mesh, segments=segments), min(steps, 4), unpacked=False)
   first: dict = {}
-  sides = {name: _variant(name, cfg, mesh, batches, first) for name, cfg in cfgs.items()}
+  sides = {name: _variant(name, cfg, mesh, batches, first, segments) for name, cfg in cfgs.items()}
   medians = speed.alternate([s for s, _ in sides.values()], steps=steps, warmup=warmup, rounds=rounds)
   return {
       "config": base_name, "set": base_sets, "mesh": mesh_lib.describe(dict(mesh.shape)), "devices": mesh.size,

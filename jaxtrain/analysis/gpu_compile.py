@@ -248,9 +248,13 @@ def collectives(hlo: Hlo) -> dict:
 
 
 def cudnn_attention_calls(hlo: Hlo) -> dict:
-  """cuDNN fused-attention custom calls: in the program and executed per step."""
+  """cuDNN fused-attention custom calls: in the program and executed per step, the mask types they were built with
+  (CAUSAL, PADDING_CAUSAL: packed offsets) and how many read a bias operand (the L x L mask becomes one)."""
   calls = [i for i in hlo.instrs if i.opcode == "custom-call" and 'custom_call_target="__cudnn$fmha' in i.rest]
-  return {"ops": len(calls), "per_step": sum(hlo.times.get(i.computation, 1) for i in calls)}
+  types = {m.group(1) for i in calls for m in [re.search(r'"mask_type":\s*"(\w+)"', i.rest)] if m}
+  biased = [i for i in calls if re.search(r'custom_call_target="__cudnn\$fmha\w*Bias', i.rest)]
+  return {"ops": len(calls), "per_step": sum(hlo.times.get(i.computation, 1) for i in calls),
+          "mask_types": sorted(types), "with_bias": len(biased)}
 
 
 def gemms(hlo: Hlo) -> dict:

@@ -80,6 +80,16 @@ def replication_warnings(rows, mesh, threshold: int) -> list[str]:
   return out
 
 
+def data_segments(cfg) -> int | None:
+  """The most segments a row of the config's data holds over train.steps (the attention path), or None where the
+  data cannot be read here (inspect plans a run for elsewhere too)."""
+  from jaxtrain import data
+  try:
+    return data.most_segments(cfg, cfg.train.steps)
+  except UserError:
+    return None
+
+
 def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory: str | None = None,
            margin: float = 0.10, warn_replicated: int = 16 * 2**20, device: str | None = None) -> dict:
   """`device`: a device-table name; the bill is then for that device's kernels (its plan),
@@ -87,11 +97,12 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
   from jaxtrain.model import flops
   from jaxtrain.parallel import plan as plan_lib
   from jaxtrain.run import step as step_lib
-  setup = step_lib.Setup(cfg, mesh)
+  segments = data_segments(cfg)
+  setup = step_lib.Setup(cfg, mesh, segments=segments)
   cfg = setup.cfg  # with what the mesh implies
   rows = memory.grouped(memory.param_rows(setup))  # the compute layout: the bill's per-layer figures
   table = memory.grouped(memory.param_rows(setup, stored=True))  # the master as stored, as the bill counts it
-  target = plan_lib.build(cfg, mesh, device=device) if device else setup.plan
+  target = plan_lib.build(cfg, mesh, device=device, segments=segments) if device else setup.plan
   b = memory.bill(setup, rows, margin, plan=target)
   dev = mesh.devices.flat[0]
   capacity, source = memory.device_memory(device_memory, dev.device_kind)
@@ -241,8 +252,9 @@ def render_compiled(c: dict) -> list[str]:
   att = c.get("cudnn_attention", {})
   if "attention" in c:
     L.append(f"  attention: {c['attention']['kernel']} ({c['attention']['reason']})")
+  kinds = f" (mask types {', '.join(att['mask_types'])}; {att['with_bias']} with a bias operand)" if att.get("ops") else ""
   L.append(f"  cuDNN fused attention: {att.get('ops', 0)} custom call(s) in the program, {att.get('per_step', 0)} "
-           "executed per step")
+           f"executed per step{kinds}")
   if "gemms" in c:
     g = c["gemms"]
     L.append(f"  GEMMs: {g['fp8']['ops']} FP8 (cuBLASLt FP8 or f8 operands), {g['other']['ops']} other in the program; "

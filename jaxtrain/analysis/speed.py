@@ -210,15 +210,19 @@ def run(cfg, mesh, config_name: str, *, steps: int, warmup: int, baselines: list
   from jaxtrain.parallel import devices
   from jaxtrain.parallel import mesh as mesh_lib
   from jaxtrain.run import step as step_lib
-  setup = step_lib.Setup(cfg, mesh)
+  from jaxtrain import data
+  from jaxtrain.parallel import kernels
+  unpacked = "torch" in baselines  # SDPA's flash path masks causally only: every side gets unpacked rows
+  if batches is not None:
+    segments = max(int(kernels.segments_per_row(b["segment_ids"]).max()) for b in batches)
+    unpacked = unpacked or segments == 1
+  setup = step_lib.Setup(cfg, mesh, segments=1 if unpacked else
+                         segments if batches is not None else data.most_segments(cfg, min(steps, 4)))
   cfg = setup.cfg  # with what the mesh implies
   fit.check(setup, cfg.run.fit_check)
   dev0, t = mesh.devices.flat[0], cfg.train
-  unpacked = "torch" in baselines  # SDPA's flash path masks causally only: every side gets unpacked rows
   if batches is None:
     batches = first_batches(cfg, setup, min(steps, 4), unpacked)
-  else:
-    unpacked = unpacked or all((b["segment_ids"] == b["segment_ids"][:, :1]).all() for b in batches)
   valid = [int((b["loss_mask"] > 0).sum()) for b in batches]
   flops_per_step = flops.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
   peak = devices.peak_flops(dev0.device_kind)

@@ -147,9 +147,11 @@ class ModelConfig:
       "reshard q/k/v to whole sequences on a share of the heads, model.attention runs, one all-to-all back; "
       "sequence x tensor must divide n_heads).", math=False)
   attention_max_segments: int = key(
-      0, "cuDNN on Hopper+: most documents (segments) one row may hold, passed as O(L) offsets (no L x L mask); "
-      "costs 4*M*heads*seq_len bytes of softmax statistics per row and layer; a row with more is an error. "
-      "0 = pass segments as an L x L mask.", math=False, min=0)
+      0, "cuDNN: most documents (segments) one row may hold. 0 = counted from the run's data before the step "
+      "compiles: rows of one document take cuDNN's causal path (no mask), packed rows O(L) offsets (Hopper+) where "
+      "their softmax statistics (4*M*heads*seq_len bytes per row and layer) cost no more than the L x L mask, "
+      "else the mask. M > 0: offsets of at most M per row whatever they cost (data that holds more is refused); "
+      "the plan line says which path runs.", math=False, min=0)
   # LoRA (docs/training.md#lora): adapters beside the targeted projections; the rest of the model frozen
   lora_rank: int = key(0, "LoRA: rank r of the low-rank adapters added to the model.lora_targets projections "
                        "(delta = x A B * lora_alpha / r, B zero at init); the base weights are then frozen (no "

@@ -35,6 +35,10 @@ class PairPacker:
             self.ts.n_docs // 2)
       return self._orders[epoch]
 
+  def most_segments(self, rows: int) -> int:
+    """Segments in a row's inputs (the first L tokens): the sequence, and padding where one is shorter."""
+    return 1 if int(self.ts.lengths.min()) >= self.L else 2
+
   def row(self, q: int) -> dict[str, np.ndarray]:
     """One row of L + 1 tokens: one sequence from position 0, then padding (segment 0)."""
     epoch, r = divmod(q, self.rows_per_epoch)

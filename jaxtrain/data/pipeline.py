@@ -21,6 +21,7 @@ from jaxtrain.core.files import sha256_file
 BUNDLED = Path(__file__).resolve().parent.parent / "corpus" / "bundled.jsonl"
 SPLIT_SEED = 20240517  # which documents are held out; independent of train.seed on purpose
 EVAL_SEED = 7  # eval rows are the same whatever train.seed is
+EXACT_DOCS = 50_000_000  # most_segments counts rows one by one over this many documents' orders (at least 2 epochs)
 MIX_TAG, STATE_VERSION = 0x4D4958, 1
 
 
@@ -96,12 +97,33 @@ class Packer:
     """The epoch's document order and the stream offset of each (cumulative lengths)."""
     with self._lock:
       if epoch not in self._layouts:
-        order = np.random.default_rng([self.seed, self.tag, epoch]).permutation(self.ts.n_docs)
-        starts = np.concatenate([[0], np.cumsum(self.ts.lengths[order])])
         if len(self._layouts) >= 2:  # keep the current epoch and the next
           self._layouts.pop(min(self._layouts))
-        self._layouts[epoch] = (order, starts)
+        self._layouts[epoch] = self._new_layout(epoch)
       return self._layouts[epoch]
+
+  def _new_layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    order = np.random.default_rng([self.seed, self.tag, epoch]).permutation(self.ts.n_docs)
+    return order, np.concatenate([[0], np.cumsum(self.ts.lengths[order])])
+
+  def most_segments(self, rows: int) -> int:
+    """The most segments (runs of one segment id, trailing padding included) in the inputs (the first L tokens)
+    of rows 0..rows-1: counted in the orders of the first epochs (EXACT_DOCS), past them the most any order can
+    give (the shortest documents side by side)."""
+    L, total, most = self.L, self.ts.n_tokens, 1
+    epochs, exact = -(-rows // self.rows_per_epoch), max(2, EXACT_DOCS // self.ts.n_docs)
+    for epoch in range(min(epochs, exact)):
+      starts = self._new_layout(epoch)[1]
+      a = np.arange(min(rows - epoch * self.rows_per_epoch, self.rows_per_epoch), dtype=np.int64) * L
+      last = np.minimum(a + L, total) - 1
+      docs = np.searchsorted(starts, last, side="right") - np.searchsorted(starts, a, side="right") + 1
+      most = max(most, int((docs + (a + L > total)).max()))
+    if epochs > exact:  # k documents in L tokens: two ends of >= 1 token and the k - 2 shortest whole
+      k = min(L, self.ts.n_docs)
+      shortest = np.sort(np.partition(self.ts.lengths, k - 1)[:k])
+      fit = 2 + int(np.searchsorted(np.cumsum(shortest), L - 2, "right"))
+      most = max(most, min(L, min(self.ts.n_docs, fit) + 1))
+    return most
 
   def row(self, q: int) -> dict[str, np.ndarray]:
     """One packed row of L + 1 tokens with segment ids, positions and trainable flags."""
@@ -290,6 +312,19 @@ def batches(cfg: Config, block: int = 0, blocks: int = 1, *, check_tokenizer: bo
   train, _, pad = open_sources(cfg, check_tokenizer)
   pairs.check(cfg, train)
   return DataIterator(Mixture(cfg, train, cfg.train.seed, pad), lo, hi, cfg.data.workers, cfg.data.prefetch)
+
+
+def most_segments(cfg: Config, steps: int) -> int:
+  """The most segments (documents, and a run of trailing padding) a row of the first `steps` training batches or
+  of the eval batches holds: what the attention kernel must handle (jaxtrain.parallel.kernels). In a mixture every
+  source is counted as if it gave all the rows."""
+  train, held, pad = open_sources(cfg, check_tokenizer=False)
+  t = cfg.train
+  parts = [(train, t.seed, steps * t.batch_size)]
+  if held is not None:
+    parts.append((held, EVAL_SEED, cfg.data.eval_batches * t.batch_size))
+  return max(packer(ts, t.seq_len, seed, tag, pad).most_segments(rows)
+             for sets, seed, rows in parts for tag, ts in enumerate(sets))
 
 
 def eval_batches(cfg: Config, block: int = 0, blocks: int = 1) -> list[dict[str, np.ndarray]]:

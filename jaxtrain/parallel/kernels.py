@@ -13,11 +13,14 @@ from jaxtrain.core.errors import UserError
 from jaxtrain.parallel import devices
 
 
-def select(model_cfg, seq_len: int | None = None, info: devices.Info | None = None) -> tuple[str, str]:
-  """("cudnn" | "xla", reason) for the target device `info` (default: the first local one)."""
+def select(model_cfg, seq_len: int | None = None, info: devices.Info | None = None,
+           segments: int | None = None) -> tuple[str, str, int]:
+  """("cudnn" | "xla", reason, segment slots) for the target device `info` (default: the first local one).
+  `segments`: the most segments a row of the run's data holds (None: not known). Slots (cuDNN only, `path`):
+  1 = causal alone, no mask operand; M > 1 = packed offsets of at most M per row; 0 = an L x L mask."""
   want = model_cfg.attention
   if want == "xla":
-    return "xla", "model.attention=xla"
+    return "xla", "model.attention=xla", 0
   info = info or devices.of()
   E, dt = model_cfg.head_dim, model_cfg.dtype
   if model_cfg.attention_type == "mla":  # q/k width (v is zero-padded to it)
@@ -29,26 +32,45 @@ def select(model_cfg, seq_len: int | None = None, info: devices.Info | None = No
        f"model.head_dim={E} (cuDNN needs a multiple of 8, at most {info.max_head_dim} on this GPU)"),
       (seq_len is not None and seq_len % 2, f"train.seq_len={seq_len} is odd (cuDNN needs it even)")) if failed), None)
   if problem is None:
-    how = (f"segments as packed offsets, at most {model_cfg.attention_max_segments} per row"
-           if uses_packed(model_cfg, info) else "segments as an L x L mask" + (
-               " (the packed layout needs jax's private cuDNN module, which this jax lacks)"
-               if info.packed and model_cfg.attention_max_segments > 0 else ""))
-    return "cudnn", f"cuDNN fused attention (causal; {how})"
+    slots, how = path(model_cfg, info, seq_len, segments)
+    return "cudnn", f"cuDNN fused attention (causal; {how})", slots
   if want == "cudnn":
     raise UserError(f"model.attention=cudnn is not supported here: {problem}; use auto or xla")
-  return "xla", f"reference XLA attention: {problem}"
+  return "xla", f"reference XLA attention: {problem}", 0
+
+
+def path(model_cfg, info: devices.Info, seq_len: int | None, segments: int | None) -> tuple[int, str]:
+  """How cuDNN sees segments: (1, ...) where every row is one segment: causal alone, cuDNN's fastest path; (M, ...)
+  packed offsets (Hopper+, jax's private module) of at most M a row: the user's model.attention_max_segments,
+  else the data's count where its softmax statistics (4 M heads L bytes a row and layer) are no larger than the
+  L x L bias the mask becomes (2 L^2 bytes); (0, ...) the L x L mask, where nothing else runs."""
+  bound, data = model_cfg.attention_max_segments, segments
+  if data == 1:
+    return 1, "one document per row: causal alone, no mask"
+  if bound and data and data > bound:
+    raise UserError(f"rows of this data hold up to {data} documents but model.attention_max_segments={bound}; "
+                    f"raise it to at least {data}, or set it to 0 (chosen from the data)")
+  most = min(x for x in (bound, data) if x) if (bound or data) else 0
+  packable = info.packed and packed_module() is not None
+  roomy = bool(bound) or (seq_len is not None and 2 * most * model_cfg.n_heads <= seq_len)
+  if most and packable and roomy:
+    whose = "the data's rows" if data else "model.attention_max_segments"
+    return most, f"segments as packed offsets, at most {most} per row ({whose})"
+  why = ("the packed layout needs jax's private cuDNN module, which this jax lacks" if info.packed and most and
+         not packable else "the packed layout needs a Hopper or newer GPU" if most and not info.packed else
+         f"rows hold up to {most} documents: packed offsets would keep more softmax statistics than the mask; set "
+         f"model.attention_max_segments to pass them anyway" if most else
+         "the most documents a row holds is not known here; model.attention_max_segments bounds it")
+  return 0, f"segments as an L x L mask: {why}"
 
 
 def fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, implementation: str = "cudnn"):
   """Causal GQA with segment masking through `jax.nn.dot_product_attention` (the tests run
-  it with implementation="xla" on CPU to check the masking plumbing)."""
-  mask_Bx1xLxL = (seg_BxL[:, :, None] == seg_BxL[:, None, :])[:, None]
+  it with implementation="xla" on CPU to check the masking plumbing); `seg_BxL` None: one segment a row, causal
+  alone (no mask operand: cuDNN's CAUSAL mask type)."""
+  mask_Bx1xLxL = None if seg_BxL is None else (seg_BxL[:, :, None] == seg_BxL[:, None, :])[:, None]
   return jax.nn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask=mask_Bx1xLxL, is_causal=True,
                                       implementation=implementation).astype(q_BxLxHxE.dtype)
-
-
-def uses_packed(model_cfg, info: devices.Info) -> bool:
-  return info.packed and model_cfg.attention_max_segments > 0 and packed_module() is not None
 
 
 @functools.cache

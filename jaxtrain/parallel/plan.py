@@ -31,7 +31,8 @@ class Plan(ops.Ops):
   ulysses: bool = False  # sequence > 1 by all-to-alls to whole sequences; `attention` is the kernel inside
   moe: str = "dense"  # "dense" | "local" | "all_to_all"
   moe_kernel: str = "capacity"  # "capacity" | "ragged_dot" | "blocks" (the last two: dropless)
-  packed_segments: int = 0  # cudnn only: segments go as offsets, at most this many per row (0: an L x L mask)
+  packed_segments: int = 0  # cudnn only: 1 = one segment a row, causal alone; M > 1 = offsets of at most M a row;
+  # 0 = an L x L mask (jaxtrain.parallel.kernels.path)
   platform: str = "cpu"  # the target device's platform (cpu, gpu, tpu): what its compiler keeps differs
   implied: tuple[str, ...] = ()  # "key=value (why)" for each setting the mesh implied
   sequence_axis: str = "sequence"
@@ -131,7 +132,9 @@ class Plan(ops.Ops):
     E, Ev = q_BxLxHxE.shape[-1], v_BxLxKxE.shape[-1]
     if Ev < E:  # cuDNN takes one head width (MLA's v is narrower): zero-padded v, its extra outputs cut off
       v_BxLxKxE = jnp.pad(v_BxLxKxE, ((0, 0), (0, 0), (0, 0), (0, E - Ev)))
-    if self.packed_segments:
+    if self.packed_segments == 1:
+      o = kernels.fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, None)
+    elif self.packed_segments:
       o = kernels.packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, self.packed_segments)
     else:
       o = kernels.fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
@@ -161,12 +164,13 @@ class Plan(ops.Ops):
   # --- host side, and the start-up line
 
   def check_rows(self, seg_BxL) -> None:
-    """Host side: a batch row with more segments than the packed cuDNN layout holds is an error."""
+    """Host side: a batch row with more segments than the cuDNN path was compiled for is an error."""
     if self.packed_segments:
       most = int(kernels.segments_per_row(seg_BxL).max())
       if most > self.packed_segments:
-        raise UserError(f"a batch row holds {most} documents but model.attention_max_segments="
-                        f"{self.packed_segments}; raise it to at least {most}, or set it to 0 (L x L mask)")
+        raise UserError(f"a batch row holds {most} documents but the attention was planned for at most "
+                        f"{self.packed_segments} ({self.attention_why}); raise model.attention_max_segments to "
+                        f"at least {most}")
 
   def describe(self) -> str:
     m = self.cfg.model
@@ -235,9 +239,10 @@ def implied(cfg: Config, mesh) -> tuple[Config, tuple[str, ...]]:
   return dataclasses.replace(cfg, model=m, pipeline=pc), tuple(notes)
 
 
-def build(cfg: Config, mesh, device=None) -> Plan:
+def build(cfg: Config, mesh, device=None, segments: int | None = None) -> Plan:
   """The plan for `cfg` on `mesh` (None: one device, nothing sharded). `device`: the target device whose kernels to
-  use (anything `devices.of` takes; default: the mesh's first device, or this host's)."""
+  use (anything `devices.of` takes; default: the mesh's first device, or this host's). `segments`: the most
+  segments a row of the run's data holds (`jaxtrain.data.most_segments`; None: not known), for cuDNN's path."""
   cfg, notes = implied(cfg, mesh)
   m = cfg.model
   info = devices.of(device if device is not None or mesh is None else mesh.devices.flat[0])
@@ -250,8 +255,7 @@ def build(cfg: Config, mesh, device=None) -> Plan:
                       "blocks; use model.attention=auto or xla, or model.sequence_attention=ulysses")
     impl, why, packed = "ring", f"ring attention over sequence={sp}, zig-zag blocks, online softmax", 0
   else:
-    impl, why = kernels.select(m, cfg.train.seq_len, info)
-    packed = m.attention_max_segments if impl == "cudnn" and kernels.uses_packed(m, info) else 0
+    impl, why, packed = kernels.select(m, cfg.train.seq_len, info, segments)
   if ulysses:
     from jaxtrain.parallel import ulysses as ulysses_lib
     why = f"{ulysses_lib.describe(m, mesh, rules)}; {why}"

@@ -318,7 +318,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   allowed = allowed_mismatches(allow_mismatch)
   asked = f"--steps asks for {stop_at}" if stop_at else f"train.steps is {cfg.train.steps}"
   stop_at = stop_at or cfg.train.steps
-  setup = step_lib.Setup(cfg, mesh)
+  setup = step_lib.Setup(cfg, mesh, segments=data.most_segments(cfg, stop_at))
   cfg = setup.cfg  # with what the mesh implies, as the plan line says
   fit.check(setup, cfg.run.fit_check)
   # Every check that can refuse the run comes before anything in the workdir is written, moved or created.

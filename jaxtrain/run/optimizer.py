@@ -47,12 +47,51 @@ def all_finite(tree):
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def guarded_update(opt: optax.GradientTransformation, params, opt_state, g, ok, bias_delta=None):
-  """(params, opt_state, applied): the update of `opt` when `ok` and the new params are finite, else the old values;
-  one `lax.cond` between the two states, not an elementwise select per array. `bias_delta`
-  (`moe_balance.bias_delta`): the routing biases move with an applied update only."""
+LIMIT = 2.0 ** 126  # below float32's overflow (2^128), with room for the update's roundings
+
+
+def adam_ratio_bound(o: OptimConfig, t) -> jax.Array | None:
+  """The most |m_hat / (sqrt(v_hat) + eps)| can be at AdamW's t-th update (t >= 1), whatever the gradients were,
+  for moments that started at zero with these betas: by Cauchy-Schwarz, |m_t| <= (1-b1) sqrt(S_t v_t / (1-b2)) with
+  S_t = sum_{k<t} (b1^2/b2)^k, and the bias corrections. 1 at t = 1. None where b1^2 >= b2 (S_t grows without
+  bound)."""
+  r = o.b1 ** 2 / o.b2
+  if r >= 1:
+    return None
+  t = jnp.asarray(t, jnp.float32)
+  s = (1 - r ** t) / (1 - r)
+  return (1 - o.b1) / (1 - o.b1 ** t) * jnp.sqrt((1 - o.b2 ** t) / (1 - o.b2) * s)
+
+
+def stays_finite(cfg: Config, count, params, bias_delta=None) -> jax.Array | None:
+  """Whether AdamW's update at 0-based update `count` provably leaves every parameter finite (a scalar), from
+  scalars and one max |p|: |p'| <= max|p| + lr (U_t + wd max|p|) + max|bias delta| < LIMIT. It is known before the
+  update runs, so the update is one pass over p, g, m, v (the guard fuses into it) instead of a second pass that
+  picks new or old values after checking the new parameters. None where there is no such bound (`adam_ratio_bound`).
+  Finite gradients are the caller's part of the guard (the gradient norm)."""
+  o = cfg.optim
+  ratio = adam_ratio_bound(o, count + 1)
+  if ratio is None:
+    return None
+  absmax = lambda tree: jnp.max(jnp.stack([jnp.max(jnp.abs(x)).astype(jnp.float32)  # noqa: E731
+                                           for x in jax.tree.leaves(tree)] or [jnp.float32(0)]))
+  p = absmax(params)
+  lr = lr_schedule(o, cfg.train.steps)(count)
+  d = absmax(bias_delta) if bias_delta is not None else 0.0
+  return p + lr * (ratio + o.weight_decay * p) + d < LIMIT
+
+
+def guarded_update(opt: optax.GradientTransformation, params, opt_state, g, ok, bias_delta=None, safe=None):
+  """(params, opt_state, applied): the update of `opt` when `ok` and the new params are finite, else the old values.
+  `safe` (`stays_finite`): the new params are known finite beforehand, and each array picks new or old in the
+  update's own pass; None: the new params are checked after the update, then one `lax.cond` between the two
+  states (a second pass over p, m, v). `bias_delta` (`moe_balance.bias_delta`): the routing biases move with an
+  applied update only."""
   updates, new_opt = opt.update(g, opt_state, params)
   new_params = moe_balance.add(optax.apply_updates(params, updates), bias_delta)
+  if safe is not None:
+    apply = ok & safe
+    pick = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
+    return pick(new_params, params), pick(new_opt, opt_state), apply
   finite = all_finite(new_params)  # e.g. a huge lr: finite gradients, overflowing params
   return jax.lax.cond(ok & finite, lambda: (new_params, new_opt, True), lambda: (params, opt_state, False))
-

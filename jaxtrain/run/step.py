@@ -54,7 +54,8 @@ def train_step(objective, opt, plan, layout: Layout, state, batch, executor=grad
         state["opt"], g, ok, delta)
   else:  # LoRA: the adapters move, the frozen base passes through
     trained, frozen = roles.split(cfg.model, state["params"])
-    params, opt_state, apply = optim_lib.guarded_update(opt, trained, state["opt"], g, ok, delta)
+    safe = optim_lib.stays_finite(cfg, state["step"], trained, delta)
+    params, opt_state, apply = optim_lib.guarded_update(opt, trained, state["opt"], g, ok, delta, safe)
     params = roles.join(params, frozen)
   new_state = {**state, "params": params, "opt": opt_state, "step": state["step"] + apply.astype(jnp.int32),
                "loss_scale": precision.update(cfg, state["loss_scale"], finite)}
@@ -74,8 +75,9 @@ class Setup:
   """The model, optimizer, shardings and jitted functions of one (config, mesh). `cfg` is the plan's: the
   config with what the mesh implies set."""
 
-  def __init__(self, cfg: Config, mesh, plan=None):
-    self.plan = plan or plan_lib.build(cfg, mesh)  # decided once; the model only follows it
+  def __init__(self, cfg: Config, mesh, plan=None, segments: int | None = None):
+    """`segments`: the most segments a row of the run's data holds (None: not known), for the attention path."""
+    self.plan = plan or plan_lib.build(cfg, mesh, segments=segments)  # decided once; the model only follows it
     self.cfg, self.mesh = cfg, mesh = self.plan.cfg, mesh
     check_fits_mesh(cfg, mesh)
     self.graphdef, abstract_state = model_lib.abstract(cfg.model, cfg.train.seed)

@@ -97,7 +97,8 @@ def test_cudnn_packed_segments_without_an_lxl_buffer_and_the_line_names_it(l8b_f
   # inspect's lines name the kernel chosen for the H100 and the calls the program holds
   assert packed["attention"]["kernel"] == masked["attention"]["kernel"] == "cudnn"
   text = "\n".join(report.render_compiled(packed))
-  assert "attention: cudnn (cuDNN fused attention (causal; segments as packed offsets, at most 8 per row))" in text
+  assert ("attention: cudnn (cuDNN fused attention (causal; segments as packed offsets, at most 8 per row "
+          "(model.attention_max_segments)))") in text
   assert f"cuDNN fused attention: {packed['cudnn_attention']['ops']} custom call(s)" in text
   _, reference = _compiled("tiny", TINY_BF16 + ["model.attention=xla"])
   assert reference["attention"]["kernel"] == "xla" and reference["cudnn_attention"]["ops"] == 0

@@ -22,9 +22,30 @@ CFG = config.load("tiny", ["model.dtype=float32", "model.n_layers=2", "model.d_m
 def test_selection_follows_the_target_device_not_the_host():
   m = dataclasses.replace(config.load("tiny").model, dtype="bfloat16", attention_max_segments=8)
   assert kernels.select(m, 128, H100) == ("cudnn", "cuDNN fused attention (causal; segments as packed offsets, "
-                                                     "at most 8 per row)")
-  assert kernels.select(m, 128, A100)[1].endswith("segments as an L x L mask)")  # packed needs Hopper
+                                                     "at most 8 per row (model.attention_max_segments))", 8)
+  assert kernels.select(m, 128, A100)[1].endswith("L x L mask: the packed layout needs a Hopper or newer GPU)")
   assert kernels.select(m, 128, devices.of(jax.devices("cpu")[0]))[0] == "xla"  # what this host is
+
+
+def test_the_cudnn_path_follows_the_datas_segments_per_row():
+  """One segment a row: causal alone (any cuDNN GPU); packed rows: offsets sized by the data where they cost no
+  more memory than the mask (2 M heads <= L), or by the user's bound; the mask where nothing else runs, said."""
+  m = dataclasses.replace(config.load("tiny").model, dtype="bfloat16")  # 8 heads
+  assert kernels.path(m, A100, 2048, 1) == (1, "one document per row: causal alone, no mask")
+  assert kernels.path(m, H100, 2048, 1)[0] == 1
+  assert kernels.path(m, H100, 2048, 13) == (13, "segments as packed offsets, at most 13 per row (the data's rows)")
+  slots, why = kernels.path(m, H100, 128, 13)  # 2 * 13 * 8 > 128: the statistics would outweigh the mask
+  assert slots == 0 and "rows hold up to 13 documents" in why and "model.attention_max_segments" in why
+  assert kernels.path(m, A100, 2048, 13) == (0, "segments as an L x L mask: the packed layout needs a Hopper or "
+                                                "newer GPU")
+  assert kernels.path(m, H100, 2048, None)[0] == 0  # not known (no data here): the mask
+  bound = dataclasses.replace(m, attention_max_segments=16)
+  assert kernels.path(bound, H100, 128, None) == (16, "segments as packed offsets, at most 16 per row "
+                                                      "(model.attention_max_segments)")
+  assert kernels.path(bound, H100, 128, 13)[0] == 13  # the data's tighter count, the user's bound holds it
+  assert kernels.path(bound, H100, 128, 1)[0] == 1
+  with pytest.raises(UserError, match="rows of this data hold up to 20 documents but model.attention_max_segments=16"):
+    kernels.path(bound, H100, 128, 20)
 
 
 def _mask_from_offsets(lengths, starts, L):
@@ -62,15 +83,20 @@ def test_a_row_with_more_segments_than_the_bound_is_refused():
   seg = np.array([[1, 1, 2, 3, 3, 4, 0, 0]], np.int32)  # 5 segments
   plan = plan_lib.build(config.load("tiny", sets), None, device=Gpu())
   assert plan.attention == "cudnn" and plan.packed_segments == 3
-  with pytest.raises(UserError, match="holds 5 documents but model.attention_max_segments=3"):
+  with pytest.raises(UserError, match="holds 5 documents but the attention was planned for at most 3"):
     plan.check_rows(seg)
   plan_lib.build(config.load("tiny", [*sets, "model.attention_max_segments=5"]), None, device=Gpu()).check_rows(seg)
   plan_lib.build(config.load("tiny", sets), None).check_rows(seg)  # this CPU host: the reference kernel, no bound
+  causal = plan_lib.build(config.load("tiny", ["model.dtype=bfloat16"]), None, device=Gpu(), segments=1)
+  assert causal.packed_segments == 1
+  causal.check_rows(np.ones((2, 8), np.int32))
+  with pytest.raises(UserError, match="holds 5 documents but the attention was planned for at most 1"):
+    causal.check_rows(seg)  # one-document rows were promised: a packed row would be attended across documents
 
 
 def test_attention_selection_picks_the_reference_on_cpu():
   bf16 = dataclasses.replace(CFG, dtype="bfloat16", head_dim=64)
-  impl, reason = kernels.select(bf16, 128)
+  impl, reason, _ = kernels.select(bf16, 128)
   assert impl == "xla" and "cpu" in reason
   assert kernels.select(dataclasses.replace(bf16, attention="xla"))[0] == "xla"
   with pytest.raises(UserError, match="model.attention=cudnn is not supported here: backend is cpu"):
@@ -85,7 +111,7 @@ def test_attention_selection_rules_on_a_gpu():
                         (dataclasses.replace(bf16, head_dim=60), 128, "model.head_dim=60"),
                         (dataclasses.replace(bf16, head_dim=192), 128, "model.head_dim=192"),
                         (bf16, 127, "train.seq_len=127")]:
-    impl, reason = kernels.select(cfg, seq, info=devices.of("A100"))
+    impl, reason, _ = kernels.select(cfg, seq, info=devices.of("A100"))
     assert impl == "xla" and why in reason
     with pytest.raises(UserError, match=why):
       kernels.select(dataclasses.replace(cfg, attention="cudnn"), seq, info=devices.of("A100"))

@@ -1,5 +1,7 @@
 """Token-normalized accumulation and the optimizer pieces of the train step."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,6 +89,48 @@ def test_a_non_finite_update_is_skipped_and_moves_nothing():
   np.testing.assert_array_equal(new["w"], params["w"])
   new, _, applied = optim_lib.guarded_update(optax.sgd(0.1), params, state, g, jnp.bool_(True))
   assert bool(applied) and float(new["w"][0]) == pytest.approx(1 - 10.0)
+
+
+def test_adams_ratio_bound_holds_for_any_gradients_and_is_reached():
+  """`adam_ratio_bound` against optax's own scale_by_adam on gradient histories: random, a spike then silence,
+  and the Cauchy-Schwarz equality case (|g| at age k proportional to (b1/b2)^k), where the bound is reached."""
+  o = config.load("tiny").optim
+  adam = optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=0.0)
+  T = 40
+  rng = np.random.default_rng(0)
+  equality = [(o.b1 / o.b2) ** (T - 1 - i) for i in range(T)]  # the last gradient is age 0
+  for history in (rng.standard_normal(T) * 10.0 ** rng.uniform(-3, 3, T), [1e3] + [1e-6] * (T - 1), equality):
+    state, worst = adam.init(jnp.zeros(())), []
+    for t, g in enumerate(history, start=1):
+      u, state = adam.update(jnp.float32(g), state)
+      bound = float(optim_lib.adam_ratio_bound(o, t))
+      assert abs(float(u)) <= bound * (1 + 1e-5), (t, float(u), bound)
+      worst.append(abs(float(u)) / bound)
+  assert float(optim_lib.adam_ratio_bound(o, 1)) == pytest.approx(1.0)
+  assert worst[-1] == pytest.approx(1.0, rel=1e-4)  # equality case at the last step: the bound is tight
+  assert optim_lib.adam_ratio_bound(dataclasses.replace(o, b1=0.99, b2=0.95), 3) is None  # b1^2 >= b2: no bound
+
+
+def test_a_huge_learning_rate_is_caught_before_the_update_moves_anything():
+  """The one-pass guard: with finite gradients an lr whose update could overflow a parameter skips the step
+  (parameters, moments and schedule unmoved), decided before the update from max|p|, lr and Adam's bound; an lr
+  whose update stays finite applies, as the old check of the new parameters would have."""
+  base = ["model.dtype=float32", "train.batch_size=8", "optim.warmup_steps=0"]  # _setup's model and batch
+  _, _, params, batch = _setup()
+  for lr, applied in (("1e38", False), ("1e30", True)):
+    cfg = config.load("tiny", [*base, f"optim.lr={lr}"])
+    setup = step.Setup(cfg, mesh_of("dp=1"))
+    state0 = step.init_state(cfg, setup.opt, params)
+    keep = jax.tree.map(np.asarray, state0)
+    state, metrics = setup.step(state0, batch)
+    assert np.isfinite(float(metrics["grad_norm"])) and bool(metrics["skipped"]) is not applied
+    moved = jax.tree.map(lambda a, b: not np.array_equal(np.asarray(a), b), state["params"], keep["params"])
+    if applied:
+      assert all(jax.tree.leaves(moved)) and int(state["step"]) == 1
+      assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
+    else:
+      assert not any(jax.tree.leaves(moved)) and int(state["step"]) == 0
+      jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state["opt"], keep["opt"])
 
 
 def test_finite_steps_match_plain_optax_adamw_on_a_plainly_written_loss():

@@ -1,0 +1,76 @@
+"""What the H100-compiled train step runs, without a GPU (issue: the fastest step on a real GPU): which cuDNN
+attention path the data's rows get, and the optimizer update as one pass over p, g, m, v. Byte counts cannot see
+which kernel runs; the optimized HLO's custom calls and fusions can."""
+
+import collections
+import re
+
+import pytest
+
+from jaxtrain.analysis import gpu_compile, report
+from jaxtrain.core import config
+from jaxtrain.run import step as step_lib
+from tests.helpers import needs_plugin
+
+pytestmark = pytest.mark.slow  # whole-step compiles for the GPU target
+
+TINY = ["model.dtype=bfloat16", "train.seq_len=96", "train.batch_size=8", "model.n_layers=2"]
+
+
+def _hlo(sets, spec="fsdp=2", segments=None):
+  setup = step_lib.Setup(config.load("tiny", sets), gpu_compile.mesh("H100", spec), segments=segments)
+  compiled, _ = gpu_compile.compile_step(setup)
+  return setup, gpu_compile.Hlo.parse(compiled.as_text())
+
+
+@pytest.fixture(scope="module")
+def one_document():
+  return _hlo(TINY, segments=1)
+
+
+@needs_plugin
+def test_one_document_rows_call_cudnn_causal_alone_and_packed_rows_pass_offsets(one_document):
+  setup, hlo = one_document
+  calls = gpu_compile.cudnn_attention_calls(hlo)
+  assert setup.plan.packed_segments == 1 and "causal alone, no mask" in setup.plan.describe()
+  assert calls["ops"] >= 4 and calls["mask_types"] == ["CAUSAL"] and calls["with_bias"] == 0, calls
+  fmha = [i for i in hlo.instrs if i.opcode == "custom-call" and "__cudnn$fmha" in i.rest]
+  assert {len(gpu_compile.operands(i)) for i in fmha if "Backward" not in i.rest} == {3}  # q, k, v: no mask operand
+  _, packed = _hlo(TINY, segments=5)
+  calls = gpu_compile.cudnn_attention_calls(packed)
+  assert calls["mask_types"] == ["PADDING_CAUSAL"] and calls["with_bias"] == 0, calls
+  fwd = [i for i in packed.instrs if i.opcode == "custom-call" and 'custom_call_target="__cudnn$fmhaSoftmax"' in i.rest]
+  assert fwd and all(re.search(r"f32\[20,", i.shape) for i in fwd)  # statistics: 4 rows a device x 5 slots
+  # negative control: rows whose documents are not known to the plan go as an L x L mask (a bias operand)
+  _, masked = _hlo(TINY)
+  calls = gpu_compile.cudnn_attention_calls(masked)
+  assert calls["with_bias"] == calls["ops"] >= 4, calls
+  assert "(mask types CAUSAL; 0 with a bias operand)" in "\n".join(
+      report.render_compiled({"cudnn_attention": gpu_compile.cudnn_attention_calls(hlo)}))
+
+
+def _readers_of_moments(hlo) -> collections.Counter:
+  """For each Adam moment array of the state (an entry parameter), the ops that read it."""
+  moments = {i.name for i in hlo.instrs if i.opcode == "parameter" and i.shape.startswith("f32")
+             and re.search(r"op_name=\"state\[\\'opt\\'\]\[0\]\.(mu|nu)", i.rest)}
+  readers = collections.Counter()
+  for i in hlo.instrs:
+    for o in gpu_compile.operands(i):
+      if o.lstrip("%") in moments:
+        readers[o.lstrip("%"), i.opcode] += 1
+  return moments, readers
+
+
+@needs_plugin
+def test_the_optimizer_update_is_one_fusion_per_parameter_over_p_g_m_v(one_document):
+  """Each moment is read by one fusion, which writes the new parameter and both moments: the guard's decision is
+  known before the update (`optimizer.stays_finite`), so nothing picks new or old values in a second pass (the
+  old guard: a fusion checking the new parameters, then another choosing, each reading m and v)."""
+  setup, hlo = one_document
+  moments, readers = _readers_of_moments(hlo)
+  assert len(moments) == 2 * 21, len(moments)  # mu and nu of the tiny model's 21 arrays (2 layers)
+  assert all(readers[m, "fusion"] == 1 for m in moments), readers
+  assert sum(readers.values()) == len(moments)  # and no other op reads them
+  update = {i.name: i for i in hlo.instrs if i.opcode == "fusion"
+            and any(o.lstrip("%") in moments for o in gpu_compile.operands(i))}
+  assert all(re.match(r"\(f32\[[\d,]*\]\S*, f32\[", i.shape) for i in update.values())  # p, m, v out, together
