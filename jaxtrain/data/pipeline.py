@@ -21,7 +21,9 @@ from jaxtrain.core.files import sha256_file
 BUNDLED = Path(__file__).resolve().parent.parent / "corpus" / "bundled.jsonl"
 SPLIT_SEED = 20240517  # which documents are held out; independent of train.seed on purpose
 EVAL_SEED = 7  # eval rows are the same whatever train.seed is
-EXACT_DOCS = 50_000_000  # most_segments counts rows one by one over this many documents' orders (at least 2 epochs)
+# most_segments counts rows one by one in the orders of the first epochs: at least 2, at most EXACT_EPOCHS, and as
+# many as hold EXACT_DOCS documents (about a second of work either way)
+EXACT_DOCS, EXACT_EPOCHS = 50_000_000, 4096
 MIX_TAG, STATE_VERSION = 0x4D4958, 1
 
 
@@ -111,7 +113,7 @@ class Packer:
     of rows 0..rows-1: counted in the orders of the first epochs (EXACT_DOCS), past them the most any order can
     give (the shortest documents side by side)."""
     L, total, most = self.L, self.ts.n_tokens, 1
-    epochs, exact = -(-rows // self.rows_per_epoch), max(2, EXACT_DOCS // self.ts.n_docs)
+    epochs, exact = -(-rows // self.rows_per_epoch), max(2, min(EXACT_EPOCHS, EXACT_DOCS // self.ts.n_docs))
     for epoch in range(min(epochs, exact)):
       starts = self._new_layout(epoch)[1]
       a = np.arange(min(rows - epoch * self.rows_per_epoch, self.rows_per_epoch), dtype=np.int64) * L

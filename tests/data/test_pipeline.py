@@ -180,3 +180,45 @@ def _decoded_docs(batches):
   stream = np.concatenate([rows["inputs"][:1, 0], rows["targets"].reshape(-1)])
   pieces = np.split(stream, np.flatnonzero(stream == tok.BOS))
   return [tok.decode(p) for p in pieces[1:] if ":" in tok.decode(p)]
+
+
+def _most_in_rows(batches) -> int:
+  seg = np.concatenate([b["segment_ids"] for b in batches])
+  return int((1 + (seg[:, 1:] != seg[:, :-1]).sum(axis=1)).max())
+
+
+@pytest.mark.parametrize("sets,steps", [((), 30), (("data.weights=3,1",), 30), (("train.seq_len=40",), 12),
+                                        (("data.eval_fraction=0.2", "data.eval_batches=3"), 40)])
+def test_most_segments_is_the_most_the_loaders_rows_hold(mixture, sets, steps):
+  """The count the attention path is planned from (`data.most_segments`) against every row the loader gives for
+  those steps (and the eval batches): never fewer (a row the kernel cannot hold), and exactly the most seen where
+  the rows counted are the rows given (one source, steps counted in full epochs)."""
+  source = mixture.split(",")[0] if not sets or "weights" not in sets[0] else mixture
+  cfg = _cfg(source, *sets)
+  seen = _most_in_rows(_take(cfg, steps))
+  if cfg.data.eval_fraction:
+    seen = max(seen, _most_in_rows(data.eval_batches(cfg)))
+  counted = data.most_segments(cfg, steps)
+  assert counted >= seen >= 2
+  if "," not in source:
+    assert counted == seen
+  assert data.most_segments(cfg, steps + 200) >= counted  # a longer run: at least as many
+
+
+def test_most_segments_of_long_documents_is_one_and_of_a_long_run_a_bound_for_any_order(tmp_path):
+  """Rows that each hold one document (every document longer than the row) need causal attention alone; past the
+  epochs counted one by one, the bound is what the shortest documents side by side give."""
+  long_docs = prepared(tmp_path, "long", ["x" * 500 + str(i) for i in range(3)])
+  cfg = _cfg(long_docs, "train.seq_len=600", "train.batch_size=1")
+  assert data.most_segments(cfg, 1) == 2  # a window over a document boundary: the next document, or padding
+  cfg = _cfg(prepared(tmp_path, "one", ["y" * 2000]), "train.seq_len=100", "train.batch_size=2")
+  assert data.most_segments(cfg, 5) == 1 == _most_in_rows(_take(cfg, 5))  # one document, rows inside it
+  short = prepared(tmp_path, "short", ["ab", "cde", "fghi"] + ["z" * 50 + str(i) for i in range(4)])
+  cfg = _cfg(short, "train.seq_len=16", "train.batch_size=4")
+  from jaxtrain.data import pipeline
+  ts = pipeline.open_sources(cfg)[0][0]
+  rows = (pipeline.EXACT_EPOCHS + 1) * -(-(ts.n_tokens - 1) // 16)  # one epoch past those counted
+  # the shortest documents side by side: two ends of 1 token around whole documents within 16 - 2 tokens, padding
+  whole = int((np.cumsum(np.sort(ts.lengths)) <= 16 - 2).sum())
+  assert sorted(ts.lengths)[:3] == [4, 5, 6] and whole == 2  # "ab", "cde", "fghi" with BOS and EOS
+  assert pipeline.packer(ts, 16, 0, 0).most_segments(rows) == 1 + whole + 1 + 1
