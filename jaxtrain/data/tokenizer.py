@@ -85,12 +85,11 @@ class HFTokenizer:
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     self.eos_id = self._special("eos_token", eos_token, EOS_CANDIDATES, "--eos-token", required=True)
     self.bos_id = self._special("bos_token", bos_token, BOS_CANDIDATES, "--bos-token", required=False)
-    pad = (self.named or {}).get("pad_token")  # padding is masked by segment id 0: its id never matters
-    self.pad_id = self.eos_id if pad is None or self._tok.token_to_id(pad) is None else self._tok.token_to_id(pad)
+    pad = self._tok.token_to_id((self.named or {}).get("pad_token") or "")
+    self.pad_id = self.eos_id if pad is None else pad  # padding is masked by segment id 0: its id never matters
 
   def _special(self, key, given, candidates, flag, required):
-    named = (self.named or {}).get(key)
-    for value, source in ((given, flag), (named, f"{key} of {self.folder / CONFIG_FILE}")):
+    for value, source in ((given, flag), ((self.named or {}).get(key), f"{key} of {self.folder / CONFIG_FILE}")):
       if value:
         if self._tok.token_to_id(value) is None:
           raise UserError(f"tokenizer {self.spec!r} has no token {value!r} ({source})")

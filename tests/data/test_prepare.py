@@ -242,3 +242,8 @@ def test_a_field_flag_naming_no_field_is_one_line(flags, named, tmp_path, capsys
   err = capsys.readouterr().err.strip()
   assert e.value.code == 2 and len(err.splitlines()) == 1 and named in err, err
   assert not (tmp_path / "o").exists()
+
+
+def test_an_empty_data_text_field_is_refused():
+  with pytest.raises(UserError, match=r"data.text_field='': must name a field"):
+    config.load("tiny", ["data.text_field="])
