@@ -62,7 +62,7 @@ def prompts_of(args, tok, vocab_size: int) -> tuple[list[str] | None, list[list[
     if not path.is_file():
       raise UserError(f"--prompts-file {path}: no such file")
     try:
-      texts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+      texts = [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
     except UnicodeDecodeError as e:
       raise UserError(f"--prompts-file {path}: not UTF-8 text (byte {e.start}); give one prompt per line") from None
     if not texts:

@@ -257,7 +257,6 @@ COVERED_BY = {
     "jaxtrain.data.pairs": ("tests/run/test_dpo.py", "PairPacker"),
     "jaxtrain.data.readers": ("tests/data/test_prepare.py", "jsonl"),
     "jaxtrain.data.shards": ("tests/data/test_prepare.py", "shards"),
-    "jaxtrain.data.tokenizer": ("tests/data/test_prepare.py", "tokenizer"),
     "jaxtrain.generate": ("tests/interop/test_generate.py", "jaxtrain.generate"),
     "jaxtrain.hf": ("tests/commands/test_flows.py", "hf_command"),
     "jaxtrain.interop.decode": ("tests/interop/test_generate.py", "decode"),

@@ -322,7 +322,9 @@ class DataConfig:
   source: str = key("bundled", "'bundled' (shipped corpus), a prepared dir, or a .txt/.jsonl/.parquet file; "
                     "comma-separated prepared dirs make a mixture.", math=True, content=True)
   text_field: str = key("text", "Field holding the text in a raw .jsonl/.parquet source.", math=True)
-  tokenizer: str = key("byte", "'byte' or a path to a tokenizer.json; must be the one the data was prepared with.",
+  tokenizer: str = key("byte", "'byte', a path to a tokenizer.json, or a folder as Hugging Face saves a tokenizer (its "
+                       "tokenizer.json, with the special tokens its tokenizer_config.json names); must be the one the "
+                       "data was prepared with.",
                        math=True, content=True, category="tokenizer")
   weights: str = key("", "Mixture weights, comma-separated, one per source; empty = proportional to tokens.", math=True)
   eval_source: str = key("", "Held-out data (same forms as source); empty = hold out data.eval_fraction.", math=False)
@@ -501,7 +503,7 @@ def load(name_or_path: str = "tiny", overrides: list[str] = (), then: list[str] 
     raise UserError(f"unknown config {name_or_path!r}; presets: {', '.join(preset_names())} (or a path to a .toml "
                     "file)")
   try:
-    doc = tomllib.loads(path.read_text())
+    doc = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark is no TOML
   except tomllib.TOMLDecodeError as e:
     raise UserError(f"config file {str(path)!r} is not valid TOML: {e}") from None
   except (OSError, UnicodeDecodeError) as e:
@@ -535,6 +537,8 @@ def validate(cfg: Config) -> None:
   if m.head_dim % 2:
     raise UserError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
   check_lora(cfg)
+  if not cfg.data.text_field.strip():
+    raise UserError(f"data.text_field={cfg.data.text_field!r}: must name a field of a raw source's records")
   ls = cfg.loss_scale
   if not ls.min <= ls.initial <= ls.max:
     raise UserError(f"loss_scale.initial={ls.initial} must lie within [loss_scale.min={ls.min}, "

@@ -15,7 +15,8 @@ def parse_args(argv=None):
   sub = p.add_subparsers(dest="command", required=True, parser_class=cli.Parser)
   pr = sub.add_parser("prepare", help="tokenize .txt/.jsonl/.parquet inputs into token shards + manifest")
   pr.add_argument("--input", nargs="+", required=True, metavar="PATH", help=".txt, .jsonl or .parquet files")
-  pr.add_argument("--tokenizer", default="byte", help="'byte' or a path to a Hugging Face tokenizer.json")
+  pr.add_argument("--tokenizer", default="byte", help="'byte', a Hugging Face tokenizer.json, or the folder "
+                  "save_pretrained wrote (tokenizer.json, tokenizer_config.json's special tokens, chat template)")
   pr.add_argument("--output", required=True, metavar="DIR", help="where the shards and manifest.json go")
   pr.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
   pr.add_argument("--prompt-field", help="supervised data: field of the prompt (masked out of the loss)")

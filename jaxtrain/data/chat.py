@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxtrain.core.errors import UserError
+from jaxtrain.data.tokenizer import CONFIG_FILE, json_file
 
-TEMPLATE_FILE, CONFIG_FILE = "chat_template.jinja", "tokenizer_config.json"
-SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+TEMPLATE_FILE = "chat_template.jinja"
 GENERATION = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # as transformers aliases them
 
@@ -29,7 +29,7 @@ class RenderError(Exception):
 def _from_config(config: Path):
   """tokenizer_config.json's chat_template: a string, or the 'default' of a list of named templates."""
   try:
-    value = json.loads(config.read_text()).get("chat_template")
+    value = json.loads(config.read_text(encoding="utf-8-sig")).get("chat_template")
   except (OSError, ValueError, AttributeError) as e:
     raise UserError(f"{config}: not a readable tokenizer_config.json ({e})") from None
   if isinstance(value, list):
@@ -38,20 +38,21 @@ def _from_config(config: Path):
 
 
 def find_template(tokenizer: str, template_file: str | None) -> tuple[str, str]:
-  """(template text, where it was found): --chat-template, else beside the tokenizer.json as transformers saves it."""
+  """(template text, where it was found): --chat-template, else in the tokenizer's folder as transformers saves it.
+  Read as text: a UTF-8 byte-order mark is no part of the template."""
   if tokenizer == "byte":
     raise UserError("--chat-field needs a tokenizer.json (the byte tokenizer has no chat template nor special tokens)")
   if template_file is not None:
     try:
-      text, where = Path(template_file).read_text(), template_file
+      text, where = Path(template_file).read_text(encoding="utf-8-sig"), template_file
     except (OSError, UnicodeDecodeError) as e:
       why = getattr(e, "strerror", None) or e
       raise UserError(f"--chat-template {template_file}: cannot be read ({why})") from None
   else:
-    d = Path(tokenizer).parent
+    d = json_file(tokenizer).parent
     text, where = None, str(d / TEMPLATE_FILE)
     if (d / TEMPLATE_FILE).is_file():
-      text = (d / TEMPLATE_FILE).read_text()
+      text = (d / TEMPLATE_FILE).read_text(encoding="utf-8-sig")
     elif (d / CONFIG_FILE).is_file():
       text, where = _from_config(d / CONFIG_FILE), f"{d / CONFIG_FILE} (chat_template)"
     if text is None:
@@ -64,17 +65,11 @@ def find_template(tokenizer: str, template_file: str | None) -> tuple[str, str]:
   return text, where
 
 
-def context(tokenizer: str, tok) -> dict[str, str]:
+def context(tok) -> dict[str, str]:
   """The special tokens a template sees: tokenizer_config.json's named ones (as transformers passes them), else
   the BOS and EOS jaxtrain uses."""
-  config = Path(tokenizer).parent / CONFIG_FILE
-  try:
-    raw = json.loads(config.read_text()) if config.is_file() else None
-  except (OSError, ValueError):
-    raw = None
-  if isinstance(raw, dict):
-    out = {k: v["content"] if isinstance(v, dict) else v for k, v in raw.items() if k in SPECIAL_KEYS}
-    return {k: str(v) for k, v in out.items() if isinstance(v, str)}
+  if tok.named is not None:
+    return {k: v for k, v in tok.named.items() if v is not None}
   names = {"bos_token": tok.bos_id, "eos_token": tok.eos_id}
   return {k: tok.token(i) for k, i in names.items() if i is not None}
 
@@ -149,9 +144,10 @@ def _messages(turns: list) -> list[dict]:
 
 
 class Renderer:
-  """A compiled template with its context; render(turns) -> (text, generation spans in characters)."""
+  """A compiled template with its context; render(turns) -> (text, generation spans in characters). `specials`: the
+  texts of the tokenizer's special tokens, which alone in a span train nothing but an end of turn."""
 
-  def __init__(self, template: str, where: str, ctx: dict[str, str]):
+  def __init__(self, template: str, where: str, ctx: dict[str, str], specials=()):
     try:
       import jinja2
     except ImportError:
@@ -160,7 +156,7 @@ class Renderer:
       self.template = _compile(template)
     except jinja2.TemplateError as e:
       raise UserError(f"chat template {where} does not compile: {e}") from None
-    self.ctx = ctx
+    self.ctx, self.specials = ctx, sorted(specials, key=len, reverse=True)
 
   def render(self, turns: list) -> tuple[str, list[tuple[int, int]]]:
     messages, blocks, spans = _messages(turns), [], []
@@ -173,7 +169,18 @@ class Renderer:
       raise RenderError(f"the chat template cannot render it ({type(e).__name__}: {e})") from None
     if not spans:
       raise RenderError("the chat template marks nothing to train on (no assistant turn)")
-    return "".join(blocks), spans
+    text = "".join(blocks)
+    for n, (start, end) in enumerate(spans):
+      if not self._content(text[start:end]):
+        raise RenderError(f"assistant turn {n + 1} renders {text[start:end]!r} inside {{% generation %}}: no content "
+                          "to train on but whitespace and special tokens (an empty content, or a field the template "
+                          "misspells)")
+    return text, spans
+
+  def _content(self, span: str) -> str:
+    for special in self.specials:
+      span = span.replace(special, "")
+    return span.strip()
 
 
 def assistant_mask(offsets, spans) -> np.ndarray:

@@ -62,3 +62,15 @@ def check(cfg: Config, sets: list[shards.TokenSet]) -> None:
   if len(sets) != 1 or not paired:
     raise UserError(f"train.objective=dpo needs one source of preference data (data prepare --prompt-field "
                     f"--chosen-field --rejected-field); data.source={cfg.data.source!r} is not")
+  _check_length(sets[0], cfg.train.seq_len)
+
+
+def _check_length(ts: shards.TokenSet, seq_len: int) -> None:
+  """A row keeps a sequence's first seq_len + 1 tokens, whose targets are positions 1..seq_len: a response starting
+  past them trains nothing, and when every response does, every step would train nothing."""
+  train_from, last = ts.index[:, 3], np.minimum(ts.lengths - 1, seq_len)
+  if not (train_from <= last).any():
+    need = int(train_from.min())
+    raise UserError(f"train.seq_len={seq_len} cuts off every response of {ts.name!r} (each starts after its prompt, "
+                    f"at token {need} at the earliest), so no step would train a token; set train.seq_len to at "
+                    f"least {need}")

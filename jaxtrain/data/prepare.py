@@ -134,7 +134,7 @@ def _renderer(job):
   spec = job["chat_template"]
   key = json.dumps(spec, sort_keys=True)
   if key not in _renderers:
-    _renderers[key] = chat.Renderer(spec["text"], spec["where"], spec["context"])
+    _renderers[key] = chat.Renderer(spec["text"], spec["where"], spec["context"], spec["specials"])
   return _renderers[key]
 
 
@@ -191,8 +191,25 @@ def _shown(value) -> str:
   return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _check_fields(fields: dict) -> None:
+  """Each --KIND-field given names a field."""
+  for kind, name in fields.items():
+    if name is not None and not name.strip():
+      raise UserError(f"--{kind}-field {name!r}: must name a field of the records (a JSON key or Parquet column)")
+
+
+def _check_distinct(fields: dict) -> None:
+  """No two fields of the data are one field (a prompt trained as its own completion, a response preferred
+  to itself)."""
+  seen = {}
+  for kind, name in fields.items():
+    if name in seen:
+      raise UserError(f"--{seen[name]}-field and --{kind}-field both name {name!r}: each must name its own field")
+    seen[name] = kind
+
+
 def _check_options(inputs, workers, shard_mb, max_bad_records, prompt_field, completion_field, chat_field=None,
-                   chat_template=None, pair_fields=(None, None)) -> None:
+                   chat_template=None, pair_fields=(None, None), text_field="text") -> None:
   if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
     raise UserError(f"--workers {workers}: must be a positive integer")
   if not isinstance(shard_mb, (int, float)) or not math.isfinite(shard_mb) or not 0 < shard_mb <= MAX_SHARD_MB:
@@ -202,6 +219,8 @@ def _check_options(inputs, workers, shard_mb, max_bad_records, prompt_field, com
     raise UserError(f"--max-bad-records {max_bad_records}: must be 0 or a positive integer")
   if not inputs:
     raise UserError("prepare needs at least one --input")
+  _check_fields({"text": text_field, "prompt": prompt_field, "completion": completion_field, "chat": chat_field,
+                 "chosen": pair_fields[0], "rejected": pair_fields[1]})
   if any(f is not None for f in pair_fields):
     if None in pair_fields or prompt_field is None:
       raise UserError("preference data needs all of --prompt-field, --chosen-field and --rejected-field")
@@ -247,10 +266,11 @@ def prepare(inputs: list[str], tokenizer: str, output: str, *, text_field: str =
             rejected_field: str | None = None) -> dict:
   """Prepares `inputs` into `output`; returns the manifest (also written to output/manifest.json)."""
   _check_options(inputs, workers, shard_mb, max_bad_records, prompt_field, completion_field, chat_field,
-                 chat_template, (chosen_field, rejected_field))
+                 chat_template, (chosen_field, rejected_field), text_field)
   fields = ({"chat": chat_field} if chat_field else
             {"prompt": prompt_field, "chosen": chosen_field, "rejected": rejected_field} if chosen_field else
             {"prompt": prompt_field, "completion": completion_field} if prompt_field else {"text": text_field})
+  _check_distinct(fields)
   tok = tokenizer_lib.load(tokenizer, bos_token, eos_token)
   job = plan(inputs, tok, fields, shard_mb, max_bad_records, _chat_spec(tokenizer, tok, chat_template, chat_field))
   out = Path(output)
@@ -280,7 +300,7 @@ def _chat_spec(tokenizer: str, tok, template_file: str | None, chat_field: str |
     return None
   from jaxtrain.data import chat
   text, where = chat.find_template(tokenizer, template_file)
-  spec = {"where": where, "text": text, "context": chat.context(tokenizer, tok)}
+  spec = {"where": where, "text": text, "context": chat.context(tok), "specials": sorted(tok.special_texts())}
   _renderer({"chat_template": spec})
   return spec
 

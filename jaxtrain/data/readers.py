@@ -11,6 +11,7 @@ from jaxtrain.core.errors import UserError
 
 FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
 SEPARATOR = {"txt": b"\n\n", "jsonl": b"\n"}  # .txt documents are separated by a blank line
+BOM = b"\xef\xbb\xbf"
 # A .txt line ends in LF, CRLF or CR (as Python's universal newlines read it); a blank line is two line ends.
 _LINE_END = rb"(?:\r\n|\r(?!\n)|\n)"  # a CR before an LF is one line end with it, never two
 _BLANK_LINE = re.compile(_LINE_END * 2)
@@ -97,6 +98,9 @@ def _record(obj, fields: dict, where, render=None):
     if not isinstance(obj[name], str):
       raise BadRecord(f"{where()}: field {name!r} is {type(obj[name]).__name__}, not a string")
     out.append(obj[name])
+  if "chosen" in fields and out[1].strip() and out[1].strip() == out[2].strip():  # (blank ones: empty documents)
+    raise BadRecord(f"{where()}: fields {fields['chosen']!r} and {fields['rejected']!r} hold the same response: no "
+                    "preference to learn (DPO would stay at loss ln 2 with no gradient)")
   return out[0] if "text" in fields else tuple(out)
 
 
@@ -109,6 +113,8 @@ def read_unit(path: Path, start: int, end: int, fields: dict, on_bad, render=Non
   with open(path, "rb") as f:
     f.seek(start)
     blob = f.read(end - start)
+  if start == 0 and blob.startswith(BOM):  # an editor's UTF-8 byte-order mark: no part of the first record
+    blob = blob[len(BOM):]
   if fmt == "txt":
     blob = _lf(blob)
   line0 = []

@@ -166,7 +166,7 @@ def _write_config(cfg, out: Path, workdir: Path, dtype: str, total: int, files: 
   tokenizer = None
   if tok:
     tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
-    shutil.copyfile(cfg.data.tokenizer, out / "tokenizer.json")
+    shutil.copyfile(tokenizer_lib.json_file(cfg.data.tokenizer), out / "tokenizer.json")
     for f in HF_KEPT[1:]:
       if (kept / f).is_file():
         shutil.copyfile(kept / f, out / f)

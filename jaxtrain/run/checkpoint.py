@@ -353,9 +353,10 @@ def _key_text(path) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-def check_shapes(step_dir: Path, abstract_params) -> None:
+def check_shapes(step_dir: Path, abstract_params, settings: str) -> None:
   """A UserError naming the first parameter whose shape (or presence) differs between the checkpoint and
-  `abstract_params`: read from orbax's metadata (no array is read), before anything of the run is written."""
+  `abstract_params`, and the model `settings` that differ ("key: was -> now"): read from orbax's metadata (no array
+  is read), before anything of the run is written."""
   import jax
   import orbax.checkpoint as ocp
   absl = logging.getLogger("absl")
@@ -377,9 +378,10 @@ def check_shapes(step_dir: Path, abstract_params) -> None:
   for name in sorted(set(saved) | set(here)):
     if saved.get(name) != here.get(name):
       was, now = (list(d[name]) if name in d else "absent" for d in (saved, here))
-      raise UserError(f"checkpoint {step_dir} does not fit this model: parameter {name} is {was} there and {now} "
-                      "here (--allow-mismatch model resumes with other model values of the same shapes, never other "
-                      "shapes); resume with the checkpoint's model settings, or pass --fresh")
+      raise UserError(f"checkpoint {step_dir} does not fit this model, written by a different run ({settings}: the "
+                      f"checkpoint's -> this run's): parameter {name} is {was} there and {now} here (--allow-mismatch "
+                      "model resumes with other model values of the same shapes, never other shapes); resume with "
+                      "the checkpoint's model settings, or pass --fresh")
 
 
 def _reason(e: BaseException) -> str:

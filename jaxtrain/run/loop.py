@@ -97,13 +97,14 @@ def _same_run(current: dict, allowed: set[str], setup):
   """A check of a checkpoint's manifest: one written by a different run is refused (before anything moves); an
   allowed model mismatch still needs the same parameter shapes (checked before config.json is rewritten)."""
   def accept(step_dir: Path, manifest: dict) -> None:
-    changed = {k: v for k, v in checkpoint.mismatches(manifest["fingerprint"], current).items() if k not in allowed}
+    differ = checkpoint.mismatches(manifest["fingerprint"], current)
+    if "model" in differ:  # other shapes (lora_base_dtype, ...) no --allow-mismatch bridges: say which keys first
+      checkpoint.check_shapes(step_dir, setup.abstract_state()["params"], differ["model"])
+    changed = {k: v for k, v in differ.items() if k not in allowed}
     if changed:
       raise UserError(f"checkpoint {step_dir} was written by a different run: "
                       f"{'; '.join(changed.values())}; pass --allow-mismatch {','.join(changed)} to resume anyway, "
                       "or --fresh")
-    if "model" in allowed:
-      checkpoint.check_shapes(step_dir, setup.abstract_state()["params"])
     dpo.check_start(setup.cfg, step_dir, manifest)  # an lm run's checkpoint holds no DPO reference
   return accept
 

@@ -48,6 +48,11 @@ def _checklist(rec: dict) -> str:
   return out
 
 
+def skip_reason(rec: dict) -> str:
+  """Why a step moved nothing: the step skips one that trained no token or had non-finite gradients."""
+  return "no trained token in this step" if rec["tokens"] == 0 else "non-finite gradients"
+
+
 class ConsoleSink:
   """A progress line every `log_every` steps and at the last one."""
 
@@ -62,7 +67,7 @@ class ConsoleSink:
           f"tok/s {rec['tokens_per_sec']:,.0f}  step {rec['step_time_s'] * 1e3:.0f}ms  "
           f"data {rec['data_wait_s'] * 1e3:.1f}ms  mfu {mfu}"
           + _checklist(rec) + (f"  scale {rec['loss_scale']:g}" if rec["loss_scale"] != 1.0 else "")
-          + ("  SKIPPED (non-finite gradients)" if rec["skipped"] else "")
+          + (f"  SKIPPED ({skip_reason(rec)})" if rec["skipped"] else "")
           + (f"  acc {rec['dpo_reward_accuracy']:.2f} margin {rec['dpo_reward_margin']:.3f}"
              if "dpo_reward_margin" in rec else "")
           + (f"  eval {rec['eval_loss']:.4f} (ppl {rec['eval_ppl']:.2f})" if "eval_loss" in rec else ""), flush=True)

@@ -156,3 +156,29 @@ def test_a_template_file_beside_or_given_is_used_and_one_without_markers_is_refu
   with pytest.raises(UserError, match=r"plain.jinja lacks \{% generation %\} markers"):
     prepare([src], str(d / "tokenizer.json"), str(tmp_path / "b"), chat_field="messages", chat_template=str(plain),
             progress=False)
+
+
+def test_an_assistant_turn_that_renders_no_content_is_a_counted_bad_record(tokdir, tmp_path):
+  """Inside {% generation %}, an empty content or a misspelt field leaves only the end-of-turn token (and
+  whitespace) to train: such a record is bad, named, counted and bounded by --max-bad-records."""
+  transformers = pytest.importorskip("transformers")
+  ref_tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(tokdir))
+  empty = [CHAT[1], {"role": "assistant", "content": ""}]
+  blank_later = [*CHAT[1:3], CHAT[3], {"role": "assistant", "content": " \n"}]
+  src = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}, {"messages": empty}, {"messages": blank_later}])
+  m = prepare([src], str(tokdir / "tokenizer.json"), str(tmp_path / "a"), chat_field="messages", max_bad_records=2,
+              progress=False)
+  assert m["documents"] == 1 and m["skipped"]["bad_records"] == 2
+  first, second = m["skipped"]["examples"]
+  assert "chat.jsonl:2: assistant turn 1 renders '<|im_end|>'" in first and "no content" in first
+  assert "chat.jsonl:3: assistant turn 2 renders ' \\n<|im_end|>'" in second
+  # what transformers would train on for the empty turn: its end-of-turn token alone
+  ref = ref_tok.apply_chat_template(empty, tokenize=True, return_assistant_tokens_mask=True, return_dict=True)
+  trained = [i for i, k in zip(ref["input_ids"], ref["assistant_masks"]) if k]
+  assert ref_tok.convert_ids_to_tokens(trained) == ["<|im_end|>"]
+  misspelt = tmp_path / "misspelt.jinja"
+  misspelt.write_text(CHATML.replace("message['content'] + '<|im_end|>'", "message.contnet ~ '<|im_end|>'"))
+  with pytest.raises(UserError, match=r"chat.jsonl:1: assistant turn 1 renders '<\|im_end\|>'.*more than "
+                                      r"--max-bad-records=0"):
+    prepare([src], str(tokdir / "tokenizer.json"), str(tmp_path / "b"), chat_field="messages",
+            chat_template=str(misspelt), progress=False)

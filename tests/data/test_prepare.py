@@ -8,6 +8,7 @@ import pytest
 from jaxtrain import data
 from jaxtrain.core import config
 from jaxtrain.core import files
+from jaxtrain.data import tokenizer as tokenizer_lib
 from jaxtrain.data.prepare import prepare
 from jaxtrain.core.errors import UserError
 from tests.corpora import prepared, texts, write_jsonl
@@ -191,3 +192,58 @@ def test_prepare_cli_reports_one_line_errors(run_cli, tmp_path):
   assert r.returncode == 0, r.stderr
   out = json.loads(r.stdout.strip().splitlines()[-1])
   assert out["tokens_per_sec"] == pytest.approx(3 * 4 * 16 / out["seconds"])
+
+
+def test_a_utf8_byte_order_mark_is_read_as_no_part_of_the_text(tmp_path):
+  """JSON Lines and plain text saved with a BOM (as Windows editors do) give the documents of the same file
+  without one, in `prepare` and as a raw data.source; so do the text files a tokenizer folder holds."""
+  bom = b"\xef\xbb\xbf"
+  bodies = {"a.jsonl": b'{"text": "first"}\n{"text": "second"}\n', "a.txt": b"first\n\nsecond\n",
+            "s.jsonl": b'{"q": "2+2=", "a": "4"}\n'}
+  for name, body in bodies.items():
+    kw = {"prompt_field": "q", "completion_field": "a"} if name == "s.jsonl" else {}
+    for tag, blob in (("plain", body), ("bom", bom + body)):
+      (tmp_path / tag).mkdir(exist_ok=True)
+      (tmp_path / tag / name).write_bytes(blob)
+      prepare([str(tmp_path / tag / name)], "byte", str(tmp_path / tag / f"{name}.out"), progress=False, **kw)
+    plain, marked = (_docs_of(tmp_path / tag / f"{name}.out") for tag in ("plain", "bom"))
+    assert marked[0]["skipped"]["bad_records"] == 0
+    assert [(d.tolist(), t) for d, t in marked[1]] == [(d.tolist(), t) for d, t in plain[1]], name
+    if name.startswith("a."):
+      assert data.read_documents(str(tmp_path / "bom" / name)) == ["first", "second"]
+  # the tokenizer folder's files: tokenizer.json and tokenizer_config.json (its EOS) with a BOM
+  tokenizers = pytest.importorskip("tokenizers")
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.train_from_iterator(["first second"] * 5, tokenizers.trainers.BpeTrainer(vocab_size=280,
+                                                                               special_tokens=["<a>", "<b>"]))
+  folder = tmp_path / "tok"
+  folder.mkdir()
+  (folder / "tokenizer.json").write_bytes(bom + tok.to_str().encode())
+  (folder / "tokenizer_config.json").write_bytes(bom + json.dumps({"eos_token": "<b>"}).encode())
+  loaded = tokenizer_lib.load(str(folder))
+  assert loaded.eos_id == tok.token_to_id("<b>") and loaded.encode_batch(["first"])[0].tolist() == tok.encode(
+      "first").ids
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--text-field", ""], "--text-field ''"), (["--chat-field", ""], "--chat-field ''"),
+    (["--chat-field", " "], "--chat-field ' '"), (["--prompt-field", "", "--completion-field", "a"], "--prompt-field"),
+    (["--prompt-field", "q", "--completion-field", ""], "--completion-field ''"),
+    (["--prompt-field", "q", "--chosen-field", "", "--rejected-field", "r"], "--chosen-field ''"),
+    (["--prompt-field", "q", "--chosen-field", "c", "--rejected-field", ""], "--rejected-field ''"),
+    (["--prompt-field", "q", "--completion-field", "q"], "--prompt-field and --completion-field both name 'q'")])
+def test_a_field_flag_naming_no_field_is_one_line(flags, named, tmp_path, capsys):
+  """An empty field name (or one field for two roles) is refused, never read as the default text field."""
+  from jaxtrain.data import __main__ as data_command
+  src = write_jsonl(tmp_path / "r.jsonl", [{"text": "t", "q": "p", "a": "x", "c": "y", "r": "z", "m": []}])
+  with pytest.raises(SystemExit) as e:
+    data_command.main(["prepare", "--input", src, "--output", str(tmp_path / "o"), *flags])
+  err = capsys.readouterr().err.strip()
+  assert e.value.code == 2 and len(err.splitlines()) == 1 and named in err, err
+  assert not (tmp_path / "o").exists()
+
+
+def test_an_empty_data_text_field_is_refused():
+  with pytest.raises(UserError, match=r"data.text_field='': must name a field"):
+    config.load("tiny", ["data.text_field="])

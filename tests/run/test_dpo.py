@@ -286,3 +286,68 @@ def test_lora_dpo_holds_no_reference_copy_its_reference_is_the_base_and_it_learn
   got = seq_logps(graphdef, dpo.reference_of({}, params), batch)
   np.testing.assert_allclose(got, want, rtol=1e-6)
   assert np.abs(seq_logps(graphdef, params, batch) - want).max() > 1e-2  # the policy has moved away from it
+
+
+def test_preference_data_without_a_preference_is_refused_or_a_bad_record(tmp_path, capsys):
+  """One field as both responses is one line; a record whose responses are the same text (up to surrounding
+  whitespace) teaches DPO nothing: a bad record, counted, the pairs around it kept aligned."""
+  from jaxtrain.data import __main__ as data_cmd
+  recs = [{"q": "a", "c": "x", "r": "y"}, {"q": "b", "c": "same", "r": "same"}, {"q": "c", "c": " z", "r": "z\n"},
+          {"q": "d", "c": "u", "r": "v"}]
+  src = write_jsonl(tmp_path / "p.jsonl", recs)
+  with pytest.raises(SystemExit) as stop:
+    data_cmd.main(["prepare", "--input", src, "--output", str(tmp_path / "o"), "--prompt-field", "q",
+                   "--chosen-field", "c", "--rejected-field", "c"])
+  err = capsys.readouterr().err.strip()
+  assert stop.value.code == 2 and len(err.splitlines()) == 1 and "--chosen-field" in err and "--rejected-field" in err
+  assert not (tmp_path / "o").exists()
+  with pytest.raises(UserError, match=r"p.jsonl:2: fields 'c' and 'r' hold the same response"):
+    prepare([src], "byte", str(tmp_path / "strict"), prompt_field="q", chosen_field="c", rejected_field="r",
+            progress=False)
+  manifest = prepare([src], "byte", str(tmp_path / "ok"), prompt_field="q", chosen_field="c", rejected_field="r",
+                     max_bad_records=2, progress=False)
+  assert manifest["skipped"]["bad_records"] == 2 and "p.jsonl:3:" in manifest["skipped"]["examples"][1]
+  ts, _ = shards.open_prepared(tmp_path / "ok")
+  got = [text(ts.doc(i)[0][ts.doc(i)[1]:-1]) for i in range(ts.n_docs)]
+  assert got == ["x", "y", "u", "v"]  # the kept pairs, each chosen before its rejected
+
+
+def test_a_seq_len_that_cuts_off_every_response_is_refused_before_training(tmp_path):
+  """The refusal holds exactly where the loader's rows would train no token: checked against the rows themselves
+  (PairPacker without the check) at the boundary."""
+  recs = [{"q": "p" * n, "c": " yes", "r": " no"} for n in (20, 23, 26)]
+  src = write_jsonl(tmp_path / "p.jsonl", recs)
+  prepare([src], "byte", str(tmp_path / "pairs"), prompt_field="q", chosen_field="c", rejected_field="r",
+          progress=False)
+  ts, _ = shards.open_prepared(tmp_path / "pairs")
+  for seq_len in (8, 20, 21, 24):  # the shortest response starts at token 21 (BOS + 20 prompt bytes)
+    packer = pairs.PairPacker(ts, seq_len, seed=0, tag=0)
+    rows = [packer.row(q) for q in range(packer.rows_per_epoch)]
+    trains = data.fields_from_rows({k: np.stack([r[k] for r in rows]) for k in rows[0]})["loss_mask"].any()
+    assert trains == (seq_len >= 21)
+    cfg = dpo_cfg(str(tmp_path / "pairs"), f"train.seq_len={seq_len}", "train.batch_size=2")
+    if trains:
+      data.batches(cfg).close()
+    else:
+      with pytest.raises(UserError, match=rf"train.seq_len={seq_len} cuts off every response .* at least 21"):
+        data.batches(cfg)
+
+
+def test_a_step_that_trains_no_token_is_reported_as_such(tmp_path, capsys):
+  """A step skipped because its batch holds no trained token says so (gnorm 0 is no non-finite gradient)."""
+  from jaxtrain.run import metrics, progress
+  cfg = dpo_cfg(preference_data(tmp_path, n=8))
+  setup = step.Setup(cfg, mesh_of("fsdp=1"))
+  it = data.batches(cfg)
+  batch = next(it)
+  it.close()
+  _, fetched = setup.step(setup.init(), setup.device_batch({**batch, "loss_mask": 0 * batch["loss_mask"]}))
+  fetched = jax.device_get(fetched)
+  assert bool(fetched["skipped"]) and int(fetched["tokens"]) == 0 and np.isfinite(fetched["grad_norm"])
+  sink = metrics.ConsoleSink(1, 1)
+  sink.write(1, metrics.record(1, fetched, 0.1, 0.0, progress.Progress(), 0.0, None))
+  line = capsys.readouterr().out
+  assert "SKIPPED (no trained token in this step)" in line and "non-finite" not in line
+  sink.write(1, metrics.record(1, {**fetched, "tokens": np.int32(5), "grad_norm": np.float32("nan")}, 0.1, 0.0,
+                               progress.Progress(), 0.0, None))
+  assert "SKIPPED (non-finite gradients)" in capsys.readouterr().out

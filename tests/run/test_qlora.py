@@ -253,3 +253,21 @@ def test_fsdp_gathers_the_codes_not_the_dequantized_weights():
   assert nf4 < lora / 2, (nf4, lora)
   key = "param all-gather (fwd+bwd)"
   assert nf4_bill[key] < lora_bill[key] / 2
+
+
+@pytest.mark.parametrize("allowed", [set(), {"model"}])
+def test_a_quantized_base_onto_a_lora_checkpoint_names_the_option(tmp_path, allowed):
+  """Resuming a LoRA checkpoint with model.lora_base_dtype=nf4 (with or without --allow-mismatch model) is one line
+  naming the option and the checkpoint's and the run's values, not only a parameter absent here."""
+  from jaxtrain.run import loop
+  lora, nf4 = config.load("tiny", LORA), _cfg("nf4")
+  mesh = mesh_of("fsdp=1")
+  ck = checkpoint.Checkpoints(tmp_path, 3, 0, False)
+  ck.save(2, step.Setup(lora, mesh).init(), {"fingerprint": checkpoint.fingerprint(lora, "tok", "data")})
+  ck.close()
+  accept = loop._same_run(checkpoint.fingerprint(nf4, "tok", "data"), allowed, step.Setup(nf4, mesh))
+  with pytest.raises(UserError) as e:
+    accept(tmp_path / "2", checkpoint.read_manifest(tmp_path / "2"))
+  line = str(e.value)  # (an --allow-mismatch model suggested here would only meet a parameter absent)
+  assert "model.lora_base_dtype: 'none' -> 'nf4'" in line and "the checkpoint's -> this run's" in line
+  assert "layers/0/attn/wk" in line and "to resume anyway" not in line
