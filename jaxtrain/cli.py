@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Callable
 
-from jaxtrain.core.errors import RunAborted, UserError, exit_with
+from jaxtrain.core.errors import RunAborted, UserError, exit_with, path_error
 
 
 class Parser(argparse.ArgumentParser):
@@ -129,8 +129,8 @@ def _check_batch(cfg, sizes: dict[str, int]) -> None:
 
 
 def main(prog: str, body: Callable[[Callable[[str], None]], int | None], interrupted: str = "interrupted") -> int:
-  """Runs `body(set_prog)`: UserError exits 2, RunAborted 1 (one line each), Ctrl-C 130;
-  `set_prog` renames the command in error lines once the process index is known."""
+  """Runs `body(set_prog)`: UserError and a path that cannot be used (errors.path_error) exit 2, RunAborted 1
+  (one line each), Ctrl-C 130; `set_prog` renames the command in error lines once the process index is known."""
   name = [prog]
   try:
     return body(lambda p: name.__setitem__(0, p)) or 0
@@ -145,3 +145,7 @@ def main(prog: str, body: Callable[[Callable[[str], None]], int | None], interru
   except BrokenPipeError:  # e.g. `... | head`: the reader left; nothing to report
     sys.stdout = open(os.devnull, "w")
     return 0
+  except OSError as e:
+    if (err := path_error(e)) is None:
+      raise
+    exit_with(err, name[0])

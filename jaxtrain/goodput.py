@@ -3,12 +3,12 @@ goodput ledger, <workdir>/goodput.jsonl, written by train and launch)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from jaxtrain.core.errors import UserError, exit_with
+from jaxtrain import cli
+from jaxtrain.core.errors import UserError
 from jaxtrain.run import goodput
 
 
@@ -22,11 +22,12 @@ def table(summary: dict) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="jaxtrain.goodput", description="The goodput ledger of a run's workdir.")
+  p = cli.Parser(prog="jaxtrain.goodput", description="The goodput ledger of a run's workdir.")
   p.add_argument("workdir")
   p.add_argument("--json", action="store_true", help="the summary as JSON")
   args = p.parse_args(argv)
-  try:
+
+  def body(set_prog):
     workdir = Path(args.workdir)
     if not (workdir / goodput.FILE).is_file():
       raise UserError(f"{args.workdir}: no {goodput.FILE} there; give the --workdir of a run (train or launch "
@@ -34,10 +35,8 @@ def main(argv=None) -> int:
     summary = goodput.summarize(goodput.read(workdir))
     if summary is None:
       raise UserError(f"{workdir / goodput.FILE}: no trainer started yet")
-  except UserError as e:
-    exit_with(e, "jaxtrain.goodput")
-  print(json.dumps(summary, indent=1) if args.json else goodput.describe(summary) + "\n" + table(summary))
-  return 0
+    print(json.dumps(summary, indent=1) if args.json else goodput.describe(summary) + "\n" + table(summary))
+  return cli.main("jaxtrain.goodput", body)
 
 
 if __name__ == "__main__":

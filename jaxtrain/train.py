@@ -7,8 +7,10 @@ Running the same command again resumes from the latest committed checkpoint.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from pathlib import Path
 
 from jaxtrain import cli
 from jaxtrain.core import files, outputs
@@ -34,6 +36,30 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
+def preflight(args) -> tuple[Path, str | None]:
+  """What train refuses before any device starts (launch asks too, once, before it starts trainers): the flags,
+  the config and the workdir. The workdir and --resume-from as train uses them."""
+  from jaxtrain.core import config
+  if args.steps is not None and args.steps < 1:
+    raise UserError(f"--steps {args.steps}: must be a positive integer")
+  if args.fresh and args.resume_from:
+    raise UserError("--fresh and --resume-from contradict each other; give one")
+  resume_from = args.resume_from
+  if resume_from and resume_from.isdigit() and not resume_from.isascii():
+    raise UserError(f"--resume-from {resume_from!r}: a step is written in ASCII digits (0-9)")
+  if resume_from is not None and not resume_from.isdigit():
+    resume_from = str(files.user_path(resume_from, "--resume-from"))
+    try:  # a path that cannot be one (too long, a file in it, a loop): one line now (cli.main), before any device
+      os.stat(resume_from)
+    except FileNotFoundError:
+      pass  # said where the checkpoint is looked for, with the workdir's committed steps
+  config.load(args.config, args.set)
+  workdir = files.user_path(args.workdir if args.workdir is not None else f"runs/{config.run_name(args.config)}",
+                            "--workdir")
+  outputs.check(workdir, "--workdir", "workdir")  # never inside another run's files, a dataset or a model
+  return workdir, resume_from
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
 
@@ -43,24 +69,13 @@ def main(argv=None) -> int:
     if args.help_config:
       print(config.help_text())
       return 0
-    if args.steps is not None and args.steps < 1:
-      raise UserError(f"--steps {args.steps}: must be a positive integer")
-    if args.fresh and args.resume_from:
-      raise UserError("--fresh and --resume-from contradict each other; give one")
-    resume_from = args.resume_from
-    if resume_from and resume_from.isdigit() and not resume_from.isascii():
-      raise UserError(f"--resume-from {resume_from!r}: a step is written in ASCII digits (0-9)")
-    if resume_from is not None and not resume_from.isdigit():
-      resume_from = str(files.user_path(resume_from, "--resume-from"))
-    name = config.run_name(args.config)
-    workdir = files.user_path(args.workdir if args.workdir is not None else f"runs/{name}", "--workdir")
-    outputs.check(workdir, "--workdir", "workdir")  # never inside another run's files, a dataset or a model
+    workdir, resume_from = preflight(args)
     loop.allowed_mismatches(args.allow_mismatch)
     started = cli.start(args, "jaxtrain", runs_steps=True)
     set_prog(started.prog)
     t0 = time.perf_counter()
-    summary = loop.run(started.cfg, started.mesh, workdir, name, stop_at=args.steps, fresh=args.fresh,
-                  resume_from=resume_from, allow_mismatch=args.allow_mismatch)
+    summary = loop.run(started.cfg, started.mesh, workdir, config.run_name(args.config), stop_at=args.steps,
+                       fresh=args.fresh, resume_from=resume_from, allow_mismatch=args.allow_mismatch)
     if summary.steps:
       print(f"done: {summary.steps} steps ({summary.skipped} skipped) in {time.perf_counter() - t0:.1f}s, "
             f"final loss {summary.final_loss:.4f}; metrics in {workdir / 'metrics.jsonl'}")

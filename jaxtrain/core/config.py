@@ -21,6 +21,7 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "q_a", "q_b", "kv_a", 
 # Fingerprint categories (what --allow-mismatch names), and the category of each section's math keys.
 MISMATCH_CATEGORIES = ("model", "train", "tokenizer", "data")
 SECTION_CATEGORY = {"model": "model", "optim": "train", "train": "train", "loss_scale": "train", "data": "data"}
+HANG_TIMEOUT_MIN_S = 1.0  # run.hang_timeout_s: the watchdog (run/watchdog.py) looks about once a second
 
 
 def key(default: Any, doc: str, *, math: bool, min: float | None = None, max: float | None = None,  # noqa: A002
@@ -261,7 +262,8 @@ class RunConfig:
   hang_timeout_s: float = key(
       -1.0, "Hang watchdog: a process that completes no step for this long prints one line, logs its Python stacks "
       "and the step's collectives, and exits 3 (docs/training.md): -1 = automatic, max(300, 10 x the median step "
-      "time so far); 0 = off; > 0 = this many seconds.", math=False, min=-1.0)
+      "time so far); 0 = off; >= 1 = this many seconds (a shorter bound is refused: the watchdog looks about once "
+      "a second).", math=False, min=-1.0)
   hang_first_step_s: float = key(
       1800.0, "Hang watchdog: the bound for the first step of a start or resume, which includes its compile (and, "
       "on GPUs, the NCCL set-up); with run.xla_flags=gpu-default, XLA's NCCL termination timeout is the larger "
@@ -514,8 +516,9 @@ def load(name_or_path: str = "tiny", overrides: list[str] = (), then: list[str] 
 def validate(cfg: Config) -> None:
   """Cross-key checks that do not depend on the mesh."""
   m, t = cfg.model, cfg.train
-  if -1 < cfg.run.hang_timeout_s < 0:
-    raise UserError(f"run.hang_timeout_s={cfg.run.hang_timeout_s}: use -1 (automatic), 0 (off) or a number of seconds")
+  if -1 < cfg.run.hang_timeout_s < 0 or 0 < cfg.run.hang_timeout_s < HANG_TIMEOUT_MIN_S:
+    raise UserError(f"run.hang_timeout_s={cfg.run.hang_timeout_s:g}: use -1 (automatic), 0 (off) or a number of "
+                    f"seconds >= {HANG_TIMEOUT_MIN_S:g}")
   if m.n_heads % m.n_kv_heads:
     raise UserError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
   if m.moe_experts and m.moe_top_k > m.moe_experts:

@@ -5,10 +5,12 @@ local coordinator, to try a multi-process job on one machine."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 from jaxtrain import cli
-from jaxtrain.core.errors import UserError, exit_with
+from jaxtrain.core import files
+from jaxtrain.core.errors import UserError
 from jaxtrain.launch import supervisor
 
 CLUSTER_FLAGS = ("--coordinator", "--num-processes", "--process-id")
@@ -28,24 +30,40 @@ def parse_args(argv):
                  help="start N local trainer processes with a local coordinator (one machine; default 1)")
   p.add_argument("train_args", nargs="*", metavar="-- TRAIN_ARGS", help="arguments of python -m jaxtrain.train")
   args = p.parse_args(argv)
-  if args.max_restarts < 0 or args.restart_window_s <= 0 or args.backoff_s < 0 or args.processes < 1:
-    bad = ("--max-restarts", args.max_restarts, ">= 0") if args.max_restarts < 0 else \
-        ("--restart-window-s", args.restart_window_s, "> 0") if args.restart_window_s <= 0 else \
-        ("--backoff-s", args.backoff_s, ">= 0") if args.backoff_s < 0 else ("--processes", args.processes, ">= 1")
-    raise UserError(f"{bad[0]} {bad[1]:g}: must be {bad[2]}")
+  for flag, value, ok, rule in (("--max-restarts", args.max_restarts, args.max_restarts >= 0, ">= 0"),
+                                ("--restart-window-s", args.restart_window_s, 0 < args.restart_window_s < math.inf,
+                                 "a finite number of seconds > 0"),
+                                ("--backoff-s", args.backoff_s, 0 <= args.backoff_s < math.inf,
+                                 "a finite number of seconds >= 0"),
+                                ("--processes", args.processes, args.processes >= 1, ">= 1")):
+    if not ok:
+      raise UserError(f"{flag} {value:g}: must be {rule}")
   if args.processes > 1 and (taken := [a for a in args.train_args if a.split("=", 1)[0] in CLUSTER_FLAGS]):
     raise UserError(f"--processes {args.processes} sets the cluster flags itself; drop {', '.join(taken)}")
   return args
 
 
+def check_train_args(train_args: list[str]) -> None:
+  """What the trainer would refuse before it starts, refused here once (not once per trainer, nor after a
+  trainer has set up JAX's compilation cache in a workdir that cannot be one)."""
+  from jaxtrain import train
+  args = train.parse_args(train_args)
+  if not args.help_config:
+    workdir, _ = train.preflight(args)
+    files.check_output_dir(workdir, "--workdir")
+
+
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
-  try:
+
+  def body(set_prog):
     args = parse_args(argv)
-  except UserError as e:
-    exit_with(e, "jaxtrain.launch")
-  policy = supervisor.Policy(args.max_restarts, args.restart_window_s, args.backoff_s, args.processes)
-  return supervisor.supervise(args.train_args, policy)
+    set_prog("jaxtrain")  # the trainer's arguments: refused in the trainer's words
+    check_train_args(args.train_args)
+    set_prog("jaxtrain.launch")
+    policy = supervisor.Policy(args.max_restarts, args.restart_window_s, args.backoff_s, args.processes)
+    return supervisor.supervise(args.train_args, policy)
+  return cli.main("jaxtrain.launch", body)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ error, which a restart would only repeat; anything else (a crash, a signal, a lo
 is restarted after a backoff and resumes from the last committed checkpoint. Under SLURM or a JobSet each
 host's supervisor restarts its own trainer: the survivors of a lost process exit on their own (heartbeat
 timeout), and the group meets again through jax.distributed. The compiled step comes back from JAX's
-persistent compilation cache in the workdir, so a restart skips the compile.
+persistent compilation cache in the workdir, so a restart skips the compile. The trainers die with their
+supervisor, even a SIGKILLed one (it cannot forward that signal).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from jaxtrain.run import goodput
@@ -74,8 +77,9 @@ def workdir_of(train_args: list[str]) -> str | None:
 
 def workdir_path(train_args: list[str]) -> str:
   """The trainer's workdir as it resolves it (default runs/<config name>), absolute."""
-  from jaxtrain.core import config
-  return os.path.abspath(workdir_of(train_args) or os.path.join("runs", config.run_name(_config_of(train_args))))
+  from jaxtrain.core import config, files
+  return str(files.user_path(workdir_of(train_args) or os.path.join("runs", config.run_name(_config_of(train_args))),
+                             "--workdir"))
 
 
 def child_env(train_args: list[str], attempt_t: float) -> dict:
@@ -106,12 +110,60 @@ def _config_of(train_args: list[str]) -> str:
   return "tiny"
 
 
+# Run before each trainer, in its own process: the kernel kills the trainer when the supervisor dies, even by
+# SIGKILL (Linux's parent-death signal; an exec keeps it), rather than leaving it to hold the devices and the
+# workdir's lock beside the next supervisor's trainer. Then the trainer replaces it (the same process).
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
+                    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+                    "if os.getppid() != int(sys.argv[1]):\n  os._exit(128 + signal.SIGKILL)  # it died before\n"
+                    "os.execvp(sys.argv[2], sys.argv[2:])\n")
+
+
+def dies_with_supervisor(command: list[str]) -> list[str]:
+  """`command`, run so that it dies with this process (Linux; elsewhere as it is)."""
+  if not sys.platform.startswith("linux"):
+    return command
+  return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
+
+
+class Relay:
+  """The stderr of a local group's processes, passed on line by line; a line that another process of the group
+  already printed (its process index aside) is dropped: a refusal or a warning that every process meets is
+  printed once, not once per process."""
+
+  TAG = re.compile(rb"\[process \d+\]")
+
+  def __init__(self, streams):
+    self.first: dict[bytes, int] = {}  # a line (tag removed) -> the process that printed it first
+    self.lock = threading.Lock()
+    self.threads = [threading.Thread(target=self._pass, args=(i, s), daemon=True) for i, s in enumerate(streams)]
+    for t in self.threads:
+      t.start()
+
+  def _pass(self, i: int, stream) -> None:
+    for line in iter(stream.readline, b""):
+      with self.lock:
+        if self.first.setdefault(self.TAG.sub(b"", line), i) == i:
+          sys.stderr.write(line.decode(errors="replace"))
+          sys.stderr.flush()
+    stream.close()
+
+  def join(self, timeout_s: float = 10.0) -> None:
+    """Until every process's stderr is closed (its last lines printed), or `timeout_s` (a grandchild holds it)."""
+    deadline = time.monotonic() + timeout_s
+    for t in self.threads:
+      t.join(max(deadline - time.monotonic(), 0.0))
+
+
 class Group:
   """The trainer processes of one attempt. A local group fails as one: the first failure stops the rest (as
-  `srun --kill-on-bad-exit` does across hosts), since they would only wait for a peer that is gone."""
+  `srun --kill-on-bad-exit` does across hosts), since they would only wait for a peer that is gone. Each dies with
+  the supervisor; a local group's stderr goes through a Relay."""
 
   def __init__(self, commands: list[list[str]], env: dict):
-    self.procs = [subprocess.Popen(c, env=env) for c in commands]
+    pipe = subprocess.PIPE if len(commands) > 1 else None
+    self.procs = [subprocess.Popen(dies_with_supervisor(c), env=env, stderr=pipe) for c in commands]
+    self.relay = Relay([p.stderr for p in self.procs]) if pipe else None
 
   def signal(self, sig: int) -> None:
     for p in self.procs:
@@ -125,11 +177,12 @@ class Group:
       failed = [c for c in codes if c not in (None, 0)]
       if failed:
         self.signal(signal.SIGKILL)
+      if failed or all(c == 0 for c in codes):
         for p in self.procs:
           p.wait()
-        return failed[0]
-      if all(c == 0 for c in codes):
-        return 0
+        if self.relay is not None:
+          self.relay.join()
+        return failed[0] if failed else 0
       time.sleep(0.2)
 
 

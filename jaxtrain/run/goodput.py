@@ -10,9 +10,13 @@ what no trainer accounted for is start-up/shutdown in a finished attempt and los
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
+
+import jaxtrain
+from jaxtrain.core.errors import UserError
 
 FILE = "goodput.jsonl"
 # (category, what it holds); `productive` is the goodput
@@ -31,15 +35,11 @@ ATTEMPT_T = "JAXTRAIN_ATTEMPT_T"  # the supervisor's clock when it started this 
 
 
 def process_start() -> float:
-  """When this process started (Linux /proc), or now: a trainer's start-up counts from there."""
+  """When this trainer's start-up began: the supervisor's attempt that started it, else when this program started
+  (jaxtrain.STARTED_T; not the process's creation, which a shell's work before its `exec` may precede)."""
   if os.environ.get(ATTEMPT_T):
     return float(os.environ[ATTEMPT_T])
-  try:  # the process's age from the uptime clock (10 ms ticks): /proc/stat's boot time is whole seconds
-    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-    uptime = float(Path("/proc/uptime").read_text().split()[0])
-    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
-  except (OSError, ValueError, IndexError):
-    return time.time()
+  return jaxtrain.STARTED_T
 
 
 class Ledger:
@@ -94,17 +94,54 @@ class CacheCount:
         (self.hits > 0, self.misses > 0), "off")
 
 
+# the events, and the fields checked beside `ev`: name -> (types, valid, what is allowed)
+EVENTS = ("job", "attempt", "ended", "job_end", "start", "spent", "end")
+_COUNT = (int, lambda v: v >= 0, "an integer >= 0")
+_TEXT = (str, lambda v: True, "a text")
+_FIELDS = {"t": ((int, float), lambda v: -math.inf < v < math.inf, "a finite number of seconds"),
+           "cat": (str, CATEGORIES.__contains__, f"one of {', '.join(CATEGORIES)}"),
+           "s": ((int, float), lambda v: 0 <= v < math.inf, "a finite number of seconds >= 0"),
+           "step": _COUNT, "resumed": _COUNT, "cause": _TEXT, "cache": _TEXT}
+
+
+class LedgerError(UserError):
+  """A ledger line that this reader cannot use (a file that train or launch did not write)."""
+
+
 def read(workdir: Path) -> list[dict]:
+  """The ledger's events, each checked: a line that is not one (a foreign file) is a LedgerError naming it; a
+  line cut by a kill (the start of one that the writers wrote) is skipped."""
   path = Path(workdir) / FILE
   if not path.exists():
     return []
   out = []
-  for line in path.read_text().splitlines():
+  for n, raw in enumerate(path.read_bytes().splitlines(), 1):
     try:
-      out.append(json.loads(line))
-    except json.JSONDecodeError:  # a line cut by a kill
-      continue
+      if raw.strip():
+        out.append(_event(raw.decode("utf-8")))
+    except (json.JSONDecodeError, RecursionError) as e:
+      if not raw.startswith(b'{"ev": "'):
+        raise LedgerError(f"{path}: line {n}: not a JSON record ({getattr(e, 'msg', e)}); is this a goodput "
+                          "ledger?") from None
+    except UnicodeDecodeError as e:
+      raise LedgerError(f"{path}: line {n}: not UTF-8 text (byte {e.start}); is this a goodput ledger?") from None
+    except ValueError as e:
+      raise LedgerError(f"{path}: line {n}: {e}") from None
   return out
+
+
+def _event(line: str) -> dict:
+  """One ledger line as its event; ValueError saying what is wrong."""
+  e = json.loads(line)
+  if not isinstance(e, dict) or e.get("ev") not in EVENTS:
+    raise ValueError(f"{line[:60]} is not an event (a JSON object whose 'ev' is one of {', '.join(EVENTS)})")
+  for k in ("t", "cat", "s") if e["ev"] == "spent" else ("t",):
+    if k not in e:
+      raise ValueError(f"a {e['ev']!r} event without {k!r}")
+  for k, v in e.items():
+    if k in _FIELDS and not (isinstance(v, _FIELDS[k][0]) and not isinstance(v, bool) and _FIELDS[k][1](v)):
+      raise ValueError(f"{e['ev']!r} event: {k} {json.dumps(v)[:60]} is not {_FIELDS[k][2]}")
+  return e
 
 
 def _attempts(events: list[dict]) -> list[dict]:

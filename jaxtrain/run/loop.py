@@ -141,7 +141,11 @@ def _banner(setup, mesh, config_name: str, workdir: Path) -> str:
 def _goodput_summary(ledger, workdir: Path, sinks, step: int) -> None:
   """The job so far, from the ledger (process 0): one line, and its figures to TensorBoard."""
   ledger.event("end")
-  summary = goodput.summarize(goodput.read(workdir)) if ledger.path is not None else None
+  try:
+    summary = goodput.summarize(goodput.read(workdir)) if ledger.path is not None else None
+  except goodput.LedgerError as e:  # a line no writer of ours wrote: the run itself is done
+    print(f"note: no goodput summary: {e}", file=sys.stderr)
+    return
   if summary is None:
     return
   print(goodput.describe(summary))

@@ -269,3 +269,72 @@ def test_bench_compare_variants_refuse_empty_items():
   with pytest.raises(UserError, match="empty"):
     compare.parse(["a:optim.lr=1e-3,,train.steps=2"])
   assert compare.parse(["a: optim.lr=1e-3 , train.steps=2"]) == [("a", ["optim.lr=1e-3", "train.steps=2"])]
+
+
+# -- a path that cannot be used (issue 54): one line naming it and the problem, exit 2, in every command ------------
+
+LONG = "x" * 300  # one name over every common filesystem's limit (255 bytes): ENAMETOOLONG
+
+
+def _long_path_cases(tmp):
+  from jaxtrain import goodput
+  from jaxtrain.data import __main__ as data
+  from jaxtrain.launch import __main__ as launch
+  long, w = str(tmp / LONG), ["--workdir", str(tmp / "run")]
+  return {
+      "train-workdir": (train.main, ["--workdir", f"{long}/w"]),
+      "train-resume-from": (train.main, [*w, "--resume-from", f"{long}/c"]),
+      "data-prepare-output": (data.main, ["prepare", "--input", str(tmp / "in.jsonl"), "--output", f"{long}/o"]),
+      "data-show": (data.main, ["show", f"{long}/a"]),
+      "goodput": (goodput.main, [long]),
+      "generate": (generate.main, ["--workdir", long, "--prompt", "hi"]),
+      "hf-import": (hf_command.main, ["import", long, *w]),
+      "hf-export-out": (hf_command.main, ["export", *w, "--out", f"{long}/o"]),
+      "hf-export-workdir": (hf_command.main, ["export", "--workdir", long, "--out", str(tmp / "o")]),
+      "bench-out": (bench.main, ["--out", f"{long}/b.json"]),
+      "inspect-config": (inspect.main, ["--config", f"{long}/c.toml"]),
+      "launch": (launch.main, ["--", "--workdir", f"{long}/w"]),
+  }
+
+
+@pytest.mark.parametrize("case", sorted(_long_path_cases(__import__("pathlib").Path("."))))
+def test_a_name_longer_than_the_filesystem_allows_is_one_line_in_every_command(case, tmp_path, capsys):
+  main, argv = _long_path_cases(tmp_path)[case]
+  line = one_line_exit_2(capsys, main, argv, f"{tmp_path / LONG}", "file name too long", "300 bytes")
+  assert not (tmp_path / "run").exists() and not (tmp_path / "o").exists(), line  # nothing written
+
+
+def _path_errors(tmp):
+  """A real OSError of each kind a path the user gave can meet (root reads any file: EACCES is made by hand)."""
+  import errno
+  import os
+  (tmp / "a-file").write_text("")
+  (tmp / "loop").symlink_to("loop")
+  made = {errno.EACCES: OSError(errno.EACCES, os.strerror(errno.EACCES), str(tmp / "locked"))}
+  for code, op in ((errno.ENAMETOOLONG, lambda: os.stat(tmp / LONG)), (errno.ENOTDIR, lambda: open(tmp / "a-file/x")),
+                   (errno.ELOOP, lambda: open(tmp / "loop")), (errno.EISDIR, lambda: open(tmp))):
+    try:
+      op()
+    except OSError as e:
+      assert e.errno == code, e
+      made[code] = e
+  return made
+
+
+@pytest.mark.parametrize("code", ["ENAMETOOLONG", "ENOTDIR", "ELOOP", "EISDIR", "EACCES"])
+def test_the_shared_epilogue_makes_every_path_error_one_line(code, tmp_path, capsys):
+  import errno
+  import os
+
+  from jaxtrain import cli
+  from jaxtrain.core.errors import path_error
+  err = _path_errors(tmp_path)[getattr(errno, code)]
+
+  def body(set_prog):
+    raise err
+  line = one_line_exit_2(capsys, lambda argv: cli.main("jaxtrain.x", body), [], "jaxtrain.x: error: ",
+                         os.fsdecode(err.filename), os.strerror(err.errno).lower())
+  if code == "ENOTDIR":
+    assert line.endswith(f"({tmp_path / 'a-file'} is not a directory)"), line
+  # an I/O fault on a path stays a failure (a traceback, exit 1) that the supervisor restarts; exit 2 it would not
+  assert path_error(OSError(errno.EIO, "Input/output error", str(tmp_path))) is None

@@ -2,6 +2,7 @@
 killed mid-step, during an async save and during a restore, against an uninterrupted job (slow)."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -102,6 +103,97 @@ def test_sigterm_reaches_the_trainer_and_nothing_is_restarted(tmp_path):
 def test_bad_flags_are_one_line(argv, line, run_cli):
   r = run_cli("jaxtrain.launch", *argv)
   assert r.returncode == 2 and r.stderr.strip() == f"jaxtrain.launch: error: {line}" and not r.stdout
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--backoff-s", "inf"], "--backoff-s inf: must be a finite number of seconds >= 0"),
+    (["--backoff-s", "nan"], "--backoff-s nan: must be a finite number of seconds >= 0"),
+    (["--restart-window-s", "nan"], "--restart-window-s nan: must be a finite number of seconds > 0"),
+    (["--restart-window-s", "inf"], "--restart-window-s inf: must be a finite number of seconds > 0"),
+    (["--restart-window-s", "-5"], "--restart-window-s -5: must be a finite number of seconds > 0"),
+    (["--backoff-s=-1e-3"], "--backoff-s -0.001: must be a finite number of seconds >= 0"),
+])
+def test_non_finite_or_negative_times_are_one_line(argv, line, capsys, tmp_path, monkeypatch):
+  """issue 54: --backoff-s inf was taken, and the supervisor then waited forever after the first failure."""
+  from jaxtrain.launch import __main__ as launch
+  monkeypatch.setattr(supervisor, "trainer_commands", lambda args, n: [[sys.executable, "-c", "exit(1)"]] * n)
+  with pytest.raises(SystemExit) as e:
+    launch.main([*argv, "--", "--workdir", str(tmp_path / "w")])
+  assert e.value.code == 2 and capsys.readouterr().err == f"jaxtrain.launch: error: {line}\n"
+
+
+def test_what_the_trainer_would_refuse_is_refused_once_before_any_trainer_starts(tmp_path, monkeypatch, capsys):
+  """A workdir that is a file, a bad key: one line from the supervisor, no trainer started (N trainers printed it N
+  times, each after JAX had set up its compilation cache in the workdir)."""
+  from jaxtrain.launch import __main__ as launch
+  started = tmp_path / "started"
+  monkeypatch.setattr(supervisor, "trainer_commands", lambda args, n: [
+      [sys.executable, "-c", f"open({str(started)!r}, 'a').write('x')"]] * n)
+  (tmp_path / "a-file").write_text("")
+  for argv, words in ((["--workdir", str(tmp_path / "a-file")], f"{tmp_path / 'a-file'} is not a directory"),
+                      (["--workdir", str(tmp_path / "a-file" / "w")], f"{tmp_path / 'a-file'} is not a directory"),
+                      (["--workdir", str(tmp_path / "w"), "--set", "train.nokey=1"], "unknown config key 'train.nokey'")):
+    with pytest.raises(SystemExit) as e:
+      launch.main(["--processes", "3", "--", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("jaxtrain: error: "), err
+    assert words in err and not started.exists() and not (tmp_path / "w").exists(), err
+
+
+def test_a_line_every_process_of_a_local_group_prints_is_printed_once(tmp_path, monkeypatch, capsys):
+  """Refusals met by every trainer (the mesh, a data source): one line, not one per process; lines that differ
+  (beyond the process index) all come through."""
+  script = tmp_path / "t.py"
+  script.write_text("import sys\ni = sys.argv[1]\nprint(f'jaxtrain[process {i}]: error: --mesh dp=5: does not divide', "
+                    "file=sys.stderr)\nprint(f'own line of {i}', file=sys.stderr)\n")
+  monkeypatch.setattr(supervisor, "trainer_commands", lambda args, n: [
+      [sys.executable, str(script), str(i)] for i in range(n)])
+  sup = supervisor.Supervisor(["--workdir", str(tmp_path / "w")], supervisor.Policy(backoff_s=0, processes=3))
+  assert sup.run() == 0  # (a refusal's exit 2 would stop the others, maybe before they print: not tested here)
+  lines = capsys.readouterr().err.splitlines()
+  assert len([x for x in lines if "error: --mesh dp=5" in x]) == 1, lines
+  assert sorted(x for x in lines if x.startswith("own line")) == ["own line of 0", "own line of 1", "own line of 2"]
+
+
+def _alive(pid: int) -> bool:
+  """A process that runs (a zombie nobody reaped is gone for this purpose)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+  except FileNotFoundError:
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_sigkilled_supervisor_takes_its_trainers_with_it(tmp_path):
+  """SIGKILL cannot be forwarded: the trainers (here a local group of 2) die with the supervisor instead of running
+  on, holding the devices and the workdir's lock, beside the supervisor a scheduler starts next."""
+  script = tmp_path / "t.py"
+  script.write_text("import os, sys, time\nopen(sys.argv[1] + '.' + sys.argv[2], 'w').write(str(os.getpid()))\n"
+                    "time.sleep(120)\n")
+  pids = tmp_path / "pid"
+  code = ("import sys; from jaxtrain.launch import supervisor as s\n"
+          f"s.trainer_commands = lambda a, n: [[sys.executable, {str(script)!r}, {str(pids)!r}, str(i)] for i in "
+          "range(n)]\nsys.exit(s.supervise([], s.Policy(backoff_s=0, processes=2)))")
+  sup = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=multihost.clean_env())
+  trainers = []
+  try:
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"pid.{i}").exists() and (tmp_path / f"pid.{i}").read_text() for i in range(2)):
+      assert time.monotonic() < deadline and sup.poll() is None
+      time.sleep(0.1)
+    trainers = [int((tmp_path / f"pid.{i}").read_text()) for i in range(2)]
+    assert all(map(_alive, trainers))
+    sup.kill()
+    sup.wait()
+    deadline = time.monotonic() + 10
+    while any(map(_alive, trainers)) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert not any(map(_alive, trainers))
+  finally:
+    for pid in trainers:
+      if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
 
 
 # ---- real jobs: 2 processes x 4 simulated devices ---------------------------------------------------------

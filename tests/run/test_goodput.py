@@ -109,3 +109,62 @@ def test_the_compile_says_whether_the_cache_served_it(tmp_path):
     jax.config.update("jax_compilation_cache_dir", was[0])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", was[1])
   assert verdicts == ["miss", "hit"]
+
+
+# A ledger no trainer wrote (issue 54): each bad record, on line 2 after a good one, and the words that name it.
+FOREIGN = {
+    "object-without-ev": (b"{}", "is not an event"),
+    "array": (b"[1, 2]", "is not an event"),
+    "null": (b"null", "is not an event"),
+    "unknown-event": (b'{"ev": "nap", "t": 3}', "is not an event"),
+    "no-t": (b'{"ev": "end"}', "without 't'"),
+    "t-a-string": (b'{"ev": "end", "t": "soon"}', 't "soon" is not a finite number'),
+    "t-nan": (b'{"ev": "end", "t": NaN}', "t NaN is not a finite number"),
+    "t-infinite": (b'{"ev": "end", "t": -Infinity}', "t -Infinity is not a finite number"),
+    "t-true": (b'{"ev": "end", "t": true}', "t true is not a finite number"),
+    "unknown-category": (b'{"ev": "spent", "t": 3, "cat": "nap", "s": 1}', 'cat "nap" is not one of productive'),
+    "spent-without-seconds": (b'{"ev": "spent", "t": 3, "cat": "eval"}', "without 's'"),
+    "negative-seconds": (b'{"ev": "spent", "t": 3, "cat": "eval", "s": -2}', "s -2 is not a finite number"),
+    "step-a-float": (b'{"ev": "spent", "t": 3, "cat": "eval", "s": 1, "step": 1.5}', "step 1.5 is not an integer"),
+    "not-utf8": (b'{"ev": "end", "t": 3, "cause": "\xff"}', "not UTF-8 text"),
+    "not-json": (b"hello", "not a JSON record"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FOREIGN))
+def test_a_ledger_line_it_cannot_use_is_one_line_naming_file_line_and_fault(case, tmp_path, capsys):
+  from jaxtrain import goodput as command
+  bad, words = FOREIGN[case]
+  (tmp_path / goodput.FILE).write_bytes(b'{"ev": "start", "t": 1.0, "resumed": 0}\n' + bad + b"\n")
+  with pytest.raises(SystemExit) as e:
+    command.main([str(tmp_path)])
+  out, err = capsys.readouterr()
+  assert e.value.code == 2 and not out and err.startswith(f"jaxtrain.goodput: error: {tmp_path / goodput.FILE}: "
+                                                          "line 2: ") and len(err.splitlines()) == 1, err
+  assert words in err, err
+
+
+def test_a_line_cut_by_a_kill_is_skipped_and_any_other_non_json_line_refused(tmp_path):
+  good = '{"ev": "start", "t": 1.0, "resumed": 0}\n{"ev": "end", "t": 3.0}\n'
+  (tmp_path / goodput.FILE).write_text(good + '{"ev": "sp')  # the start of a line the writers write
+  assert [e["ev"] for e in goodput.read(tmp_path)] == ["start", "end"]
+  assert goodput.summarize(goodput.read(tmp_path))["wall_s"] == 2.0
+  (tmp_path / goodput.FILE).write_text(good + "t,ev\n")  # a foreign file's line
+  with pytest.raises(goodput.LedgerError, match=r"goodput.jsonl: line 3: not a JSON record"):
+    goodput.read(tmp_path)
+
+
+def test_start_up_begins_when_the_trainers_own_program_starts_not_the_shell_before_it(tmp_path):
+  """`sh -c 'sleep 3; ...; exec python -m jaxtrain.train ...'` (a shell execs its last command: the trainer runs in
+  the shell's process): the 3 s the shell spent first are no part of the trainer's start-up (issue 54)."""
+  from tests.conftest import REPO
+  from tests.helpers import clean_env
+  now = f"{sys.executable} -c 'import time; print(time.time())'"
+  probe = f"{sys.executable} -c 'from jaxtrain.run import goodput; print(goodput.process_start())'"
+  env = clean_env(PYTHONPATH=REPO)
+  env.pop(goodput.ATTEMPT_T, None)
+  r = subprocess.run(["sh", "-c", f"sleep 3; {now}; exec {probe}; echo not reached"], cwd=REPO, env=env,
+                     capture_output=True, text=True, timeout=60)
+  before_exec, start = map(float, r.stdout.split())
+  # (the shell's own few milliseconds of CPU before its exec may count: 50 ms of slack)
+  assert before_exec - 0.05 <= start <= time.time() and start - before_exec < 2.0, (start - before_exec, r.stderr)

@@ -42,6 +42,16 @@ def test_hang_timeout_values():
     config.load("tiny", ["run.hang_timeout_s=-0.5"])
 
 
+@pytest.mark.parametrize("value", ["1e-9", "0.5", "0.999"])
+def test_a_bound_the_watchdog_cannot_keep_is_refused_in_one_line(value):
+  """Below a second the watchdog, which looks about once a second, cannot keep a bound: refused (issue 54: 1e-9 was
+  taken and never fired); 1 and more are kept."""
+  with pytest.raises(UserError, match=rf"run.hang_timeout_s={float(value):g}: use -1 \(automatic\), 0 \(off\) or a "
+                                      r"number of seconds >= 1$"):
+    config.load("tiny", [f"run.hang_timeout_s={value}"])
+  assert config.load("tiny", ["run.hang_timeout_s=1"]).run.hang_timeout_s == 1
+
+
 def test_nccl_termination_timeout_follows_the_watchdog_on_the_gpu_preset(tmp_path):
   gpu = ["run.xla_flags=gpu-default"]
   assert xla_flags.nccl_timeout(config.load("tiny", gpu)) == [f"{xla_flags.NCCL_TIMEOUT}={1800 + 60}"]
