@@ -112,6 +112,9 @@ def test_inspect_device_h100_says_fits_for_each_pod_preset():
                        device="H100")
   text = report.render(rep)
   assert "Memory per device (analytic, for H100: attention cudnn, remat save_dots)" in text
+  # the cuDNN path for the preset's own data (the bundled corpus, packed): offsets sized from its rows
+  assert "  attention: cuDNN fused attention (causal; segments as packed offsets, at most " in text
+  assert "per row (the data's rows))" in text
   assert "verdict [H100]: fits:" in text and rep["memory"]["total"] < 0.9 * 80 * 2**30
   # the 64-device meshes need a process of their own
   p = subprocess.run([sys.executable, "-c", POD_SCRIPT % (PODS[1:],)], capture_output=True, text=True, timeout=300,
