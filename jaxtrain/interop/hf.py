@@ -71,7 +71,7 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
     keys.update(hf_deepseek.model_keys(hf, where))
   if mt == "mixtral":  # HF Mixtral never drops tokens; router_aux_loss_coef means the same under the hf convention
     keys.update(moe_experts=size("num_local_experts", 8), moe_top_k=size("num_experts_per_tok", 2), moe_every=1,
-                moe_capacity_factor=0.0, moe_dropless=True, moe_aux_convention="hf",
+                moe_dropless=True, moe_aux_convention="hf",
                 moe_aux_weight=F.get(hf, "router_aux_loss_coef", where, "number", 0.001, least=0), moe_z_weight=0.0)
   keys.update(_qwen3_keys(hf, where) if mt in QWEN3 else {})
   return keys
@@ -106,7 +106,7 @@ def _qwen3_keys(hf: dict, where: str) -> dict[str, Any]:
   keys.update(moe_experts=X, moe_top_k=int_("num_experts_per_tok", 8), moe_every=step, moe_first_dense=first,
               moe_expert_d_ff=int_("moe_intermediate_size", 768),
               moe_norm_top_k=F.get(hf, "norm_topk_prob", where, "bool", False),
-              moe_capacity_factor=0.0, moe_dropless=True, moe_aux_convention="hf",
+              moe_dropless=True, moe_aux_convention="hf",
               moe_aux_weight=F.get(hf, "router_aux_loss_coef", where, "number", 0.001, least=0), moe_z_weight=0.0)
   return keys
 

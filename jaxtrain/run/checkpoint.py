@@ -31,13 +31,14 @@ class CheckpointError(RunAborted):
 
 
 def fingerprint(cfg, tokenizer_digest: str, data_digest: str) -> dict[str, Any]:
-  """{category: {"section.key": value}} over the `math=True` keys; a `content` key: {"spec", "digest"}."""
+  """{category: {"section.key": value}} over the `math=True` keys that act (config.inactive: a key that changes
+  nothing is left out); a `content` key: {"spec", "digest"}."""
   digests = {"data.tokenizer": tokenizer_digest, "data.source": data_digest}
-  values = _flat(cfg.to_dict())
+  values, idle = _flat(cfg.to_dict()), config.inactive(cfg)
   out: dict[str, dict] = {c: {} for c in config.MISMATCH_CATEGORIES}
   for dotted, field in config.all_keys().items():
     cat = config.category(dotted)
-    if cat is not None:
+    if cat is not None and dotted not in idle:
       out[cat][dotted] = ({"spec": values[dotted], "digest": digests[dotted]} if field.metadata["content"]
                           else values[dotted])
   if cfg.model.moe_experts:  # the aux loss's batch statistics and the capacity groups follow the split

@@ -195,7 +195,7 @@ class _Steps:
   def manifest_body(self) -> dict:
     out = self.sinks.writer()
     return {"progress": dataclasses.asdict(self.progress), "data_state": self.batches.get_state(), **self.identity,
-            "unwritten_metrics": list(out.unwritten) if out else []}
+            "unwritten_metrics": list(out.unwritten) if out else [], "metrics": out.take_recent() if out else []}
 
   def log_step(self, s, device_metrics, wait, since, params=None) -> float:
     """Writes step s's record; returns when the next step's time starts. `params`: evaluate them after the
@@ -384,7 +384,8 @@ def _resume_and_train(opened: _Opened, setup, step_dir, evaluate, identity: dict
   resumed_at = progress.step if state is not None else None
   cache = goodput.CacheCount()  # did the step come from the compilation cache?
   state = setup.init() if state is None else state
-  opened.sinks = _sinks(cfg, workdir, stop_at, resumed_at, manifest.get("unwritten_metrics"))
+  carried = [*manifest.get("metrics", ()), *manifest.get("unwritten_metrics", ())]  # what the checkpoint covers
+  opened.sinks = _sinks(cfg, workdir, stop_at, resumed_at, carried)
   steps = _Steps(cfg, setup, batches, opened.ckpts, progress_lib.Every(cfg.checkpoint.interval), opened.preempt,
                  opened.profiler, evaluate, opened.sinks, ledger, opened.dog, progress, summary, identity, workdir)
   try:
