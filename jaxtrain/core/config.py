@@ -404,6 +404,8 @@ def _raw_source(c: Config) -> bool:
   return any(s == "bundled" or s.endswith((".jsonl", ".parquet")) for s in specs)
 
 
+# LoRA's keys: a parameters-only checkpoint (an import) gains fresh adapters, whatever its own were
+LORA_KEYS = tuple(f"model.{k}" for k in fields("model") if k.startswith("lora_"))
 _LOSS_SCALE = tuple(f"loss_scale.{k}" for k in fields("loss_scale") if k != "mode")
 # The one table of dependent keys: what acts only when another key (or the mesh) says so.
 DEPENDENT = (

@@ -467,7 +467,6 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   import jax
   from jaxtrain import data
   from jaxtrain.parallel import mesh as mesh_lib
-  from jaxtrain.model import roles
   from jaxtrain.run import checkpoint, progress
   from jaxtrain.run import step as step_lib
   t0 = time.perf_counter()
@@ -484,12 +483,9 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   setup = step_lib.Setup(cfg, mesh)
   cfg = setup.cfg  # with what the mesh implies (a pipeline's stacked layers)
   by_path = {t.path: t for t in table(cfg.model)}
-  params = setup.abstract_state()["params"]
-  if cfg.model.lora_rank:  # LoRA: the base is read (QLoRA: quantized a tensor at a time), its adapters start fresh
-    params, nread = _place_params(plan, by_path, *_frozen_base(setup, roles.split(cfg.model, params)[1]))
-    params = roles.join(setup.init_adapters(), params)
-  else:
-    params, nread = _place_params(plan, by_path, params)
+  # LoRA: the base is read (QLoRA: quantized a tensor at a time), its adapters start fresh
+  params, nread = _place_params(plan, by_path, *_frozen_base(setup))
+  params = setup.with_adapters(params)
   ck = cfg.checkpoint
   # the params fill host memory on a CPU machine: orbax's compressed write buffers are kept to a window
   window = max([2**30] + [x.nbytes for x in jax.tree.leaves(params)])
@@ -512,23 +508,18 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   return w / f"{plan.name}.toml"
 
 
-def _frozen_base(setup, frozen):
-  """(abstract params to place, what to make of each placed one) for LoRA's frozen base: as stored, but QLoRA's
-  quantized weights placed dense on their compute sharding and quantized to their stored one as each arrives, so
-  that one dense tensor at a time is held."""
+def _frozen_base(setup):
+  """(abstract params to place, what to make of each placed one): the parameters, or LoRA's frozen base (as stored,
+  but QLoRA's quantized weights placed dense on their compute sharding and quantized to their stored one as each
+  arrives, so that one dense tensor at a time is held)."""
   import jax
-  from jaxtrain.model import quant, roles
+  from jaxtrain.model import roles
   cfg, layout = setup.cfg.model, setup.layout
 
   def at(tree, path):
     for k in path:
       tree = tree[getattr(k, "key", getattr(k, "idx", k))]
     return tree
-
-  def dense(path, x):
-    if not quant.is_quantized(x):
-      return x
-    return jax.ShapeDtypeStruct(at(layout.abstract_params, path).shape, np.float32, sharding=at(layout.param, path))
 
   @functools.cache  # one program per (role, sharding): the layers of an unscanned model share it
   def quantizer(role, sh):
@@ -537,7 +528,7 @@ def _frozen_base(setup, frozen):
   def finish(path, x):
     role = roles.of(cfg, path)
     return x if role.quant == "none" else quantizer(role, at(layout.stored, path))(x)
-  return jax.tree_util.tree_map_with_path(dense, frozen, is_leaf=quant.is_quantized), finish
+  return setup.base_abstract(), finish
 
 
 def _place_params(plan: ImportPlan, by_path: dict, abstract_params, finish=None) -> tuple[Any, int]:

@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxtrain import data
 from jaxtrain.analysis import fit
-from jaxtrain.core import parse
+from jaxtrain.core import config, parse
 from jaxtrain.core.config import MISMATCH_CATEGORIES
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import flops
@@ -95,27 +95,50 @@ def _sinks(cfg, workdir: Path, stop_at: int, resumed_at: int | None, carried: li
 
 def _same_run(current: dict, allowed: set[str], setup):
   """A check of a checkpoint's manifest: one written by a different run is refused (before anything moves); an
-  allowed model mismatch still needs the same parameter shapes (checked before config.json is rewritten)."""
+  allowed model mismatch still needs the same parameter shapes (checked before config.json is rewritten). An
+  import (parameters only) takes any LoRA keys: its base gains fresh adapters."""
   def accept(step_dir: Path, manifest: dict) -> None:
-    changed = {k: v for k, v in checkpoint.mismatches(manifest["fingerprint"], current).items() if k not in allowed}
+    imported = checkpoint.params_only(manifest)
+    if imported:
+      _check_base(setup.cfg, step_dir, manifest)
+    free = config.LORA_KEYS if imported else ()
+    changed = {k: v for k, v in checkpoint.mismatches(manifest["fingerprint"], current, free).items()
+               if k not in allowed}
     if changed:
       raise UserError(f"checkpoint {step_dir} was written by a different run: "
                       f"{'; '.join(changed.values())}; pass --allow-mismatch {','.join(changed)} to resume anyway, "
                       "or --fresh")
     if "model" in allowed:
-      checkpoint.check_shapes(step_dir, setup.abstract_state()["params"])
+      params = setup.base_abstract(checkpoint.quantized_base(manifest) is not None) if imported else None
+      checkpoint.check_shapes(step_dir, params or setup.abstract_state()["params"], adapters=not imported)
     dpo.check_start(setup.cfg, step_dir, manifest)  # an lm run's checkpoint holds no DPO reference
   return accept
+
+
+def _check_base(cfg, step_dir: Path, manifest: dict) -> None:
+  """An import whose base is stored quantized (a QLoRA import) is trained in that format: a dense or other base
+  cannot be made from it exactly."""
+  saved = checkpoint.quantized_base(manifest)
+  m = cfg.model
+  if saved is not None and (not m.lora_rank or m.lora_base_dtype != saved):
+    raise UserError(f"checkpoint {step_dir} holds its base quantized (an import with model.lora_base_dtype={saved}): "
+                    f"train it with model.lora_rank > 0 and model.lora_base_dtype={saved}, not model.lora_rank="
+                    f"{m.lora_rank}, model.lora_base_dtype={m.lora_base_dtype}; or import the model again without it")
 
 
 def _resume(ckpts, step_dir, setup, batches, mesh_text: str):
   """(state, Progress, manifest) from the verified, accepted `step_dir` (data moved to it)."""
   if step_dir is None:
     return None, progress_lib.Progress(), {}
-  state, manifest = ckpts.restore(step_dir, setup.abstract_state(), verified=True)
-  if checkpoint.params_only(manifest):  # an import: the optimizer state starts here
-    state = setup.init_from(state["params"])
-    print("checkpoint: parameters only (an import): optimizer state created (Adam moments zero, schedule at step 0)")
+  saved = checkpoint.read_manifest(step_dir)
+  if checkpoint.params_only(saved):  # an import: its base; LoRA's adapters and the optimizer state start here
+    quantized = checkpoint.quantized_base(saved) is not None
+    base, manifest = ckpts.restore(step_dir, {"params": setup.base_abstract(quantized)}, verified=True)
+    state = setup.init_from(setup.with_adapters(base["params"]))
+    print("checkpoint: parameters only (an import): optimizer state created (Adam moments zero, schedule at step 0)"
+          f"{', fresh LoRA adapters' if setup.cfg.model.lora_rank else ''}")
+  else:
+    state, manifest = ckpts.restore(step_dir, setup.abstract_state(), verified=True)
   batches.set_state(manifest["data_state"])
   moved = "" if manifest["mesh"] == mesh_text else f" (written on mesh {manifest['mesh']}, resharded)"
   print(f"resumed from {step_dir} at step {manifest['progress']['step']}{moved}")
