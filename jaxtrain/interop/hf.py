@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
-from jaxtrain.interop import hf_deepseek, hf_fields as F, hf_rope
+from jaxtrain.interop import hf_deepseek, hf_source, hf_fields as F, hf_rope
 
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")
 QWEN3 = ("qwen3", "qwen3_moe")
@@ -472,7 +472,9 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   t0 = time.perf_counter()
   cfg, w = plan.cfg, plan.workdir
   is_writer = jax.process_index() == 0
-  if is_writer:
+  if is_writer:  # the source's digests, for an adapter export to check its base against (hf_source)
+    weights = {f for f, _, _ in plan.headers.values()} | ({INDEX} if (plan.hf_dir / INDEX).is_file() else set())
+    digests = hf_source.record(plan.hf_dir, weights)
     (w / "hf").mkdir(parents=True, exist_ok=True)
     for f in HF_KEPT:  # kept for export: token ids and fields jaxtrain does not model
       if (plan.hf_dir / f).is_file():
@@ -497,7 +499,8 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   body = {"contents": checkpoint.PARAMS_ONLY, "progress": vars(progress.Progress()),
           "data_state": {"version": 1, "step": 0}, "mesh": mesh_lib.describe(dict(mesh.shape)), "fingerprint": fp,
           "config": cfg.to_dict(), "seed": cfg.train.seed, "process_count": jax.process_count(),
-          "imported_from": {"dir": str(plan.hf_dir.absolute()), "tensors": len(plan.headers)}}
+          "imported_from": {"dir": str(plan.hf_dir.absolute()), "tensors": len(plan.headers),
+                            **({"files": digests.result()} if is_writer else {})}}
   try:
     ckpts.save(0, {"params": params}, body)  # the manifest's digests: the one pass over what was written
   finally:

@@ -400,6 +400,8 @@ def _resume_and_train(opened: _Opened, setup, step_dir, evaluate, identity: dict
   cfg, ledger, batches, workdir = setup.cfg, opened.ledger, opened.batches, opened.workdir
   t0 = time.perf_counter()
   state, progress, manifest = _resume(opened.ckpts, step_dir, setup, batches, identity["mesh"])
+  if "imported_from" in manifest:  # every checkpoint names the import (an adapter export's base) after rotation
+    identity["imported_from"] = manifest["imported_from"]
   ledger.spent("restore", time.perf_counter() - t0)
   t_restored = time.perf_counter()
   if jax.process_index() == 0:  # once the checkpoint is restored: a refused or failed resume rewrites nothing
