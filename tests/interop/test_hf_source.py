@@ -11,16 +11,35 @@ pytest.importorskip("transformers")
 
 from jaxtrain import hf as hf_command  # noqa: E402
 from jaxtrain.core import config  # noqa: E402
+from jaxtrain.interop import hf_source  # noqa: E402
 from jaxtrain.run import checkpoint, loop  # noqa: E402
 from tests import hf_models as H  # noqa: E402
 from tests.helpers import mesh_of  # noqa: E402
 
-pytestmark = pytest.mark.slow  # an import, a train, exports: compiles of whole programs
 
 LORA = ["model.lora_rank=4", "model.lora_targets=q,v", "train.batch_size=8", "train.seq_len=16", "data.workers=0",
         "checkpoint.interval=1", "checkpoint.keep=1", "run.tensorboard=false"]
 
 
+def test_changes_against_the_record_hash_only_what_size_and_time_do_not_settle(tmp_path):
+  d = tmp_path / "hf"
+  d.mkdir()
+  for name, text in (("config.json", "{}"), ("a.safetensors", "0123"), ("b.safetensors", "4567")):
+    (d / name).write_text(text)
+  rec = hf_source.record(d, [d / "a.safetensors", "b.safetensors"]).result()
+  assert sorted(rec) == ["a.safetensors", "b.safetensors", "config.json"]
+  assert hf_source.changes(d, rec) == []
+  st = (d / "a.safetensors").stat()
+  os.utime(d / "a.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+  assert hf_source.changes(d, rec) == []  # touched: hashed, the same bytes
+  (d / "a.safetensors").write_text("0124")  # the same size, other bytes
+  (d / "b.safetensors").write_text("45678")
+  (d / "config.json").unlink()
+  assert hf_source.changes(d, rec) == ["a.safetensors: other contents (sha256)", "b.safetensors: 4 -> 5 bytes",
+                                       "config.json: No such file or directory (ENOENT)"]
+
+
+@pytest.mark.slow  # an import, a train, exports: compiles of whole programs
 def test_adapter_export_checks_the_base_it_names(tmp_path, capsys):
   hf_dir, w = tmp_path / "hf", tmp_path / "w"
   H.llama(hf_dir, vocab=320)
