@@ -7,8 +7,8 @@ import math as _math
 import sys
 import tomllib
 import typing
-from pathlib import Path
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from jaxtrain.core import parse, resources

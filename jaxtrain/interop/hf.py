@@ -500,7 +500,7 @@ def run_import(plan: ImportPlan, mesh) -> Path:
           "data_state": {"version": 1, "step": 0}, "mesh": mesh_lib.describe(dict(mesh.shape)), "fingerprint": fp,
           "config": cfg.to_dict(), "seed": cfg.train.seed, "process_count": jax.process_count(),
           "imported_from": {"dir": str(plan.hf_dir.absolute()), "tensors": len(plan.headers),
-                            **({"files": digests.result()} if is_writer else {})}}
+                            **({"files": digests()} if is_writer else {})}}
   try:
     ckpts.save(0, {"params": params}, body)  # the manifest's digests: the one pass over what was written
   finally:

@@ -4,8 +4,8 @@ export names that directory as its base model."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import sys
+import threading
 from pathlib import Path
 
 from jaxtrain.core import files
@@ -21,14 +21,26 @@ def _record(hf_dir: Path, names: list[str]) -> dict[str, dict]:
   return {n: {**_stat(hf_dir / n), "sha256": files.sha256_file(hf_dir / n)} for n in names}
 
 
-def record(hf_dir: Path, weight_files) -> concurrent.futures.Future:
-  """{file name: {size, mtime_ns, sha256}} of config.json and the weight files, hashed in a thread beside the
-  import's reads (a Future: `.result()` before the manifest is written)."""
+def record(hf_dir: Path, weight_files):
+  """A function giving {file name: {size, mtime_ns, sha256}} of config.json and the weight files, hashed in a
+  daemon thread beside the import's reads (an import that fails does not wait for it)."""
   names = sorted({"config.json", *(Path(f).name for f in weight_files)})
-  pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-source-digest")
-  future = pool.submit(_record, hf_dir, names)
-  pool.shutdown(wait=False)
-  return future
+  box: dict = {}
+
+  def work():
+    try:
+      box["files"] = _record(hf_dir, names)
+    except OSError as e:
+      box["error"] = UserError(f"{hf_dir}: cannot read a file of the import for its digest: {e}")
+  thread = threading.Thread(target=work, name="hf-source-digest", daemon=True)
+  thread.start()
+
+  def result() -> dict[str, dict]:
+    thread.join()
+    if "error" in box:
+      raise box["error"]
+    return box["files"]
+  return result
 
 
 def changes(hf_dir: Path, recorded: dict[str, dict]) -> list[str]:

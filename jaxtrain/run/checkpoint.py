@@ -386,8 +386,9 @@ def check_shapes(step_dir: Path, abstract_params, adapters: bool = True) -> None
     return
   finally:
     absl.setLevel(level)
+  adapter = lambda path: any(str(getattr(k, "key", "")).endswith(lora.SUFFIX) for k in path)  # noqa: E731
   saved = {_key_text(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-           if hasattr(x, "shape") and (adapters or not any(str(getattr(k, "key", "")).endswith(lora.SUFFIX) for k in p))}
+           if hasattr(x, "shape") and (adapters or not adapter(p))}
   here = {_key_text(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
   for name in sorted(set(saved) | set(here)):
     if saved.get(name) != here.get(name):

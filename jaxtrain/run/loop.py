@@ -100,7 +100,7 @@ def _same_run(current: dict, allowed: set[str], setup):
   def accept(step_dir: Path, manifest: dict) -> None:
     imported = checkpoint.params_only(manifest)
     if imported:
-      _check_base(setup.cfg, step_dir, manifest)
+      _check_quantized_base(setup.cfg, step_dir, manifest)
     free = config.LORA_KEYS if imported else ()
     changed = {k: v for k, v in checkpoint.mismatches(manifest["fingerprint"], current, free).items()
                if k not in allowed}
@@ -109,13 +109,14 @@ def _same_run(current: dict, allowed: set[str], setup):
                       f"{'; '.join(changed.values())}; pass --allow-mismatch {','.join(changed)} to resume anyway, "
                       "or --fresh")
     if "model" in allowed:
-      params = setup.base_abstract(checkpoint.quantized_base(manifest) is not None) if imported else None
-      checkpoint.check_shapes(step_dir, params or setup.abstract_state()["params"], adapters=not imported)
+      params = (setup.base_abstract(checkpoint.quantized_base(manifest) is not None) if imported
+                else setup.abstract_state()["params"])
+      checkpoint.check_shapes(step_dir, params, adapters=not imported)
     dpo.check_start(setup.cfg, step_dir, manifest)  # an lm run's checkpoint holds no DPO reference
   return accept
 
 
-def _check_base(cfg, step_dir: Path, manifest: dict) -> None:
+def _check_quantized_base(cfg, step_dir: Path, manifest: dict) -> None:
   """An import whose base is stored quantized (a QLoRA import) is trained in that format: a dense or other base
   cannot be made from it exactly."""
   saved = checkpoint.quantized_base(manifest)

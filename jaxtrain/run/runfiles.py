@@ -184,17 +184,18 @@ class JsonlWriter:
 
   def write(self, step: int, record: dict) -> None:
     from jaxtrain.run import faults
-    self.recent.append(json.loads(strict_json(record)))
+    line = strict_json(record)
+    self.recent.append(json.loads(line))
     if self.failure is None:
       try:
         faults.metrics_write(step)
         self._recreate_if_gone(step)
-        self.file.write(strict_json(record) + "\n")
+        self.file.write(line + "\n")
         self.file.flush()
       except OSError as e:
         self.failure = f"cannot write {self.path} at step {step}: {_why(e)}"
     if self.failure is not None:
-      self.unwritten.append(json.loads(strict_json(record)))
+      self.unwritten.append(json.loads(line))
 
   def close(self) -> None:
     with contextlib.suppress(OSError):  # the failure, if any, was already recorded

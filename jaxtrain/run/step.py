@@ -135,7 +135,8 @@ class Setup:
     def dense(path, x):
       if not quant.is_quantized(x):
         return x
-      at = lambda tree: functools.reduce(lambda t, k: t[getattr(k, "key", getattr(k, "idx", k))], path, tree)  # noqa: E731
+      keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+      at = lambda tree: functools.reduce(lambda t, k: t[k], keys, tree)  # noqa: E731
       return jax.ShapeDtypeStruct(at(self.layout.abstract_params).shape, jnp.float32, sharding=at(self.layout.param))
     return jax.tree_util.tree_map_with_path(dense, base, is_leaf=quant.is_quantized)
 

@@ -26,7 +26,7 @@ def test_changes_against_the_record_hash_only_what_size_and_time_do_not_settle(t
   d.mkdir()
   for name, text in (("config.json", "{}"), ("a.safetensors", "0123"), ("b.safetensors", "4567")):
     (d / name).write_text(text)
-  rec = hf_source.record(d, [d / "a.safetensors", "b.safetensors"]).result()
+  rec = hf_source.record(d, [d / "a.safetensors", "b.safetensors"])()
   assert sorted(rec) == ["a.safetensors", "b.safetensors", "config.json"]
   assert hf_source.changes(d, rec) == []
   st = (d / "a.safetensors").stat()
