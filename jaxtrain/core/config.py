@@ -673,7 +673,10 @@ def help_text() -> str:
       kind = "one of " + ", ".join(map(str, get_args(tp))) if get_origin(tp) is Literal else tp.__name__
       lines.append(f"  {section}.{f.name} ({kind}, default {f.default!r}) [{role}]")
       lines.append(f"      {f.metadata['doc']}")
+      if whens := [n.when for n in DEPENDENT if f"{section}.{f.name}" in n.keys]:
+        lines.append(f"      Acts only with {'; and with '.join(whens)}.")
   lines += ["", "same-run: part of the checkpoint's fingerprint (a resume with another value is refused unless "
-            "--allow-mismatch); free: may change on resume.",
+            "--allow-mismatch); free: may change on resume. A key that acts only with another (or a mesh axis) is "
+            "elsewhere ignored: named on the run's 'ignored:' line and left out of the fingerprint.",
             "Renamed keys still accepted: " + ", ".join(f"{k} -> {v}" for k, v in RENAMED.items())]
   return "\n".join(lines)
