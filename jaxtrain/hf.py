@@ -30,6 +30,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   e.add_argument("--adapter", action="store_true",
                  help="LoRA runs: write the adapters alone as a PEFT adapter (adapter_config.json, "
                  "adapter_model.safetensors); without it the model is written with them merged")
+  e.add_argument("--allow-base-change", action="store_true",
+                 help="--adapter: write the adapter although the base model it names (the import's source) no "
+                 "longer holds the weights the run was imported from (default: refused)")
   e.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, GB (default: 5)")
   for q in (s, e):
     q.add_argument("--workdir", required=True, help="jaxtrain run directory")
@@ -64,7 +67,7 @@ def main(argv=None) -> int:
       started = cli.start(args, prog, cfg=runs.config_of(checkpoint.read_manifest(step_dir)))
       set_prog(started.prog)
       hf_export.run_export(started.cfg, started.mesh, step_dir, out, args.dtype, int(args.max_shard_gb * 1e9), workdir,
-                            args.adapter)
+                            args.adapter, args.allow_base_change)
   return cli.main(prog, body)
 
 

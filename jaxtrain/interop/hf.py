@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
-from jaxtrain.interop import hf_deepseek, hf_fields as F, hf_rope
+from jaxtrain.interop import hf_deepseek, hf_source, hf_fields as F, hf_rope
 
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")
 QWEN3 = ("qwen3", "qwen3_moe")
@@ -71,7 +71,7 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
     keys.update(hf_deepseek.model_keys(hf, where))
   if mt == "mixtral":  # HF Mixtral never drops tokens; router_aux_loss_coef means the same under the hf convention
     keys.update(moe_experts=size("num_local_experts", 8), moe_top_k=size("num_experts_per_tok", 2), moe_every=1,
-                moe_capacity_factor=0.0, moe_dropless=True, moe_aux_convention="hf",
+                moe_dropless=True, moe_aux_convention="hf",
                 moe_aux_weight=F.get(hf, "router_aux_loss_coef", where, "number", 0.001, least=0), moe_z_weight=0.0)
   keys.update(_qwen3_keys(hf, where) if mt in QWEN3 else {})
   return keys
@@ -106,7 +106,7 @@ def _qwen3_keys(hf: dict, where: str) -> dict[str, Any]:
   keys.update(moe_experts=X, moe_top_k=int_("num_experts_per_tok", 8), moe_every=step, moe_first_dense=first,
               moe_expert_d_ff=int_("moe_intermediate_size", 768),
               moe_norm_top_k=F.get(hf, "norm_topk_prob", where, "bool", False),
-              moe_capacity_factor=0.0, moe_dropless=True, moe_aux_convention="hf",
+              moe_dropless=True, moe_aux_convention="hf",
               moe_aux_weight=F.get(hf, "router_aux_loss_coef", where, "number", 0.001, least=0), moe_z_weight=0.0)
   return keys
 
@@ -467,13 +467,14 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   import jax
   from jaxtrain import data
   from jaxtrain.parallel import mesh as mesh_lib
-  from jaxtrain.model import roles
   from jaxtrain.run import checkpoint, progress
   from jaxtrain.run import step as step_lib
   t0 = time.perf_counter()
   cfg, w = plan.cfg, plan.workdir
   is_writer = jax.process_index() == 0
-  if is_writer:
+  if is_writer:  # the source's digests, for an adapter export to check its base against (hf_source)
+    weights = {f for f, _, _ in plan.headers.values()} | ({INDEX} if (plan.hf_dir / INDEX).is_file() else set())
+    digests = hf_source.record(plan.hf_dir, weights)
     (w / "hf").mkdir(parents=True, exist_ok=True)
     for f in HF_KEPT:  # kept for export: token ids and fields jaxtrain does not model
       if (plan.hf_dir / f).is_file():
@@ -484,12 +485,9 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   setup = step_lib.Setup(cfg, mesh)
   cfg = setup.cfg  # with what the mesh implies (a pipeline's stacked layers)
   by_path = {t.path: t for t in table(cfg.model)}
-  params = setup.abstract_state()["params"]
-  if cfg.model.lora_rank:  # LoRA: the base is read (QLoRA: quantized a tensor at a time), its adapters start fresh
-    params, nread = _place_params(plan, by_path, *_frozen_base(setup, roles.split(cfg.model, params)[1]))
-    params = roles.join(setup.init_adapters(), params)
-  else:
-    params, nread = _place_params(plan, by_path, params)
+  # LoRA: the base is read (QLoRA: quantized a tensor at a time), its adapters start fresh
+  params, nread = _place_params(plan, by_path, *_frozen_base(setup))
+  params = setup.with_adapters(params)
   ck = cfg.checkpoint
   # the params fill host memory on a CPU machine: orbax's compressed write buffers are kept to a window
   window = max([2**30] + [x.nbytes for x in jax.tree.leaves(params)])
@@ -501,7 +499,8 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   body = {"contents": checkpoint.PARAMS_ONLY, "progress": vars(progress.Progress()),
           "data_state": {"version": 1, "step": 0}, "mesh": mesh_lib.describe(dict(mesh.shape)), "fingerprint": fp,
           "config": cfg.to_dict(), "seed": cfg.train.seed, "process_count": jax.process_count(),
-          "imported_from": {"dir": str(plan.hf_dir.absolute()), "tensors": len(plan.headers)}}
+          "imported_from": {"dir": str(plan.hf_dir.absolute()), "tensors": len(plan.headers),
+                            **({"files": digests()} if is_writer else {})}}
   try:
     ckpts.save(0, {"params": params}, body)  # the manifest's digests: the one pass over what was written
   finally:
@@ -512,23 +511,18 @@ def run_import(plan: ImportPlan, mesh) -> Path:
   return w / f"{plan.name}.toml"
 
 
-def _frozen_base(setup, frozen):
-  """(abstract params to place, what to make of each placed one) for LoRA's frozen base: as stored, but QLoRA's
-  quantized weights placed dense on their compute sharding and quantized to their stored one as each arrives, so
-  that one dense tensor at a time is held."""
+def _frozen_base(setup):
+  """(abstract params to place, what to make of each placed one): the parameters, or LoRA's frozen base (as stored,
+  but QLoRA's quantized weights placed dense on their compute sharding and quantized to their stored one as each
+  arrives, so that one dense tensor at a time is held)."""
   import jax
-  from jaxtrain.model import quant, roles
+  from jaxtrain.model import roles
   cfg, layout = setup.cfg.model, setup.layout
 
   def at(tree, path):
     for k in path:
       tree = tree[getattr(k, "key", getattr(k, "idx", k))]
     return tree
-
-  def dense(path, x):
-    if not quant.is_quantized(x):
-      return x
-    return jax.ShapeDtypeStruct(at(layout.abstract_params, path).shape, np.float32, sharding=at(layout.param, path))
 
   @functools.cache  # one program per (role, sharding): the layers of an unscanned model share it
   def quantizer(role, sh):
@@ -537,7 +531,7 @@ def _frozen_base(setup, frozen):
   def finish(path, x):
     role = roles.of(cfg, path)
     return x if role.quant == "none" else quantizer(role, at(layout.stored, path))(x)
-  return jax.tree_util.tree_map_with_path(dense, frozen, is_leaf=quant.is_quantized), finish
+  return setup.base_abstract(), finish
 
 
 def _place_params(plan: ImportPlan, by_path: dict, abstract_params, finish=None) -> tuple[Any, int]:

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxtrain.core import files as files_lib, outputs  # files_lib: run_export names its shard list `files`
 from jaxtrain.core.errors import UserError
+from jaxtrain.interop import hf_source
 from jaxtrain.interop.hf import DTYPES, HF_KEPT, INDEX, LORA_MODULES, hf_config, lora_table, safetensors_api, table
 
 
@@ -25,17 +26,20 @@ ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json
 
 
 def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes: int, workdir: Path,
-               adapter: bool = False) -> None:
+               adapter: bool = False, allow_base_change: bool = False) -> None:
   """Writes the HF checkpoint into `out`, replacing what an earlier export wrote there (EXPORT_RECORD) and nothing
   else; a write failure (a full disk) removes this export's partial files and is one line. With LoRA the model is
-  written merged (W + A B * alpha / r); `adapter`: the adapters alone, as a PEFT adapter."""
+  written merged (W + A B * alpha / r); `adapter`: the adapters alone, as a PEFT adapter, whose base (the import's
+  source) must hold the weights the run was imported from (`allow_base_change`: or a warning)."""
   import jax
   from jaxtrain.run import runs
   t0 = time.perf_counter()
   if adapter and not cfg.model.lora_rank:
     raise UserError(f"--adapter: the run in {workdir} has no adapters (model.lora_rank=0); export without --adapter")
+  base = None
   if adapter:
     lora_table(cfg.model)  # what PEFT cannot express (MoE experts' adapters) refused before the params are read
+    base = hf_source.check_base(_imported_from(step_dir, workdir), allow_base_change)
   np_dtype = DTYPES[dtype]  # safetensors tags the file dtype from the numpy dtype
   if np_dtype == "bfloat16":
     import ml_dtypes
@@ -60,7 +64,7 @@ def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes
     _write_shards(out, files, fname, params, np_dtype, me)
     if me == 0:
       if adapter:
-        _write_adapter_config(cfg.model, out, workdir)
+        _write_adapter_config(cfg.model, out, base)
       else:
         _write_config(cfg, out, workdir, dtype, total, files, fname, tok)
       files_lib.write_json_atomic(out / outputs.EXPORT_RECORD, _record(written, step_dir, workdir, dtype, True))
@@ -91,14 +95,19 @@ def _merged(cfg, params):
   return jax.jit(lambda p: lora.merged(cfg.model, p))(params)
 
 
-def _write_adapter_config(m, out: Path, workdir: Path) -> None:
-  """PEFT's adapter_config.json: a LoRA of rank r on the target modules of a causal LM; the base model is the
-  Hugging Face directory the run was imported from where its step-0 manifest still says so."""
-  from jaxtrain.model import lora
+def _imported_from(step_dir: Path, workdir: Path) -> dict:
+  """The import the run started from (its manifests carry it; older runs: the step-0 checkpoint's, if kept)."""
   from jaxtrain.run import checkpoint
-  zero = workdir / "checkpoints" / "0"
-  imported = checkpoint.read_manifest(zero).get("imported_from", {}) if (zero / checkpoint.MANIFEST).is_file() else {}
-  base = imported.get("dir")
+  for d in (step_dir, workdir / "checkpoints" / "0"):
+    if (d / checkpoint.MANIFEST).is_file() and "imported_from" in (manifest := checkpoint.read_manifest(d)):
+      return manifest["imported_from"]
+  return {}
+
+
+def _write_adapter_config(m, out: Path, base: str | None) -> None:
+  """PEFT's adapter_config.json: a LoRA of rank r on the target modules of a causal LM; the base model is the
+  Hugging Face directory the run was imported from (`base`)."""
+  from jaxtrain.model import lora
   targets = sorted(LORA_MODULES[lora.WEIGHTS[t]] for t in m.lora_target_names())
   conf = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": m.lora_rank,
           "lora_alpha": m.lora_alpha, "target_modules": targets, "lora_dropout": 0.0, "bias": "none",

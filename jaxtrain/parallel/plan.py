@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxtrain.core import config as config_lib
 from jaxtrain.core.config import Config
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import attention as attention_lib, ops, quant
@@ -35,14 +36,16 @@ class Plan(ops.Ops):
   # 0 = an L x L mask (jaxtrain.parallel.kernels.path)
   platform: str = "cpu"  # the target device's platform (cpu, gpu, tpu): what its compiler keeps differs
   implied: tuple[str, ...] = ()  # "key=value (why)" for each setting the mesh implied
+  ignored: tuple[str, ...] = ()  # keys set that act not with this config and mesh (config.ignored)
   sequence_axis: str = "sequence"
   expert_axis: str = "expert"
   rows_over: tuple[str, ...] = ()  # manual axes whose devices each compute a part of the rows (data_region)
 
   @property
   def zero_stage(self) -> int:
-    """optim.zero_stage where `data` has more than one device (else nothing to split over)."""
-    return self.cfg.optim.zero_stage if self.mesh is not None and self.mesh.shape.get("data", 1) > 1 else 0
+    """optim.zero_stage where it acts (config.DEPENDENT: `data` has more than one device to split over), else 0."""
+    axes = dict(self.mesh.shape) if self.mesh is not None else {}
+    return 0 if "optim.zero_stage" in config_lib.inactive(self.cfg, axes) else self.cfg.optim.zero_stage
 
   def spec(self, axes, shape):
     return sharding.spec_for(axes, shape, self.mesh, rules=self.rules)
@@ -185,8 +188,9 @@ class Plan(ops.Ops):
     fp8_line = (f"; FP8 projections (model.fp8={m.fp8}): every projection matmul, not the embedding, LM head or "
                 "router" if m.fp8 != "none" else "")
     implied = f"; set by the mesh: {', '.join(self.implied)}" if self.implied else ""
+    ignored = f"\nignored: {'; '.join(self.ignored)}" if self.ignored else ""
     return (f"attention: {self.attention} ({self.attention_why}{scores}){moe}; remat {m.remat}{rules}{fp8_line}; "
-            f"{self.state_layout()}{implied}")
+            f"{self.state_layout()}{implied}{ignored}")
 
   def state_layout(self) -> str:
     data = self.mesh.shape.get("data", 1) if self.mesh is not None else 1
@@ -262,7 +266,7 @@ def build(cfg: Config, mesh, device=None, segments: int | None = None) -> Plan:
   moe = "dense" if not m.moe_experts else ("local" if mesh is None else "all_to_all")
   return Plan(cfg=cfg, mesh=mesh, rules=rules, attention=impl, attention_why=why, ulysses=ulysses, moe=moe,
               moe_kernel=moe_kernel(m, info.platform), packed_segments=packed, platform=info.platform,
-              implied=notes)
+              implied=notes, ignored=tuple(config_lib.ignored(cfg, dict(mesh.shape) if mesh is not None else {})))
 
 
 def moe_kernel(m, platform: str) -> str:

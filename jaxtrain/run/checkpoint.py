@@ -31,13 +31,14 @@ class CheckpointError(RunAborted):
 
 
 def fingerprint(cfg, tokenizer_digest: str, data_digest: str) -> dict[str, Any]:
-  """{category: {"section.key": value}} over the `math=True` keys; a `content` key: {"spec", "digest"}."""
+  """{category: {"section.key": value}} over the `math=True` keys that act (config.inactive: a key that changes
+  nothing is left out); a `content` key: {"spec", "digest"}."""
   digests = {"data.tokenizer": tokenizer_digest, "data.source": data_digest}
-  values = _flat(cfg.to_dict())
+  values, idle = _flat(cfg.to_dict()), config.inactive(cfg)
   out: dict[str, dict] = {c: {} for c in config.MISMATCH_CATEGORIES}
   for dotted, field in config.all_keys().items():
     cat = config.category(dotted)
-    if cat is not None:
+    if cat is not None and dotted not in idle:
       out[cat][dotted] = ({"spec": values[dotted], "digest": digests[dotted]} if field.metadata["content"]
                           else values[dotted])
   if cfg.model.moe_experts:  # the aux loss's batch statistics and the capacity groups follow the split
@@ -67,8 +68,8 @@ def _content(v) -> str:
   return f"content {v['digest']}" if v.get("spec") is None else f"{v['spec']!r} (content {v['digest']})"
 
 
-def mismatches(saved: dict, current: dict) -> dict[str, str]:
-  """{category: 'what changed'}; a key the checkpoint predates counts as its default."""
+def mismatches(saved: dict, current: dict, free: tuple[str, ...] = ()) -> dict[str, str]:
+  """{category: 'what changed'}, but for the keys `free`; a key the checkpoint predates counts as its default."""
   defaults = _flat(config.Config().to_dict())
   out = {}
   for cat in config.MISMATCH_CATEGORIES:
@@ -77,6 +78,8 @@ def mismatches(saved: dict, current: dict) -> dict[str, str]:
     old, new = _migrate(cat, saved.get(cat)), current.get(cat, {})
     changed = []
     for k, now in sorted(new.items()):
+      if k in free:
+        continue
       was = old.get(k, defaults.get(k))
       if isinstance(now, dict):  # a content key: the digests decide
         if not isinstance(was, dict) or was.get("digest") != now["digest"]:
@@ -109,6 +112,12 @@ def read_manifest(step_dir: Path) -> dict:
 def params_only(manifest: dict) -> bool:
   """Whether the checkpoint holds the parameters alone (an import), not a train state."""
   return manifest.get("contents") == PARAMS_ONLY
+
+
+def quantized_base(manifest: dict) -> str | None:
+  """The format of the QLoRA base the checkpoint stores (model.lora_base_dtype), None where its base is dense."""
+  m = (manifest.get("config") or {}).get("model") or {}
+  return m["lora_base_dtype"] if m.get("lora_rank") and m.get("lora_base_dtype", "none") != "none" else None
 
 
 def verify(step_dir: Path, manifest: dict, mode: str = "full") -> None:
@@ -332,12 +341,15 @@ class Checkpoints:
     if not verified:
       verify(step_dir, manifest, self.verify)
     own = step_dir.parent.absolute() == self.dir and step_dir.name == str(manifest["step"])
-    if params_only(manifest):
-      abstract_state = {"params": abstract_state["params"]}
     from jaxtrain.run import faults
     faults.kill_point("restore", manifest["step"])
     try:
-      if own:
+      if params_only(manifest):  # what of the parameters this run takes (a LoRA import's adapters: not)
+        with ocp.PyTreeCheckpointer() as reader:
+          item = {"params": abstract_state["params"]}
+          state = reader.restore(step_dir.absolute() / "default", args=ocp.args.PyTreeRestore(
+              item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+      elif own:
         state = self.mgr.restore(manifest["step"], args=ocp.args.StandardRestore(abstract_state))
       else:  # any directory name, e.g. one moved to checkpoints.aside/<step>.<reason>.<time>
         with ocp.StandardCheckpointer() as reader:
@@ -353,12 +365,15 @@ def _key_text(path) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-def check_shapes(step_dir: Path, abstract_params, settings: str) -> None:
+def check_shapes(step_dir: Path, abstract_params, settings: str, adapters: bool = True) -> None:
   """A UserError naming the first parameter whose shape (or presence) differs between the checkpoint and
   `abstract_params`, and the model `settings` that differ ("key: was -> now"): read from orbax's metadata (no array
-  is read), before anything of the run is written."""
+  is read), before anything of the run is written. `adapters=False`: the checkpoint's LoRA adapters are not
+  compared (an import's: the run starts fresh ones)."""
   import jax
   import orbax.checkpoint as ocp
+
+  from jaxtrain.model import lora
   absl = logging.getLogger("absl")
   level = absl.level
   absl.setLevel(logging.ERROR)  # "Metadata file does not exist": the step's, not the item's, is not needed here
@@ -372,8 +387,9 @@ def check_shapes(step_dir: Path, abstract_params, settings: str) -> None:
     return
   finally:
     absl.setLevel(level)
+  adapter = lambda path: any(str(getattr(k, "key", "")).endswith(lora.SUFFIX) for k in path)  # noqa: E731
   saved = {_key_text(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-           if hasattr(x, "shape")}
+           if hasattr(x, "shape") and (adapters or not adapter(p))}
   here = {_key_text(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
   for name in sorted(set(saved) | set(here)):
     if saved.get(name) != here.get(name):

@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxtrain import data
 from jaxtrain.analysis import fit
-from jaxtrain.core import parse
+from jaxtrain.core import config, parse
 from jaxtrain.core.config import MISMATCH_CATEGORIES
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import flops
@@ -95,11 +95,17 @@ def _sinks(cfg, workdir: Path, stop_at: int, resumed_at: int | None, carried: li
 
 def _same_run(current: dict, allowed: set[str], setup):
   """A check of a checkpoint's manifest: one written by a different run is refused (before anything moves); an
-  allowed model mismatch still needs the same parameter shapes (checked before config.json is rewritten)."""
+  allowed model mismatch still needs the same parameter shapes (checked before config.json is rewritten). An
+  import (parameters only) takes any LoRA keys: its base gains fresh adapters."""
   def accept(step_dir: Path, manifest: dict) -> None:
-    differ = checkpoint.mismatches(manifest["fingerprint"], current)
+    imported = checkpoint.params_only(manifest)
+    if imported:
+      _check_quantized_base(setup.cfg, step_dir, manifest)
+    differ = checkpoint.mismatches(manifest["fingerprint"], current, config.LORA_KEYS if imported else ())
     if "model" in differ:  # other shapes (lora_base_dtype, ...) no --allow-mismatch bridges: say which keys first
-      checkpoint.check_shapes(step_dir, setup.abstract_state()["params"], differ["model"])
+      params = (setup.base_abstract(checkpoint.quantized_base(manifest) is not None) if imported
+                else setup.abstract_state()["params"])
+      checkpoint.check_shapes(step_dir, params, differ["model"], adapters=not imported)
     changed = {k: v for k, v in differ.items() if k not in allowed}
     if changed:
       raise UserError(f"checkpoint {step_dir} was written by a different run: "
@@ -109,14 +115,30 @@ def _same_run(current: dict, allowed: set[str], setup):
   return accept
 
 
+def _check_quantized_base(cfg, step_dir: Path, manifest: dict) -> None:
+  """An import whose base is stored quantized (a QLoRA import) is trained in that format: a dense or other base
+  cannot be made from it exactly."""
+  saved = checkpoint.quantized_base(manifest)
+  m = cfg.model
+  if saved is not None and (not m.lora_rank or m.lora_base_dtype != saved):
+    raise UserError(f"checkpoint {step_dir} holds its base quantized (an import with model.lora_base_dtype={saved}): "
+                    f"train it with model.lora_rank > 0 and model.lora_base_dtype={saved}, not model.lora_rank="
+                    f"{m.lora_rank}, model.lora_base_dtype={m.lora_base_dtype}; or import the model again without it")
+
+
 def _resume(ckpts, step_dir, setup, batches, mesh_text: str):
   """(state, Progress, manifest) from the verified, accepted `step_dir` (data moved to it)."""
   if step_dir is None:
     return None, progress_lib.Progress(), {}
-  state, manifest = ckpts.restore(step_dir, setup.abstract_state(), verified=True)
-  if checkpoint.params_only(manifest):  # an import: the optimizer state starts here
-    state = setup.init_from(state["params"])
-    print("checkpoint: parameters only (an import): optimizer state created (Adam moments zero, schedule at step 0)")
+  saved = checkpoint.read_manifest(step_dir)
+  if checkpoint.params_only(saved):  # an import: its base; LoRA's adapters and the optimizer state start here
+    quantized = checkpoint.quantized_base(saved) is not None
+    base, manifest = ckpts.restore(step_dir, {"params": setup.base_abstract(quantized)}, verified=True)
+    state = setup.init_from(setup.with_adapters(base["params"]))
+    print("checkpoint: parameters only (an import): optimizer state created (Adam moments zero, schedule at step 0)"
+          f"{', fresh LoRA adapters' if setup.cfg.model.lora_rank else ''}")
+  else:
+    state, manifest = ckpts.restore(step_dir, setup.abstract_state(), verified=True)
   batches.set_state(manifest["data_state"])
   moved = "" if manifest["mesh"] == mesh_text else f" (written on mesh {manifest['mesh']}, resharded)"
   print(f"resumed from {step_dir} at step {manifest['progress']['step']}{moved}")
@@ -200,7 +222,7 @@ class _Steps:
   def manifest_body(self) -> dict:
     out = self.sinks.writer()
     return {"progress": dataclasses.asdict(self.progress), "data_state": self.batches.get_state(), **self.identity,
-            "unwritten_metrics": list(out.unwritten) if out else []}
+            "unwritten_metrics": list(out.unwritten) if out else [], "metrics": out.take_recent() if out else []}
 
   def log_step(self, s, device_metrics, wait, since, params=None) -> float:
     """Writes step s's record; returns when the next step's time starts. `params`: evaluate them after the
@@ -382,6 +404,8 @@ def _resume_and_train(opened: _Opened, setup, step_dir, evaluate, identity: dict
   cfg, ledger, batches, workdir = setup.cfg, opened.ledger, opened.batches, opened.workdir
   t0 = time.perf_counter()
   state, progress, manifest = _resume(opened.ckpts, step_dir, setup, batches, identity["mesh"])
+  if "imported_from" in manifest:  # every checkpoint names the import (an adapter export's base) after rotation
+    identity["imported_from"] = manifest["imported_from"]
   ledger.spent("restore", time.perf_counter() - t0)
   t_restored = time.perf_counter()
   if jax.process_index() == 0:  # once the checkpoint is restored: a refused or failed resume rewrites nothing
@@ -389,7 +413,8 @@ def _resume_and_train(opened: _Opened, setup, step_dir, evaluate, identity: dict
   resumed_at = progress.step if state is not None else None
   cache = goodput.CacheCount()  # did the step come from the compilation cache?
   state = setup.init() if state is None else state
-  opened.sinks = _sinks(cfg, workdir, stop_at, resumed_at, manifest.get("unwritten_metrics"))
+  carried = [*manifest.get("metrics", ()), *manifest.get("unwritten_metrics", ())]  # what the checkpoint covers
+  opened.sinks = _sinks(cfg, workdir, stop_at, resumed_at, carried)
   steps = _Steps(cfg, setup, batches, opened.ckpts, progress_lib.Every(cfg.checkpoint.interval), opened.preempt,
                  opened.profiler, evaluate, opened.sinks, ledger, opened.dog, progress, summary, identity, workdir)
   try:

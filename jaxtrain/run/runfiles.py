@@ -114,7 +114,8 @@ def read_metrics(path: Path) -> tuple[list[tuple[str, dict]], str | None]:
 
 
 def prepare_metrics(path: Path, resumed_at: int | None, carried: list[dict] | None = None) -> None:
-  """Old file kept aside; on resume, records past the checkpoint dropped and `carried` ones added."""
+  """Old file kept aside; on resume, records past the checkpoint dropped and those of `carried` (the checkpoint's
+  records) that the file lacks (never written, or a torn last record) added."""
   if not path.exists() and not (resumed_at is not None and carried):
     return
   try:
@@ -125,8 +126,9 @@ def prepare_metrics(path: Path, resumed_at: int | None, carried: list[dict] | No
     kept = [(rec["step"], line) for line, rec in records if rec["step"] <= resumed_at]
     dropped = len(records) - len(kept)
     have = {step for step, _ in kept}
-    extra = [(r["step"], strict_json(r)) for r in carried or () if r.get("step") not in have
-             and isinstance(r.get("step"), int) and r["step"] <= resumed_at]
+    extra = {r["step"]: strict_json(r) for r in carried or () if r.get("step") not in have
+             and isinstance(r.get("step"), int) and r["step"] <= resumed_at}
+    extra = sorted(extra.items())
     if note or dropped or extra:
       backup = move_aside(path, path.parent, "resumed").name if path.exists() else None
       files.write_atomic(path, "".join(line + "\n" for _, line in sorted(kept + extra, key=lambda x: x[0])))
@@ -135,7 +137,7 @@ def prepare_metrics(path: Path, resumed_at: int | None, carried: list[dict] | No
     if dropped:
       print(f"metrics: {dropped} record(s) after step {resumed_at} will be recomputed (old file kept as {backup})")
     if extra:
-      print(f"metrics: {len(extra)} record(s) that could not be written before (steps "
+      print(f"metrics: {len(extra)} record(s) missing from {path.name} (steps "
             f"{', '.join(str(s) for s, _ in extra)}) restored from the checkpoint")
   except OSError as e:
     raise RunFileError(f"cannot prepare {path}: {_why(e)}") from None
@@ -147,6 +149,7 @@ class JsonlWriter:
   def __init__(self, path: Path):
     self.path, self.failure, self.signalled = path, None, False
     self.unwritten: list[dict] = []  # records after a failure: the next checkpoint carries them
+    self.recent: list[dict] = []  # every record since the last checkpoint: it carries them too (`take_recent`)
     try:
       self.file = path.open("a+")  # readable too: a copy comes back from the open file if the path loses it
     except OSError as e:
@@ -174,18 +177,25 @@ class JsonlWriter:
     print(f"jaxtrain: warning: {self.path} disappeared during the run (deleted or moved); recreated it at step "
           f"{step} with the {old.count(chr(10))} record(s) written before", file=sys.stderr, flush=True)
 
+  def take_recent(self) -> list[dict]:
+    """The records since the last call (the previous checkpoint): the one being saved covers them."""
+    out, self.recent = self.recent, []
+    return out
+
   def write(self, step: int, record: dict) -> None:
     from jaxtrain.run import faults
+    line = strict_json(record)
+    self.recent.append(json.loads(line))
     if self.failure is None:
       try:
         faults.metrics_write(step)
         self._recreate_if_gone(step)
-        self.file.write(strict_json(record) + "\n")
+        self.file.write(line + "\n")
         self.file.flush()
       except OSError as e:
         self.failure = f"cannot write {self.path} at step {step}: {_why(e)}"
     if self.failure is not None:
-      self.unwritten.append(json.loads(strict_json(record)))
+      self.unwritten.append(json.loads(line))
 
   def close(self) -> None:
     with contextlib.suppress(OSError):  # the failure, if any, was already recorded

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.core.config import Config
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import moe_balance, ops, roles, transformer as model_lib
+from jaxtrain.model import moe_balance, ops, quant, roles, transformer as model_lib
 from jaxtrain.parallel import expert_layout as moe_layout, pipeline, placement as placement_lib, plan as plan_lib
 from jaxtrain.parallel import data_region, sharding
 from jaxtrain.run import dpo, grads as grads_lib, offload as offload_lib, optimizer as optim_lib, precision
@@ -122,6 +122,29 @@ class Setup:
     """Shapes, dtypes and shardings of the train state, without allocating it."""
     shapes = jax.eval_shape(self.init)
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, self.state_shardings)
+
+  def base_abstract(self, quantized: bool = False):
+    """What this run takes from a parameters-only checkpoint (an import): every parameter, or under LoRA the
+    frozen base alone (the adapters start fresh, `with_adapters`, as PEFT adds them to a base model), a weight that
+    QLoRA quantizes as a dense float32 one unless the checkpoint holds it `quantized` (init_state quantizes it)."""
+    params = self.abstract_state()["params"]
+    if not self.cfg.model.lora_rank:
+      return params
+    base = roles.split(self.cfg.model, params)[1]
+    if quantized:
+      return base
+
+    def dense(path, x):
+      if not quant.is_quantized(x):
+        return x
+      keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+      at = lambda tree: functools.reduce(lambda t, k: t[k], keys, tree)  # noqa: E731
+      return jax.ShapeDtypeStruct(at(self.layout.abstract_params).shape, jnp.float32, sharding=at(self.layout.param))
+    return jax.tree_util.tree_map_with_path(dense, base, is_leaf=quant.is_quantized)
+
+  def with_adapters(self, base):
+    """`base` (`base_abstract`'s parameters) with LoRA's fresh adapters beside it."""
+    return roles.join(self.init_adapters(), base) if self.cfg.model.lora_rank else base
 
   def init_from(self, params):
     """The train state around `params` (restored from a parameters-only checkpoint): the optimizer state, step

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from jaxtrain.core import config  # noqa: E402
+from jaxtrain.core.errors import UserError  # noqa: E402
 from jaxtrain.interop import hf  # noqa: E402
 from jaxtrain.run import checkpoint, loop, step as step_lib  # noqa: E402
 from tests import hf_models as H  # noqa: E402
@@ -159,3 +160,42 @@ def test_import_peak_host_memory_stays_within_three_times_the_source(tmp_path):
   rss = json.loads(got.stdout.strip().splitlines()[-1])
   assert rss["peak"] - rss["base"] <= 3 * source, (rss, source)
   assert set(_saved_tree(tmp_path / "w" / "checkpoints" / "0")) == {"params"}
+
+
+def _records(workdir):
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base_dtype", ["none", "nf4"])
+def test_lora_keys_at_the_first_train_of_a_plain_import_give_the_base_fresh_adapters(tmp_path, capsys, base_dtype):
+  """A plain import (no LoRA) trained with LoRA keys: the base gains fresh adapters, as PEFT adds them to a base model
+  (issue 54, item 14). The steps equal those of an import made with the same LoRA keys (the same fresh init, the
+  same base), the first step's loss is the base model's (a fresh B is zero), the base stays as imported; once
+  trained, the run is held to its own adapters."""
+  H.llama(tmp_path / "hf", vocab=320)
+  lora = ["model.lora_rank=4", "model.lora_alpha=8", "model.lora_targets=q,v,up", f"model.lora_base_dtype={base_dtype}"]
+  plain, with_lora = (H.imported(tmp_path / "hf", tmp_path / k, "fsdp=2", SETS + extra)
+                      for k, extra in (("plain", []), ("lora", lora)))
+  loop.run(config.load(str(plain), lora), mesh_of("fsdp=2"), tmp_path / "plain", "m", stop_at=2)
+  assert "fresh LoRA adapters" in capsys.readouterr().out
+  loop.run(config.load(str(with_lora)), mesh_of("fsdp=2"), tmp_path / "lora", "m", stop_at=2)
+  got, ref = _records(tmp_path / "plain"), _records(tmp_path / "lora")
+  assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in ref]
+  a, b = (checkpoint.committed_steps(tmp_path / k / "checkpoints") for k in ("plain", "lora"))
+  assert a == b == [0, 2]
+  if base_dtype == "none":
+    _, _, p0 = H.load(tmp_path / "plain", step=0)  # the import, restored alone
+    _, _, p2 = H.load(tmp_path / "plain", step=2)
+    flat0, flat2 = (dict(jax.tree_util.tree_flatten_with_path(p)[0]) for p in (p0, p2))
+    assert set(flat0) < set(flat2)  # the adapters came
+    for k, x in flat0.items():
+      np.testing.assert_array_equal(x, flat2[k])  # the base is the import's, bit for bit, and stays frozen
+    full = tmp_path / "full"  # the base model trained alone: its first loss is the adapted model's first loss
+    shutil.copytree(tmp_path / "plain", full, ignore=lambda d, names: [n for n in names if n != "0" and (
+        d.endswith("checkpoints") or n in ("metrics.jsonl", "config.json"))])
+    loop.run(config.load(str(plain)), mesh_of("fsdp=2"), full, "m", stop_at=1)
+    assert _records(full)[0]["loss"] == got[0]["loss"]
+  with pytest.raises(UserError, match="lora_rank: 4 -> 8"):  # a trained checkpoint keeps its own adapters
+    loop.run(config.load(str(plain), [*lora, "model.lora_rank=8"]), mesh_of("fsdp=2"), tmp_path / "plain", "m",
+             stop_at=3)

@@ -170,6 +170,19 @@ def test_torn_last_metrics_record_is_dropped_other_damage_is_one_line(env, base,
   assert "metrics.jsonl:2: unreadable metrics record" in line
 
 
+def test_torn_record_of_a_committed_step_comes_back_from_its_checkpoint(env, base, tmp_path):
+  """Step 4's record torn (the file cut inside it) though checkpoint 4 is committed: the checkpoint carries the
+  records it covers (3 and 4), so the resume writes step 4's back exactly as the run wrote it."""
+  w = copy(base, tmp_path)
+  text = (w / "metrics.jsonl").read_text()
+  (w / "metrics.jsonl").write_text(text[:text.rindex('{"step": 4') + 20])
+  r = ok(train(env, w, "--steps", "5"))
+  assert "dropped the torn last record" in r.stdout and "(steps 4) restored from the checkpoint" in r.stdout
+  got, ref = records(w), records(base[0])
+  assert sorted(got) == [1, 2, 3, 4, 5]
+  assert got[4] == ref[4]
+
+
 # 4. A write failure of the run's own files.
 
 def test_metrics_write_failure_saves_a_checkpoint_then_one_line(env, base, tmp_path):
