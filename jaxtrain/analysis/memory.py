@@ -396,7 +396,8 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   gathered = gathered_weights(cfg, rows, mesh, 1 if piped else 2)
   work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
   if cfg.model.lora_rank:  # backward's gradient of one layer's x A
-    work["layer phase"] += _dims(cfg, mesh)["T"] * _dims(cfg, mesh)["s"] * lora_ranks(rows)[1]
+    d = _dims(cfg, mesh)
+    work["layer phase"] += d["T"] * d["s"] * lora_ranks(rows)[1]
   if plan.cfg.optim.offload == "host":  # the update brings one unit's master and moments at a time, and makes new ones
     work["offload update phase"] = gathered["layers"] + 2 * offload_unit_bytes(setup)
   p, host = plan.zero_stage, "host" if plan.cfg.optim.offload == "host" else ""

@@ -89,7 +89,7 @@ class _Side:
     self.compile_s, self.pipelined, self.box = compile_s, pipelined, {"state": state, "i": 0, "compiled": compiled}
     self.times, self.timed = [], []  # seconds and step index (box["i"]) of each timed step
     self.peak_memory, self.memory_note = None, ""
-    self.baseline = False  # a --baseline's side: its out-of-memory is named (baseline_fits)
+    self.baseline: str | None = None  # a --baseline's name: its out-of-memory is named (baseline_fits)
 
   def run(self):
     self.box["state"], loss = self.step(self.box["state"], self.batches[self.box["i"] % len(self.batches)])
@@ -163,14 +163,14 @@ def alternate(sides, *, steps: int, warmup: int, rounds: int, on_round=lambda r:
   in turn (a machine's drift hits every side alike); {side name: median step time of each round}."""
   import numpy as np
   for side in sides:
-    with baseline_fits(side.name if side.baseline else None):
+    with baseline_fits(side.baseline):
       side.untimed(warmup)
   medians = {side.name: [] for side in sides}
   for r in range(rounds):
     on_round(r)
     for side in sides:
       first = side.box["i"]
-      with baseline_fits(side.name if side.baseline else None):
+      with baseline_fits(side.baseline):
         times = time_steps(side.run, side.sync, steps, side.pipelined)
       side.times += times
       side.timed += range(first, first + steps)
@@ -204,7 +204,7 @@ def _baseline_sides(cfg, setup, batches, baselines: list[str], dev0, progress) -
     with baseline_fits(name):
       out.append(minimal_side(cfg, params0, batches, dev0) if name == "minimal"
                  else torch_side(cfg, params0, batches, dev0.platform))
-    out[-1].baseline = True
+    out[-1].baseline = name
   return out
 
 

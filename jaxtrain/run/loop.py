@@ -97,14 +97,15 @@ def _same_run(current: dict, allowed: set[str], setup):
   """A check of a checkpoint's manifest: one written by a different run is refused (before anything moves); an
   allowed model mismatch still needs the same parameter shapes (checked before config.json is rewritten)."""
   def accept(step_dir: Path, manifest: dict) -> None:
+    # first what no --allow-mismatch can pass, so that the hint below is one the run then accepts
+    dpo.check_start(setup.cfg, step_dir, manifest)  # an lm run's checkpoint holds no DPO reference
     changed = {k: v for k, v in checkpoint.mismatches(manifest["fingerprint"], current).items() if k not in allowed}
+    if "model" in allowed or "model" in changed:  # other shapes: no --allow-mismatch resumes them
+      checkpoint.check_shapes(step_dir, setup.abstract_state()["params"])
     if changed:
       raise UserError(f"checkpoint {step_dir} was written by a different run: "
                       f"{'; '.join(changed.values())}; pass --allow-mismatch {','.join(changed)} to resume anyway, "
                       "or --fresh")
-    if "model" in allowed:
-      checkpoint.check_shapes(step_dir, setup.abstract_state()["params"])
-    dpo.check_start(setup.cfg, step_dir, manifest)  # an lm run's checkpoint holds no DPO reference
   return accept
 
 
