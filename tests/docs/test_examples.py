@@ -28,14 +28,16 @@ Every page runs after README's set-up command (its first runnable block), as a r
 runs once, in a checkout that each page's copy starts from (so a guide's command that lands on the set-up's
 `runs/tiny`, or an import into a workdir another page fills, fails here), and README's own test goes on from there.
 
-A downloaded checkpoint a runnable block names at a path of STAND_INS (`~/models/Llama-3.2-1B`) is a tiny one the
-test builds at that path (`tests/hf_models.stand_in`: a 2-layer Llama with a tokenizer.json) under a `$HOME` of its
-own, so such a flow runs as written. test_documented_workdirs_are_each_one_pages checks every page's commands,
+What a reader brings, named by a runnable block at a path of STAND_INS, is a stand-in the test makes there: a
+downloaded checkpoint (`~/models/Llama-3.2-1B`: a tiny 2-layer Llama with a tokenizer.json, tests/hf_models.stand_in,
+under a `$HOME` of the test's own), their own data (`prefs.jsonl`: 200 preference records), so such a flow runs as
+written. test_documented_workdirs_are_each_one_pages checks every page's commands,
 runnable or not: a workdir that one page trains or imports into is no other page's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -55,7 +57,22 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 COPIED = ("jaxtrain", "configs", "meshes", "tests", "pyproject.toml")
 BLOCK_TIMEOUT_S = 600
 SET_UP = REPO / "README.md"  # its first runnable block is the set-up command every page runs after
-STAND_INS = ("~/models/Llama-3.2-1B",)  # downloaded checkpoints the pages name: tiny ones are built there
+
+
+def _prefs_jsonl(path: Path) -> None:
+  rows = [{"prompt": f"Question {i}: what is {i} plus {i}? ", "chosen": f"{2 * i}.", "rejected": f"{2 * i + 1}, I think."}
+          for i in range(200)]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _checkpoint(path: Path) -> None:
+  from tests import hf_models
+  hf_models.stand_in(path)
+
+
+# what a page names that a reader brings (a downloaded checkpoint under ~, their own data in the working directory)
+# -> the tiny stand-in the test makes there
+STAND_INS = {"~/models/Llama-3.2-1B": _checkpoint, "prefs.jsonl": _prefs_jsonl}
 
 _FENCE = re.compile(r"^(\s*)(```+)\s*(\S*)")
 _RUNNABLE = re.compile(r'^\s*<!--\s*runnable((?:\s+expect="[^"]*")*)\s*-->\s*$')
@@ -232,10 +249,9 @@ def test_examples(page, set_up, tmp_path):
   env = _env(tmp_path, work)
   env["HOME"] = str(tmp_path / "home")
   runnable = examples(page)
-  for path in STAND_INS:
+  for path, make in STAND_INS.items():
     if any(path in b.body for b, _ in runnable):
-      from tests import hf_models
-      hf_models.stand_in(Path(path.replace("~", env["HOME"], 1)))
+      make(Path(env["HOME"]) / path[2:] if path.startswith("~/") else work / path)
   for block, outputs in runnable:
     if (block.page, block.line) == (first.page, first.line):
       continue  # the set-up, run above
