@@ -395,9 +395,9 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   # pipeline: XLA:GPU's peak (a chunk's layer phase, beside two gradient stacks) holds one layer's gathered weights
   gathered = gathered_weights(cfg, rows, mesh, 1 if piped else 2)
   work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
-  if cfg.model.lora_rank:  # backward's gradient of one layer's x A
+  if cfg.model.lora_rank:  # backward's gradient of one layer's x A, and of its merged expert weights (float32)
     d = _dims(cfg, mesh)
-    work["layer phase"] += d["T"] * d["s"] * lora_ranks(rows)[1]
+    work["layer phase"] += d["T"] * d["s"] * lora_ranks(rows)[1] + 4 * merged_experts(rows)[1]
   if plan.cfg.optim.offload == "host":  # the update brings one unit's master and moments at a time, and makes new ones
     work["offload update phase"] = gathered["layers"] + 2 * offload_unit_bytes(setup)
   p, host = plan.zero_stage, "host" if plan.cfg.optim.offload == "host" else ""
@@ -475,6 +475,19 @@ def lora_ranks(rows: list[Row]) -> tuple[int, int]:
   return every, max(one.values(), default=0)
 
 
+def merged_experts(rows: list[Row]) -> tuple[int, int]:
+  """LoRA on MoE experts: (elements per device over every layer, over one layer) of the expert weights whose
+  adapters the layer merges in (lora.effective: W + A B in the compute dtype, weight-sized, not rank-sized)."""
+  merged = {r.path[:-len("_lora/lora_a")] for r in rows if r.path.endswith("_lora/lora_a") and "experts" in r.axes}
+  every = one = 0
+  for r in rows:
+    if r.path in merged:  # a QLoRA base row holds codes: two nf4 values a byte
+      n = math.prod(r.device_shape) * (2 if r.dtype == "nf4" else 1)
+      every += n * r.count
+      one += n // r.shape[0] if r.role.stacked else n
+  return every, one
+
+
 def lora_line(cfg, mesh, rows: list[Row]) -> dict:
   """LoRA: each adapted projection's x A (rank values a token, compute dtype) kept for B's gradient (every layer's
   with remat none or save_dots, else the layer backward recomputes), and with remat none the adapters'
@@ -487,10 +500,13 @@ def lora_line(cfg, mesh, rows: list[Row]) -> dict:
   xa = T * s * (every if kept_all else one)
   adapters = sum(r.bytes * r.count for r in rows if r.path.endswith(("lora_a", "lora_b")))  # float32
   casts = adapters * s // 4 if s < 4 and cfg.model.remat == "none" else 0
-  return {"lora_activations": (xa + casts, f"x A of each adapted projection ({human(xa)}: {cfg.model.dtype}, rank "
-                               f"{cfg.model.lora_rank} a token, " + ("every layer's" if kept_all else "the layer "
-                               "backward recomputes") + f") and the adapters' {cfg.model.dtype} casts ({human(casts)})"
-                               ", kept for backward")}
+  every_w, one_w = merged_experts(rows)
+  merged = s * (every_w if cfg.model.remat == "none" else one_w)
+  return {"lora_activations": (xa + casts + merged, f"x A of each adapted projection ({human(xa)}: {cfg.model.dtype}"
+                               f", rank {cfg.model.lora_rank} a token, " + ("every layer's" if kept_all else "the layer "
+                               "backward recomputes") + f"), the adapters' {cfg.model.dtype} casts ({human(casts)})"
+                               + (f", the experts' merged weights ({human(merged)})" if merged else "")
+                               + ", kept for backward")}
 
 
 def _weight_residuals(cfg, stored: int) -> tuple[int, str]:
