@@ -502,9 +502,9 @@ def lora_line(cfg, mesh, rows: list[Row]) -> dict:
   casts = adapters * s // 4 if s < 4 and cfg.model.remat == "none" else 0
   every_w, one_w = merged_experts(rows)
   merged = s * (every_w if cfg.model.remat == "none" else one_w)
-  return {"lora_activations": (xa + casts + merged, f"x A of each adapted projection ({human(xa)}: {cfg.model.dtype}"
-                               f", rank {cfg.model.lora_rank} a token, " + ("every layer's" if kept_all else "the layer "
-                               "backward recomputes") + f"), the adapters' {cfg.model.dtype} casts ({human(casts)})"
+  dt, where = cfg.model.dtype, "every layer's" if kept_all else "the layer backward recomputes"
+  return {"lora_activations": (xa + casts + merged, f"x A of each adapted projection ({human(xa)}: {dt}, rank "
+                               f"{cfg.model.lora_rank} a token, {where}), the adapters' {dt} casts ({human(casts)})"
                                + (f", the experts' merged weights ({human(merged)})" if merged else "")
                                + ", kept for backward")}
 

@@ -31,8 +31,8 @@ def config_of(manifest: dict) -> config.Config:
 
 def restore_params(cfg: config.Config, mesh, step_dir: Path, stored: bool = False):
   """(step.Setup, params pure dict) restored from `step_dir` onto the mesh's shardings (a QLoRA base dequantized to
-  float32, or with `stored` as its codes and scales, quant.QTensor). Only the parameters are read (orbax partial restore): the Adam moments, twice their size, stay on
-  disk."""
+  float32, or with `stored` as its codes and scales, quant.QTensor). Only the parameters are read (orbax partial
+  restore): the Adam moments, twice their size, stay on disk."""
   import jax
   import orbax.checkpoint as ocp
   from jaxtrain.run import step as step_lib

@@ -290,8 +290,9 @@ def _compiled_and_billed(rank: int, targets: str) -> tuple[int, int]:
 def test_lora_bill_grows_with_the_rank_as_the_compiled_step(targets):
   """LoRA's rank-sized activations (x A kept for B's gradient, the adapters' bf16 casts, backward's gradient of
   x A) are billed: from rank 64 to 2,048 the bill grows at least as XLA's compiled step does (the state alone,
-  adapters with their gradients and moments, is half of it) and at most 60% more (measured 1.43 and 1.28; XLA:CPU fuses the casts
-  into its dots; a GPU's cuBLAS takes them as operands); the bill at the large rank covers the compiled step."""
+  adapters with their gradients and moments, is half of it) and at most 60% more (measured 1.43 and 1.28; XLA:CPU
+  fuses the casts into its dots; a GPU's cuBLAS takes them as operands); the bill at the large rank covers the
+  compiled step."""
   small, small_bill = _compiled_and_billed(64, targets)
   large, large_bill = _compiled_and_billed(2048, targets)
   assert 1 <= (large_bill - small_bill) / (large - small) <= 1.6, (small, large, small_bill, large_bill)

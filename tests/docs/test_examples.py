@@ -60,8 +60,8 @@ SET_UP = REPO / "README.md"  # its first runnable block is the set-up command ev
 
 
 def _prefs_jsonl(path: Path) -> None:
-  rows = [{"prompt": f"Question {i}: what is {i} plus {i}? ", "chosen": f"{2 * i}.", "rejected": f"{2 * i + 1}, I think."}
-          for i in range(200)]
+  rows = [{"prompt": f"Question {i}: what is {i} plus {i}? ", "chosen": f"{2 * i}.",
+           "rejected": f"{2 * i + 1}, I think."} for i in range(200)]
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -223,7 +223,8 @@ def _check(block: Block, outputs: list[Block], code: str, status: int | None, ou
   printed = {l.strip() for l in out.splitlines()}
   missing = [t for t in block.expect if t not in out]
   for page_output in outputs:
-    missing += [l.strip() for l in page_output.body.splitlines() if l.strip() not in ("", "...") and l.strip() not in printed]
+    missing += [l.strip() for l in page_output.body.splitlines()
+                if l.strip() not in ("", "...") and l.strip() not in printed]
   if missing:
     pytest.fail(f"{block.where}: the page says it prints what it did not:\n  " + "\n  ".join(missing) + f"\n{shown}",
                 pytrace=False)
