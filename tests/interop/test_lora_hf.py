@@ -202,6 +202,7 @@ LLAMA_PROJECTIONS = {"q_proj": ("attn", "wq"), "k_proj": ("attn", "wk"), "v_proj
 def qlora_run(tmp_path_factory):
   """(hf dir, workdir, adapter dir): a Llama whose every projection input is whole blocks of 64 (head_dim 64, as
   real models), imported with nf4 on fsdp=2, trained 2 steps, its adapter exported as PEFT's (float32)."""
+  pytest.importorskip("bitsandbytes")  # the reference every test of it compares with
   import torch
   import transformers
   d = tmp_path_factory.mktemp("qlora")
@@ -238,7 +239,7 @@ def test_qlora_base_codes_and_dequantized_weights_are_bitsandbytes_own(qlora_run
   every projection's 4-bit codes and float32 absmax equal bitsandbytes' (its quantize_4bit, as transformers calls it)
   bit for bit, block for block (`wo`'s blocks stored heads first, torch's rows model axis first), and jaxtrain's
   dequantized weights equal bitsandbytes' own dequantize_4bit of its codes."""
-  import bitsandbytes.functional as bnbf
+  bnbf = pytest.importorskip("bitsandbytes.functional")
   hf_dir, w, _ = qlora_run
   step_dir = runs.locate(w, 2)
   cfg = runs.config_of(checkpoint.read_manifest(step_dir))
@@ -271,7 +272,7 @@ def test_qlora_peft_adapter_on_bitsandbytes_dequantized_base_gives_jaxtrain_logi
   (measured 1.7e-6)."""
   import torch
   import transformers
-  import bitsandbytes.functional as bnbf
+  bnbf = pytest.importorskip("bitsandbytes.functional")
   hf_dir, w, adapter = qlora_run
   _, modules = _bitsandbytes_nf4(hf_dir)
   base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
