@@ -145,7 +145,12 @@ def main(prog: str, body: Callable[[Callable[[str], None]], int | None], interru
   except BrokenPipeError:  # e.g. `... | head`: the reader left; nothing to report
     sys.stdout = open(os.devnull, "w")
     return 0
-  except OSError as e:
+  except OSError as e:  # before the next clause: a path error is one line, else what follows decides
     if (err := path_error(e)) is None:
       raise
     exit_with(err, name[0])
+  except Exception as e:  # a device out of memory: one line with the bill and what to change
+    from jaxtrain.analysis import fit
+    if (oom := fit.out_of_memory(e, name[0])) is None:
+      raise
+    exit_with(oom, name[0])

@@ -39,6 +39,24 @@ def llama(path, *, tied=False, rope_scaling=None, dtype="float32", vocab=96, see
   return m.float()
 
 
+def tokenizer_json(path):
+  """A small byte-level BPE tokenizer.json, trained locally on a few sentences."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20 + ["hello world, tiny models"], trainer)
+  tok.save(str(path))
+
+
+def stand_in(path):
+  """A tiny Llama with its tokenizer.json where the docs name a downloaded checkpoint (tests/docs/test_examples)."""
+  llama(path, vocab=320)
+  tokenizer_json(path / "tokenizer.json")
+
+
 def mixtral(path, seed=0):
   import torch
   import transformers

@@ -5,10 +5,23 @@ before any array exists (a one-line error instead of RESOURCE_EXHAUSTED after al
 from __future__ import annotations
 
 import os
+import re
 
 from jaxtrain.analysis import memory
 from jaxtrain.core.errors import UserError
 from jaxtrain.parallel import devices
+
+_OOM = re.compile(r"RESOURCE_EXHAUSTED|out of memory", re.IGNORECASE)
+# what a command can change when its device runs out of memory (cli.main's prog -> advice)
+_ADVICE = {
+    "train": "lower train.batch_size (or raise train.microbatches), set model.remat=full, lower model.lora_rank "
+             "where LoRA is on, or spread the state over more devices (--mesh fsdp=N); python -m jaxtrain.inspect "
+             "shows the bill item by item",
+    "generate": "generate fewer sequences at once (--prompts-file), fewer --max-new-tokens, or spread the model over "
+                "more devices (--mesh fsdp=N)",
+    "hf": "spread the model over more devices (--mesh fsdp=N)",
+}
+_billed: list = []  # the last fit check's setup: its bill is the figure an out-of-memory line gives
 
 NO_MEMORY = "no device memory known: give --device-memory (e.g. 80GiB or H100) for a verdict"
 
@@ -58,6 +71,7 @@ def capacity(mesh) -> tuple[int | None, str]:
 def check(setup, enabled: bool = True) -> None:
   """A UserError (one line) when the bill (no margin, the plan that runs) cannot fit one
   device; nothing when it can or when the device's memory is not known."""
+  _billed[:] = [setup]
   have, source = capacity(setup.mesh) if enabled else (None, "")
   if have is None:
     return
@@ -66,3 +80,30 @@ def check(setup, enabled: bool = True) -> None:
     raise UserError(f"does not fit: needs {memory.human(b.total)} per device, {memory.human(have)} available "
                     f"({source}); largest items {largest(b.items)}; see python -m jaxtrain.inspect, or set "
                     "run.fit_check=false to try anyway")
+
+
+def oom_line(err: BaseException) -> str | None:
+  """The error's own first line when `err` is a device out-of-memory (XLA's RESOURCE_EXHAUSTED, raised as
+  XlaRuntimeError or JaxRuntimeError; torch's OutOfMemoryError, the torch baseline's); None for any other error."""
+  if not any(c.__name__ in ("XlaRuntimeError", "JaxRuntimeError", "OutOfMemoryError") for c in type(err).__mro__):
+    return None
+  if not _OOM.search(text := str(err)):
+    return None
+  return next((line.strip() for line in text.splitlines() if line.strip()), "")[:200]
+
+
+def out_of_memory(err: BaseException, command: str) -> UserError | None:
+  """A device out-of-memory at run time as one line: XLA's line, the memory bill's figure where the command billed a
+  train step (train, bench: fit.check), and what `command` (cli.main's prog) can change; None for any other error.
+  A user error (exit 2): the same command does not fit on a second try."""
+  if (first := oom_line(err)) is None:
+    return None
+  kind = command.split("[")[0].split()[0].removeprefix("jaxtrain").lstrip(".") or "train"  # "jaxtrain.hf import"
+  billed = ""
+  if _billed and kind not in ("generate", "hf"):
+    try:
+      total = memory.bill(_billed[0], memory.grouped(memory.param_rows(_billed[0])), 0.0).total
+      billed = f"; the memory bill counted {memory.human(total)} per device"
+    except Exception:  # noqa: BLE001 - the figure helps; the line stands without it
+      pass
+  return UserError(f"device out of memory ({first}){billed}: {_ADVICE.get(kind, _ADVICE['train'])}")

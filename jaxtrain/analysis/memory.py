@@ -395,6 +395,9 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   # pipeline: XLA:GPU's peak (a chunk's layer phase, beside two gradient stacks) holds one layer's gathered weights
   gathered = gathered_weights(cfg, rows, mesh, 1 if piped else 2)
   work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
+  if cfg.model.lora_rank:  # backward's gradient of one layer's x A, and of its merged expert weights (float32)
+    d = _dims(cfg, mesh)
+    work["layer phase"] += d["T"] * d["s"] * lora_ranks(rows)[1] + 4 * merged_experts(rows)[1]
   if plan.cfg.optim.offload == "host":  # the update brings one unit's master and moments at a time, and makes new ones
     work["offload update phase"] = gathered["layers"] + 2 * offload_unit_bytes(setup)
   p, host = plan.zero_stage, "host" if plan.cfg.optim.offload == "host" else ""
@@ -431,7 +434,7 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
                     "phase of: " + ", ".join(f"{k} {human(v)}" for k, v in work.items())),
   }
   lines.update({**(pipeline_lines(cfg, mesh, rows) if piped else {}), **reference_line(cfg, st),
-                **dequantized_line(cfg, rows)})
+                **dequantized_line(cfg, rows), **lora_line(cfg, mesh, rows)})
   items = {k: v for k, (v, _) in lines.items()}
   notes = {k: note for k, (_, note) in lines.items()}
   items["margin"] = int(margin * sum(items.values()))
@@ -458,6 +461,52 @@ def dequantized_line(cfg, rows: list[Row]) -> dict:
   return {"dequantized_base": (n, f"one layer's {cfg.model.lora_base_dtype} decoder projections dequantized to "
                                   f"{cfg.model.dtype} where it runs (sharded like the params); made again by "
                                   "backward, never kept")}
+
+
+def lora_ranks(rows: list[Row]) -> tuple[int, int]:
+  """LoRA: (rank values a token over every layer, over one layer) of the adapters applied as x A B beside their
+  projection (lora.adapted); MoE experts' adapters are merged into the expert weights instead (lora.effective),
+  weight-sized. One layer: the largest stack's (unscanned layers' rows: each kind's summed, as dequantized_line)."""
+  every, one = 0, {}
+  for r in rows:
+    if r.path.endswith("lora_a") and "experts" not in r.axes:  # A (*layers, *in, rank)
+      every += r.device_shape[-1] * (r.shape[0] if r.role.stacked else r.count)
+      one[r.path.split("/")[0]] = one.get(r.path.split("/")[0], 0) + r.device_shape[-1]
+  return every, max(one.values(), default=0)
+
+
+def merged_experts(rows: list[Row]) -> tuple[int, int]:
+  """LoRA on MoE experts: (elements per device over every layer, over one layer) of the expert weights whose
+  adapters the layer merges in (lora.effective: W + A B in the compute dtype, weight-sized, not rank-sized)."""
+  merged = {r.path[:-len("_lora/lora_a")] for r in rows if r.path.endswith("_lora/lora_a") and "experts" in r.axes}
+  every = one = 0
+  for r in rows:
+    if r.path in merged:  # a QLoRA base row holds codes: two nf4 values a byte
+      n = math.prod(r.device_shape) * (2 if r.dtype == "nf4" else 1)
+      every += n * r.count
+      one += n // r.shape[0] if r.role.stacked else n
+  return every, one
+
+
+def lora_line(cfg, mesh, rows: list[Row]) -> dict:
+  """LoRA: each adapted projection's x A (rank values a token, compute dtype) kept for B's gradient (every layer's
+  with remat none or save_dots, else the layer backward recomputes), and with remat none the adapters'
+  compute-dtype casts. Rank-sized: a rank far above the model's width makes them the largest items."""
+  if not cfg.model.lora_rank:
+    return {}
+  s, T = np.dtype(cfg.model.dtype).itemsize, _dims(cfg, mesh)["T"]
+  every, one = lora_ranks(rows)
+  kept_all = cfg.model.remat in ("none", "save_dots")
+  xa = T * s * (every if kept_all else one)
+  adapters = sum(r.bytes * r.count for r in rows if r.path.endswith(("lora_a", "lora_b")))  # float32
+  casts = adapters * s // 4 if s < 4 and cfg.model.remat == "none" else 0
+  every_w, one_w = merged_experts(rows)
+  merged = s * (every_w if cfg.model.remat == "none" else one_w)
+  dt, where = cfg.model.dtype, "every layer's" if kept_all else "the layer backward recomputes"
+  return {"lora_activations": (xa + casts + merged, f"x A of each adapted projection ({human(xa)}: {dt}, rank "
+                               f"{cfg.model.lora_rank} a token, {where}), the adapters' {dt} casts ({human(casts)})"
+                               + (f", the experts' merged weights ({human(merged)})" if merged else "")
+                               + ", kept for backward")}
 
 
 def _weight_residuals(cfg, stored: int) -> tuple[int, str]:

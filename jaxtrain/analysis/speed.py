@@ -3,6 +3,7 @@ and the step timer and alternating rounds that `bench --compare` shares."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -88,6 +89,7 @@ class _Side:
     self.compile_s, self.pipelined, self.box = compile_s, pipelined, {"state": state, "i": 0, "compiled": compiled}
     self.times, self.timed = [], []  # seconds and step index (box["i"]) of each timed step
     self.peak_memory, self.memory_note = None, ""
+    self.baseline: str | None = None  # a --baseline's name: its out-of-memory is named (baseline_fits)
 
   def run(self):
     self.box["state"], loss = self.step(self.box["state"], self.batches[self.box["i"] % len(self.batches)])
@@ -140,19 +142,36 @@ def torch_side(cfg, params, batches, platform) -> _Side:
   return side
 
 
+@contextlib.contextmanager
+def baseline_fits(name: str | None):
+  """Baseline `name`'s device out-of-memory (its compile, state or steps) as one line naming it; None (jaxtrain's
+  own step, a --compare variant): left to the commands' epilogue, which gives the bill (fit.out_of_memory)."""
+  from jaxtrain.analysis import fit
+  try:
+    yield
+  except Exception as e:
+    if name is None or (first := fit.oom_line(e)) is None:
+      raise
+    raise UserError(f"--baseline {name} does not fit on the device: out of memory running the {name} baseline "
+                    f"({first}); it is a plain step with no remat or sharding: lower train.batch_size or "
+                    f"train.seq_len, or leave out --baseline {name}") from None
+
+
 def alternate(sides, *, steps: int, warmup: int, rounds: int, on_round=lambda r: None,
               on_timed=lambda side, r: None) -> dict:
   """`warmup` untimed steps of each side, then `rounds` rounds of `steps` timed steps of each side
   in turn (a machine's drift hits every side alike); {side name: median step time of each round}."""
   import numpy as np
   for side in sides:
-    side.untimed(warmup)
+    with baseline_fits(side.baseline):
+      side.untimed(warmup)
   medians = {side.name: [] for side in sides}
   for r in range(rounds):
     on_round(r)
     for side in sides:
       first = side.box["i"]
-      times = time_steps(side.run, side.sync, steps, side.pipelined)
+      with baseline_fits(side.baseline):
+        times = time_steps(side.run, side.sync, steps, side.pipelined)
       side.times += times
       side.timed += range(first, first + steps)
       medians[side.name].append(float(np.median(times)))
@@ -182,8 +201,10 @@ def _baseline_sides(cfg, setup, batches, baselines: list[str], dev0, progress) -
   out = []
   for name in baselines:
     progress(f"compiling the {name} baseline")
-    out.append(minimal_side(cfg, params0, batches, dev0) if name == "minimal"
-               else torch_side(cfg, params0, batches, dev0.platform))
+    with baseline_fits(name):
+      out.append(minimal_side(cfg, params0, batches, dev0) if name == "minimal"
+                 else torch_side(cfg, params0, batches, dev0.platform))
+    out[-1].baseline = name
   return out
 
 

@@ -98,6 +98,8 @@ def _same_run(current: dict, allowed: set[str], setup):
   allowed model mismatch still needs the same parameter shapes (checked before config.json is rewritten). An
   import (parameters only) takes any LoRA keys: its base gains fresh adapters."""
   def accept(step_dir: Path, manifest: dict) -> None:
+    # first what no --allow-mismatch can pass, so that the hint below is one the run then accepts
+    dpo.check_start(setup.cfg, step_dir, manifest)  # an lm run's checkpoint holds no DPO reference
     imported = checkpoint.params_only(manifest)
     if imported:
       _check_quantized_base(setup.cfg, step_dir, manifest)
@@ -111,7 +113,6 @@ def _same_run(current: dict, allowed: set[str], setup):
       raise UserError(f"checkpoint {step_dir} was written by a different run: "
                       f"{'; '.join(changed.values())}; pass --allow-mismatch {','.join(changed)} to resume anyway, "
                       "or --fresh")
-    dpo.check_start(setup.cfg, step_dir, manifest)  # an lm run's checkpoint holds no DPO reference
   return accept
 
 

@@ -29,10 +29,10 @@ def config_of(manifest: dict) -> config.Config:
   return config.from_dict(manifest["config"], where="the checkpoint's config")
 
 
-def restore_params(cfg: config.Config, mesh, step_dir: Path):
+def restore_params(cfg: config.Config, mesh, step_dir: Path, stored: bool = False):
   """(step.Setup, params pure dict) restored from `step_dir` onto the mesh's shardings (a QLoRA base dequantized to
-  float32). Only the parameters are read (orbax partial restore): the Adam moments, twice their size, stay on
-  disk."""
+  float32, or with `stored` as its codes and scales, quant.QTensor). Only the parameters are read (orbax partial
+  restore): the Adam moments, twice their size, stay on disk."""
   import jax
   import orbax.checkpoint as ocp
   from jaxtrain.run import step as step_lib
@@ -50,7 +50,7 @@ def restore_params(cfg: config.Config, mesh, step_dir: Path):
   except Exception as e:  # noqa: BLE001 (orbax raises many types; one line for the user)
     raise checkpoint.CheckpointError(f"checkpoint {step_dir}: parameters could not be restored: "
                                      f"{checkpoint._reason(e)}") from e  # noqa: SLF001
-  if cfg.model.lora_base_dtype == "none":
+  if cfg.model.lora_base_dtype == "none" or stored:
     return setup, state["params"]
   # QLoRA: the quantized base as the float32 weights its codes stand for (what export and decode read)
   from jaxtrain.model import quant

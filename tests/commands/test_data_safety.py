@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -184,7 +185,9 @@ REFUSED = {
     # --allow-mismatch model onto other shapes: the parameter and both shapes, before config.json is rewritten
     "other-shapes": (["--set", "model.d_model=64", "--allow-mismatch", "model"], ["embed", "[512, 128]", "[512, 64]"]),
     "other-layers": (["--set", "model.n_layers=3", "--allow-mismatch", "model"], ["does not fit this model"]),
-    "other-run": (["--set", "model.d_model=64"], ["different run", "--allow-mismatch model"]),
+    "other-run": (["--set", "model.rope_theta=500000"], ["different run", "--allow-mismatch model"]),
+    # other shapes without --allow-mismatch: the shapes' line, not a hint that the shapes then refuse
+    "other-shapes-unasked": (["--set", "model.d_model=64"], ["does not fit this model", "--fresh"]),
     "no-such-step": (["--resume-from", "7"], ["--resume-from 7", "committed steps"]),
 }
 
@@ -203,6 +206,43 @@ def test_a_refused_resume_rewrites_nothing(case, world, tmp_path, capsys):
   assert e.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
   assert all(x in lines[0] for x in words), lines[0]
   assert snapshot(w) == before
+
+
+def _prefs(d):
+  """A prepared preference dataset (byte tokenizer) in `d`/prefs."""
+  rows = [{"prompt": f"Question {i}: ", "chosen": f"a kind answer {i}.", "rejected": f"no {i}"} for i in range(64)]
+  (d / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  assert data_command.main(["prepare", "--input", str(d / "prefs.jsonl"), "--tokenizer", "byte", "--prompt-field",
+                            "prompt", "--chosen-field", "chosen", "--rejected-field", "rejected", "--output",
+                            str(d / "prefs"), "--workers", "1", "--no-progress"]) == 0
+  return d / "prefs"
+
+
+HINTED = {  # a change of the run in the set-up's workdir -> what its refusal must say
+    "same-shapes": (["--set", "model.rope_theta=500000"], "--allow-mismatch model"),
+    "other-shapes": (["--set", "model.d_model=64"], "--fresh"),
+    "data-and-lr": (["--set", "optim.lr=1e-3", "--set", "data.source={data}"], "--allow-mismatch train,data"),
+    "lm-to-dpo": (["--set", "train.objective=dpo", "--set", "data.source={prefs}"], "--fresh"),
+}
+
+
+@pytest.mark.slow  # trains after the refusal
+@pytest.mark.parametrize("case", HINTED)
+def test_a_refusals_hint_is_accepted(case, world, tmp_path, capsys):
+  """The flags a refused resume names are flags the same command then runs with: DPO onto an lm run's workdir
+  named --allow-mismatch train,data, which the objective check then refused (docs/training.md's DPO command after
+  the set-up); other shapes named --allow-mismatch model, which the shape check then refused."""
+  w = tmp_path / "run"
+  shutil.copytree(world / "run", w)
+  prefs = _prefs(tmp_path) if case == "lm-to-dpo" else None
+  argv = [a.format(data=world / "data", prefs=prefs) for a in HINTED[case][0]]
+  base = ["--config", "tiny", "--workdir", str(w), "--steps", "3", "--set", "run.tensorboard=false", *argv]
+  with pytest.raises(SystemExit) as e:
+    train.main(base)
+  line = capsys.readouterr().err.strip().splitlines()[-1]
+  assert e.value.code == 2 and HINTED[case][1] in line, line
+  hint = re.search(r"pass (--allow-mismatch \S+) ", line)
+  assert train.main([*base, *(hint.group(1).split() if hint else ["--fresh"])]) == 0
 
 
 def _enospc(*a, **k):

@@ -24,12 +24,23 @@ jaxtrain/core/resources.py), so what one block writes (`runs/...`) is there for 
 for a reader who runs them in order. `python` is this interpreter, PYTHONPATH the copy;
 JAX_PLATFORMS=cpu and no inherited XLA_FLAGS but the suite's (LLVM at -O0, tests/suite_env.py), as on a
 machine without a GPU (the commands simulate the CPU devices a mesh needs). Each block must exit 0 within BLOCK_TIMEOUT_S.
+Every page runs after README's set-up command (its first runnable block), as a reader who followed it: the set-up
+runs once, in a checkout that each page's copy starts from (so a guide's command that lands on the set-up's
+`runs/tiny`, or an import into a workdir another page fills, fails here), and README's own test goes on from there.
+
+What a reader brings, named by a runnable block at a path of STAND_INS, is a stand-in the test makes there: a
+downloaded checkpoint (`~/models/Llama-3.2-1B`: a tiny 2-layer Llama with a tokenizer.json, tests/hf_models.stand_in,
+under a `$HOME` of the test's own), their own data (`prefs.jsonl`: 200 preference records), so such a flow runs as
+written. test_documented_workdirs_are_each_one_pages checks every page's commands,
+runnable or not: a workdir that one page trains or imports into is no other page's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -45,6 +56,23 @@ REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 COPIED = ("jaxtrain", "configs", "meshes", "tests", "pyproject.toml")
 BLOCK_TIMEOUT_S = 600
+SET_UP = REPO / "README.md"  # its first runnable block is the set-up command every page runs after
+
+
+def _prefs_jsonl(path: Path) -> None:
+  rows = [{"prompt": f"Question {i}: what is {i} plus {i}? ", "chosen": f"{2 * i}.",
+           "rejected": f"{2 * i + 1}, I think."} for i in range(200)]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _checkpoint(path: Path) -> None:
+  from tests import hf_models
+  hf_models.stand_in(path)
+
+
+# what a page names that a reader brings (a downloaded checkpoint under ~, their own data in the working directory)
+# -> the tiny stand-in the test makes there
+STAND_INS = {"~/models/Llama-3.2-1B": _checkpoint, "prefs.jsonl": _prefs_jsonl}
 
 _FENCE = re.compile(r"^(\s*)(```+)\s*(\S*)")
 _RUNNABLE = re.compile(r'^\s*<!--\s*runnable((?:\s+expect="[^"]*")*)\s*-->\s*$')
@@ -186,24 +214,81 @@ def _run(code: str, cwd: Path, env: dict[str, str]) -> tuple[int | None, str]:
     return None, out
 
 
+def _check(block: Block, outputs: list[Block], code: str, status: int | None, out: str) -> None:
+  shown = f"--- block ---\n{code}\n--- output ---\n{_tail(out)}"
+  if status is None:
+    pytest.fail(f"{block.where}: still running after {BLOCK_TIMEOUT_S} s\n{shown}", pytrace=False)
+  if status != 0:
+    pytest.fail(f"{block.where}: exit status {status}\n{shown}", pytrace=False)
+  printed = {l.strip() for l in out.splitlines()}
+  missing = [t for t in block.expect if t not in out]
+  for page_output in outputs:
+    missing += [l.strip() for l in page_output.body.splitlines()
+                if l.strip() not in ("", "...") and l.strip() not in printed]
+  if missing:
+    pytest.fail(f"{block.where}: the page says it prints what it did not:\n  " + "\n  ".join(missing) + f"\n{shown}",
+                pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def set_up(tmp_path_factory):
+  """(checkout after README's set-up command, that block with its outputs, its exit status, what it printed)."""
+  tmp = tmp_path_factory.mktemp("set-up")
+  work = _workdir(tmp)
+  block, outputs = examples(SET_UP)[0]
+  return (work, block, outputs, *_run(script(block), work, _env(tmp, work)))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("page", [p for p in PAGES if examples(p)], ids=lambda p: str(p.relative_to(REPO)))
-def test_examples(page, tmp_path):
-  work = _workdir(tmp_path)
+def test_examples(page, set_up, tmp_path):
+  template, first, first_outputs, status, out = set_up
+  _check(first, first_outputs, script(first), status, out)
+  work = tmp_path / "checkout"
+  shutil.copytree(template, work, symlinks=True)
   env = _env(tmp_path, work)
-  for block, outputs in examples(page):
+  env["HOME"] = str(tmp_path / "home")
+  runnable = examples(page)
+  for path, make in STAND_INS.items():
+    if any(path in b.body for b, _ in runnable):
+      make(Path(env["HOME"]) / path[2:] if path.startswith("~/") else work / path)
+  for block, outputs in runnable:
+    if (block.page, block.line) == (first.page, first.line):
+      continue  # the set-up, run above
     code = script(block)
-    status, out = _run(code, work, env)
-    shown = f"--- block ---\n{code}\n--- output ---\n{_tail(out)}"
-    if status is None:
-      pytest.fail(f"{block.where}: still running after {BLOCK_TIMEOUT_S} s\n{shown}", pytrace=False)
-    if status != 0:
-      pytest.fail(f"{block.where}: exit status {status}\n{shown}", pytrace=False)
-    printed = {l.strip() for l in out.splitlines()}
-    missing = [t for t in block.expect if t not in out]
-    for page_output in outputs:
-      missing += [l.strip() for l in page_output.body.splitlines() if l.strip() not in ("", "...") and l.strip() not in printed]
-    if missing:
-      pytest.fail(f"{block.where}: the page says it prints what it did not:\n  " + "\n  ".join(missing) + f"\n{shown}",
-                  pytrace=False)
+    _check(block, outputs, code, *_run(code, work, env))
+
+
+_WRITES = re.compile(r"python3? -m jaxtrain\.(train|launch|hf\s+import)\b")
+
+
+def written_workdirs(block: Block) -> list[str]:
+  """The workdirs that a block's train, launch and hf import commands write (train's default: runs/<config>);
+  synopsis lines (with [optional] parts) left out."""
+  found = []
+  for line in re.sub(r"\\\n\s*", " ", block.body).splitlines():
+    for part in re.split(r"&&|;|\|", line.split(" #")[0]):
+      if not (m := _WRITES.search(part)) or "[" in part:
+        continue
+      words = shlex.split(part[m.start():])
+      if "--workdir" in words:
+        found.append(words[words.index("--workdir") + 1].rstrip("/"))
+      elif m.group(1) != "hf import":
+        found.append(f"runs/{Path(words[words.index('--config') + 1]).stem if '--config' in words else 'tiny'}")
+  return found
+
+
+def test_documented_workdirs_are_each_one_pages():
+  """Fast: a reader who runs the set-up, then every page's commands in order, never trains or imports into a
+  workdir that another page (or the set-up, runs/tiny) filled: docs/training.md's DPO command without --workdir
+  landed on the set-up's run, and README and docs/huggingface.md imported into the same runs/ft."""
+  pages: dict[str, set[str]] = {}
+  for page in PAGES:
+    for b in blocks(page):
+      if b.lang in ("bash", "sh"):
+        for w in written_workdirs(b):
+          pages.setdefault(w, set()).add(str(page.relative_to(REPO)))
+  assert "runs/tiny" in pages and pages["runs/tiny"] == {"README.md"}, pages.get("runs/tiny")
+  shared = {w: sorted(p) for w, p in pages.items() if len(p) > 1}
+  assert not shared, shared

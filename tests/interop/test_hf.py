@@ -87,18 +87,6 @@ def test_round_trip_is_bit_identical(tmp_path, mixtral):
   np.testing.assert_array_equal(H.torch_logits(back, IDS), H.torch_logits(ref, IDS))
 
 
-def _tokenizer_json(path):
-  """A small byte-level BPE tokenizer.json, trained locally on a few sentences."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20 + ["hello world, tiny models"], trainer)
-  tok.save(str(path))
-
-
 def _train(cfg_path, workdir, spec, capsys):
   cfg = config.load(str(cfg_path))
   loop.run(cfg, mesh_of(spec), workdir, "m", stop_at=2)
@@ -113,7 +101,7 @@ def test_import_on_a_mesh_then_train_equals_single_device_and_exports(tmp_path, 
   import torch
   import transformers
   H.llama(tmp_path / "hf", vocab=320, tied=True, rope_scaling=H.LLAMA3_ROPE)
-  _tokenizer_json(tmp_path / "hf" / "tokenizer.json")
+  H.tokenizer_json(tmp_path / "hf" / "tokenizer.json")
   sets = ["train.batch_size=4", "train.seq_len=32", "train.lr=1e-3", "data.workers=0"]
   runs_ = {}
   for spec in ("fsdp=2,tp=2", "fsdp=1"):
