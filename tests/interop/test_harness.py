@@ -91,3 +91,23 @@ def test_same_accuracy_loglikelihoods_and_generations_as_lm_evals_hf_backend(exp
   assert len(ours.tok_encode(texts[1])) > 2 * ours.max_length
   reqs = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)]
   np.testing.assert_allclose(ours.loglikelihood_rolling(reqs), ref.loglikelihood_rolling(reqs), rtol=1e-4)
+
+
+def test_eval_command_prints_the_table_and_writes_the_results(exported, tmp_path, run_cli):
+  tasks = _tasks(tmp_path / "tasks")
+  env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+  w = str(exported / "w")
+  r = run_cli("jaxtrain.eval", "--workdir", w, "--tasks", "tiny_mc,tiny_gen", "--include-path", tasks, "--limit", "3",
+              "--mesh", "dp=2", env=env)
+  assert r.returncode == 0, r.stderr[-3000:]
+  saved = json.loads((exported / "w" / "eval" / "step_3.json").read_text())
+  assert saved["step"] == 3 and saved["n-samples"]["tiny_mc"]["effective"] == 3
+  acc = saved["results"]["tiny_mc"]["acc,none"]
+  row = next(line for line in r.stdout.splitlines() if line.startswith("|tiny_mc"))
+  assert f"{acc:.4f}" in row and "acc" in row
+  assert "exact_match" in next(line for line in r.stdout.splitlines() if line.startswith("|tiny_gen"))
+  for argv, words in ((["--tasks", "tiny_nope", "--include-path", tasks], "--tasks: unknown task 'tiny_nope'"),
+                      (["--tasks", "tiny_mc", "--include-path", str(tmp_path / "none")], "--include-path"),
+                      (["--tasks", "tiny_mc,", "--include-path", tasks], "--tasks 'tiny_mc,': item 2 of 2 is empty")):
+    bad = run_cli("jaxtrain.eval", "--workdir", w, *argv, env=env)
+    assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]
