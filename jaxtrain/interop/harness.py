@@ -91,7 +91,7 @@ class JaxtrainLM(TemplateLM):
       kw = dict(requests[idx[0]].args[1])
       until = kw.pop("until", None) or []
       until = [until] if isinstance(until, str) else list(until)
-      max_new = int(kw.pop("max_gen_toks", 256))
+      max_new = min(int(kw.pop("max_gen_toks", 256)), self.max_length - 1)  # the prompt keeps one token at least
       temperature = float(kw.pop("temperature", 0.0)) if kw.pop("do_sample", False) else 0.0
       for j in range(0, len(idx), self.batch_size):
         part = idx[j:j + self.batch_size]
