@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxtrain"
 
 # The command layer: what a user runs, and the start-up they share.
-COMMANDS = {"jaxtrain.train", "jaxtrain.inspect", "jaxtrain.bench", "jaxtrain.hf", "jaxtrain.generate",
+COMMANDS = {"jaxtrain.train", "jaxtrain.inspect", "jaxtrain.bench", "jaxtrain.hf", "jaxtrain.generate", "jaxtrain.eval",
             "jaxtrain.data.__main__", "jaxtrain.launch.__main__", "jaxtrain.goodput",
             "jaxtrain.cli"}
 
@@ -258,6 +258,7 @@ COVERED_BY = {
     "jaxtrain.data.readers": ("tests/data/test_prepare.py", "jsonl"),
     "jaxtrain.data.shards": ("tests/data/test_prepare.py", "shards"),
     "jaxtrain.generate": ("tests/interop/test_generate.py", "jaxtrain.generate"),
+    "jaxtrain.eval": ("tests/interop/test_harness.py", "jaxtrain.eval"),
     "jaxtrain.hf": ("tests/commands/test_flows.py", "hf_command"),
     "jaxtrain.interop.decode": ("tests/interop/test_generate.py", "decode"),
     "jaxtrain.interop.hf_deepseek": ("tests/interop/test_deepseek.py", "DeepseekV3"),

@@ -22,6 +22,9 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "q_a", "q_b", "kv_a", 
 # Fingerprint categories (what --allow-mismatch names), and the category of each section's math keys.
 MISMATCH_CATEGORIES = ("model", "train", "tokenizer", "data")
 SECTION_CATEGORY = {"model": "model", "optim": "train", "train": "train", "loss_scale": "train", "data": "data"}
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # what run.trackers may name
+# The switch from before run.trackers: old spelling -> (the key it edits, the tracker it adds or removes).
+SWITCHES = {"run.tensorboard": ("run.trackers", "tensorboard"), "train.tensorboard": ("run.trackers", "tensorboard")}
 HANG_TIMEOUT_MIN_S = 1.0  # run.hang_timeout_s: the watchdog (run/watchdog.py) looks about once a second
 
 
@@ -257,8 +260,14 @@ class RunConfig:
   xla_flags_unknown: Literal["error", "warn"] = key(
       "error", "A flag of run.xla_flags_extra that this jaxlib does not know: error = stop with one line naming it; "
       "warn = drop it with a warning and run. Does not change the math.", math=False)
-  tensorboard: bool = key(True, "Also write the metrics as TensorBoard scalars to <workdir>/tb/ (process 0).",
-                          math=False)
+  trackers: str = key(
+      "tensorboard", "Where each step's scalars go besides metrics.jsonl (process 0), comma-separated, any of "
+      "tensorboard (<workdir>/tb/), wandb (Weights & Biases: WANDB_PROJECT, default jaxtrain; WANDB_MODE; files in "
+      "WANDB_DIR, default the workdir), mlflow (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME, default jaxtrain); "
+      "empty = none. wandb and mlflow also get the resolved config and the plan line; a job is one tracker run, its "
+      "id kept in <workdir>/trackers.json, continued by every resume from a checkpoint; a tracker that cannot start "
+      "or stops working is one warning line and the run goes on. The older run.tensorboard=true/false adds/removes "
+      "tensorboard here (given with run.trackers in the same file or --set list: refused).", math=False)
   profile_steps: str = key("", "Steps to trace with jax.profiler into <workdir>/profile/, e.g. '5-7' or '3'; "
                            "empty = none.", math=False)
   fit_check: bool = key(True, "Before allocating, compare the memory bill with one device's memory (GPU: its "
@@ -272,6 +281,10 @@ class RunConfig:
       1800.0, "Hang watchdog: the bound for the first step of a start or resume, which includes its compile (and, "
       "on GPUs, the NCCL set-up); with run.xla_flags=gpu-default, XLA's NCCL termination timeout is the larger "
       "bound plus 60 s.", math=False, min=1.0)
+
+  def tracker_names(self) -> list[str]:
+    """run.trackers as names (validated against TRACKERS)."""
+    return parse.items(self.trackers, "run.trackers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,7 +375,7 @@ class Config:
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 
 # Keys that moved when [train] was split by concern: old name -> new name.
-_NO_OLD_NAME = {"hang_timeout_s", "hang_first_step_s"}  # [run] keys added after it was split from [train]
+_NO_OLD_NAME = {"hang_timeout_s", "hang_first_step_s", "trackers"}  # [run] keys added after it was split from [train]
 RENAMED = {f"train.{k}": f"optim.{k}" for k in dataclasses.asdict(OptimConfig())} | {
     f"train.{k}": f"run.{k}" for k in dataclasses.asdict(RunConfig()) if k not in _NO_OLD_NAME}
 
@@ -513,6 +526,8 @@ class _Given:
 def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: bool, renamed: set[str],
          given: dict[str, _Given], layer: int, label: str) -> None:
   spelled = dotted
+  if dotted in SWITCHES:
+    dotted, value, from_text = _switch(raw, spelled, value, from_text=from_text)
   if dotted in RENAMED:
     renamed.add(dotted)
     dotted = RENAMED[dotted]
@@ -536,10 +551,24 @@ def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: 
   # override to a base command). In one layer, one key under its old and new names (train.lr and optim.lr) with
   # different values has no one meaning: neither spelling is the later word on the other.
   prev = given.get(dotted)
+  if prev is not None and prev.layer == layer and (prev.spelled in SWITCHES) != (spelled in SWITCHES):
+    # an on/off switch beside the list it edits: which was meant last has no one answer
+    raise UserError(f"{prev.label} and {label} both set {dotted}; give {dotted} only")
   if prev is not None and prev.value != value and prev.layer == layer and prev.spelled != spelled:
     raise UserError(f"{prev.label} and {label} both set {dotted} but differ; give it once")
   given[dotted] = _Given(layer, spelled, value, label)
   raw.setdefault(section, {})[name] = value
+
+
+def _switch(raw: dict, spelled: str, value: Any, *, from_text: bool) -> tuple[str, str, bool]:
+  """An old on/off switch (run.tensorboard) as the list key it edits, from its value so far: (key, new list,
+  from_text=False)."""
+  target, name = SWITCHES[spelled]
+  on = _coerce(spelled, bool, value, from_text=from_text)
+  section, _, key_name = target.partition(".")
+  current = raw.get(section, {}).get(key_name, fields(section)[key_name].default)
+  names = [n.strip() for n in current.split(",") if n.strip() and n.strip() != name]
+  return target, ",".join([name] * on + names), False
 
 
 def preset_names() -> list[str]:
@@ -626,6 +655,7 @@ def validate(cfg: Config) -> None:
   if m.head_dim % 2:
     raise UserError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
   check_lora(cfg)
+  check_trackers(cfg)
   if not cfg.data.text_field.strip():
     raise UserError(f"data.text_field={cfg.data.text_field!r}: must name a field of a raw source's records")
   ls = cfg.loss_scale
@@ -658,6 +688,14 @@ def check_lora(cfg: Config) -> None:
                       f"attention, MLP and expert projections, with the optimizer state on the device)")
 
 
+def check_trackers(cfg: Config) -> None:
+  names = cfg.run.tracker_names()
+  bad = [n for n in names if n not in TRACKERS]
+  if bad or len(set(names)) != len(names):
+    raise UserError(f"run.trackers={cfg.run.trackers!r}: {'unknown tracker ' + bad[0] if bad else 'a tracker named twice'}"
+                    f"; name each once, comma-separated, any of: {', '.join(TRACKERS)} (empty = none)")
+
+
 def _check_lora_targets(m: ModelConfig, names) -> None:
   """Every target is a projection this attention has (q, k, v, o; MLA's q or q_a, q_b, and kv_a, kv_b, o)."""
   if m.attention_type == "mla":
@@ -687,5 +725,7 @@ def help_text() -> str:
   lines += ["", "same-run: part of the checkpoint's fingerprint (a resume with another value is refused unless "
             "--allow-mismatch); free: may change on resume. A key that acts only with another (or a mesh axis) is "
             "elsewhere ignored: named on the run's 'ignored:' line and left out of the fingerprint.",
-            "Renamed keys still accepted: " + ", ".join(f"{k} -> {v}" for k, v in RENAMED.items())]
+            "Renamed keys still accepted: " + ", ".join(f"{k} -> {v}" for k, v in RENAMED.items()),
+            "Older switches still accepted: " + ", ".join(f"{k}=true/false adds/removes {n} in {t}"
+                                                          for k, (t, n) in SWITCHES.items())]
   return "\n".join(lines)

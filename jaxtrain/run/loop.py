@@ -19,7 +19,7 @@ from jaxtrain.core.errors import UserError
 from jaxtrain.model import flops
 from jaxtrain.parallel import devices, mesh as mesh_lib, pipeline
 from jaxtrain.run import checkpoint, faults, goodput, lock as lock_lib, metrics, observe, progress as progress_lib
-from jaxtrain.run import dpo, runfiles
+from jaxtrain.run import dpo, runfiles, trackers
 from jaxtrain.run import step as step_lib
 from jaxtrain.run import checklist as checklist_lib
 from jaxtrain.run import watchdog as watchdog_lib
@@ -82,14 +82,18 @@ def allowed_mismatches(text: str) -> set[str]:
   return allowed
 
 
-def _sinks(cfg, workdir: Path, stop_at: int, resumed_at: int | None, carried: list | None):
-  """metrics.jsonl (plus `carried` records), console and TensorBoard on process 0 only."""
+def _sinks(setup, workdir: Path, stop_at: int, resumed_at: int | None, carried: list | None):
+  """metrics.jsonl (plus `carried` records), console and run.trackers on process 0 only."""
   if jax.process_index() != 0:
     return metrics.Sinks([])
+  cfg = setup.cfg
   runfiles.prepare_metrics(workdir / "metrics.jsonl", resumed_at, carried)
   sinks = [runfiles.JsonlWriter(workdir / "metrics.jsonl"), metrics.ConsoleSink(stop_at, cfg.run.log_every)]
-  if cfg.run.tensorboard:
+  names = cfg.run.tracker_names()
+  if "tensorboard" in names:
     sinks.append(metrics.TensorBoardSink(workdir / "tb"))
+  sinks += trackers.open_trackers([n for n in names if n != "tensorboard"], workdir, cfg.to_dict(),
+                                  setup.plan.describe(), resumed=resumed_at is not None)
   return metrics.Sinks(sinks)
 
 
@@ -172,8 +176,8 @@ def _goodput_summary(ledger, workdir: Path, sinks, step: int) -> None:
   if summary is None:
     return
   print(goodput.describe(summary))
-  sinks.write_only(metrics.TensorBoardSink, step, {"goodput": summary["goodput"], "goodput_wall_s": summary["wall_s"],
-                                                   **{f"goodput_{k}_s": v for k, v in summary["seconds"].items()}})
+  sinks.write_only(metrics.Tracker, step, {"goodput": summary["goodput"], "goodput_wall_s": summary["wall_s"],
+                                           **{f"goodput_{k}_s": v for k, v in summary["seconds"].items()}})
 
 
 def _stopped_by_loader(err, ckpts, step: int, unsaved: tuple | None = None) -> data.LoaderError:
@@ -318,13 +322,14 @@ class _Opened:
   dog: object = None
   ledger: object = None
   sinks: object = None
+  failed: bool = False  # the run ends with an error (the trackers mark their runs so)
 
   def close(self) -> None:
     for part in (self.dog, self.profiler, self.preempt):
       if part is not None:
         part.close()
     if self.sinks is not None:
-      self.sinks.close()
+      self.sinks.close(failed=self.failed)
     self.batches.close()
     try:  # a save already in flight still gets its manifest, whatever ended the run
       if self.ckpts is not None:
@@ -376,6 +381,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
     _resume_and_train(opened, setup, step_dir, evaluate, identity, stop_at, summary)
     return summary
   except Exception as e:  # noqa: BLE001 (details to the log; the terminal gets one line)
+    opened.failed = True
     if opened.runlog is None:  # refused before the run's files: nothing of it is written, the log included
       raise
     raise opened.runlog.ending(e, opened.sinks.writer() if opened.sinks else None) from None
@@ -415,7 +421,7 @@ def _resume_and_train(opened: _Opened, setup, step_dir, evaluate, identity: dict
   cache = goodput.CacheCount()  # did the step come from the compilation cache?
   state = setup.init() if state is None else state
   carried = [*manifest.get("metrics", ()), *manifest.get("unwritten_metrics", ())]  # what the checkpoint covers
-  opened.sinks = _sinks(cfg, workdir, stop_at, resumed_at, carried)
+  opened.sinks = _sinks(setup, workdir, stop_at, resumed_at, carried)
   steps = _Steps(cfg, setup, batches, opened.ckpts, progress_lib.Every(cfg.checkpoint.interval), opened.preempt,
                  opened.profiler, evaluate, opened.sinks, ledger, opened.dog, progress, summary, identity, workdir)
   try:

@@ -1,4 +1,5 @@
-"""Per-step metrics records and their sinks (metrics.jsonl, console, TensorBoard), on process 0 only."""
+"""Per-step metrics records and their sinks (metrics.jsonl, console, the trackers: TensorBoard here, W&B and MLflow
+in run/trackers.py), on process 0 only."""
 
 from __future__ import annotations
 
@@ -76,29 +77,57 @@ class ConsoleSink:
     pass
 
 
-class TensorBoardSink:
-  """The finite numeric fields of each record as scalars of the same name, in <workdir>/tb/."""
+def scalars(rec: dict) -> dict[str, float]:
+  """What a tracker plots of a record: its finite numbers (None and bools are not scalars)."""
+  return {k: v for k, v in rec.items()
+          if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
-  def __init__(self, logdir: Path):
-    self.logdir, self.writer, self.closed = logdir, None, False
-    # imported now, before the steps (seconds where it imports torch): at the first write it was step 2's time
-    from tensorboardX import SummaryWriter
-    self._writer_class = SummaryWriter
+
+def one_line(err: BaseException) -> str:
+  text = str(err).strip().splitlines()
+  return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+class Tracker:
+  """A view of the records besides metrics.jsonl (which decides): a tracker that fails says so in one line and is
+  closed, and the run goes on. Subclasses log `scalars` in `_log` and may raise `errors`."""
+  label = ""
+  errors: tuple[type[BaseException], ...] = (Exception,)
+  closed = False
 
   def write(self, step: int, rec: dict) -> None:
     if self.closed:
       return
     try:
-      if self.writer is None:  # opened with the first record: a run that writes none leaves no events file
-        self.writer = self._writer_class(logdir=str(self.logdir), flush_secs=10)
-      for k, v in rec.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-          self.writer.add_scalar(k, v, step)
-    except OSError as e:  # TensorBoard is a view: losing it must not end the run (metrics.jsonl decides)
-      print(f"jaxtrain: warning: TensorBoard events stop at step {step}: {e}", file=sys.stderr)
-      self.close()
+      self._log(step, scalars(rec))
+    except self.errors as e:
+      print(f"jaxtrain: warning: {self.label} stops at step {step}: {one_line(e)}", file=sys.stderr, flush=True)
+      self.close(failed=True)
 
-  def close(self) -> None:
+  def _log(self, step: int, values: dict[str, float]) -> None:
+    raise NotImplementedError
+
+  def close(self, failed: bool = False) -> None:
+    self.closed = True
+
+
+class TensorBoardSink(Tracker):
+  """The scalars of each record under the same names, in <workdir>/tb/."""
+  label, errors = "TensorBoard events", (OSError,)  # TensorBoard is a view: losing it must not end the run
+
+  def __init__(self, logdir: Path):
+    self.logdir, self.writer = logdir, None
+    # imported now, before the steps (seconds where it imports torch): at the first write it was step 2's time
+    from tensorboardX import SummaryWriter
+    self._writer_class = SummaryWriter
+
+  def _log(self, step: int, values: dict[str, float]) -> None:
+    if self.writer is None:  # opened with the first record: a run that writes none leaves no events file
+      self.writer = self._writer_class(logdir=str(self.logdir), flush_secs=10)
+    for k, v in values.items():
+      self.writer.add_scalar(k, v, step)
+
+  def close(self, failed: bool = False) -> None:
     if self.writer is not None:
       with contextlib.suppress(OSError):
         self.writer.close()
@@ -122,6 +151,10 @@ class Sinks:
       if isinstance(s, kind):
         s.write(step, rec)
 
-  def close(self) -> None:
+  def close(self, failed: bool = False) -> None:
+    """`failed`: the run ends with an error (a tracker marks its run so)."""
     for s in self.sinks:
-      s.close()
+      if isinstance(s, Tracker):
+        s.close(failed=failed)
+      else:
+        s.close()

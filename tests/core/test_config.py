@@ -80,6 +80,43 @@ def test_renamed_keys_load_from_old_preset_files(tmp_path, capsys):
   assert "train.lr -> optim.lr" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("sets, trackers", [
+    ([], ["tensorboard"]),
+    (["run.trackers=tensorboard,mlflow"], ["tensorboard", "mlflow"]),
+    (["run.trackers= wandb , mlflow "], ["wandb", "mlflow"]),
+    (["run.trackers="], []),
+    (["run.tensorboard=false"], []),  # the older switch: tensorboard off
+    (["train.tensorboard=false"], []),
+])
+def test_trackers_and_the_older_tensorboard_switch(sets, trackers):
+  assert config.load("tiny", sets).run.tracker_names() == trackers
+
+
+def test_tensorboard_switch_of_an_old_file_under_a_newer_trackers_list(tmp_path):
+  p = tmp_path / "old.toml"
+  p.write_text("[run]\ntensorboard = false\n")
+  assert config.load(str(p)).run.tracker_names() == []
+  assert config.load(str(p), ["run.trackers=mlflow"]).run.tracker_names() == ["mlflow"]  # --set is the later layer
+  assert config.load(str(p), ["run.tensorboard=true"]).run.tracker_names() == ["tensorboard"]
+  p.write_text("[run]\ntensorboard = true\ntrackers = 'tensorboard,wandb'\n")  # in one layer: no one meaning
+  with pytest.raises(UserError, match="both set run.trackers; give run.trackers only"):
+    config.load(str(p))
+  with pytest.raises(UserError, match="--set run.trackers=wandb and --set run.tensorboard=false both set run.trackers"):
+    config.load("tiny", ["run.trackers=wandb", "run.tensorboard=false"])
+
+
+@pytest.mark.parametrize("setting, words", [
+    ("run.trackers=tensorbord", "run.trackers='tensorbord': unknown tracker tensorbord; name each once, "
+     "comma-separated, any of: tensorboard, wandb, mlflow (empty = none)"),
+    ("run.trackers=wandb,wandb", "run.trackers='wandb,wandb': a tracker named twice"),
+    ("run.trackers=wandb,,mlflow", "run.trackers 'wandb,,mlflow': item 2 of 3 is empty"),
+])
+def test_bad_trackers_are_one_line(setting, words):
+  with pytest.raises(UserError) as e:
+    config.load("tiny", [setting])
+  assert str(e.value) == words or str(e.value).startswith(words)
+
+
 @pytest.mark.parametrize("setting, words", [
     ("optim.lr=nan", "optim.lr=nan is not a finite number"),
     ("optim.b2=1.0", "optim.b2=1.0 must be less than 1.0"),
@@ -143,7 +180,7 @@ RUN_KEYS = {
     "model.moe_grouped_matmul", "model.attention", "model.attention_max_segments", "model.remat",
     "train.microbatches", "train.max_skipped_in_a_row", "train.eval_interval", "train.loss_chunk_tokens",
     "run.log_every", "run.sequence_parallel", "run.xla_flags", "run.xla_flags_extra", "run.xla_flags_unknown",
-    "run.tensorboard",
+    "run.trackers",
     "run.profile_steps", "run.fit_check", "run.hang_timeout_s", "run.hang_first_step_s",
     "checkpoint.interval", "checkpoint.keep", "checkpoint.keep_every", "checkpoint.async_save", "checkpoint.on_damaged",
     "checkpoint.verify", "distributed.heartbeat_timeout_s", "distributed.init_timeout_s",
