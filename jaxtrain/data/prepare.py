@@ -295,6 +295,11 @@ def _filters(dedup: str, min_chars, max_chars, near_threshold) -> dict | None:
     if not isinstance(near_threshold, (int, float)) or not 0 < near_threshold <= 1:
       raise UserError(f"--near-threshold {_shown(near_threshold)}: must be a Jaccard similarity above 0 and at "
                       "most 1")
+  if dedup == "near":
+    try:
+      import datasketch  # noqa: F401
+    except ImportError:
+      raise UserError("--dedup near needs the 'datasketch' package: pip install 'jaxtrain[data]'") from None
   if dedup == "none" and min_chars is None and max_chars is None:
     return None
   near = {"near_threshold": float(near_threshold or dedup_lib.NEAR_THRESHOLD)} if dedup == "near" else {}
@@ -506,7 +511,11 @@ def _manifest(job: dict, metas: dict[int, dict], out: Path) -> dict:
     raise UserError(f"{bad[job['max_bad_records']]} (more than --max-bad-records={job['max_bad_records']} bad records)")
   kept = [m for m in ordered if m["documents"]]
   if not kept:
-    raise UserError(f"the inputs ({', '.join(s['path'] for s in job['sources'])}) hold no documents: an empty corpus")
+    dropped = {k: sum(m.get(k, 0) for m in ordered) for k in _active(job)}
+    why = f" ({', '.join(f'{v} {k}' for k, v in dropped.items())} dropped by the filters)" if any(
+        dropped.values()) else ""
+    raise UserError(f"the inputs ({', '.join(s['path'] for s in job['sources'])}) hold no documents{why}: an empty "
+                    "corpus")
   manifest = {
       "format": shards.FORMAT, "tokenizer": job["tokenizer"], "dtype": job["dtype"],
       "kind": _kind(job["fields"]),

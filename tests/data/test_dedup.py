@@ -113,3 +113,21 @@ def test_bad_filter_options_are_one_line(kw, named, tmp_path):
   with pytest.raises(UserError, match=named.replace("'", ".")):
     prepare([src], "byte", str(tmp_path / "o"), progress=False, **kw)
   assert not (tmp_path / "o").exists()
+
+
+def test_a_corpus_the_filters_empty_says_so(tmp_path):
+  src = write_jsonl(tmp_path / "c.jsonl", [{"text": "short"}, {"text": "tiny"}])
+  with pytest.raises(UserError, match="2 too_short dropped by the filters"):
+    prepare([src], "byte", str(tmp_path / "o"), progress=False, min_chars=100)
+
+
+def test_the_prepare_command_takes_the_filter_flags(tmp_path, capsys):
+  from jaxtrain.data.__main__ import main
+  src = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in ("Hello  World", "hello world", "hi", "x" * 50)])
+  assert main(["prepare", "--input", src, "--output", str(tmp_path / "o"), "--dedup", "exact", "--min-chars", "3",
+               "--max-chars", "40", "--workers", "1", "--no-progress"]) == 0
+  manifest, stored = _stored_texts(tmp_path / "o")
+  assert stored == ["Hello  World"]
+  assert {k: manifest["skipped"][k] for k in ("duplicates", "too_short", "too_long")} == {
+      "duplicates": 1, "too_short": 1, "too_long": 1}
+  assert "filtered out 1 too short, 1 too long, 1 duplicates" in capsys.readouterr().out
