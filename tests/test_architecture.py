@@ -11,8 +11,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxtrain"
 
 # The command layer: what a user runs, and the start-up they share.
-COMMANDS = {"jaxtrain.train", "jaxtrain.inspect", "jaxtrain.bench", "jaxtrain.hf", "jaxtrain.generate", "jaxtrain.eval",
-            "jaxtrain.data.__main__", "jaxtrain.launch.__main__", "jaxtrain.goodput",
+COMMANDS = {"jaxtrain.train", "jaxtrain.inspect", "jaxtrain.bench", "jaxtrain.debug", "jaxtrain.hf",
+            "jaxtrain.generate", "jaxtrain.eval", "jaxtrain.data.__main__", "jaxtrain.launch.__main__", "jaxtrain.goodput",
             "jaxtrain.cli"}
 
 # Package -> the jaxtrain packages it may import (None: any package, but no command).

@@ -34,6 +34,15 @@ def parse_args(argv=None):
                   help="skip (and count) up to N unreadable records instead of stopping (default 0)")
   pr.add_argument("--bos-token", help="tokenizer.json: the BOS token (default: a common one if present)")
   pr.add_argument("--eos-token", help="tokenizer.json: the EOS token (default: a common one)")
+  pr.add_argument("--dedup", default="none", choices=("exact", "near", "none"),
+                  help="drop duplicate records, keeping the first in input order: exact = same text after "
+                  "normalization (NFKC, case-folded, whitespace runs as one space); near = MinHash/LSH estimated "
+                  "Jaccard similarity of word 5-grams >= --near-threshold (default none)")
+  pr.add_argument("--near-threshold", type=float, metavar="J",
+                  help="--dedup near: the Jaccard similarity from which a record is a duplicate (default 0.8)")
+  pr.add_argument("--min-chars", type=int, metavar="N", help="drop records of fewer than N characters (all their "
+                  "texts together)")
+  pr.add_argument("--max-chars", type=int, metavar="N", help="drop records of more than N characters")
   pr.add_argument("--no-progress", action="store_true", help="no progress bar (drawn only when stderr is a terminal)")
   sh = sub.add_parser("show", help="print one training row: input -> target pairs, segments, loss mask")
   sh.add_argument("source", help="a prepared dir (or anything data.source accepts)")
@@ -65,7 +74,8 @@ def main(argv=None) -> int:
               shard_mb=args.shard_mb, max_bad_records=args.max_bad_records, bos_token=args.bos_token,
               eos_token=args.eos_token, progress=not args.no_progress, chat_field=args.chat_field,
               chat_template=args.chat_template, chosen_field=args.chosen_field,
-              rejected_field=args.rejected_field)
+              rejected_field=args.rejected_field, dedup=args.dedup, min_chars=args.min_chars,
+              max_chars=args.max_chars, near_threshold=args.near_threshold)
     elif args.command == "show":
       from jaxtrain.data import show
       show.show(cli.start(args, "jaxtrain.data", mesh=False, overrides=[f"data.source={args.source}"]).cfg, args.row)

@@ -8,8 +8,8 @@ import io
 
 import pytest
 
-COMMANDS = ["jaxtrain.train", "jaxtrain.inspect", "jaxtrain.bench", "jaxtrain.generate", "jaxtrain.hf",
-            "jaxtrain.data.__main__", "jaxtrain.launch.__main__"]
+COMMANDS = ["jaxtrain.train", "jaxtrain.inspect", "jaxtrain.bench", "jaxtrain.debug", "jaxtrain.generate",
+            "jaxtrain.hf", "jaxtrain.data.__main__", "jaxtrain.launch.__main__"]
 
 
 def _subcommands(module) -> list[str]:
