@@ -10,7 +10,7 @@ from jaxtrain.core import config
 from jaxtrain.interop import hf_export
 from jaxtrain.run import checkpoint, loop, runs
 from tests.helpers import mesh_of
-from tests.interop.test_hf import _tokenizer_json
+from tests.hf_models import tokenizer_json
 
 pytestmark = pytest.mark.slow  # a run trained and exported, two backends evaluated
 
@@ -39,7 +39,7 @@ def _tasks(d):
 def exported(tmp_path_factory):
   """(workdir, its HF export) of a 1-layer model trained 3 steps with a BPE tokenizer, float32."""
   tmp = tmp_path_factory.mktemp("harness")
-  _tokenizer_json(tmp / "tok.json")
+  tokenizer_json(tmp / "tok.json")
   cfg = config.load("tiny", ["model.dtype=float32", "model.n_layers=1", "train.batch_size=4", "train.seq_len=32",
                              f"data.tokenizer={tmp / 'tok.json'}", "run.trackers=", "optim.lr=1e-2"])
   loop.run(cfg, mesh_of("dp=1"), tmp / "w", "tiny", stop_at=3)
