@@ -15,7 +15,7 @@ import math
 import sys
 import time
 
-from jaxtrain.analysis import comms, fit, memory
+from jaxtrain.analysis import comms, fit, memory, report
 from jaxtrain.core import config as config_lib
 from jaxtrain.core.errors import UserError
 from jaxtrain.parallel import devices
@@ -33,7 +33,7 @@ MARGIN = 0.10  # inspect's default margin of the bill
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """What the plan is for: the device kind, how many, how many per host, and the run's batch."""
+  """What the plan is for: the device kind, how many, how many per host."""
   device: str
   gpus: int
   per_host: int
@@ -196,18 +196,16 @@ class Evaluator:
   """Builds each layout's Setup on the target's mesh (meshes and the abstract model cached) and bills it."""
 
   def __init__(self, name: str, overrides: list[str], target: Target):
-    from jaxtrain.analysis import report
     self.name, self.overrides, self.target = name, list(overrides), target
     self.row = devices.TABLE[devices.of(target.device).key]
     self.capacity = self.row.memory_bytes
     self._meshes: dict[str, object] = {}
-    self._abstracts: dict = {}
-    self._target_mesh = report.target_mesh
+    self._abstracts: dict = {}  # the abstract model and train state, traced once per config (run.step.Setup)
 
   def mesh(self, layout: Layout):
     spec = layout.mesh_spec()
     if spec not in self._meshes:
-      self._meshes[spec] = self._target_mesh(self.target.device, spec, False, None)[0]
+      self._meshes[spec] = report.target_mesh(self.target.device, spec, False, None)[0]
     return self._meshes[spec]
 
   def setup(self, layout: Layout):
@@ -310,7 +308,7 @@ def can_compile(device: str) -> str | None:
 def compile_layout(ev: Evaluator, layout: Layout) -> dict:
   """XLA:GPU's compile of the layout's step: its memory per device and the overlap report's predicted step
   (calibrated where the device has a calibration, analysis.overlap.CALIBRATION)."""
-  from jaxtrain.analysis import gpu_compile, overlap, report
+  from jaxtrain.analysis import gpu_compile, overlap
   setup = ev.setup(layout)
   compiled, seconds = gpu_compile.compile_step(setup)
   text = compiled.as_text()
@@ -326,7 +324,7 @@ def compile_best(ev: Evaluator, out: Outcome, top: int, deadline: float, progres
   """Compiles the `top` best of the analytic ranking, one after another, while the next compile is expected to
   end before `deadline` (perf_counter seconds); a layout XLA's memory analysis puts over memory leaves the table."""
   import tqdm
-  todo, durations = out.results[:top], []
+  todo, durations, failed = out.results[:top], [], []
   bar = tqdm.tqdm(todo, desc="compiling", unit="layout", file=sys.stderr, disable=not progress, leave=False)
   for r in bar:
     expected = max(durations, default=0.0)
@@ -334,9 +332,18 @@ def compile_best(ev: Evaluator, out: Outcome, top: int, deadline: float, progres
       out.compile_notes.append(f"time budget reached: {len(durations)} of {len(todo)} layouts compiled")
       break
     bar.set_postfix_str(r.layout.label(), refresh=True)
-    r.compiled = compile_layout(ev, r.layout)
-    durations.append(r.compiled["seconds"])
+    if not progress:  # no bar (not a terminal): one line per compile, for a log that shows where the time goes
+      print(f"compiling {len(durations) + 1}/{len(todo)}: {r.layout.label()}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+      r.compiled = compile_layout(ev, r.layout)
+    except Exception as e:  # noqa: BLE001 - XLA's errors are many types; a layout that does not compile is out
+      failed.append(r)
+      out.compile_notes.append(f"{r.layout.label()}: XLA:GPU did not compile it ({type(e).__name__}: "
+                               f"{(str(e).splitlines() or [''])[0][:160]}); left out")
+    durations.append(time.perf_counter() - start)
   bar.close()
+  out.results = [r for r in out.results if r not in failed]
   over = [r for r in out.results if r.compiled and not r.compiled["fits"]]
   out.over_memory += len(over)
   if over:

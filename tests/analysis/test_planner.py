@@ -2,6 +2,7 @@
 bill, built again here from its mesh spec and overrides; what the bill or the config refuses is left out; the mesh
 spans --gpus with tensor and expert inside a host; the winner's preset loads with --mesh; bad flags in one line."""
 
+import itertools
 import math
 import shlex
 
@@ -82,14 +83,14 @@ def test_a_layout_over_memory_is_pruned(monkeypatch):
 def test_winner_preset_loads_as_the_mesh(tmp_path, capsys):
   from jaxtrain import plan as plan_cmd
   out_file = tmp_path / "best.toml"
-  rc = plan_cmd.main(["--config", "tiny", "--gpus", "4", "--gpus-per-host", "2", "--compile-top", "0",
+  rc = plan_cmd.main(["--config", "tiny", "--gpus", "2", "--gpus-per-host", "1", "--compile-top", "0",
                       "--global-batch", "8", "--output", str(out_file)])
   text = capsys.readouterr().out
   assert rc == 0 and out_file.is_file()
   winner = text.split("winner: ", 1)[1].splitlines()[0]
   axes, dcn = mesh_lib.parse_full(str(out_file))
   assert mesh_lib.describe(axes) == winner.split(" | ")[0]
-  assert math.prod(axes.values()) == 4 and math.prod(dcn.values()) == 2
+  assert math.prod(axes.values()) == 2 and math.prod(dcn.values()) == 2  # two hosts of one
   # the printed command runs as written: its --mesh and --set items load, and inspect takes them
   words = shlex.split(text.split("python -m jaxtrain.train ", 1)[1].splitlines()[0])
   sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
@@ -99,7 +100,7 @@ def test_winner_preset_loads_as_the_mesh(tmp_path, capsys):
   from jaxtrain import inspect
   assert inspect.main(["--config", "tiny", "--mesh", str(out_file), "--device", "H100",
                        *[x for s in sets for x in ("--set", s)]]) == 0
-  assert f"on mesh {mesh_lib.describe(axes)} (4 x" in capsys.readouterr().out
+  assert f"on mesh {mesh_lib.describe(axes)} (2 x" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -145,3 +146,21 @@ def test_the_printed_command_trains(run_cli, tmp_path):
   t = run_cli(*command, "--steps", "1", "--workdir", "runs/planned")
   assert t.returncode == 0, t.stderr
   assert (tmp_path / "runs/planned/metrics.jsonl").is_file()
+
+
+@pytest.mark.parametrize("name, seq_len", [("tiny", 128), ("tiny", 16384), ("moe-tiny", 128)])
+def test_meshes_are_every_split_of_the_gpus_the_rules_allow(name, seq_len):
+  """Against brute force: every assignment of sizes to the six axes with product 16 (two hosts of 8), tensor x expert
+  inside a host, expert only for MoE and dividing the experts, pipeline dividing the layers, sequence only from
+  8192 tokens per way."""
+  cfg = config.load(name, [f"train.seq_len={seq_len}"])
+  got = {tuple(sizes.values()) for sizes, _ in planner.meshes(cfg, planner.Target("H100", 16, 8))}
+  want = set()
+  for sizes in itertools.product(*[(1, 2, 4, 8, 16)] * 6):  # every size divides 16
+    s = dict(zip(("pipeline", "data", "fsdp", "expert", "sequence", "tensor"), sizes))
+    if (math.prod(sizes) == 16 and 8 % (s["tensor"] * s["expert"]) == 0
+        and (s["expert"] == 1 or (cfg.model.moe_experts and cfg.model.moe_experts % s["expert"] == 0))
+        and cfg.model.n_layers % s["pipeline"] == 0 and s["sequence"] * 8192 <= max(seq_len, 8192)):
+      want.add(sizes)
+  assert got == want
+  assert any(s[4] > 1 for s in got) == (seq_len >= 16384) and any(s[3] > 1 for s in got) == (name == "moe-tiny")
