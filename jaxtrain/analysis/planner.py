@@ -138,11 +138,11 @@ def structures(cfg, sizes: dict[str, int]):
 
 def splits(cfg, sizes: dict[str, int]) -> list[int]:
   """Microbatch counts to try: those that leave each microbatch divisible over the batch axes; with a pipeline,
-  at least the stages (1x to 4x them), else 1 to 8."""
+  1x to 8x the stages and one sequence per device and microbatch (Megatron's usual split), else 1 to 8."""
   t, ways = cfg.train, sizes["data"] * sizes["fsdp"] * sizes["expert"]
   p = sizes["pipeline"]
-  tries = [p, 2 * p, 4 * p, 8 * p] if p > 1 else [1, 2, 4, 8]
-  return [k for k in tries if t.batch_size % k == 0 and (t.batch_size // k) % ways == 0]
+  tries = sorted({p, 2 * p, 4 * p, 8 * p, t.batch_size // ways}) if p > 1 else [1, 2, 4, 8]
+  return [k for k in tries if k >= 1 and t.batch_size % k == 0 and (t.batch_size // k) % ways == 0]
 
 
 def candidates(cfg, target: Target):
@@ -307,7 +307,8 @@ def can_compile(device: str) -> str | None:
 
 def compile_layout(ev: Evaluator, layout: Layout) -> dict:
   """XLA:GPU's compile of the layout's step: its memory per device and the overlap report's predicted step
-  (calibrated where the device has a calibration, analysis.overlap.CALIBRATION)."""
+  (calibrated where the device has a calibration, analysis.overlap.CALIBRATION). A prediction below the model
+  FLOPs at the peak (the overlap report undercounts a pipeline's ticks) cannot be: that bound replaces it."""
   from jaxtrain.analysis import gpu_compile, overlap
   setup = ev.setup(layout)
   compiled, seconds = gpu_compile.compile_step(setup)
@@ -315,9 +316,10 @@ def compile_layout(ev: Evaluator, layout: Layout) -> dict:
   m = gpu_compile.CompiledMemory.of(compiled)
   tot = overlap.report(gpu_compile.Hlo.parse(text), ev.row)["totals"]
   total = (m.total if m else 0) - report.host_argument_bytes(text)
+  step = tot.get("calibrated_step_seconds", tot["predicted_step_seconds"])
+  floor = estimate(setup, memory.grouped(memory.param_rows(setup)), layout, ev.row)["compute_s"]
   return {"total": total, "seconds": seconds, "fits": ev.fits(total), "exposed_s": tot["exposed_seconds"],
-          "step_s": tot.get("calibrated_step_seconds", tot["predicted_step_seconds"]),
-          "calibrated": "calibrated_step_seconds" in tot}
+          "step_s": max(step, floor), "floored": step < floor, "calibrated": "calibrated_step_seconds" in tot}
 
 
 def compile_best(ev: Evaluator, out: Outcome, top: int, deadline: float, progress: bool) -> None:
@@ -401,7 +403,10 @@ def render(out: Outcome, top: int) -> str:
   for i, r in enumerate(out.results[:top], 1):
     tokens = out.tokens_per_step / r.step_s / t.gpus
     mfu = out.flops_per_step / (r.step_s * t.gpus * row.peak_bf16_flops)
-    src = ("compiled" + (", calibrated" if r.compiled["calibrated"] else "")) if r.compiled else "bill, analytic bound"
+    src = "bill, analytic bound"
+    if r.compiled:
+      src = "compiled, FLOPs bound" if r.compiled["floored"] else "compiled" + (
+          ", calibrated" if r.compiled["calibrated"] else "")
     rows.append((str(i), r.layout.label(), memory.human(r.memory), seconds(r.exposed_s), seconds(r.step_s), f"{mfu:.1%}", f"{tokens:,.0f}", src))
   widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
   L += ["  ".join(c.rjust(w) if i in (0, 2, 3, 4, 5, 6) else c.ljust(w) for i, (c, w) in enumerate(zip(x, widths)))
