@@ -13,6 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxtrain"
 # The command layer: what a user runs, and the start-up they share.
 COMMANDS = {"jaxtrain.train", "jaxtrain.inspect", "jaxtrain.bench", "jaxtrain.debug", "jaxtrain.hf",
             "jaxtrain.generate", "jaxtrain.eval", "jaxtrain.data.__main__", "jaxtrain.launch.__main__", "jaxtrain.goodput",
+            "jaxtrain.plan",
             "jaxtrain.cli"}
 
 # Package -> the jaxtrain packages it may import (None: any package, but no command).
@@ -248,6 +249,7 @@ COVERED_BY = {
     "jaxtrain.cli": ("tests/commands/test_flows.py", "exit"),
     "jaxtrain.launch.__main__": ("tests/launch/test_supervisor.py", "jaxtrain.launch"),
     "jaxtrain.goodput": ("tests/run/test_goodput.py", "jaxtrain.goodput"),
+    "jaxtrain.plan": ("tests/analysis/test_planner.py", "jaxtrain.plan"),
     "jaxtrain.core.errors": ("tests/core/test_config.py", "UserError"),
     "jaxtrain.core.files": ("tests/run/test_filecheck.py", "files"),
     "jaxtrain.core.parse": ("tests/core/test_bad_inputs.py", "parse."),

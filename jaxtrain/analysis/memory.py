@@ -114,7 +114,7 @@ def state_bytes(setup) -> dict[str, int]:
   out = {"params": 0, "adam_m": 0, "adam_v": 0, "counters": 0, **({"reference": 0} if "ref" in
                                                                   setup.state_shardings else {})}
   shards = jax.tree.leaves(setup.state_shardings)
-  for (path, sds), sh in zip(jax.tree_util.tree_leaves_with_path(jax.eval_shape(setup.init)), shards, strict=True):
+  for (path, sds), sh in zip(jax.tree_util.tree_leaves_with_path(setup.state_shapes), shards, strict=True):
     p = _path(path)
     n = math.prod(sh.shard_shape(sds.shape)) * np.dtype(sds.dtype).itemsize
     part = ("params" if p.startswith("params/") else "reference" if p.startswith("ref/") else
@@ -129,7 +129,7 @@ def offload_unit_bytes(setup) -> int:
   once (`offload.streamed_update`): one non-layer parameter, or one layer (a slice of a scanned stack)."""
   units = collections.Counter()
   shards = jax.tree.leaves(setup.state_shardings)
-  for (path, sds), sh in zip(jax.tree_util.tree_leaves_with_path(jax.eval_shape(setup.init)), shards, strict=True):
+  for (path, sds), sh in zip(jax.tree_util.tree_leaves_with_path(setup.state_shapes), shards, strict=True):
     keys = _path(path).split("/")
     if keys[0] != "params" and "mu" not in keys and "nu" not in keys:
       continue  # counters

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math as _math
 import sys
 import tomllib
@@ -523,6 +524,12 @@ class _Given:
   label: str
 
 
+@functools.cache
+def _hints(cls) -> dict[str, Any]:
+  """A section's resolved type hints: resolving them takes most of a config load (the planner loads thousands)."""
+  return typing.get_type_hints(cls)
+
+
 def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: bool, renamed: set[str],
          given: dict[str, _Given], layer: int, label: str) -> None:
   spelled = dotted
@@ -538,7 +545,7 @@ def _set(raw: dict[str, dict[str, Any]], dotted: str, value: Any, *, from_text: 
   if name not in fs:
     raise UserError(f"unknown config key {dotted!r}; keys of [{section}]: {', '.join(fs)}")
   meta = fs[name].metadata
-  tp = typing.get_type_hints(SECTIONS[section])[name]
+  tp = _hints(SECTIONS[section])[name]
   value = _coerce(spelled, tp, value, from_text=from_text)
   lo, hi = meta["min"], meta["max"]
   for broken, what in ((lo is not None and value < lo, f"is below its minimum {lo}"),

@@ -75,12 +75,18 @@ class Setup:
   """The model, optimizer, shardings and jitted functions of one (config, mesh). `cfg` is the plan's: the
   config with what the mesh implies set."""
 
-  def __init__(self, cfg: Config, mesh, plan=None, segments: int | None = None):
-    """`segments`: the most segments a row of the run's data holds (None: not known), for the attention path."""
+  def __init__(self, cfg: Config, mesh, plan=None, segments: int | None = None, abstracts: dict | None = None):
+    """`segments`: the most segments a row of the run's data holds (None: not known), for the attention path.
+    `abstracts`: a cache of the abstract model per model config, shared by Setups of one model on many meshes (the
+    planner): tracing the model's init is most of a Setup's time."""
     self.plan = plan or plan_lib.build(cfg, mesh, segments=segments)  # decided once; the model only follows it
     self.cfg, self.mesh = cfg, mesh = self.plan.cfg, mesh
     check_fits_mesh(cfg, mesh)
-    self.graphdef, abstract_state = model_lib.abstract(cfg.model, cfg.train.seed)
+    self._abstracts = abstracts = {} if abstracts is None else abstracts
+    key = (cfg.model, cfg.train.seed)
+    if key not in abstracts:
+      abstracts[key] = model_lib.abstract(cfg.model, cfg.train.seed)
+    self.graphdef, abstract_state = abstracts[key]
     self.n_params, self.notes = model_lib.param_count(abstract_state), []
     self.abstract_params = abstract_state  # nnx.State of ShapeDtypeStructs with `axes` metadata
     self.param_shardings = sharding.param_shardings(abstract_state, mesh, self.notes)
@@ -117,6 +123,16 @@ class Setup:
                         out_shardings=(self.state_shardings, replicated), donate_argnums=0)
     self.eval_step = jax.jit(functools.partial(eval_step, objective, self.plan, layout, executor=forward),
                              in_shardings=(layout.stored, self.batch_sharding), out_shardings=replicated)
+
+  @functools.cached_property
+  def state_shapes(self):
+    """Shapes and dtypes of the train state, traced from the abstract parameters (not a second model init); the
+    same for every mesh of one config, so kept in `abstracts` where there is one."""
+    key = ("state", self.cfg)
+    if key not in self._abstracts:
+      self._abstracts[key] = jax.eval_shape(functools.partial(init_state, self.cfg, self.opt),
+                                            nnx.to_pure_dict(self.abstract_params))
+    return self._abstracts[key]
 
   def abstract_state(self):
     """Shapes, dtypes and shardings of the train state, without allocating it."""

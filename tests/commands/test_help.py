@@ -9,7 +9,7 @@ import io
 import pytest
 
 COMMANDS = ["jaxtrain.train", "jaxtrain.inspect", "jaxtrain.bench", "jaxtrain.debug", "jaxtrain.generate",
-            "jaxtrain.hf", "jaxtrain.data.__main__", "jaxtrain.launch.__main__"]
+            "jaxtrain.hf", "jaxtrain.data.__main__", "jaxtrain.launch.__main__", "jaxtrain.plan"]
 
 
 def _subcommands(module) -> list[str]:
