@@ -201,6 +201,7 @@ class Evaluator:
     self.capacity = self.row.memory_bytes
     self._meshes: dict[str, object] = {}
     self._abstracts: dict = {}  # the abstract model and train state, traced once per config (run.step.Setup)
+    self._segments: list = []  # the data's segments per row (the attention path), counted once: no layout moves it
 
   def mesh(self, layout: Layout):
     spec = layout.mesh_spec()
@@ -212,13 +213,16 @@ class Evaluator:
     """The layout's Setup, or the UserError line the config, the mesh checks or the plan refuse it with."""
     from jaxtrain.run import step as step_lib
     cfg = config_lib.load(self.name, [*self.overrides, *layout.overrides()])
-    return step_lib.Setup(cfg, self.mesh(layout), abstracts=self._abstracts)
+    if not self._segments:
+      self._segments.append(report.data_segments(cfg))
+    return step_lib.Setup(cfg, self.mesh(layout), segments=self._segments[0], abstracts=self._abstracts)
 
   def bill(self, setup) -> tuple[int, list]:
     """(bytes per device with inspect's margin, the compute-layout rows) for the target device's kernels."""
     from jaxtrain.parallel import plan as plan_lib
     rows = memory.grouped(memory.param_rows(setup))
-    b = memory.bill(setup, rows, MARGIN, plan=plan_lib.build(setup.cfg, setup.mesh, device=self.target.device))
+    b = memory.bill(setup, rows, MARGIN, plan=plan_lib.build(setup.cfg, setup.mesh, device=self.target.device,
+                                                             segments=self._segments[0]))
     return b.total, rows
 
   def fits(self, total: int) -> bool:
