@@ -12,6 +12,7 @@ from jaxtrain.analysis import fit, gpu_compile, memory, planner
 from jaxtrain.core import config
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import plan as plan_lib
+from jaxtrain import data
 from jaxtrain.run import step as step_lib
 
 from tests.helpers import needs_plugin
@@ -25,9 +26,10 @@ def _rebuilt_bill(name, sets, layout, device="H100"):
   cfg = config.load(name, [*sets, *layout.overrides()])
   mesh = gpu_compile.mesh(device, layout.mesh_spec()) if gpu_compile.plugin_installed() else mesh_lib.build(
       mesh_lib.parse_full(layout.mesh_spec())[0])
-  setup = step_lib.Setup(cfg, mesh, abstracts=_ABSTRACTS)  # raises the config's one-line refusal if the layout cannot run
+  segments = data.most_segments(cfg, cfg.train.steps)  # the data's rows, as inspect plans the attention for them
+  setup = step_lib.Setup(cfg, mesh, segments=segments, abstracts=_ABSTRACTS)  # raises the config's one-line refusal
   b = memory.bill(setup, memory.grouped(memory.param_rows(setup)), 0.10,
-                  plan=plan_lib.build(setup.cfg, mesh, device=device))
+                  plan=plan_lib.build(setup.cfg, mesh, device=device, segments=segments))
   return b.total
 
 
