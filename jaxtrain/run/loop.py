@@ -98,6 +98,11 @@ def _same_run(current: dict, allowed: set[str], setup):
   allowed model mismatch still needs the same parameter shapes (checked before config.json is rewritten)."""
   def accept(step_dir: Path, manifest: dict) -> None:
     differ = checkpoint.mismatches(manifest["fingerprint"], current)
+    was, now = (checkpoint.value(f, "optim.name") for f in (manifest["fingerprint"], current))
+    if was is not None and was != now:  # no --allow-mismatch bridges it: the state holds the other rule's moments
+      raise UserError(f"checkpoint {step_dir} was written with optim.name={was!r}, this run has optim.name={now!r}: "
+                      "the optimizer states differ (AdamW's two moments, Muon's one), so the run cannot switch "
+                      "optimizer on resume; keep optim.name, or --fresh")
     if "model" in differ:  # other shapes (lora_base_dtype, ...) no --allow-mismatch bridges: say which keys first
       checkpoint.check_shapes(step_dir, setup.abstract_state()["params"], differ["model"])
     changed = {k: v for k, v in differ.items() if k not in allowed}
