@@ -365,7 +365,8 @@ SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 
 # Keys that moved when [train] was split by concern: old name -> new name.
 _NO_OLD_NAME = {"hang_timeout_s", "hang_first_step_s"}  # [run] keys added after it was split from [train]
-RENAMED = {f"train.{k}": f"optim.{k}" for k in dataclasses.asdict(OptimConfig())} | {
+_NO_OLD_OPTIM_NAME = {"name", "muon_momentum"}  # [optim] keys added after it was split from [train]
+RENAMED = {f"train.{k}": f"optim.{k}" for k in dataclasses.asdict(OptimConfig()) if k not in _NO_OLD_OPTIM_NAME} | {
     f"train.{k}": f"run.{k}" for k in dataclasses.asdict(RunConfig()) if k not in _NO_OLD_NAME}
 
 

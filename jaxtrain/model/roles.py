@@ -1,6 +1,6 @@
 """The one parameter-role table: for every parameter of every model family, what it is to the rest of jaxtrain.
-The optimizer (decay; Muon or AdamW), the compute copy of ZeRO and offload (cast at use), MoE balancing (router bias), the pipeline
-(head, stacked), the memory bill and the Hugging Face maps read it here, never from a name of their own.
+The optimizer (decay; Muon or AdamW), the compute copy of ZeRO and offload (cast at use), MoE balancing (router bias),
+the pipeline (head, stacked), the memory bill and the Hugging Face maps read it here, never from a name of their own.
 
 A parameter's kind comes from its leaf name (KINDS: every name a model family has; an unknown one is an error, so a
 new parameter must say what it is). Weight decay is by rule: every matrix is decayed except the kinds listed in

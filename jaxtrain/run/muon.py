@@ -22,7 +22,8 @@ from jaxtrain.model import roles
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the standard quintic (Jordan's): steepest slope at 0 that stays bounded
 NS_STEPS = 5
-RMS_MATCH = 0.2  # Moonshot (Liu et al. 2025): AdamW's update RMS is 0.2-0.4; an orthogonal m x n matrix's is 1/sqrt(max)
+# Moonshot (Liu et al. 2025): AdamW's update RMS is about 0.2-0.4; an orthogonal m x n matrix's is 1/sqrt(max(m, n))
+RMS_MATCH = 0.2
 # Every singular value stays in [0, 1.2025] through the quintic p(s) = a s + b s^3 + c s^5 (p's maximum on it, at
 # s = 0.5545, is 1.2025 and p > 0 there), and a Frobenius-normalized input starts inside: an entry of the output is at
 # most its spectral norm. 1.5 leaves room for the roundings of a low-precision orthogonalization.
@@ -93,7 +94,8 @@ def orthogonalize(x, role: roles.Role, sharding: NamedSharding | None, dtype, ep
 def scale_by_muon(beta: float, eps: float, model_cfg, shardings, dtype) -> optax.GradientTransformation:
   """Nesterov momentum (bias-corrected as optax.contrib.muon does), orthogonalized and scaled by `update_scale`.
   `shardings`: the momentum's NamedShardings, a tree like the params (None: no constraints)."""
-  where = {} if shardings is None else {roles.keys_of(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(shardings)}
+  where = {} if shardings is None else {roles.keys_of(p): sh
+                                        for p, sh in jax.tree_util.tree_leaves_with_path(shardings)}
 
   def init(params):
     return MuonState(jnp.zeros([], jnp.int32), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))

@@ -37,7 +37,8 @@ def parts(cfg: Config, shardings=None) -> tuple[float, optax.GradientTransformat
   dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
   muon = optax.chain(muon_lib.scale_by_muon(o.muon_momentum, o.eps, cfg.model, shardings, dtype),
                      optax.add_decayed_weights(o.weight_decay), optax.scale_by_learning_rate(schedule))
-  label = lambda params: jax.tree.map(lambda m: "muon" if m else "adamw", roles.mask(cfg.model, params, "muon"))  # noqa: E731
+  def label(params):
+    return jax.tree.map(lambda m: "muon" if m else "adamw", roles.mask(cfg.model, params, "muon"))
   return o.grad_clip, optax.partition({"adamw": adamw, "muon": muon}, label)
 
 

@@ -163,3 +163,17 @@ def test_switching_optimizer_on_resume_is_refused_in_one_line(allowed, tmp_path)
   old = {**muon, "train": {k: v for k, v in muon["train"].items() if k != "optim.name"}}  # before the key: adamw
   with pytest.raises(UserError, match="optim.name='adamw', this run has optim.name='muon'"):
     loop._same_run(muon, allowed, None)(tmp_path, {"fingerprint": old})  # noqa: SLF001
+
+
+def test_the_bill_counts_one_moment_for_muons_matrices():
+  """state_bytes under Muon: adam_m holds a float32 moment of every trained parameter, adam_v only the AdamW ones'
+  (counted here by name, apart from the role table)."""
+  from jaxtrain.analysis import memory
+  from jaxtrain.run import step
+  setup = step.Setup(config.load("tiny", [*SMALL, "model.scan_layers=true"]), mesh_of("data=1"))
+  params = nnx.to_pure_dict(setup.abstract_params)
+  size = lambda keep: sum(4 * int(np.prod(x.shape)) for p, x in jax.tree_util.tree_leaves_with_path(params)  # noqa: E731
+                          if keep(str(getattr(p[-1], "key", ""))))
+  st = memory.state_bytes(setup)
+  assert st["adam_m"] == size(lambda _: True) and st["adam_v"] == size(lambda leaf: leaf not in PROJECTIONS)
+  assert st["adam_v"] < st["adam_m"] / 2
