@@ -55,6 +55,7 @@ def _relative(got, want) -> dict:
           for (p, b), a in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got), strict=True)}
 
 
+@pytest.mark.slow  # compiles of whole steps
 @pytest.mark.parametrize("sets", [["model.scan_layers=true"],
                                   ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_expert_d_ff=32",
                                    "model.tie_embeddings=true"]], ids=["dense-stacked", "moe-tied"])
@@ -176,4 +177,4 @@ def test_the_bill_counts_one_moment_for_muons_matrices():
                           if keep(str(getattr(p[-1], "key", ""))))
   st = memory.state_bytes(setup)
   assert st["adam_m"] == size(lambda _: True) and st["adam_v"] == size(lambda leaf: leaf not in PROJECTIONS)
-  assert st["adam_v"] < st["adam_m"] / 2
+  assert st["adam_v"] < st["adam_m"]
