@@ -109,7 +109,8 @@ def grouped(rows: list[Row]) -> list[Row]:
 
 
 def state_bytes(setup) -> dict[str, int]:
-  """Per-device bytes of the real train state by part: params (the float32 master), adam_m, adam_v, counters, and
+  """Per-device bytes of the real train state by part: params (the float32 master), adam_m (first moments: Muon's
+  momentum too), adam_v (AdamW's second moments: none for Muon's matrices), counters, and
   with train.objective=dpo the frozen reference (run/dpo.py)."""
   out = {"params": 0, "adam_m": 0, "adam_v": 0, "counters": 0, **({"reference": 0} if "ref" in
                                                                   setup.state_shardings else {})}
@@ -158,6 +159,26 @@ def step_bytes(setup) -> dict[str, int]:
   for x, g in zip(jax.tree.leaves(trained), jax.tree.leaves(setup.grad_shardings), strict=True):
     out["gradients"] += math.prod(g.shard_shape(x.shape)) * 4
   return out
+
+
+def muon_bytes(setup) -> int:
+  """Per-device bytes of Muon's orthogonalization at its peak (0 without optim.name=muon): one parameter's matrices
+  (a stack's one layer; lead axes split as stored) whole in the NS dtype, three times (the iterate, the next one,
+  the product) and the two Gram matrices (run/muon.py)."""
+  cfg = setup.cfg
+  if cfg.optim.name != "muon":
+    return 0
+  s = 4 if cfg.model.dtype == "float32" else 2
+  params, most = nnx.to_pure_dict(setup.abstract_params), 0
+  for (path, x), sh in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(setup.layout.stored),
+                           strict=True):
+    role = roles.of(cfg.model, path)
+    if role.muon:
+      spec = tuple(sh.spec) + (None,) * len(x.shape)
+      count = math.prod(x.shape[i] // sharding.ways(spec[i], setup.mesh) for i in range(role.stacked, role.lead))
+      m, n = math.prod(x.shape[role.lead:role.in_axis + 1]), math.prod(x.shape[role.in_axis + 1:])
+      most = max(most, count * (3 * m * n + 2 * min(m, n) ** 2) * s)
+  return most
 
 
 def _dims(cfg, mesh) -> dict:
@@ -398,6 +419,8 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   if cfg.model.lora_rank:  # backward's gradient of one layer's x A, and of its merged expert weights (float32)
     d = _dims(cfg, mesh)
     work["layer phase"] += d["T"] * d["s"] * lora_ranks(rows)[1] + 4 * merged_experts(rows)[1]
+  if cfg.optim.name == "muon":  # after the backward: no gathered weights beside it
+    work["Muon orthogonalization"] = muon_bytes(setup)
   if plan.cfg.optim.offload == "host":  # the update brings one unit's master and moments at a time, and makes new ones
     work["offload update phase"] = gathered["layers"] + 2 * offload_unit_bytes(setup)
   p, host = plan.zero_stage, "host" if plan.cfg.optim.offload == "host" else ""
@@ -420,8 +443,10 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
       "grad_accumulator": (made["gradients"], f"float32 sum over {t.microbatches} microbatches, {grads}"
                            + ("" if p == 2 else ": this device's rows, reduced over data once, after the last"))
                           if t.microbatches > 1 else (0, "none (1 microbatch)"),
-      "adam_m": (on_device("adam_m"), stored),
-      "adam_v": (on_device("adam_v"), stored),
+      "adam_m": (on_device("adam_m"), stored + ("; AdamW's first moment, and Muon's momentum of its matrices"
+                                                 if cfg.optim.name == "muon" else "")),
+      "adam_v": (on_device("adam_v"), stored + ("; AdamW's second moment of the rest only (Muon keeps one moment)"
+                                                 if cfg.optim.name == "muon" else "")),
       "counters": (st["counters"], "step, Adam count, loss scale"),
       "batch": (batch, "inputs, targets, positions, segment ids, loss mask (int32)"),
       "weight_residuals": _weight_residuals(cfg, gathered["stored"]),

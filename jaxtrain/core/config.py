@@ -205,6 +205,12 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
+  name: Literal["adamw", "muon"] = key(
+      "adamw", "The update rule: adamw = AdamW on every trained parameter; muon = Muon (momentum orthogonalized by "
+      "Newton-Schulz, its RMS matched to AdamW's: docs/training.md#muon) on the projection matrices, AdamW on the "
+      "embedding, output head, norms and routers (the role table's `muon`).", math=True)
+  muon_momentum: float = key(0.95, "Muon's (Nesterov) momentum, in [0, 1); optim.name=muon only.", math=True,
+                             min=0.0, max=1.0, open_max=True)
   lr: float = key(3e-3, "Peak learning rate.", math=True, min=0.0)
   warmup_steps: int = key(5, "Linear warmup steps, from lr/warmup_steps up to lr.", math=True, min=0)
   min_lr_ratio: float = key(0.1, "Cosine decay ends at lr * min_lr_ratio at the last step.", math=True, min=0.0,
@@ -377,7 +383,8 @@ SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 
 # Keys that moved when [train] was split by concern: old name -> new name.
 _NO_OLD_NAME = {"hang_timeout_s", "hang_first_step_s", "trackers"}  # [run] keys added after it was split from [train]
-RENAMED = {f"train.{k}": f"optim.{k}" for k in dataclasses.asdict(OptimConfig())} | {
+_NO_OLD_OPTIM_NAME = {"name", "muon_momentum"}  # [optim] keys added after it was split from [train]
+RENAMED = {f"train.{k}": f"optim.{k}" for k in dataclasses.asdict(OptimConfig()) if k not in _NO_OLD_OPTIM_NAME} | {
     f"train.{k}": f"run.{k}" for k in dataclasses.asdict(RunConfig()) if k not in _NO_OLD_NAME}
 
 
@@ -663,6 +670,7 @@ def validate(cfg: Config) -> None:
     raise UserError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
   check_lora(cfg)
   check_trackers(cfg)
+  check_optim(cfg)
   if not cfg.data.text_field.strip():
     raise UserError(f"data.text_field={cfg.data.text_field!r}: must name a field of a raw source's records")
   ls = cfg.loss_scale
@@ -671,6 +679,22 @@ def validate(cfg: Config) -> None:
                     f"loss_scale.max={ls.max}]")
   if t.batch_size % t.microbatches:
     raise UserError(f"train.microbatches={t.microbatches} must divide train.batch_size={t.batch_size}")
+
+
+def check_optim(cfg: Config) -> None:
+  """Muon's combinations, refused in one line: a key of Muon's set without it, or a layout it has no path for."""
+  o = cfg.optim
+  if o.name != "muon":
+    if o.muon_momentum != OptimConfig.muon_momentum:
+      raise UserError(f"optim.muon_momentum={o.muon_momentum} applies to optim.name=muon only (optim.name="
+                      f"{o.name!r})")
+    return
+  if o.offload != "none":
+    raise UserError(f"optim.name='muon' with optim.offload={o.offload!r} is not supported yet (the streamed update "
+                    "runs AdamW unit by unit; Muon keeps its state on the device)")
+  if cfg.model.lora_rank:
+    raise UserError(f"optim.name='muon' with model.lora_rank={cfg.model.lora_rank} is not supported (LoRA trains "
+                    "low-rank adapters, which Muon does not orthogonalize; use optim.name=adamw)")
 
 
 def check_lora(cfg: Config) -> None:

@@ -1,6 +1,6 @@
 """The one parameter-role table: for every parameter of every model family, what it is to the rest of jaxtrain.
-The optimizer (decay), the compute copy of ZeRO and offload (cast at use), MoE balancing (router bias), the pipeline
-(head, stacked), the memory bill and the Hugging Face maps read it here, never from a name of their own.
+The optimizer (decay; Muon or AdamW), the compute copy of ZeRO and offload (cast at use), MoE balancing (router bias),
+the pipeline (head, stacked), the memory bill and the Hugging Face maps read it here, never from a name of their own.
 
 A parameter's kind comes from its leaf name (KINDS: every name a model family has; an unknown one is an error, so a
 new parameter must say what it is). Weight decay is by rule: every matrix is decayed except the kinds listed in
@@ -52,6 +52,13 @@ class Role:
   quant: str = "none"  # QLoRA: the format it is stored in (model.lora_base_dtype), "none" = a plain array
   in_axis: int = 0  # the (last) input axis of a matrix: quantization's blocks or channels run along it
   lead: int = 0  # leading axes that hold separate matrices (a scanned stack's layers, MoE's experts)
+
+  @property
+  def muon(self) -> bool:
+    """Updated by Muon under optim.name=muon: a trained projection matrix, seen as (lead.., inputs, outputs). The
+    embedding, the output head, norms, routers and biases keep AdamW (Muon is defined for hidden matrices; a
+    lookup table's and the logits' rows are not)."""
+    return self.kind == "matrix" and not self.output and not self.frozen
 
   @property
   def low_master(self) -> bool:

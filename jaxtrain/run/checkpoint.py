@@ -68,6 +68,15 @@ def _content(v) -> str:
   return f"content {v['digest']}" if v.get("spec") is None else f"{v['spec']!r} (content {v['digest']})"
 
 
+def value(fingerprint: dict, dotted: str):
+  """A math key's value in a fingerprint; a key the checkpoint predates counts as its default; None: not recorded
+  (a category a run with --allow-mismatch wrote as ANY)."""
+  cat = config.category(dotted)
+  if fingerprint.get(cat) == ANY:
+    return None
+  return _migrate(cat, fingerprint.get(cat)).get(dotted, _flat(config.Config().to_dict())[dotted])
+
+
 def mismatches(saved: dict, current: dict, free: tuple[str, ...] = ()) -> dict[str, str]:
   """{category: 'what changed'}, but for the keys `free`; a key the checkpoint predates counts as its default."""
   defaults = _flat(config.Config().to_dict())

@@ -38,8 +38,11 @@ class Layout:
     self.param_at_rest = quantized_shardings(cfg.model, mesh, param_sh, abstract_params, [])  # a restore's
     replicated = NamedSharding(mesh, P())
     self.trained = lambda tree: roles.split(cfg.model, tree)[0]  # LoRA: the adapters; else every parameter
-    self.opt = optax.tree_map_params(opt, lambda _, sh: sh, jax.eval_shape(opt.init, self.trained(abstract_params)),
-                                     self.trained(self.stored), transform_non_params=lambda _: replicated)
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731 (Muon's partition: the other rule's leaves)
+    self.opt = optax.tree_map_params(opt, lambda x, sh: x if masked(x) else sh,
+                                     jax.eval_shape(opt.init, self.trained(abstract_params)),
+                                     self.trained(self.stored), transform_non_params=lambda _: replicated,
+                                     is_leaf=masked)
     self.offload = host is not None
     # (host-to-device, device-to-host) bytes per step over one device's host link; None without offload
     self.link = offload_lib.link_bytes(self.stored, abstract_params) if self.offload else None

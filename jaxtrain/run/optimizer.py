@@ -1,5 +1,6 @@
-"""The update rule: AdamW (optax) on the global-norm-clipped gradient, its learning-rate schedule by applied updates,
-weight decay by parameter role, and the all-or-nothing guarded update (docs/training.md)."""
+"""The update rule: AdamW (optax), or Muon on the projection matrices (run/muon.py), on the global-norm-clipped
+gradient, its learning-rate schedule by applied updates, weight decay by parameter role, and the all-or-nothing
+guarded update (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import optax
 
 from jaxtrain.core.config import Config, OptimConfig
 from jaxtrain.model import moe_balance, roles
+from jaxtrain.run import muon as muon_lib
 
 
 def lr_schedule(o: OptimConfig, steps: int) -> optax.Schedule:
@@ -21,18 +23,29 @@ def lr_schedule(o: OptimConfig, steps: int) -> optax.Schedule:
   return optax.join_schedules([warmup, cosine], [o.warmup_steps])
 
 
-def parts(cfg: Config) -> tuple[float, optax.GradientTransformation]:
-  """(the global-norm clip, 0: none; AdamW with decay where the role table says): `optimizer` chains them."""
+def parts(cfg: Config, shardings=None) -> tuple[float, optax.GradientTransformation]:
+  """(the global-norm clip, 0: none; the update rule of optim.name): AdamW with decay where the role table says, or
+  Muon (`muon.scale_by_muon`) on the role table's Muon matrices and that AdamW on the rest. `optimizer` chains them.
+  `shardings`: the momentum's, a tree like the trained params (Muon gathers each matrix whole from them)."""
   o = cfg.optim
-  adamw = optax.adamw(lr_schedule(o, cfg.train.steps), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+  schedule = lr_schedule(o, cfg.train.steps)
+  adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                       mask=lambda params: roles.mask(cfg.model, params, "decayed"))
-  return o.grad_clip, adamw
+  if o.name == "adamw":
+    return o.grad_clip, adamw
+  # NS in the compute dtype, bfloat16 for float16 (a normalized matrix's entries fall below half's normal range)
+  dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
+  muon = optax.chain(muon_lib.scale_by_muon(o.muon_momentum, o.eps, cfg.model, shardings, dtype),
+                     optax.add_decayed_weights(o.weight_decay), optax.scale_by_learning_rate(schedule))
+  def label(params):
+    return jax.tree.map(lambda m: "muon" if m else "adamw", roles.mask(cfg.model, params, "muon"))
+  return o.grad_clip, optax.partition({"adamw": adamw, "muon": muon}, label)
 
 
-def optimizer(cfg: Config) -> optax.GradientTransformation:
-  """AdamW on the global-norm-clipped gradient (no clip when optim.grad_clip is 0). The state is AdamW's
-  alone, the checkpoint layout the same either way (`optax.chain` would nest it one level down)."""
-  max_norm, adamw = parts(cfg)
+def optimizer(cfg: Config, shardings=None) -> optax.GradientTransformation:
+  """The update rule (`parts`) on the global-norm-clipped gradient (no clip when optim.grad_clip is 0). The state is
+  the rule's alone, the checkpoint layout the same either way (`optax.chain` would nest it one level down)."""
+  max_norm, adamw = parts(cfg, shardings)
   if max_norm <= 0:
     return adamw
   clip = optax.clip_by_global_norm(max_norm)
@@ -55,6 +68,8 @@ def adam_ratio_bound(o: OptimConfig, t) -> jax.Array | None:
   for moments that started at zero with these betas: by Cauchy-Schwarz, |m_t| <= (1-b1) sqrt(S_t v_t / (1-b2)) with
   S_t = sum_{k<t} (b1^2/b2)^k, and the bias corrections. 1 at t = 1. None where b1^2 >= b2 (S_t grows without
   bound)."""
+  if o.b2 == 0:  # v = g^2: |m/sqrt(v)| <= 1 where m = g (b1 = 0), unbounded otherwise
+    return jnp.float32(1.0) if o.b1 == 0 else None
   r = o.b1 ** 2 / o.b2
   if r >= 1:
     return None
@@ -64,8 +79,9 @@ def adam_ratio_bound(o: OptimConfig, t) -> jax.Array | None:
 
 
 def stays_finite(cfg: Config, count, params, bias_delta=None) -> jax.Array | None:
-  """Whether AdamW's update at 0-based update `count` provably leaves every parameter finite (a scalar), from
-  scalars and one max |p|: |p'| <= max|p| + lr (U_t + wd max|p|) + max|bias delta| < LIMIT. It is known before the
+  """Whether the update at 0-based update `count` provably leaves every parameter finite (a scalar), from
+  scalars and one max |p|: |p'| <= max|p| + lr (U_t + wd max|p|) + max|bias delta| < LIMIT, U_t AdamW's bound or,
+  larger, a Muon matrix's (`muon.NS_ENTRY_BOUND` times its update scale). It is known before the
   update runs, so the update is one pass over p, g, m, v (the guard fuses into it) instead of a second pass that
   picks new or old values after checking the new parameters. None where there is no such bound (`adam_ratio_bound`).
   Finite gradients are the caller's part of the guard (the gradient norm)."""
@@ -73,6 +89,9 @@ def stays_finite(cfg: Config, count, params, bias_delta=None) -> jax.Array | Non
   ratio = adam_ratio_bound(o, count + 1)
   if ratio is None:
     return None
+  if o.name == "muon":  # a Muon matrix moves by at most its update scale times NS_ENTRY_BOUND (times lr)
+    ratio = jnp.maximum(ratio, max([muon_lib.update_scale(r, x.shape) * muon_lib.NS_ENTRY_BOUND for r, x in zip(
+        jax.tree.leaves(roles.tree(cfg.model, params)), jax.tree.leaves(params)) if r.muon], default=0.0))
   absmax = lambda tree: jnp.max(jnp.stack([jnp.max(jnp.abs(x)).astype(jnp.float32)  # noqa: E731
                                            for x in jax.tree.leaves(tree)] or [jnp.float32(0)]))
   p = absmax(params)

@@ -93,6 +93,8 @@ class Setup:
     self.opt = optim_lib.optimizer(cfg)
     self.layout = layout = Layout(cfg, self.plan, self.opt, nnx.to_pure_dict(abstract_state), self.param_shardings,
                                   self.notes)
+    # Muon gathers each matrix whole from its momentum's sharding (the stored layout's), which the layout decides
+    self.opt = optim_lib.optimizer(cfg, layout.trained(layout.stored))
     replicated = NamedSharding(mesh, P())
     self.state_shardings = {"params": layout.stored, "opt": layout.opt, "step": replicated,
                             "loss_scale": {"scale": replicated, "good_steps": replicated},

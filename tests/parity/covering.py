@@ -47,6 +47,7 @@ FACTORS = (
     Factor("dtype", ("float32", "bfloat16", "float16")),
     Factor("lora", ("off", "on", "nf4")),  # nf4: QLoRA, the frozen base stored in 4 bits
     Factor("objective", ("lm", "dpo")),
+    Factor("optim", ("adamw", "muon")),  # optim.name
 )
 BY_NAME = {f.name: f for f in FACTORS}
 
@@ -66,6 +67,10 @@ REFUSED = {
        for pair, words in ((("pipeline", 2), "pipeline=2"), (("mtp", True), "model.mtp_layers=1"),
                            (("moe", "capacity"), "model.moe_experts=4"), (("moe", "dropless"), "model.moe_experts=4"),
                            (("offload", "host"), "optim.offload=host"))},
+    **{(("optim", "muon"), pair): (("optim.name='muon'", words), "Muon (core.config.check_optim): its state on the "
+                                   "device, its matrices the model's own projections")
+       for pair, words in ((("offload", "host"), "optim.offload='host'"), (("lora", "on"), "model.lora_rank="),
+                           (("lora", "nf4"), "model.lora_rank="))},
 }
 
 

@@ -1,0 +1,180 @@
+"""Muon (optim.name=muon, jaxtrain/run/muon.py) against optax.contrib.muon, an independent implementation configured
+the same way: the train step's parameters after several steps on one device in float32, which parameters get Muon,
+the bound the guarded update relies on, and the one-line refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from optax.contrib import _muon as contrib
+
+from jaxtrain import data
+from jaxtrain.core import config
+from jaxtrain.core.errors import UserError
+from jaxtrain.model import transformer as model_lib
+from jaxtrain.run import muon as muon_lib, optimizer as optim_lib
+from tests.helpers import grads_of, mesh_of
+
+SMALL = ["model.dtype=float32", "model.d_model=32", "model.n_heads=4", "model.head_dim=8", "model.d_ff=64",
+         "model.vocab_size=384", "train.batch_size=4", "train.seq_len=16", "train.steps=6", "optim.warmup_steps=2",
+         "optim.name=muon", "optim.lr=0.02", "optim.weight_decay=0.1", "optim.grad_clip=0.5"]
+PROJECTIONS = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}  # by name: the matrices Muon must take
+STEPS = 4
+
+
+def _dims(path, x, stacked: bool, experts: bool):
+  """contrib's dimension numbers of a projection, written out by name: wo's inputs are (heads, head_dim)."""
+  names = [str(getattr(k, "key", k)) for k in path]
+  lead = int(stacked) + int(experts and "mlp" in names and names[-1] in ("w_gate", "w_up", "w_down"))
+  n_in = 2 if names[-1] == "wo" else 1
+  return contrib.MuonDimensionNumbers(tuple(range(lead, lead + n_in)), tuple(range(lead + n_in, x.ndim)))
+
+
+def _reference(cfg, stacked: bool, experts: bool) -> optax.GradientTransformation:
+  """optax.contrib.muon on the projections (consistent_rms=0.2, Nesterov, 5 standard NS steps), optax.adamw on the
+  rest with decay on matrices but the embedding, both on the clipped gradient, by the same schedule."""
+  o = cfg.optim
+  schedule = optim_lib.lr_schedule(o, cfg.train.steps)
+  is_muon = lambda path, _: str(getattr(path[-1], "key", "")) in PROJECTIONS  # noqa: E731
+  dims = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
+      lambda path, x: _dims(path, x, stacked, experts), p)
+  muon = contrib.muon(schedule, ns_steps=5, beta=o.muon_momentum, eps=o.eps, weight_decay=o.weight_decay,
+                      nesterov=True, consistent_rms=0.2, muon_weight_dimension_numbers=dims)
+  decayed = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
+      lambda path, x: str(getattr(path[-1], "key", "")) not in ("embed", "scale"), p)  # norms: (layers, D) stacked
+  adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decayed)
+  labels = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
+      lambda path, x: "muon" if is_muon(path, x) else "adamw", p)
+  return optax.chain(optax.clip_by_global_norm(o.grad_clip), optax.partition({"muon": muon, "adamw": adamw}, labels))
+
+
+def _relative(got, want) -> dict:
+  return {jax.tree_util.keystr(p): float(np.linalg.norm(np.asarray(a) - b) / np.linalg.norm(b))
+          for (p, b), a in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got), strict=True)}
+
+
+@pytest.mark.slow  # compiles of whole steps
+@pytest.mark.parametrize("sets", [["model.scan_layers=true"],
+                                  ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_expert_d_ff=32",
+                                   "model.tie_embeddings=true"]], ids=["dense-stacked", "moe-tied"])
+def test_muon_equals_optax_contrib_muon_after_several_steps(sets):
+  """The optimizer on the model's gradients equals contrib's within 1e-6 on every parameter after STEPS updates,
+  both compiled alike (NS multiplies a rounding of its input by up to 3.4^5: the two sides are fed their own
+  gradients by one function); the train step, one program around the same update, equals it within 1e-5."""
+  from jaxtrain.run import step
+  cfg = config.load("tiny", [*SMALL, *sets])
+  setup = step.Setup(cfg, mesh_of("data=1"))
+  graphdef, _ = model_lib.abstract(cfg.model)
+  state = setup.init()
+  start = params = ours = jax.device_get(state["params"])
+  ref, opt = _reference(cfg, cfg.model.scan_layers, bool(cfg.model.moe_experts)), optim_lib.optimizer(cfg)
+  ref_state, our_state = ref.init(params), opt.init(params)
+  grads = jax.jit(lambda p, b: grads_of(cfg, graphdef, p, b)[1])
+
+  def one(update):  # each side compiled alone, fed its own gradients by one function
+    return jax.jit(lambda p, st, b: (lambda u, st: (optax.apply_updates(p, u), st))(*update(grads(p, b), st, p)))
+  ref_step, our_step = one(ref.update), one(opt.update)
+  it = data.batches(cfg)
+  for _ in range(STEPS):
+    batch = next(it)
+    state, m = setup.step(state, setup.device_batch(batch))
+    assert not bool(m["skipped"])
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    (params, ref_state), (ours, our_state) = ref_step(params, ref_state, batch), our_step(ours, our_state, batch)
+  it.close()
+  errors = _relative(ours, params)
+  assert max(errors.values()) < 1e-6, errors
+  errors = _relative(jax.device_get(state["params"]), params)
+  assert max(errors.values()) < 1e-5, errors
+  assert min(_relative(params, start).values()) > 1e-4  # every parameter moved: nothing compared frozen with frozen
+
+
+def test_the_role_table_gives_muon_to_the_projections_and_adamw_to_the_rest():
+  cfg = config.load("tiny", [*SMALL, "model.tie_embeddings=false", "model.mtp_layers=1"])
+  params = nnx.to_pure_dict(model_lib.abstract(cfg.model)[1])
+  state = optim_lib.optimizer(cfg).init(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), params))
+  muon_mu = state.inner_states["muon"].inner_state[0].mu
+  for path, x in jax.tree_util.tree_leaves_with_path(muon_mu, is_leaf=lambda x: isinstance(x, optax.MaskedNode)):
+    leaf = str(getattr(path[-1], "key", ""))
+    assert isinstance(x, optax.MaskedNode) == (leaf not in PROJECTIONS | {"eh_proj"}), jax.tree_util.keystr(path)
+
+
+def _matrices():
+  rng = np.random.default_rng(0)
+  g = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+  u, _ = np.linalg.qr(g(48, 48))
+  return {"gaussian": g(24, 64), "tall": g(96, 16), "rank-1": np.outer(g(32), g(40)), "orthogonal": u[:, :32],
+          "ill-conditioned": (u[:, :16] * np.logspace(0, -6, 16)) @ g(16, 20), "huge": 1e30 * g(20, 30),
+          "tiny": 1e-30 * g(20, 30), "one-spike": np.eye(8, 24, dtype=np.float32) * np.logspace(0, -3, 8)[:, None]}
+
+
+@pytest.mark.parametrize("name", list(_matrices()))
+def test_newton_schulz_equals_contrib_and_stays_within_the_guards_bound(name):
+  """optax.contrib's orthogonalization (an independent implementation) of adversarial matrices: ours equals it, and
+  no entry of either exceeds the quintic's invariant bound 1.2025 that NS_ENTRY_BOUND covers; bfloat16 too."""
+  x = jnp.asarray(_matrices()[name])
+  want = contrib.orthogonalize_via_newton_schulz(x, jnp.asarray(muon_lib.NS_COEFFS), 5, eps=1e-8)
+  got = muon_lib.newton_schulz(x, 1e-8)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  assert float(jnp.linalg.norm(want, ord=2)) <= 1.2025 * (1 + 1e-4)
+  low = muon_lib.newton_schulz(x.astype(jnp.bfloat16), 1e-8).astype(jnp.float32)
+  assert max(float(jnp.abs(want).max()), float(jnp.abs(low).max())) <= muon_lib.NS_ENTRY_BOUND
+
+
+def test_the_guard_skips_a_muon_step_its_bound_cannot_keep_finite():
+  """stays_finite with Muon: a learning rate whose largest Muon move would overflow is refused before the update,
+  one that cannot is not."""
+  cfg = config.load("tiny", [*SMALL, "optim.weight_decay=0"])
+  params = {"layers": {0: {"attn": {"wq": jnp.ones((32, 4, 8)), "wo": jnp.ones((4, 8, 32))}}},
+            "final_norm": {"scale": jnp.ones((32,))}}
+  # the largest Muon scale: 0.2 sqrt(32) for both; times 1.5: 1.697 >> AdamW's bound 1 at step 1
+  lr_to_overflow = float(optim_lib.LIMIT / (0.2 * np.sqrt(32) * muon_lib.NS_ENTRY_BOUND))
+  for lr, ok in ((lr_to_overflow * 1.01, False), (lr_to_overflow * 0.9, True)):
+    c = config.load("tiny", [*SMALL, "optim.weight_decay=0", f"optim.lr={lr!r}", "optim.warmup_steps=0"])
+    assert bool(optim_lib.stays_finite(c, jnp.int32(0), params)) == ok, lr
+  assert cfg.optim.name == "muon"
+
+
+@pytest.mark.parametrize("sets,words", [
+    (["optim.name=muon", "optim.offload=host"], ["optim.name='muon'", "optim.offload='host'"]),
+    (["optim.name=muon", "model.lora_rank=4"], ["optim.name='muon'", "model.lora_rank=4"]),
+    (["optim.muon_momentum=0.9"], ["optim.muon_momentum=0.9", "optim.name=muon only"]),
+    (["optim.name=lion"], ["optim.name='lion'", "adamw, muon"]),
+])
+def test_muon_combinations_it_does_not_run_are_refused_in_one_line(sets, words):
+  with pytest.raises(UserError) as e:
+    config.load("tiny", sets)
+  assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("allowed", [set(), {"model", "train", "tokenizer", "data"}])
+def test_switching_optimizer_on_resume_is_refused_in_one_line(allowed, tmp_path):
+  """optim.name is a math key; its change is refused even where --allow-mismatch lets the other math keys go (the
+  saved state is the other rule's), in one line naming both values. The same name resumes."""
+  from jaxtrain.run import checkpoint, loop
+  adamw, muon = (checkpoint.fingerprint(config.load("tiny", sets), "tok", "data") for sets in ([], ["optim.name=muon"]))
+  assert config.all_keys()["optim.name"].metadata["math"]
+  for saved, current, words in ((adamw, muon, "optim.name='adamw', this run has optim.name='muon'"),
+                                (muon, adamw, "optim.name='muon', this run has optim.name='adamw'")):
+    with pytest.raises(UserError) as e:
+      loop._same_run(current, allowed, None)(tmp_path, {"fingerprint": saved})  # noqa: SLF001
+    assert "\n" not in str(e.value) and words in str(e.value) and "cannot switch optimizer" in str(e.value)
+  old = {**muon, "train": {k: v for k, v in muon["train"].items() if k != "optim.name"}}  # before the key: adamw
+  with pytest.raises(UserError, match="optim.name='adamw', this run has optim.name='muon'"):
+    loop._same_run(muon, allowed, None)(tmp_path, {"fingerprint": old})  # noqa: SLF001
+
+
+def test_the_bill_counts_one_moment_for_muons_matrices():
+  """state_bytes under Muon: adam_m holds a float32 moment of every trained parameter, adam_v only the AdamW ones'
+  (counted here by name, apart from the role table)."""
+  from jaxtrain.analysis import memory
+  from jaxtrain.run import step
+  setup = step.Setup(config.load("tiny", [*SMALL, "model.scan_layers=true"]), mesh_of("data=1"))
+  params = nnx.to_pure_dict(setup.abstract_params)
+  size = lambda keep: sum(4 * int(np.prod(x.shape)) for p, x in jax.tree_util.tree_leaves_with_path(params)  # noqa: E731
+                          if keep(str(getattr(p[-1], "key", ""))))
+  st = memory.state_bytes(setup)
+  assert st["adam_m"] == size(lambda _: True) and st["adam_v"] == size(lambda leaf: leaf not in PROJECTIONS)
+  assert st["adam_v"] < st["adam_m"]
