@@ -103,16 +103,16 @@ def _same_run(current: dict, allowed: set[str], setup):
   import (parameters only) takes any LoRA keys: its base gains fresh adapters."""
   def accept(step_dir: Path, manifest: dict) -> None:
     # first what no --allow-mismatch can pass, so that the hint below is one the run then accepts
-    dpo.check_start(setup.cfg, step_dir, manifest)  # an lm run's checkpoint holds no DPO reference
-    imported = checkpoint.params_only(manifest)
-    if imported:
-      _check_quantized_base(setup.cfg, step_dir, manifest)
-    differ = checkpoint.mismatches(manifest["fingerprint"], current, config.LORA_KEYS if imported else ())
     was, now = (checkpoint.value(f, "optim.name") for f in (manifest["fingerprint"], current))
     if was is not None and was != now:  # no --allow-mismatch bridges it: the state holds the other rule's moments
       raise UserError(f"checkpoint {step_dir} was written with optim.name={was!r}, this run has optim.name={now!r}: "
                       "the optimizer states differ (AdamW's two moments, Muon's one), so the run cannot switch "
                       "optimizer on resume; keep optim.name, or --fresh")
+    dpo.check_start(setup.cfg, step_dir, manifest)  # an lm run's checkpoint holds no DPO reference
+    imported = checkpoint.params_only(manifest)
+    if imported:
+      _check_quantized_base(setup.cfg, step_dir, manifest)
+    differ = checkpoint.mismatches(manifest["fingerprint"], current, config.LORA_KEYS if imported else ())
     if "model" in differ:  # other shapes (lora_base_dtype, ...) no --allow-mismatch bridges: say which keys first
       params = (setup.base_abstract(checkpoint.quantized_base(manifest) is not None) if imported
                 else setup.abstract_state()["params"])
