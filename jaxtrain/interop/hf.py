@@ -435,7 +435,8 @@ def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | Non
     cfg = config.load(str(path), overrides)
   for item in overrides:  # the written config records the overrides too
     dotted = item.partition("=")[0].strip()
-    section, _, key = config.RENAMED.get(dotted, dotted).partition(".")
+    dotted = config.SWITCHES[dotted][0] if dotted in config.SWITCHES else config.RENAMED.get(dotted, dotted)
+    section, _, key = dotted.partition(".")  # an old switch (run.tensorboard) as the list it edits
     sections.setdefault(section, {})[key] = getattr(getattr(cfg, section), key)
   sections["model"] = dataclasses.asdict(cfg.model)  # every model key explicit
   head = head or (cfg.model.tie_embeddings and own_head(headers))  # --set model.tie_embeddings=true

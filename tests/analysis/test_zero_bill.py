@@ -76,8 +76,10 @@ def test_llama31_8b_fits_one_h100_by_the_bill_with_offload_only():
 def test_compiled_device_memory_on_cpu_falls_by_the_offloaded_state():
   """A state-dominated scanned shape on one device: with offload the compiled step keeps master and moments
   (12 bytes per parameter) in host memory, so its device total (XLA:CPU's memory analysis less the arguments
-  laid out in host memory) falls by about those bytes. Measured: 1.02 x 12 P. (XLA:CPU erases memory spaces
-  inside the program, so this cannot tell a streamed update from a whole fetch: test_zero_parity does.)"""
+  laid out in host memory) falls by about those bytes. Measured: 0.88 x 12 P (1.02 x while the on-device update's
+  guard held a second copy of the new state: its temporaries 61.4 -> 56.1 MB with the one-pass update; the
+  streamed update is unchanged). (XLA:CPU erases memory spaces inside the program, so this cannot tell a
+  streamed update from a whole fetch: test_zero_parity does.)"""
   shape = ["model.d_model=256", "model.d_ff=1024", "model.n_heads=4", "model.n_kv_heads=4", "model.head_dim=64",
            "model.vocab_size=1024", "train.seq_len=16", "model.n_layers=4", "model.scan_layers=true",
            "train.batch_size=4"]
@@ -85,4 +87,4 @@ def test_compiled_device_memory_on_cpu_falls_by_the_offloaded_state():
           for x in ([], ["optim.offload=host"])]
   (none, off), P = [r["compiled"] for r in reps], reps[0]["param_count"]
   assert none["host_arguments"] == 0 and off["host_arguments"] == 12 * P
-  assert 0.9 <= (none["total"] - off["total"]) / (12 * P) <= 1.15, (none["total"], off["total"], 12 * P)
+  assert 0.8 <= (none["total"] - off["total"]) / (12 * P) <= 1.15, (none["total"], off["total"], 12 * P)

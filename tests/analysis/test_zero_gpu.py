@@ -37,6 +37,8 @@ def test_llama31_8b_on_8_h100s_compiled_memory_falls_with_the_zero_stage():
   assert totals[0] > totals[1] > totals[2], totals
   for r in reps:
     assert r["compiled"]["arguments"] == r["compiled"]["analytic"]["arguments"]  # the stored state, as billed
-  # the fall from stage 0 to 1 is the master and moments split 8 ways: 12 bytes x 7/8 per parameter
-  saved = totals[0] - totals[1]
+  # the stored state falls from stage 0 to 1 by the master and moments split 8 ways: 12 bytes x 7/8 per parameter.
+  # (The totals fell by as much while stage 0's update held a second copy of the state: 159.6 -> 72.1 GB; the
+  # one-pass update holds none, 128.5 -> 72.1 GB, stage 1's temporaries being the gradients and compute copy.)
+  saved = reps[0]["compiled"]["arguments"] - reps[1]["compiled"]["arguments"]
   assert 0.85 <= saved / (12 * reps[0]["param_count"] * 7 / 8) <= 1.15, saved

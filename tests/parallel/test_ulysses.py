@@ -130,8 +130,8 @@ def test_mla_through_the_cudnn_path_equals_one_device(spec, monkeypatch):
   ref = trajectory(cfg, "dp=1", 2)
   real = plan_lib.build
 
-  def cudnn_plan(c, mesh, device=None):  # what an H100 decides
-    return dataclasses.replace(real(c, mesh, device), attention="cudnn")
+  def cudnn_plan(c, mesh, device=None, segments=None):  # what an H100 decides
+    return dataclasses.replace(real(c, mesh, device, segments), attention="cudnn")
   monkeypatch.setattr(plan_lib, "build", cudnn_plan)
   got = trajectory(cfg, spec, 2)
   np.testing.assert_allclose(got, ref, rtol=1e-5)
