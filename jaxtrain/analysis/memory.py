@@ -401,6 +401,19 @@ def reference_line(cfg, st: dict) -> dict[str, tuple[int, str]]:
                         "compute copy")}
 
 
+def _update_phases(setup, rows: list[Row], work: dict, gathered_layers: int) -> None:
+  """What LoRA adds to the layer phase, and the optimizer's own phases (Muon's orthogonalization, offload's units),
+  into `work` (phase -> bytes)."""
+  cfg, mesh = setup.cfg, setup.mesh
+  if cfg.model.lora_rank:  # backward's gradient of one layer's x A, and of its merged expert weights (float32)
+    d = _dims(cfg, mesh)
+    work["layer phase"] += d["T"] * d["s"] * lora_ranks(rows)[1] + 4 * merged_experts(rows)[1]
+  if cfg.optim.name == "muon":  # after the backward: no gathered weights beside it
+    work["Muon orthogonalization"] = muon_bytes(setup)
+  if cfg.optim.offload == "host":  # the update brings one unit's master and moments at a time, and makes new ones
+    work["offload update phase"] = gathered_layers + 2 * offload_unit_bytes(setup)
+
+
 def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   """The bill for `plan`'s attention kernel (default: the step's own plan; inspect passes
   the plan of a target device such as an H100 when the mesh here is simulated)."""
@@ -416,13 +429,7 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   # pipeline: XLA:GPU's peak (a chunk's layer phase, beside two gradient stacks) holds one layer's gathered weights
   gathered = gathered_weights(cfg, rows, mesh, 1 if piped else 2)
   work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
-  if cfg.model.lora_rank:  # backward's gradient of one layer's x A, and of its merged expert weights (float32)
-    d = _dims(cfg, mesh)
-    work["layer phase"] += d["T"] * d["s"] * lora_ranks(rows)[1] + 4 * merged_experts(rows)[1]
-  if cfg.optim.name == "muon":  # after the backward: no gathered weights beside it
-    work["Muon orthogonalization"] = muon_bytes(setup)
-  if plan.cfg.optim.offload == "host":  # the update brings one unit's master and moments at a time, and makes new ones
-    work["offload update phase"] = gathered["layers"] + 2 * offload_unit_bytes(setup)
+  _update_phases(setup, rows, work, gathered["layers"])
   p, host = plan.zero_stage, "host" if plan.cfg.optim.offload == "host" else ""
   stored = (f"in host memory ({human(st['params'])} of master per device)" if host else
             "float32, " + ("sharded like the params" if p == 0 else "split over data too (zero_stage)"))
