@@ -9,11 +9,10 @@ Results are printed as lm-eval prints them and written to <workdir>/eval/step_<S
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from jaxtrain import cli
-from jaxtrain.core import files, parse
+from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
 
 
@@ -31,22 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _tasks(args) -> tuple[list[str], object]:
   """(task names, lm-eval's TaskManager), every name checked before a device starts."""
-  try:
-    from lm_eval.tasks import TaskManager
-  except ImportError:
-    raise UserError("jaxtrain.eval needs the lm-eval package: pip install 'jaxtrain[eval]'") from None
-  names = parse.items(args.tasks, "--tasks")
-  if not names:
-    raise UserError("--tasks '': name at least one lm-eval task")
-  include = None
-  if args.include_path is not None:
-    include = str(files.user_path(args.include_path, "--include-path"))
-  manager = TaskManager(include_path=include)
-  unknown = [n for n in names if n not in manager.all_tasks]
-  if unknown:
-    raise UserError(f"--tasks: unknown task {unknown[0]!r} (not among lm-eval's tasks"
-                    f"{' nor those of --include-path' if include else '; local YAMLs: --include-path DIR'})")
-  return names, manager
+  from jaxtrain.interop import tasks
+  return tasks.resolve(args.tasks, args.include_path, "--tasks", "--include-path")
 
 
 def main(argv=None) -> int:
@@ -65,21 +50,16 @@ def main(argv=None) -> int:
     names, manager = _tasks(args)
     started = cli.start(args, "jaxtrain.eval", cfg=cfg, runs_steps=True)
     set_prog(started.prog)
-    import lm_eval
     from lm_eval.utils import make_table
-    from jaxtrain.interop import decode, harness
+    from jaxtrain.interop import decode, harness, tasks
     setup, params = runs.restore_params(cfg, started.mesh, step_dir)
     lm = harness.JaxtrainLM(setup.cfg, started.mesh, setup.graphdef, params, tokenizer_lib.load(cfg.data.tokenizer),
                             decode.context_limit(cfg, workdir)[0], batch_size=args.batch_size)
-    results = lm_eval.simple_evaluate(model=lm, tasks=names, limit=args.limit, task_manager=manager)
+    results = tasks.evaluate(lm, names, manager, args.limit)
     print(make_table(results))
     if "groups" in results:
       print(make_table(results, "groups"))
-    out = workdir / "eval" / f"step_{step_dir.name}.json"
-    out.parent.mkdir(exist_ok=True)
-    record = {"step": int(step_dir.name), "tasks": names, "limit": args.limit, "results": results["results"],
-              "n-samples": results.get("n-samples"), "versions": results.get("versions")}
-    files.write_atomic(out, json.dumps(record, indent=2, default=str) + "\n")  # lm-eval's numbers may be numpy's
+    out = tasks.write(workdir, int(step_dir.name), names, args.limit, results)
     print(f"results in {out}", file=sys.stderr)
   return cli.main("jaxtrain.eval", body)
 

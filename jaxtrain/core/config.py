@@ -242,6 +242,18 @@ class TrainConfig:
                                   math=False, min=1)
   eval_interval: int = key(0, "Evaluate on the held-out split every N steps (0 = never); see data.eval_*.",
                            math=False, min=0)
+  eval_tasks: str = key(
+      "", "lm-eval-harness tasks (or groups) run during training every train.eval_tasks_interval steps, "
+      "comma-separated (as jaxtrain.eval --tasks): in the training process, on the training mesh, with the live "
+      "parameters (no second copy); their metrics logged as lm_eval/<task>/<metric> beside the held-out loss "
+      "(metrics.jsonl, run.trackers) and written to <workdir>/eval/step_<N>.json. Names are checked before the run "
+      "starts. Needs the lm-eval package. Does not change the math.", math=False)
+  eval_tasks_interval: int = key(0, "Run train.eval_tasks every N steps (0 = never).", math=False, min=0)
+  eval_tasks_limit: int = key(0, "At most this many documents per task of train.eval_tasks (0 = all; as "
+                              "jaxtrain.eval --limit).", math=False, min=0)
+  eval_include_path: str = key(
+      "", "A folder of task YAMLs (over local files: nothing is downloaded) that train.eval_tasks may name besides "
+      "lm-eval's own, as jaxtrain.eval --include-path; empty = lm-eval's tasks only.", math=False)
   loss_chunk_tokens: int = key(
       1024, "Cross-entropy in chunks of this many tokens per device (jaxtrain.model.loss): one chunk's float32 logits "
       "(chunk x vocab / tensor x 4 bytes, 0.5 GiB at a 128k vocabulary) instead of the whole batch's; "
@@ -458,6 +470,8 @@ DEPENDENT = (
     Needs(_LOSS_SCALE, "loss scaling (loss_scale.mode=dynamic, or auto with model.dtype=float16)",
           lambda c, _: c.loss_scale.mode == "dynamic" or (c.loss_scale.mode == "auto" and c.model.dtype == "float16")),
     Needs(("data.eval_source", "data.eval_batches"), "train.eval_interval > 0", lambda c, _: c.train.eval_interval > 0),
+    Needs(("train.eval_tasks", "train.eval_tasks_limit", "train.eval_include_path"), "train.eval_tasks_interval > 0",
+          lambda c, _: c.train.eval_tasks_interval > 0),
     Needs(("data.weights",), "several data.source entries", lambda c, _: "," in c.data.source.strip(" ,")),
     Needs(("data.text_field",), "a raw .jsonl or .parquet data source (or bundled)", lambda c, _: _raw_source(c)),
     Needs(("run.xla_flags_unknown",), "run.xla_flags_extra", lambda c, _: bool(c.run.xla_flags_extra.strip())),
@@ -670,6 +684,7 @@ def validate(cfg: Config) -> None:
     raise UserError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
   check_lora(cfg)
   check_trackers(cfg)
+  check_eval_tasks(cfg)
   check_optim(cfg)
   if not cfg.data.text_field.strip():
     raise UserError(f"data.text_field={cfg.data.text_field!r}: must name a field of a raw source's records")
@@ -725,6 +740,24 @@ def check_trackers(cfg: Config) -> None:
   if bad or len(set(names)) != len(names):
     raise UserError(f"run.trackers={cfg.run.trackers!r}: {'unknown tracker ' + bad[0] if bad else 'a tracker named twice'}"
                     f"; name each once, comma-separated, any of: {', '.join(TRACKERS)} (empty = none)")
+
+
+def check_eval_tasks(cfg: Config) -> None:
+  """train.eval_tasks's combinations, refused in one line (the task names are checked by the run, with lm-eval)."""
+  t = cfg.train
+  if not t.eval_tasks_interval:
+    return
+  names = parse.items(t.eval_tasks, "train.eval_tasks")
+  if not names:
+    raise UserError(f"train.eval_tasks_interval={t.eval_tasks_interval} needs train.eval_tasks (the lm-eval tasks "
+                    "to run, comma-separated)")
+  refused = (("optim.offload", cfg.optim.offload, cfg.optim.offload != "none", "the parameters live in host memory"),
+             ("model.lora_base_dtype", cfg.model.lora_base_dtype, cfg.model.lora_base_dtype != "none",
+              "the KV-cached decoder reads a dense base"))
+  for name, value, unsupported, why in refused:
+    if unsupported:
+      raise UserError(f"train.eval_tasks={t.eval_tasks!r} with {name}={value!r} is not supported yet ({why}; "
+                      "evaluate the checkpoints with python -m jaxtrain.eval instead)")
 
 
 def _check_lora_targets(m: ModelConfig, names) -> None:

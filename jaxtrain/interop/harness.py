@@ -27,13 +27,15 @@ def _bucket(n: int, limit: int) -> int:
 class JaxtrainLM(TemplateLM):
   backend = "causal"
 
-  def __init__(self, cfg, mesh, graphdef, params, tok, max_length: int, batch_size: int = 16):
+  def __init__(self, cfg, mesh, graphdef, params, tok, max_length: int, batch_size: int = 16, compute=None):
+    """`params` are used as they are, never copied (training's live parameters); `compute`: params -> the ones the
+    model computes with, inside the scoring program (training's Layout.compute: ZeRO's gathered copy)."""
     super().__init__()
     self.cfg, self.mesh, self.graphdef, self.params, self.tok = cfg, mesh, graphdef, params, tok
     self.max_length = max_length
     ways = int(np.prod([mesh.shape[a] for a in sharding.RULES["batch"]]))
     self.batch_size = -(-batch_size // ways) * ways  # rows split over the batch axes
-    self._score = _scorer(cfg, mesh, graphdef)
+    self._score = _scorer(cfg, mesh, graphdef, compute)
 
   @property
   def eot_token_id(self) -> int:
@@ -108,14 +110,14 @@ class JaxtrainLM(TemplateLM):
 
 
 @functools.lru_cache(maxsize=4)
-def _scorer(cfg, mesh, graphdef):
+def _scorer(cfg, mesh, graphdef, compute=None):
   """params, tokens, positions, segments, targets, mask (B, L) -> (sum of masked target log-probs, all masked
   targets argmax) per row, the batch split over the mesh's batch axes."""
   plan = plan_lib.build(cfg, mesh)
 
   def score(params, tokens, pos, seg, targets, mask):
     with ops.use(plan):
-      logits_BxLxV = nnx.merge(graphdef, params)(tokens, pos, seg)
+      logits_BxLxV = nnx.merge(graphdef, params if compute is None else compute(params))(tokens, pos, seg)
     logp_BxL = jnp.take_along_axis(jax.nn.log_softmax(logits_BxLxV, -1), targets[..., None], -1)[..., 0]
     hit_BxL = jnp.argmax(logits_BxLxV, -1) == targets
     return (logp_BxL * mask).sum(-1), jnp.all(hit_BxL | (mask == 0), -1)

@@ -16,6 +16,7 @@ from jaxtrain.analysis import fit
 from jaxtrain.core import config, parse
 from jaxtrain.core.config import MISMATCH_CATEGORIES
 from jaxtrain.core.errors import UserError
+from jaxtrain.interop import tasks as tasks_lib
 from jaxtrain.model import flops
 from jaxtrain.parallel import devices, mesh as mesh_lib, pipeline
 from jaxtrain.run import checkpoint, faults, goodput, lock as lock_lib, metrics, observe, progress as progress_lib
@@ -34,14 +35,20 @@ class Summary:
 
 
 class Evaluator:
-  """params -> {eval_loss, eval_ppl} (device scalars) over the fixed held-out batches."""
+  """params -> {eval_loss, eval_ppl} (device scalars) over the fixed held-out batches; beside it `tasks`, the
+  lm-eval tasks of train.eval_tasks (their names checked here, before the run writes anything)."""
 
-  def __init__(self, cfg, setup):
+  def __init__(self, cfg, setup, workdir: Path):
     self.cadence = progress_lib.Every(cfg.train.eval_interval)
+    self.tasks = tasks_lib.DuringTraining(cfg, setup, workdir, writer=jax.process_index() == 0)
     if not self.cadence.n:
       return
     self.held = [setup.device_batch(b) for b in data.eval_batches(cfg, *setup.placement.rows())]
     self.compiled = setup.eval_step.lower(jax.eval_shape(setup.init)["params"], self.held[0]).compile()
+
+  def due(self, step: int) -> bool:
+    """Whether step s evaluates (held-out loss, train.eval_tasks)."""
+    return self.cadence.due(step) or self.tasks.due(step)
 
   def __call__(self, params) -> dict:
     """Runs to the end: {eval_loss, eval_ppl} as host floats. Summed on the host: eager device arithmetic would
@@ -243,12 +250,17 @@ class _Steps:
     self.checklist.waited(done - t)
     self.dog.beat(s)  # a step counts as completed once its metrics are here
     self.ledger.spent("productive", done - since - sum(wait), step=s)
+    task_scalars = {}
     if params is not None:
       with self.dog.slow():
-        fetched.update(self.evaluate(params))
+        if self.evaluate.cadence.due(s):
+          fetched.update(self.evaluate(params))
+        if self.evaluate.tasks.due(s):
+          task_scalars = self.evaluate.tasks(s, params)
       self.ledger.spent("eval", time.perf_counter() - done)
     self.progress.count(s, int(fetched["tokens"]), bool(fetched["skipped"]))
     rec = metrics.record(s, fetched, done - since, sum(wait), self.progress, self.flops_per_step, self.peak_total)
+    rec.update(task_scalars)
     rec.update(self.checklist.fields(s, rec, wait))
     self.sinks.write(s, rec)
     sm = self.summary
@@ -283,7 +295,7 @@ class _Steps:
         last_done = self.log_step(*pending, last_done)
       pending = (s, step_metrics, wait)
       stop = s == stop_at or self.preempt.check(s) or (out is not None and runfiles.must_stop(out))
-      if self.evaluate.cadence.due(s):  # step s timed first, then the eval, before the next step donates state
+      if self.evaluate.due(s):  # step s timed first, then the eval, before the next step donates state
         last_done, pending = self.log_step(*pending, last_done, params=state["params"]), None
       if stop or self.saves.due(s):
         if pending:  # the manifest's clocks must include step s
@@ -364,7 +376,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   opened = _Opened(data.batches(cfg, *setup.placement.rows()), workdir)
   summary = Summary()
   try:
-    evaluate = Evaluator(cfg, setup)
+    evaluate = Evaluator(cfg, setup, workdir)
     opened.created = not workdir.exists()
     runfiles.prepare_workdir(workdir)
     # One trainer per workdir, taken before anything in it is moved or removed.

@@ -12,6 +12,7 @@ from jaxtrain.run import runfiles
 
 MOE_FIELDS = ("moe_aux_loss", "moe_dropped_frac", "moe_load_imbalance")
 EVAL_FIELDS = ("eval_loss", "eval_ppl")
+TASK_PREFIX = "lm_eval/"  # train.eval_tasks's metrics: lm_eval/<task>/<metric> (interop/tasks.py)
 DPO_FIELDS = ("dpo_reward_chosen", "dpo_reward_rejected", "dpo_reward_accuracy", "dpo_reward_margin")
 
 
@@ -49,6 +50,14 @@ def _checklist(rec: dict) -> str:
   return out
 
 
+def _tasks(rec: dict, most: int = 4) -> str:
+  """train.eval_tasks's metrics at an eval step (stderrs left to the files): the first `most`, then a count."""
+  shown = [(k.removeprefix(TASK_PREFIX), v) for k, v in rec.items()
+           if k.startswith(TASK_PREFIX) and "_stderr" not in k]
+  more = f" +{len(shown) - most} more" if len(shown) > most else ""
+  return "".join(f"  {k} {v:.4f}" for k, v in shown[:most]) + more
+
+
 def skip_reason(rec: dict) -> str:
   """Why a step moved nothing: the step skips one that trained no token or had non-finite gradients."""
   return "no trained token in this step" if rec["tokens"] == 0 else "non-finite gradients"
@@ -71,7 +80,8 @@ class ConsoleSink:
           + (f"  SKIPPED ({skip_reason(rec)})" if rec["skipped"] else "")
           + (f"  acc {rec['dpo_reward_accuracy']:.2f} margin {rec['dpo_reward_margin']:.3f}"
              if "dpo_reward_margin" in rec else "")
-          + (f"  eval {rec['eval_loss']:.4f} (ppl {rec['eval_ppl']:.2f})" if "eval_loss" in rec else ""), flush=True)
+          + (f"  eval {rec['eval_loss']:.4f} (ppl {rec['eval_ppl']:.2f})" if "eval_loss" in rec else "")
+          + _tasks(rec), flush=True)
 
   def close(self) -> None:
     pass

@@ -187,6 +187,10 @@ def check_fits_mesh(cfg: Config, mesh) -> None:
   if cfg.model.lora_rank and pipeline.active(mesh):
     raise UserError(f"model.lora_rank={cfg.model.lora_rank} with mesh pipeline={mesh.shape['pipeline']} is not "
                     "supported yet (LoRA runs on data, fsdp, tensor, sequence and expert axes)")
+  if cfg.train.eval_tasks_interval and pipeline.active(mesh):
+    raise UserError(f"train.eval_tasks={cfg.train.eval_tasks!r} with mesh pipeline={mesh.shape['pipeline']} is not "
+                    "supported yet (lm-eval's model runs the whole stack on each device's layers); evaluate the "
+                    "checkpoints with python -m jaxtrain.eval instead")
   pipeline.check(cfg, mesh)
   if t.seq_len % mesh.shape["sequence"]:
     raise UserError(f"train.seq_len={t.seq_len} must divide over sequence={mesh.shape['sequence']} devices")
