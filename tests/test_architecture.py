@@ -249,6 +249,7 @@ COVERED_BY = {
     "jaxtrain.cli": ("tests/commands/test_flows.py", "exit"),
     "jaxtrain.launch.__main__": ("tests/launch/test_supervisor.py", "jaxtrain.launch"),
     "jaxtrain.goodput": ("tests/run/test_goodput.py", "jaxtrain.goodput"),
+    "jaxtrain.interop.tasks": ("tests/run/test_eval_tasks.py", "tasks_lib"),
     "jaxtrain.plan": ("tests/analysis/test_planner.py", "jaxtrain.plan"),
     "jaxtrain.core.errors": ("tests/core/test_config.py", "UserError"),
     "jaxtrain.core.files": ("tests/run/test_filecheck.py", "files"),

@@ -180,6 +180,7 @@ CONTENT_KEYS = {"data.source", "data.tokenizer"}
 RUN_KEYS = {
     "model.moe_grouped_matmul", "model.attention", "model.attention_max_segments", "model.remat",
     "train.microbatches", "train.max_skipped_in_a_row", "train.eval_interval", "train.loss_chunk_tokens",
+    "train.eval_tasks", "train.eval_tasks_interval", "train.eval_tasks_limit", "train.eval_include_path",
     "run.log_every", "run.sequence_parallel", "run.xla_flags", "run.xla_flags_extra", "run.xla_flags_unknown",
     "run.trackers",
     "run.profile_steps", "run.fit_check", "run.hang_timeout_s", "run.hang_first_step_s",

@@ -48,6 +48,8 @@ FACTORS = (
     Factor("lora", ("off", "on", "nf4")),  # nf4: QLoRA, the frozen base stored in 4 bits
     Factor("objective", ("lm", "dpo")),
     Factor("optim", ("adamw", "muon")),  # optim.name
+    Factor("trackers", ("tensorboard", "wandb,mlflow", "none")),  # run.trackers: a view, never the math
+    Factor("eval_tasks", (False, True)),  # train.eval_tasks every train.eval_tasks_interval steps
 )
 BY_NAME = {f.name: f for f in FACTORS}
 
@@ -71,6 +73,10 @@ REFUSED = {
                                    "device, its matrices the model's own projections")
        for pair, words in ((("offload", "host"), "optim.offload='host'"), (("lora", "on"), "model.lora_rank="),
                            (("lora", "nf4"), "model.lora_rank="))},
+    **{(("eval_tasks", True), pair): (("train.eval_tasks=", words), "lm-eval's model (interop/harness.py) runs the "
+                                      "whole layer stack on device-resident, dense parameters")
+       for pair, words in ((("pipeline", 2), "pipeline=2"), (("offload", "host"), "optim.offload='host'"),
+                           (("lora", "nf4"), "model.lora_base_dtype='nf4'"))},
 }
 
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow  # compiles of whole steps, subprocesses: left out
 STEPS = 2
 BASE = ["model.d_model=32", "model.n_heads=4", "model.head_dim=8", "model.d_ff=64",
         "model.vocab_size=384", "train.batch_size=16", "train.seq_len=16", "train.steps=20", "optim.warmup_steps=1",
-        "train.loss_chunk_tokens=32", "loss_scale.initial=1024", "run.tensorboard=false"]
+        "train.loss_chunk_tokens=32", "loss_scale.initial=1024"]
 ATTENTION = {"mha": ["model.n_kv_heads=4"], "gqa": ["model.n_kv_heads=2"],
              "mla": ["model.attention_type=mla", "model.q_lora_rank=16", "model.kv_lora_rank=16",
                      "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8"]}
@@ -57,7 +57,10 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
           f"model.remat={row['remat']}", f"model.scan_layers={str(row['scan_layers']).lower()}",
           f"model.fp8={row['fp8']}", f"model.dtype={row['dtype']}", f"optim.zero_stage={row['zero_stage']}",
           f"optim.offload={row['offload']}", f"train.microbatches={micro}",
-          f"run.sequence_parallel={str(row['sequence_parallel']).lower()}", f"optim.name={row['optim']}"]
+          f"run.sequence_parallel={str(row['sequence_parallel']).lower()}", f"optim.name={row['optim']}",
+          f"run.trackers={'' if row['trackers'] == 'none' else row['trackers']}"]
+  if row["eval_tasks"]:  # the names are checked by the run (with lm-eval), not by the Setup these rows build
+    sets += ["train.eval_tasks=tiny_mc", "train.eval_tasks_interval=1"]
   if row["mtp"]:
     sets += ["model.mtp_layers=1", "model.mtp_weight=0.3"]
   if on("routing_bias") and row["routing_bias"]:
