@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import numbers
@@ -95,9 +97,12 @@ class DuringTraining:
                                    batch_size=cfg.train.batch_size // cfg.train.microbatches,
                                    compute=s.layout.compute)
     self.lm.params = params  # the step donates the state: each evaluation takes the current arrays
+    if self.writer:
+      print(f"step {step}: lm-eval tasks {','.join(self.names)}...", flush=True)
     states = random.getstate(), np.random.get_state()
-    try:
-      results = evaluate(self.lm, self.names, self.manager, self.limit)
+    try:  # lm-eval's progress bars off the terminal (its log records go to the run's log)
+      with contextlib.redirect_stderr(io.StringIO()):
+        results = evaluate(self.lm, self.names, self.manager, self.limit)
     finally:
       random.setstate(states[0])
       np.random.set_state(states[1])

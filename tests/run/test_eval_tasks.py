@@ -32,7 +32,7 @@ def _local_tasks(d):
 
 def _cfg(tmp, include, *extra):
   return config.load("tiny", ["model.dtype=float32", "model.n_layers=1", "train.batch_size=4", "train.seq_len=32",
-                              f"data.tokenizer={tmp / 'tok.json'}", "run.trackers=", "optim.lr=1e-2",
+                              f"data.tokenizer={tmp / 'tok.json'}", "run.trackers=mlflow", "optim.lr=1e-2",
                               "train.eval_tasks=tiny_mc,tiny_roll", "train.eval_tasks_interval=2",
                               f"train.eval_include_path={include}", "checkpoint.interval=2", "checkpoint.keep=10",
                               *extra])
@@ -42,6 +42,8 @@ def _cfg(tmp, include, *extra):
 def test_tasks_every_n_steps_equal_the_eval_command_on_that_steps_checkpoint(tmp_path, monkeypatch, capsys):
   monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
+  monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
   tokenizer_json(tmp_path / "tok.json")
   include = _local_tasks(tmp_path / "tasks")
   # ZeRO-1 on dp=2: the stored master is split over data, the harness scores with the step's compute copy
@@ -72,6 +74,12 @@ def test_tasks_every_n_steps_equal_the_eval_command_on_that_steps_checkpoint(tmp
   assert {"lm_eval/tiny_mc/acc", "lm_eval/tiny_roll/word_perplexity", "lm_eval/tiny_roll/bits_per_byte"} <= set(
       logged[2])
   assert logged[2] != logged[4]  # the parameters moved between the two evaluations
+  from mlflow import MlflowClient  # the tracker got them as it gets eval_loss, read back through its own API
+  client = MlflowClient()
+  run_id = json.loads((w / "trackers.json").read_text())["mlflow"]["run_id"]
+  for key in logged[2]:
+    assert {m.step: m.value for m in client.get_metric_history(run_id, key)} == pytest.approx(
+        {2: logged[2][key], 4: logged[4][key]}, rel=1e-12), key
   out = capsys.readouterr().out
   assert "tiny_mc/acc" in next(line for line in out.splitlines() if line.startswith("step      2/4"))
   during = json.loads((w / "eval" / "step_2.json").read_text())
