@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import math
@@ -28,12 +29,18 @@ def resolve(text: str, include: str | None, what: str, include_what: str) -> tup
     raise UserError(f"{what} '': name at least one lm-eval task")
   if include:
     include = str(files.user_path(include, include_what))
-  manager = TaskManager(include_path=include or None)
+  manager = _manager(TaskManager, include or None)
   unknown = [n for n in names if n not in manager.all_tasks]
   if unknown:
     raise UserError(f"{what}: unknown task {unknown[0]!r} (not among lm-eval's tasks"
                     f"{f' nor those of {include_what}' if include else f'; local YAMLs: {include_what} DIR'})")
   return names, manager
+
+
+@functools.lru_cache(maxsize=4)
+def _manager(kind, include: str | None):
+  """lm-eval's task index (seconds: it reads every task YAML it ships), once per folder in a process."""
+  return kind(include_path=include)
 
 
 def evaluate(lm, names: list[str], manager, limit: int | None) -> dict:

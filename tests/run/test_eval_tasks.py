@@ -125,3 +125,11 @@ def test_eval_tasks_keys_are_checked_with_the_config():
   # without an interval the tasks run never: reported as ignored, not refused
   cfg = config.load("tiny", ["train.eval_tasks=a"])
   assert any("train.eval_tasks" in line for line in config.ignored(cfg))
+
+
+def test_task_metrics_are_named_by_task_metric_and_filter():
+  import numpy as np
+  results = {"results": {"gsm": {"alias": "gsm", "exact_match,strict-match": 0.5, "exact_match_stderr,strict-match":
+                                 "N/A", "acc,none": np.float32(0.25), "acc_stderr,none": float("nan"),
+                                 "sample_len": 3}}}
+  assert tasks_lib.scalars(results) == {"lm_eval/gsm/exact_match/strict-match": 0.5, "lm_eval/gsm/acc": 0.25}
