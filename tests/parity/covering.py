@@ -48,10 +48,16 @@ FACTORS = (
     Factor("lora", ("off", "on", "nf4")),  # nf4: QLoRA, the frozen base stored in 4 bits
     Factor("objective", ("lm", "dpo")),
     Factor("optim", ("adamw", "muon")),  # optim.name
-    Factor("trackers", ("tensorboard", "wandb,mlflow", "none")),  # run.trackers: a view, never the math
+)
+# Options that never change the step (what is logged where, what is evaluated beside it): their levels are given to
+# the rows of the factors above after those are chosen (so those rows stay as they were), and a row added for them
+# alone repeats a step already in the matrix (`math_rows`: each step once).
+VIEWS = (
+    Factor("trackers", ("tensorboard", "wandb,mlflow", "none")),  # run.trackers
     Factor("eval_tasks", (False, True)),  # train.eval_tasks every train.eval_tasks_interval steps
 )
-BY_NAME = {f.name: f for f in FACTORS}
+ALL = FACTORS + VIEWS
+BY_NAME = {f.name: f for f in ALL}
 
 # Pairs refused in one line, with the words the refusal must contain (both options named) and why.
 REFUSED = {
@@ -91,15 +97,15 @@ def refused(row: dict) -> list[tuple]:
           if all(row.get(n) == v and BY_NAME[n].active(row) for n, v in pair)]
 
 
-def _pairs(row: dict) -> set:
-  act = [(f.name, row[f.name]) for f in FACTORS if f.active(row)]
+def _pairs(row: dict, factors: tuple = ALL) -> set:
+  act = [(f.name, row[f.name]) for f in factors if f.name in row and f.active(row)]
   return {tuple(sorted(p)) for p in itertools.combinations(act, 2)}
 
 
-def all_pairs() -> set:
+def all_pairs(factors: tuple = ALL) -> set:
   """Every pair of (factor, level) that some feasible, unrefused row holds with both in force."""
   out = set()
-  for a, b in itertools.combinations(FACTORS, 2):
+  for a, b in itertools.combinations(factors, 2):
     for la, lb in itertools.product(a.levels, b.levels):
       pair = tuple(sorted([(a.name, la), (b.name, lb)]))
       if _completable(dict(pair)):
@@ -113,8 +119,8 @@ def _completable(fixed: dict) -> bool:
   return row is not None and all(BY_NAME[n].active(row) for n in fixed)
 
 
-def _complete(fixed: dict, rng: random.Random, want: set | None):
-  """A feasible, unrefused row holding `fixed`: factors in a seeded order, each the level that covers most of
+def _complete(fixed: dict, rng: random.Random, want: set | None, factors: tuple = ALL):
+  """A feasible, unrefused row holding `fixed`: `factors` in a seeded order, each the level that covers most of
   `want` with what is chosen so far (None: the first that keeps the row possible)."""
   row = dict(fixed)
   for name in fixed:  # a conditional factor's value means something only with its condition
@@ -122,7 +128,7 @@ def _complete(fixed: dict, rng: random.Random, want: set | None):
       if row.setdefault(when[0], when[1][0]) not in when[1]:
         return None
   # the factors others depend on first, so that `when` can be honoured
-  order = sorted((f for f in FACTORS if f.name not in row), key=lambda f: (f.when is not None, rng.random()))
+  order = sorted((f for f in factors if f.name not in row), key=lambda f: (f.when is not None, rng.random()))
   for f in order:
     levels = list(f.levels)
     rng.shuffle(levels)
@@ -150,24 +156,61 @@ def _possible(partial: dict) -> bool:
 
 
 def matrix(seed: int = 0, candidates: int = 30) -> list[dict]:
-  """Rows covering every pair of `all_pairs` (greedy: the best of `candidates` seeded rows at each step)."""
+  """Rows covering every pair of `all_pairs`: those of FACTORS greedily (the best of `candidates` seeded rows at
+  each step), then the VIEWS' levels given to them, and rows of the same steps added for the VIEWS' pairs left."""
   rng = random.Random(seed)
-  want, rows = all_pairs(), []
+  want, rows = all_pairs(FACTORS), []
   while want:
     first = sorted(want)[0]  # an uncovered pair seeds every candidate: progress is guaranteed
     best = None
     for _ in range(candidates):
-      row = _complete(dict(first), rng, want)
+      row = _complete(dict(first), rng, want, FACTORS)
       if row is None or not all(BY_NAME[n].active(row) for n, _ in first):
         continue
-      gain = len(_pairs(row) & want)
+      gain = len(_pairs(row, FACTORS) & want)
       if best is None or gain > best[0]:
         best = (gain, row)
     if best is None:
       raise AssertionError(f"no row holds {first}")
     rows.append(best[1])
-    want -= _pairs(best[1])
+    want -= _pairs(best[1], FACTORS)
+  return _with_views(rows)
+
+
+def _with_views(steps: list[dict]) -> list[dict]:
+  """`steps` with the VIEWS' levels that cover most pairs still wanted, then copies of them with other levels for
+  the pairs left (each the copy that covers most)."""
+  want, rows = all_pairs() - set().union(*(_pairs(r, FACTORS) for r in steps)), []
+
+  def viewed(step: dict, fixed: dict) -> dict | None:
+    row = {**step, **fixed}
+    for f in VIEWS:
+      if f.name not in fixed:
+        fits = [lv for lv in f.levels if not refused({**row, f.name: lv})]
+        row[f.name] = max(fits, key=lambda lv: len(_pairs({**row, f.name: lv}) & want), default=None)
+    return row if not refused(row) and None not in row.values() else None
+  for step in steps:
+    rows.append(viewed(step, {}))
+    want -= _pairs(rows[-1])
+  while want:
+    first = sorted(want)[0]
+    fixed = {n: v for n, v in first if n in {f.name for f in VIEWS}}
+    options = [r for r in (viewed(step, fixed) for step in steps) if r is not None and set(first) <= set(r.items())]
+    if not options:
+      raise AssertionError(f"no row holds {first}")
+    rows.append(max(options, key=lambda r: len(_pairs(r) & want)))
+    want -= _pairs(rows[-1])
   return rows
+
+
+def math_rows(rows: list[dict]) -> list[dict]:
+  """Each step of `rows` once (the first row of it): the VIEWS do not change it."""
+  seen, out = set(), []
+  for r in rows:
+    if (key := tuple(r[f.name] for f in FACTORS)) not in seen:
+      seen.add(key)
+      out.append(r)
+  return out
 
 
 def refusal_rows() -> list[tuple[dict, tuple, str]]:
@@ -176,7 +219,7 @@ def refusal_rows() -> list[tuple[dict, tuple, str]]:
   out = []
   for pair, (words, why) in REFUSED.items():
     row = dict(pair)
-    for f in FACTORS:
+    for f in ALL:
       if f.name not in row:
         row[f.name] = next(lv for lv in f.levels if refused({**row, f.name: lv}) == [pair])
     out.append((row, words, why))
@@ -185,6 +228,7 @@ def refusal_rows() -> list[tuple[dict, tuple, str]]:
 
 if __name__ == "__main__":
   rows = matrix()
-  print(f"{len(rows)} rows cover {len(all_pairs())} pairs; {len(REFUSED)} refused pairs")
+  print(f"{len(rows)} rows ({len(math_rows(rows))} steps) cover {len(all_pairs())} pairs; {len(REFUSED)} refused "
+        "pairs")
   for r in rows:
     print({k: v for k, v in r.items() if BY_NAME[k].active(r)})

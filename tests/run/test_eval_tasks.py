@@ -39,13 +39,23 @@ def _cfg(tmp, include, *extra):
 
 
 @pytest.mark.slow  # lm-eval's import and task index, a short run, the eval command in-process
-def test_tasks_every_n_steps_equal_the_eval_command_on_that_steps_checkpoint(tmp_path, monkeypatch, capsys):
+def test_tasks_every_n_steps_equal_the_eval_command_on_that_steps_checkpoint_and_an_unknown_one_is_refused(tmp_path, monkeypatch, capsys):
   monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
   monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
   monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
   tokenizer_json(tmp_path / "tok.json")
   include = _local_tasks(tmp_path / "tasks")
+  w = tmp_path / "w"
+  # an unknown name: one line, exit 2, before anything is written (the command's start-up included)
+  with pytest.raises(SystemExit) as e:
+    train_command.main(["--config", "tiny", "--workdir", str(w), "--set", "train.eval_tasks=tiny_mc,tiny_nope",
+                        "--set", "train.eval_tasks_interval=1", "--set", f"train.eval_include_path={include}",
+                        "--set", f"data.tokenizer={tmp_path / 'tok.json'}", "--set", "run.trackers="])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and not w.exists(), err
+  assert err.strip() == ("jaxtrain: error: train.eval_tasks: unknown task 'tiny_nope' (not among lm-eval's "
+                         "tasks nor those of train.eval_include_path)")
   # ZeRO-1 on dp=2: the stored master is split over data, the harness scores with the step's compute copy
   cfg = _cfg(tmp_path, include, "optim.zero_stage=1")
   seen = []  # (the parameters the step passed on, those the harness scored with)
@@ -61,7 +71,6 @@ def test_tasks_every_n_steps_equal_the_eval_command_on_that_steps_checkpoint(tmp
     return real_evaluate(lm, names, manager, limit)
   monkeypatch.setattr(loop._Steps, "log_step", log_step)  # noqa: SLF001
   monkeypatch.setattr(tasks_lib, "evaluate", evaluate)
-  w = tmp_path / "w"
   loop.run(cfg, mesh_of("dp=2"), w, "tiny", stop_at=4)
   # no copy: the harness got the train state's own arrays at each eval step
   assert len(seen) == 2 and all(len(pair) == 2 for pair in seen)
@@ -95,21 +104,6 @@ def test_tasks_every_n_steps_equal_the_eval_command_on_that_steps_checkpoint(tmp
   assert logged[2]["lm_eval/tiny_mc/acc"] == after["results"]["tiny_mc"]["acc,none"]
   assert logged[2]["lm_eval/tiny_roll/word_perplexity"] == pytest.approx(
       after["results"]["tiny_roll"]["word_perplexity,none"], rel=1e-5)
-
-
-@pytest.mark.slow  # lm-eval's task index
-def test_an_unknown_task_is_one_line_before_anything_is_written(tmp_path, capsys):
-  tokenizer_json(tmp_path / "tok.json")
-  include = _local_tasks(tmp_path / "tasks")
-  w = tmp_path / "w"
-  with pytest.raises(SystemExit) as e:
-    train_command.main(["--config", "tiny", "--workdir", str(w), "--set", "train.eval_tasks=tiny_mc,tiny_nope",
-                        "--set", "train.eval_tasks_interval=1", "--set", f"train.eval_include_path={include}",
-                        "--set", f"data.tokenizer={tmp_path / 'tok.json'}", "--set", "run.trackers="])
-  err = capsys.readouterr().err
-  assert e.value.code == 2 and not w.exists(), err
-  assert err.strip() == ("jaxtrain: error: train.eval_tasks: unknown task 'tiny_nope' (not among lm-eval's "
-                         "tasks nor those of train.eval_include_path)")
 
 
 def test_eval_tasks_keys_are_checked_with_the_config():
