@@ -10,7 +10,10 @@ import io
 import json
 import math
 import numbers
+import random
 from pathlib import Path
+
+import numpy as np
 
 from jaxtrain.core import files, parse
 from jaxtrain.core.errors import UserError
@@ -93,8 +96,6 @@ class DuringTraining:
 
   def __call__(self, step: int, params) -> dict[str, float]:
     """lm_eval/<task>/<metric> scalars of the tasks on `params` (the train state's own arrays, not copied)."""
-    import random
-    import numpy as np
     if self.lm is None:
       from jaxtrain.data import tokenizer as tokenizer_lib
       from jaxtrain.interop import decode, harness

@@ -5,7 +5,8 @@ pair, which must be refused in one line naming both options. `python -m tests.pa
 A factor may be conditional (`when`): a schedule only means something with a pipeline, the sequence attention with a
 sequence axis, the routing bias with experts. A pair counts as covered only in a row where both are in force. The
 generator is greedy (each new row takes the values that cover the most uncovered pairs, in a seeded order), so the
-matrix is the same on every machine."""
+matrix is the same on every machine. The VIEWS (run.trackers, train.eval_tasks) never change the step: their levels
+are given to those rows afterwards, and their refusals are listed with the others."""
 
 from __future__ import annotations
 
