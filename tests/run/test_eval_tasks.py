@@ -83,6 +83,11 @@ def test_tasks_every_n_steps_equal_the_eval_command_on_that_steps_checkpoint(tmp
   assert {"lm_eval/tiny_mc/acc", "lm_eval/tiny_roll/word_perplexity", "lm_eval/tiny_roll/bits_per_byte"} <= set(
       logged[2])
   assert logged[2] != logged[4]  # the parameters moved between the two evaluations
+  # the math is unchanged: the same run without the tasks has the same losses and gradient norms, bit for bit
+  loop.run(_cfg(tmp_path, include, "optim.zero_stage=1", "train.eval_tasks_interval=0"), mesh_of("dp=2"),
+           tmp_path / "plain", "tiny", stop_at=4)
+  plain = [json.loads(line) for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+  assert [(r["loss"], r["grad_norm"]) for r in plain] == [(r["loss"], r["grad_norm"]) for r in recs]
   from mlflow import MlflowClient  # the tracker got them as it gets eval_loss, read back through its own API
   client = MlflowClient()
   run_id = json.loads((w / "trackers.json").read_text())["mlflow"]["run_id"]
