@@ -48,6 +48,9 @@ FACTORS = (
     Factor("lora", ("off", "on", "nf4")),  # nf4: QLoRA, the frozen base stored in 4 bits
     Factor("objective", ("lm", "dpo")),
     Factor("optim", ("adamw", "muon")),  # optim.name
+    # the LR schedule: in steps; in tokens (train.tokens, optim.warmup_tokens, optim.lr_reference_batch); or that
+    # with train.batch_ramp (its steps run below train.batch_size)
+    Factor("schedule_in", ("steps", "tokens", "ramp")),
 )
 BY_NAME = {f.name: f for f in FACTORS}
 
