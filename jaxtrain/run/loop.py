@@ -301,6 +301,8 @@ class _Steps:
     self.progress.count(s, int(fetched["tokens"]), bool(fetched["skipped"]))
     rec = metrics.record(s, fetched, done - since, sum(wait), self.progress,
                          self.flops_per_row * self.ramp.size(s - 1), self.peak_total)
+    if self.cfg.train.batch_ramp:
+      rec["batch_size"] = self.ramp.size(s - 1)
     rec.update(self.checklist.fields(s, rec, wait))
     self.sinks.write(s, rec)
     sm = self.summary

@@ -90,10 +90,12 @@ def _params(step_dir):
   return jax.device_get(state)
 
 
+@pytest.mark.slow  # three in-process runs, two step programs each (about a minute on 2 cores)
 def test_a_ramp_run_resumed_mid_ramp_equals_the_uninterrupted_run_and_dp2_equals_one_device(tmp_path):
   cfg = config.load("tiny", RAMP)
   straight, ref = _run(tmp_path, "straight")
   assert straight.compiled_sizes == [4, 8]  # each size's step compiled once
+  assert [ref[s]["batch_size"] for s in range(1, 9)] == SIZES
   # the LR of each step from the valid tokens of the batches it saw (the stream itself, read here)
   it, T = data.batches(cfg), 0
   for s in range(1, 9):
