@@ -657,6 +657,9 @@ def _later_layer_wins(raw: dict, given: dict[str, _Given]) -> None:
       loser = a if given[a].layer < given[b].layer else b
       section, _, name = loser.partition(".")
       raw[section].pop(name, None)
+      warm = given.get("optim.warmup_tokens")
+      if loser == "train.tokens" and warm is not None and warm.layer < given[a].layer:  # steps again: its warmup
+        raw["optim"].pop("warmup_tokens", None)
   ramp_given, size_given = given.get("train.batch_ramp"), given.get("train.batch_size")
   if ramp_given is not None and (size_given is None or size_given.layer < ramp_given.layer):
     points = ramp_lib.parse_ramp(ramp_given.value)
