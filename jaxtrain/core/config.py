@@ -213,10 +213,10 @@ class OptimConfig:
                              min=0.0, max=1.0, open_max=True)
   lr: float = key(3e-3, "Peak learning rate.", math=True, min=0.0)
   warmup_steps: int = key(5, "Linear warmup steps, from lr/warmup_steps up to lr.", math=True, min=0)
-  warmup_tokens: int = key(
-      0, "Linear warmup in tokens (with the schedule in tokens, train.tokens): the update that brings the valid "
+  warmup_tokens: float = key(
+      0.0, "Linear warmup in tokens (a number such as 2e8) (with the schedule in tokens, train.tokens): the update that brings the valid "
       "tokens of applied updates to T runs at lr * T / warmup_tokens until T reaches it; the alternative to "
-      "warmup_steps (both set: refused); 0 = none.", math=True, min=0)
+      "warmup_steps (both set: refused); 0 = none.", math=True, min=0.0)
   lr_reference_batch: int = key(
       0, "Scale the learning rate with the global batch: lr x (batch / this), or its square root "
       "(optim.lr_batch_scaling), per step's batch under train.batch_ramp; printed at start. A rule of thumb (the "
@@ -253,11 +253,11 @@ class TrainConfig:
       "order is the same on every mesh and resume); grown as rows per device, the microbatch count unchanged; each "
       "size divides over microbatches x data*fsdp*expert, the largest is train.batch_size; each size's step "
       "compiles once. Empty = train.batch_size throughout.", math=True)
-  tokens: int = key(
-      0, "The schedule in tokens: the LR schedule's length in valid (non-masked) tokens of applied updates (skipped "
+  tokens: float = key(
+      0.0, "The schedule in tokens (a number such as 2e12): the LR schedule's length in valid (non-masked) tokens of applied updates (skipped "
       "steps move it by nothing), and the run's length: the steps that feed this many tokens (sequences x seq_len). "
       "The alternative to train.steps (both set: refused); warmup is then optim.warmup_tokens. 0 = in steps.",
-      math=True, min=0)
+      math=True, min=0.0)
   seq_len: int = key(128, "Tokens per sequence.", math=True, min=2)
   microbatches: int = key(1, "Gradient-accumulation steps per optimizer step; divides batch_size. For MoE models "
                           "a math key (the aux loss and capacity groups follow the split).", math=False, min=1)
@@ -739,9 +739,9 @@ def check_schedule(cfg: Config) -> None:
   for a, b in ALTERNATIVES:
     va, vb = value_of(cfg, a), value_of(cfg, b)
     if vb and va != value_of(Config(), a):
-      raise UserError(f"{a}={va} and {b}={vb} both set; give one (a later --set of one replaces the other)")
+      raise UserError(f"{a}={va} and {b}={vb:g} both set; give one (a later --set of one replaces the other)")
   if o.warmup_tokens and not t.tokens:
-    raise UserError(f"optim.warmup_tokens={o.warmup_tokens} needs the schedule in tokens: set train.tokens (its "
+    raise UserError(f"optim.warmup_tokens={o.warmup_tokens:g} needs the schedule in tokens: set train.tokens (its "
                     "length), or use optim.warmup_steps")
   points = ramp_lib.parse_ramp(t.batch_ramp)
   if not points:

@@ -94,4 +94,4 @@ def of(cfg) -> Ramp:
 def run_steps(cfg) -> int:
   """The run's length in steps: train.steps, or with train.tokens the steps that feed that many tokens."""
   t = cfg.train
-  return of(cfg).steps_for(t.tokens) if t.tokens else t.steps
+  return of(cfg).steps_for(math.ceil(t.tokens)) if t.tokens else t.steps

@@ -211,7 +211,7 @@ def schedule_line(cfg) -> str:
   if t.batch_ramp:
     parts.append("batch ramp: " + ", ".join(f"{size} sequences from step {first + 1}" for first, _, size in r.phases))
   if t.tokens:
-    parts.append(f"schedule in tokens: {t.tokens:,} valid tokens of applied updates (warmup {o.warmup_tokens:,}), "
+    parts.append(f"schedule in tokens: {t.tokens:,.0f} valid tokens of applied updates (warmup {o.warmup_tokens:,.0f}), "
                  f"{ramp_lib.run_steps(cfg)} steps")
   if o.lr_reference_batch:
     peaks = ", ".join(f"{o.lr * optim_lib.batch_factor(o, n):.4g} at {n}" for n in r.sizes())
@@ -414,7 +414,7 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
   """Trains until `stop_at` (default train.steps) total steps."""
   allowed = allowed_mismatches(allow_mismatch)
   asked = f"--steps asks for {stop_at}" if stop_at else (
-      f"train.tokens={cfg.train.tokens} takes {ramp_lib.run_steps(cfg)} steps" if cfg.train.tokens
+      f"train.tokens={cfg.train.tokens:g} takes {ramp_lib.run_steps(cfg)} steps" if cfg.train.tokens
       else f"train.steps is {cfg.train.steps}")
   stop_at = stop_at or ramp_lib.run_steps(cfg)
   setup = step_lib.Setup(cfg, mesh, segments=data.most_segments(cfg, stop_at))

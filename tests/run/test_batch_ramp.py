@@ -142,7 +142,7 @@ def test_a_skipped_update_moves_the_token_schedule_by_nothing():
 
 
 @pytest.mark.parametrize("sets, words", [
-    (["train.tokens=1000", "train.steps=30"], ("train.steps=30", "train.tokens=1000", "give one")),
+    (["train.tokens=1e3", "train.steps=30"], ("train.steps=30", "train.tokens=1000 ", "give one")),
     (["train.tokens=1000", "optim.warmup_steps=3", "optim.warmup_tokens=10"], ("optim.warmup_steps=3",
                                                                               "optim.warmup_tokens=10")),
     (["optim.warmup_tokens=100"], ("optim.warmup_tokens=100", "train.tokens")),
