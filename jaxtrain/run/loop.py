@@ -139,6 +139,12 @@ def _same_run(current: dict, allowed: set[str], setup):
       raise UserError(f"checkpoint {step_dir} was written with optim.name={was!r}, this run has optim.name={now!r}: "
                       "the optimizer states differ (AdamW's two moments, Muon's one), so the run cannot switch "
                       "optimizer on resume; keep optim.name, or --fresh")
+    was, now = (checkpoint.value(f, "train.tokens") for f in (manifest["fingerprint"], current))
+    if was is not None and bool(was) != bool(now):  # the state holds the position in tokens, or does not
+      unit = lambda t: f"in tokens (train.tokens={t:g})" if t else "in steps (train.tokens=0)"  # noqa: E731
+      raise UserError(f"checkpoint {step_dir} was written with the schedule {unit(was)}, this run has it "
+                      f"{unit(now)}: the train state keeps the schedule's position only in tokens, so a run cannot "
+                      "switch unit on resume; keep the unit, or --fresh")
     dpo.check_start(setup.cfg, step_dir, manifest)  # an lm run's checkpoint holds no DPO reference
     imported = checkpoint.params_only(manifest)
     if imported:

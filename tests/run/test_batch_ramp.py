@@ -166,3 +166,15 @@ def test_a_later_layer_replaces_the_other_spelling_and_a_ramp_size_must_fit_the_
   with pytest.raises(UserError, match=r"train.batch_ramp size 2 / train.microbatches=1 = 2 sequences per "
                                       r"microbatch must divide over data\*fsdp\*expert=4"):
     step.Setup(config.load("tiny", ["train.batch_ramp=0:2,1e3:8"]), mesh_of("dp=4"))
+
+
+def test_a_resume_cannot_switch_the_schedule_between_steps_and_tokens(tmp_path):
+  """Even with --allow-mismatch train: the state holds the position in tokens only when the schedule is."""
+  steps_cfg, tokens_cfg = config.load("tiny"), config.load("tiny", ["train.tokens=1e6"])
+  for was, now, words in ((steps_cfg, tokens_cfg, ("in steps", "in tokens (train.tokens=1e+06)")),
+                          (tokens_cfg, steps_cfg, ("in tokens (train.tokens=1e+06)", "in steps"))):
+    accept = loop._same_run(checkpoint.fingerprint(now, "tok", "data"), {"train"}, step.Setup(now, mesh_of("dp=1")))
+    with pytest.raises(UserError) as e:
+      accept(tmp_path / "7", {"fingerprint": checkpoint.fingerprint(was, "tok", "data")})
+    msg = str(e.value)
+    assert msg.index(words[0]) < msg.index(words[1]) and "\n" not in msg and "--fresh" in msg, msg
