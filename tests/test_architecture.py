@@ -254,6 +254,7 @@ COVERED_BY = {
     "jaxtrain.core.errors": ("tests/core/test_config.py", "UserError"),
     "jaxtrain.core.files": ("tests/run/test_filecheck.py", "files"),
     "jaxtrain.core.parse": ("tests/core/test_bad_inputs.py", "parse."),
+    "jaxtrain.core.ramp": ("tests/run/test_batch_ramp.py", "ramp."),
     "jaxtrain.interop.hf_fields": ("tests/core/test_bad_inputs.py", "config.json"),
     "jaxtrain.core.resources": ("tests/commands/test_launch.py", "resources"),
     "jaxtrain.data.__main__": ("tests/commands/test_flows.py", "jaxtrain.data"),

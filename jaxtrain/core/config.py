@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from jaxtrain.core import parse, resources
+from jaxtrain.core import parse, ramp as ramp_lib, resources
 from jaxtrain.core.errors import UserError
 
 # The projections model.lora_targets may name: attention's q, k, v, o, MLA's q (its plain query projection), q_a,
@@ -213,6 +213,17 @@ class OptimConfig:
                              min=0.0, max=1.0, open_max=True)
   lr: float = key(3e-3, "Peak learning rate.", math=True, min=0.0)
   warmup_steps: int = key(5, "Linear warmup steps, from lr/warmup_steps up to lr.", math=True, min=0)
+  warmup_tokens: float = key(
+      0.0, "Linear warmup in tokens (a number such as 2e8) (with the schedule in tokens, train.tokens): the update that brings the valid "
+      "tokens of applied updates to T runs at lr * T / warmup_tokens until T reaches it; the alternative to "
+      "warmup_steps (both set: refused); 0 = none.", math=True, min=0.0)
+  lr_reference_batch: int = key(
+      0, "Scale the learning rate with the global batch: lr x (batch / this), or its square root "
+      "(optim.lr_batch_scaling), per step's batch under train.batch_ramp; printed at start. A rule of thumb (the "
+      "linear rule of Goyal et al. for SGD, the square root for Adam), not a theorem. 0 = off.", math=True, min=0)
+  lr_batch_scaling: Literal["linear", "sqrt"] = key(
+      "linear", "How optim.lr_reference_batch scales the learning rate: linear = batch / reference; sqrt = its "
+      "square root.", math=True)
   min_lr_ratio: float = key(0.1, "Cosine decay ends at lr * min_lr_ratio at the last step.", math=True, min=0.0,
                             max=1.0)
   weight_decay: float = key(0.1, "AdamW decoupled weight decay; applied to projection matrices only.", math=True,
@@ -233,7 +244,20 @@ class OptimConfig:
 class TrainConfig:
   steps: int = key(20, "Length of the LR schedule, and the run's length unless --steps stops it sooner or later.",
                    math=True, min=1)
-  batch_size: int = key(16, "Global sequences per optimizer step (all microbatches, all ranks).", math=True, min=1)
+  batch_size: int = key(16, "Global sequences per optimizer step (all microbatches, all ranks); with "
+                        "train.batch_ramp its largest size (the memory bill and eval batches use it).", math=True,
+                        min=1)
+  batch_ramp: str = key(
+      "", "Batch-size ramp-up, tokens:sequences pairs from 0, e.g. '0:256,1e9:512,2e9:1024': a step's global batch "
+      "is the size at the tokens fed before it (sequences x seq_len, padding and skipped steps included, so the data "
+      "order is the same on every mesh and resume); grown as rows per device, the microbatch count unchanged; each "
+      "size divides over microbatches x data*fsdp*expert, the largest is train.batch_size; each size's step "
+      "compiles once. Empty = train.batch_size throughout.", math=True)
+  tokens: float = key(
+      0.0, "The schedule in tokens (a number such as 2e12): the LR schedule's length in valid (non-masked) tokens of applied updates (skipped "
+      "steps move it by nothing), and the run's length: the steps that feed this many tokens (sequences x seq_len). "
+      "The alternative to train.steps (both set: refused); warmup is then optim.warmup_tokens. 0 = in steps.",
+      math=True, min=0.0)
   seq_len: int = key(128, "Tokens per sequence.", math=True, min=2)
   microbatches: int = key(1, "Gradient-accumulation steps per optimizer step; divides batch_size. For MoE models "
                           "a math key (the aux loss and capacity groups follow the split).", math=False, min=1)
@@ -395,7 +419,7 @@ SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 
 # Keys that moved when [train] was split by concern: old name -> new name.
 _NO_OLD_NAME = {"hang_timeout_s", "hang_first_step_s", "trackers"}  # [run] keys added after it was split from [train]
-_NO_OLD_OPTIM_NAME = {"name", "muon_momentum"}  # [optim] keys added after it was split from [train]
+_NO_OLD_OPTIM_NAME = {"name", "muon_momentum", "warmup_tokens", "lr_reference_batch", "lr_batch_scaling"}  # [optim] keys added after it was split from [train]
 RENAMED = {f"train.{k}": f"optim.{k}" for k in dataclasses.asdict(OptimConfig()) if k not in _NO_OLD_OPTIM_NAME} | {
     f"train.{k}": f"run.{k}" for k in dataclasses.asdict(RunConfig()) if k not in _NO_OLD_NAME}
 
@@ -467,6 +491,9 @@ DEPENDENT = (
           lambda c, _: c.model.rope_scaling == "yarn" or (c.model.rope_scaling == "llama3"
                                                           and c.model.attention_type == "mla")),
     Needs(("train.dpo_beta",), "train.objective=dpo", lambda c, _: c.train.objective == "dpo"),
+    Needs(("train.steps", "optim.warmup_steps"), "train.tokens=0 (the schedule in steps)",
+          lambda c, _: not c.train.tokens),
+    Needs(("optim.lr_batch_scaling",), "optim.lr_reference_batch > 0", lambda c, _: c.optim.lr_reference_batch > 0),
     Needs(_LOSS_SCALE, "loss scaling (loss_scale.mode=dynamic, or auto with model.dtype=float16)",
           lambda c, _: c.loss_scale.mode == "dynamic" or (c.loss_scale.mode == "auto" and c.model.dtype == "float16")),
     Needs(("data.eval_source", "data.eval_batches"), "train.eval_interval > 0", lambda c, _: c.train.eval_interval > 0),
@@ -622,12 +649,36 @@ def from_dict(doc: dict[str, Any], overrides: list[str] = (), where: str = "conf
         raise UserError(f"--set {item!r} must look like section.key=value")
       _set(raw, dotted.strip(), value.strip(), from_text=True, renamed=renamed, given=given, layer=layer,
            label=f"--set {item.strip()}")
+  _later_layer_wins(raw, given)
   if renamed:
     print(f"note: renamed config keys accepted: {', '.join(f'{k} -> {RENAMED[k]}' for k in sorted(renamed))}",
           file=sys.stderr)
   cfg = Config(**{s: SECTIONS[s](**raw.get(s, {})) for s in SECTIONS})
   validate(cfg)
   return cfg
+
+
+# Keys that say one thing two ways (the run's length, the warmup): given in a later layer than its alternative
+# (--set train.tokens over a preset's steps), a key replaces it; in one layer, both given are refused (`validate`).
+ALTERNATIVES = (("train.steps", "train.tokens"), ("optim.warmup_steps", "optim.warmup_tokens"))
+
+
+def _later_layer_wins(raw: dict, given: dict[str, _Given]) -> None:
+  """The alternatives of ALTERNATIVES, and train.batch_size from train.batch_ramp's largest size: what a later
+  layer gives replaces what an earlier one said the other way (back to its default)."""
+  for a, b in ALTERNATIVES:
+    if a in given and b in given and given[a].layer != given[b].layer:
+      loser = a if given[a].layer < given[b].layer else b
+      section, _, name = loser.partition(".")
+      raw[section].pop(name, None)
+      warm = given.get("optim.warmup_tokens")
+      if loser == "train.tokens" and warm is not None and warm.layer < given[a].layer:  # steps again: its warmup
+        raw["optim"].pop("warmup_tokens", None)
+  ramp_given, size_given = given.get("train.batch_ramp"), given.get("train.batch_size")
+  if ramp_given is not None and (size_given is None or size_given.layer < ramp_given.layer):
+    points = ramp_lib.parse_ramp(ramp_given.value)
+    if points:
+      raw["train"]["batch_size"] = max(n for _, n in points)
 
 
 def run_name(name_or_path: str) -> str:
@@ -694,6 +745,29 @@ def validate(cfg: Config) -> None:
                     f"loss_scale.max={ls.max}]")
   if t.batch_size % t.microbatches:
     raise UserError(f"train.microbatches={t.microbatches} must divide train.batch_size={t.batch_size}")
+  check_schedule(cfg)
+
+
+def check_schedule(cfg: Config) -> None:
+  """The run's length and warmup said once (in steps or in tokens), and the batch ramp's sizes."""
+  t, o = cfg.train, cfg.optim
+  for a, b in ALTERNATIVES:
+    va, vb = value_of(cfg, a), value_of(cfg, b)
+    if vb and va != value_of(Config(), a):
+      raise UserError(f"{a}={va} and {b}={vb:g} both set; give one (a later --set of one replaces the other)")
+  if o.warmup_tokens and not t.tokens:
+    raise UserError(f"optim.warmup_tokens={o.warmup_tokens:g} needs the schedule in tokens: set train.tokens (its "
+                    "length), or use optim.warmup_steps")
+  points = ramp_lib.parse_ramp(t.batch_ramp)
+  if not points:
+    return
+  sizes = [n for _, n in points]
+  if max(sizes) != t.batch_size:
+    raise UserError(f"train.batch_size={t.batch_size} must be train.batch_ramp's largest size {max(sizes)} (the "
+                    "memory bill and eval batches use it); set it or leave it to the ramp")
+  if bad := [n for n in sizes if n % t.microbatches]:
+    raise UserError(f"train.batch_ramp={t.batch_ramp!r}: size {bad[0]} does not divide into train.microbatches="
+                    f"{t.microbatches}")
 
 
 def check_optim(cfg: Config) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxtrain.core import parse
+from jaxtrain.core import parse, ramp as ramp_lib
 from jaxtrain.core.config import Config
 from jaxtrain.data import busy, pairs, readers, shards, tokenizer as tokenizer_lib
 from jaxtrain.core.errors import RunAborted, UserError
@@ -202,21 +202,24 @@ def open_sources(cfg: Config, check_tokenizer: bool = True):
 
 
 class Mixture:
-  """The global batch plan: for step s, which dataset and row each of the B rows is."""
+  """The global batch plan: for step s, which dataset and row each of its B_s rows is (B_s: train.batch_ramp's size
+  of step s, else train.batch_size): one stream of rows cut into steps, the same on every mesh."""
 
-  def __init__(self, cfg: Config, sets: list[shards.TokenSet], seed: int, pad_id: int):
+  def __init__(self, cfg: Config, sets: list[shards.TokenSet], seed: int, pad_id: int, ramp: bool = True):
     self.cum_weights, self.seed, self.B = np.cumsum(_weights(cfg, sets)), seed, cfg.train.batch_size
+    t = cfg.train
+    self.ramp = ramp_lib.of(cfg) if ramp else ramp_lib.build("", t.batch_size, t.seq_len)
     self.packers = [packer(ts, cfg.train.seq_len, seed, tag, pad_id) for tag, ts in enumerate(sets)]
     self._counts, self._lock = {0: np.zeros(len(sets), np.int64)}, threading.Lock()  # step -> rows taken before
 
   def choices(self, step: int) -> np.ndarray:
-    u = np.random.default_rng([self.seed, MIX_TAG, step]).random(self.B)
+    u = np.random.default_rng([self.seed, MIX_TAG, step]).random(self.ramp.size(step))
     return np.minimum(np.searchsorted(self.cum_weights, u, side="right"), len(self.packers) - 1)
 
   def counts(self, step: int) -> np.ndarray:
     """Rows taken from each dataset by steps < `step`, rolled forward from the nearest known step."""
     if len(self.packers) == 1:
-      return np.array([step * self.B])
+      return np.array([self.ramp.rows_before(step)])
     with self._lock:
       known = max(s for s in self._counts if s <= step)
       c = self._counts[known].copy()
@@ -232,7 +235,7 @@ class Mixture:
   def batch(self, step: int, lo: int, hi: int, before_row=None) -> dict[str, np.ndarray]:
     """Rows lo..hi of the global batch of `step`; `before_row()` (a fault hook) runs before each row is read."""
     ds = self.choices(step)
-    rank = np.zeros(self.B, np.int64)  # index of row j among this step's rows from its dataset
+    rank = np.zeros(len(ds), np.int64)  # index of row j among this step's rows from its dataset
     for d in np.unique(ds):
       rank[ds == d] = np.arange(int((ds == d).sum()))
     q = self.counts(step)[ds] + rank
@@ -250,10 +253,10 @@ class Mixture:
 
 
 class DataIterator:
-  """This process's slice of each global batch. State: {"step", "rows_per_source"}."""
+  """This process's slice (block `block` of `blocks`) of each global batch. State: {"step", "rows_per_source"}."""
 
-  def __init__(self, mixture: Mixture, lo: int, hi: int, workers: int, prefetch: int):
-    self.mixture, self.lo, self.hi, self.workers, self.prefetch = mixture, lo, hi, workers, prefetch
+  def __init__(self, mixture: Mixture, block: int, blocks: int, workers: int, prefetch: int):
+    self.mixture, self.block, self.blocks, self.workers, self.prefetch = mixture, block, blocks, workers, prefetch
     self.step, self._it = 0, None
     self.busy = busy.BusyClock()  # the loader's own rate (the run's checklist)
 
@@ -267,7 +270,7 @@ class DataIterator:
       import grain
       from jaxtrain.run import faults
       ds = grain.MapDataset.range(self.step, 1 << 62).map(lambda s: self.busy.timed(
-          self.mixture.batch, s, self.lo, self.hi, functools.partial(faults.loader_read, s + 1)))
+          self.mixture.batch, s, *self.rows(s), functools.partial(faults.loader_read, s + 1)))
       options = grain.ReadOptions(num_threads=self.workers, prefetch_buffer_size=self.prefetch)
       self._it = iter(ds.to_iter_dataset(options))
     try:
@@ -279,6 +282,11 @@ class DataIterator:
       raise LoaderError(f"the data pipeline failed on the batch of step {self.step + 1} ({where}): {why}") from e
     self.step += 1
     return batch
+
+  def rows(self, step: int) -> tuple[int, int]:
+    """This process's rows [lo, hi) of step `step`'s global batch."""
+    per = self.mixture.ramp.size(step) // self.blocks
+    return self.block * per, (self.block + 1) * per
 
   def get_state(self) -> dict:
     return {"version": STATE_VERSION, "step": self.step,
@@ -310,10 +318,10 @@ def _slice(cfg: Config, block: int, blocks: int) -> tuple[int, int]:
 
 def batches(cfg: Config, block: int = 0, blocks: int = 1, *, check_tokenizer: bool = True):
   """Rows block `block` of `blocks` of each global batch (numpy dicts), with get_state()/set_state()/close()."""
-  lo, hi = _slice(cfg, block, blocks)
+  _slice(cfg, block, blocks)  # each ramp size divides like the largest (step.check_fits_mesh)
   train, _, pad = open_sources(cfg, check_tokenizer)
   pairs.check(cfg, train)
-  return DataIterator(Mixture(cfg, train, cfg.train.seed, pad), lo, hi, cfg.data.workers, cfg.data.prefetch)
+  return DataIterator(Mixture(cfg, train, cfg.train.seed, pad), block, blocks, cfg.data.workers, cfg.data.prefetch)
 
 
 def most_segments(cfg: Config, steps: int) -> int:
@@ -322,7 +330,7 @@ def most_segments(cfg: Config, steps: int) -> int:
   source is counted as if it gave all the rows."""
   train, held, pad = open_sources(cfg, check_tokenizer=False)
   t = cfg.train
-  parts = [(train, t.seed, steps * t.batch_size)]
+  parts = [(train, t.seed, ramp_lib.of(cfg).rows_before(steps))]
   if held is not None:
     parts.append((held, EVAL_SEED, cfg.data.eval_batches * t.batch_size))
   return max(packer(ts, t.seq_len, seed, tag, pad).most_segments(rows)
@@ -337,7 +345,7 @@ def eval_batches(cfg: Config, block: int = 0, blocks: int = 1) -> list[dict[str,
     raise UserError(f"train.eval_interval={cfg.train.eval_interval} needs a held-out split: "
                     f"set data.eval_fraction or data.eval_source")
   t, n = cfg.train, cfg.data.eval_batches
-  mixture = Mixture(cfg, held, EVAL_SEED, pad)
+  mixture = Mixture(cfg, held, EVAL_SEED, pad, ramp=False)  # eval batches: train.batch_size rows
   have = sum(p.rows_per_epoch for p in mixture.packers)
   if have < n * t.batch_size:
     raise UserError(f"the held-out split has {have} rows of train.seq_len={t.seq_len}, fewer than "

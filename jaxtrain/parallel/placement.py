@@ -33,7 +33,9 @@ class Placement:
     return self.block, self.blocks
 
   def device_batch(self, local: dict) -> dict:
-    """This process's rows -> global arrays sharded over the batch axes."""
+    """This process's rows -> global arrays sharded over the batch axes; a batch smaller than the largest
+    (train.batch_ramp) is the same share of its rows, under the same sharding (each size divides over the axes)."""
     self.plan.check_rows(local["segment_ids"])
-    return {k: jax.make_array_from_process_local_data(self.sharding, v, self.shape) for k, v in local.items()}
+    shape = (len(local["inputs"]) * self.blocks, self.shape[1])
+    return {k: jax.make_array_from_process_local_data(self.sharding, v, shape) for k, v in local.items()}
 

@@ -13,14 +13,14 @@ import numpy as np
 
 from jaxtrain import data
 from jaxtrain.analysis import fit
-from jaxtrain.core import config, parse
+from jaxtrain.core import config, parse, ramp as ramp_lib
 from jaxtrain.core.config import MISMATCH_CATEGORIES
 from jaxtrain.core.errors import UserError
 from jaxtrain.interop import tasks as tasks_lib
 from jaxtrain.model import flops
 from jaxtrain.parallel import devices, mesh as mesh_lib, pipeline
 from jaxtrain.run import checkpoint, faults, goodput, lock as lock_lib, metrics, observe, progress as progress_lib
-from jaxtrain.run import dpo, runfiles, trackers
+from jaxtrain.run import dpo, optimizer as optim_lib, runfiles, trackers
 from jaxtrain.run import step as step_lib
 from jaxtrain.run import checklist as checklist_lib
 from jaxtrain.run import watchdog as watchdog_lib
@@ -32,6 +32,37 @@ class Summary:
   skipped: int = 0
   final_loss: float | None = None
   last: dict | None = None  # the last metrics record
+  compiled_sizes: list = dataclasses.field(default_factory=list)  # global batch of each step compile, in order
+
+
+class StepPrograms:
+  """The compiled step of each global batch size (train.batch_ramp), each compiled once per process when its first
+  batch comes (the persistent compilation cache may serve it)."""
+
+  def __init__(self, setup, dog, summary: Summary):
+    self.setup, self.dog, self.summary, self.fns = setup, dog, summary, {}
+
+  def compile(self, state, batch):
+    rows = batch["inputs"].shape[0]
+    if rows not in self.fns:
+      self.fns[rows] = self.setup.step.lower(state, batch).compile()
+      self.summary.compiled_sizes.append(rows)
+    return self.fns[rows]
+
+  def has(self, batch) -> bool:
+    return batch["inputs"].shape[0] in self.fns
+
+  def compile_new(self, state, batch) -> float:
+    """A new size of the ramp, compiled between steps (no hang, nor a step's time); returns its seconds."""
+    t = time.perf_counter()
+    with self.dog.slow():
+      self.compile(state, batch)
+    took = time.perf_counter() - t
+    print(f"batch ramp: the step for {batch['inputs'].shape[0]} sequences compiled in {took:.1f}s", flush=True)
+    return took
+
+  def __call__(self, state, batch):
+    return self.fns[batch["inputs"].shape[0]](state, batch)
 
 
 class Evaluator:
@@ -115,6 +146,12 @@ def _same_run(current: dict, allowed: set[str], setup):
       raise UserError(f"checkpoint {step_dir} was written with optim.name={was!r}, this run has optim.name={now!r}: "
                       "the optimizer states differ (AdamW's two moments, Muon's one), so the run cannot switch "
                       "optimizer on resume; keep optim.name, or --fresh")
+    was, now = (checkpoint.value(f, "train.tokens") for f in (manifest["fingerprint"], current))
+    if was is not None and bool(was) != bool(now):  # the state holds the position in tokens, or does not
+      unit = lambda t: f"in tokens (train.tokens={t:g})" if t else "in steps (train.tokens=0)"  # noqa: E731
+      raise UserError(f"checkpoint {step_dir} was written with the schedule {unit(was)}, this run has it "
+                      f"{unit(now)}: the train state keeps the schedule's position only in tokens, so a run cannot "
+                      "switch unit on resume; keep the unit, or --fresh")
     dpo.check_start(setup.cfg, step_dir, manifest)  # an lm run's checkpoint holds no DPO reference
     imported = checkpoint.params_only(manifest)
     if imported:
@@ -171,10 +208,29 @@ def _banner(setup, mesh, config_name: str, workdir: Path) -> str:
   print(setup.plan.describe())
   if setup.pipelined:
     print(pipeline.describe(cfg, mesh))
+  if line := schedule_line(cfg):
+    print(line)
   if setup.notes:
     print(f"sharding: {len(setup.notes)} dimension(s) replicated where the mesh axis does not divide them, e.g. "
           f"{setup.notes[0]}")
   return mesh_text
+
+
+def schedule_line(cfg) -> str:
+  """The batch ramp's sizes by step, the schedule in tokens, and optim.lr_reference_batch's scaled peak LR per
+  size; empty when none is set."""
+  t, o, r = cfg.train, cfg.optim, ramp_lib.of(cfg)
+  parts = []
+  if t.batch_ramp:
+    parts.append("batch ramp: " + ", ".join(f"{size} sequences from step {first + 1}" for first, _, size in r.phases))
+  if t.tokens:
+    parts.append(f"schedule in tokens: {t.tokens:,.0f} valid tokens of applied updates (warmup {o.warmup_tokens:,.0f}), "
+                 f"{ramp_lib.run_steps(cfg)} steps")
+  if o.lr_reference_batch:
+    peaks = ", ".join(f"{o.lr * optim_lib.batch_factor(o, n):.4g} at {n}" for n in r.sizes())
+    parts.append(f"peak lr scaled {o.lr_batch_scaling} with batch / {o.lr_reference_batch} (a rule of thumb, not "
+                 f"a theorem): {peaks}")
+  return "; ".join(parts)
 
 
 def _goodput_summary(ledger, workdir: Path, sinks, step: int) -> None:
@@ -232,7 +288,8 @@ class _Steps:
 
   def __post_init__(self):
     t, mesh = self.cfg.train, self.setup.mesh
-    self.flops_per_step = flops.flops_per_token(self.cfg.model, t.seq_len) * t.batch_size * t.seq_len
+    self.flops_per_row = flops.flops_per_token(self.cfg.model, t.seq_len) * t.seq_len
+    self.ramp = ramp_lib.of(self.cfg)
     peak = devices.peak_flops(mesh.devices.flat[0].device_kind)
     self.peak_total = peak * mesh.size if peak else None
 
@@ -259,7 +316,10 @@ class _Steps:
           task_scalars = self.evaluate.tasks(s, params)
       self.ledger.spent("eval", time.perf_counter() - done)
     self.progress.count(s, int(fetched["tokens"]), bool(fetched["skipped"]))
-    rec = metrics.record(s, fetched, done - since, sum(wait), self.progress, self.flops_per_step, self.peak_total)
+    rec = metrics.record(s, fetched, done - since, sum(wait), self.progress,
+                         self.flops_per_row * self.ramp.size(s - 1), self.peak_total)
+    if self.cfg.train.batch_ramp:
+      rec["batch_size"] = self.ramp.size(s - 1)
     rec.update(task_scalars)
     rec.update(self.checklist.fields(s, rec, wait))
     self.sinks.write(s, rec)
@@ -284,6 +344,11 @@ class _Steps:
     out = self.sinks.writer()  # metrics.jsonl's writer (its failures stop the run after a save); None elsewhere
     pending, wait, last_done = None, (0.0, 0.0), time.perf_counter()
     for s in range(self.progress.step + 1, stop_at + 1):
+      if not compiled.has(batch):  # the ramp's next size: step s-1 logged first, the compile timed apart
+        if pending:
+          last_done, pending = self.log_step(*pending, last_done), None
+        self.ledger.spent("compile", compiled.compile_new(state, batch))
+        last_done = time.perf_counter()
       self.profiler.before(s)
       t = time.perf_counter()
       state, step_metrics = compiled(state, batch)
@@ -366,8 +431,10 @@ def run(cfg, mesh, workdir: Path, config_name: str, *, stop_at: int | None = Non
         resume_from: str | None = None, allow_mismatch: str = "") -> Summary:
   """Trains until `stop_at` (default train.steps) total steps."""
   allowed = allowed_mismatches(allow_mismatch)
-  asked = f"--steps asks for {stop_at}" if stop_at else f"train.steps is {cfg.train.steps}"
-  stop_at = stop_at or cfg.train.steps
+  asked = f"--steps asks for {stop_at}" if stop_at else (
+      f"train.tokens={cfg.train.tokens:g} takes {ramp_lib.run_steps(cfg)} steps" if cfg.train.tokens
+      else f"train.steps is {cfg.train.steps}")
+  stop_at = stop_at or ramp_lib.run_steps(cfg)
   setup = step_lib.Setup(cfg, mesh, segments=data.most_segments(cfg, stop_at))
   cfg = setup.cfg  # with what the mesh implies, as the plan line says
   fit.check(setup, cfg.run.fit_check)
@@ -445,10 +512,11 @@ def _resume_and_train(opened: _Opened, setup, step_dir, evaluate, identity: dict
     batch = setup.device_batch(next(batches))
   except data.LoaderError as e:  # no step of this run to save: the resume point (if any) is the committed one
     raise _stopped_by_loader(e, opened.ckpts, progress.step) from e
-  compiled = opened.dog.compiled = setup.step.lower(state, batch).compile()
+  programs = StepPrograms(setup, opened.dog, summary)
+  opened.dog.compiled = programs.compile(state, batch)
   steps.checklist = checklist_lib.Checklist(jax.local_devices(), batches, setup.placement.rows()[1], setup.layout)
   note = steps.checklist.note() if jax.process_index() == 0 else ""  # no extra line: terminals stay quiet
   print(f"initialized and compiled in {time.perf_counter() - t0:.1f}s{note}", flush=True)
   cache.stop()
   ledger.spent("compile", time.perf_counter() - t_restored, cache=cache.verdict())
-  steps.run(state, batch, compiled, stop_at)
+  steps.run(state, batch, programs, stop_at)

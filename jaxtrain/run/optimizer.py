@@ -4,6 +4,8 @@ guarded update (docs/training.md)."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -23,12 +25,67 @@ def lr_schedule(o: OptimConfig, steps: int) -> optax.Schedule:
   return optax.join_schedules([warmup, cosine], [o.warmup_steps])
 
 
-def parts(cfg: Config, shardings=None) -> tuple[float, optax.GradientTransformation]:
+TOKEN_UNIT = 2 ** 30  # the tokens counter is (units of 2^30, rest): int32 alone would overflow at 2.1e9 tokens
+
+
+def in_tokens(cfg: Config) -> bool:
+  """The schedule's position is the valid tokens of applied updates (train.tokens), held in state["tokens"]."""
+  return cfg.train.tokens > 0
+
+
+def lr_in_step(cfg: Config) -> bool:
+  """Whether the step computes its learning rate itself (tokens, or scaled by the batch) instead of optax's count."""
+  return in_tokens(cfg) or cfg.optim.lr_reference_batch > 0
+
+
+def batch_factor(o: OptimConfig, rows: int) -> float:
+  """optim.lr_reference_batch's rule of thumb: lr x (rows / reference), or its square root; 1 when off."""
+  if not o.lr_reference_batch:
+    return 1.0
+  r = rows / o.lr_reference_batch
+  return r if o.lr_batch_scaling == "linear" else math.sqrt(r)
+
+
+def token_schedule(o: OptimConfig, total: int):
+  """By T, the valid tokens of applied updates including this update's: linear warmup lr * T / warmup_tokens, then
+  cosine from lr at warmup_tokens to lr * min_lr_ratio at `total` (train.tokens), held there after."""
+  def at(t):
+    t = jnp.asarray(t, jnp.float32)
+    frac = jnp.clip((t - o.warmup_tokens) / max(total - o.warmup_tokens, 1), 0.0, 1.0)
+    cosine = o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * frac)))
+    return cosine if not o.warmup_tokens else jnp.where(t < o.warmup_tokens, o.lr * t / o.warmup_tokens, cosine)
+  return at
+
+
+def tokens_value(counter) -> jax.Array:
+  """state["tokens"] (int32 [units of 2^30, rest]) as float32."""
+  return counter[0].astype(jnp.float32) * TOKEN_UNIT + counter[1].astype(jnp.float32)
+
+
+def tokens_add(counter, n) -> jax.Array:
+  """state["tokens"] + n (n < 2^30 per update), carried into the units."""
+  rest = counter[1] + jnp.asarray(n, jnp.int32)
+  return jnp.stack([counter[0] + rest // TOKEN_UNIT, rest % TOKEN_UNIT])
+
+
+def learning_rate(cfg: Config, state, n_valid, rows: int) -> jax.Array:
+  """The learning rate of this update (`lr_in_step`): the schedule in tokens at the applied tokens before it plus
+  its own valid ones, or in steps at the applied updates, times `batch_factor` of its global batch `rows`."""
+  o = cfg.optim
+  if in_tokens(cfg):
+    base = token_schedule(o, cfg.train.tokens)(tokens_value(state["tokens"]) + jnp.asarray(n_valid, jnp.float32))
+  else:
+    base = lr_schedule(o, cfg.train.steps)(state["step"])
+  return base * batch_factor(o, rows)
+
+
+def parts(cfg: Config, shardings=None, lr=None) -> tuple[float, optax.GradientTransformation]:
   """(the global-norm clip, 0: none; the update rule of optim.name): AdamW with decay where the role table says, or
   Muon (`muon.scale_by_muon`) on the role table's Muon matrices and that AdamW on the rest. `optimizer` chains them.
-  `shardings`: the momentum's, a tree like the trained params (Muon gathers each matrix whole from them)."""
+  `shardings`: the momentum's, a tree like the trained params (Muon gathers each matrix whole from them). `lr`: this
+  update's learning rate (`learning_rate`) instead of the schedule by optax's count (the state's layout the same)."""
   o = cfg.optim
-  schedule = lr_schedule(o, cfg.train.steps)
+  schedule = lr_schedule(o, cfg.train.steps) if lr is None else (lambda _: lr)
   adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                       mask=lambda params: roles.mask(cfg.model, params, "decayed"))
   if o.name == "adamw":
@@ -42,10 +99,10 @@ def parts(cfg: Config, shardings=None) -> tuple[float, optax.GradientTransformat
   return o.grad_clip, optax.partition({"adamw": adamw, "muon": muon}, label)
 
 
-def optimizer(cfg: Config, shardings=None) -> optax.GradientTransformation:
+def optimizer(cfg: Config, shardings=None, lr=None) -> optax.GradientTransformation:
   """The update rule (`parts`) on the global-norm-clipped gradient (no clip when optim.grad_clip is 0). The state is
   the rule's alone, the checkpoint layout the same either way (`optax.chain` would nest it one level down)."""
-  max_norm, adamw = parts(cfg, shardings)
+  max_norm, adamw = parts(cfg, shardings, lr)
   if max_norm <= 0:
     return adamw
   clip = optax.clip_by_global_norm(max_norm)
@@ -78,7 +135,7 @@ def adam_ratio_bound(o: OptimConfig, t) -> jax.Array | None:
   return (1 - o.b1) / (1 - o.b1 ** t) * jnp.sqrt((1 - o.b2 ** t) / (1 - o.b2) * s)
 
 
-def stays_finite(cfg: Config, count, params, bias_delta=None) -> jax.Array | None:
+def stays_finite(cfg: Config, count, params, bias_delta=None, lr=None) -> jax.Array | None:
   """Whether the update at 0-based update `count` provably leaves every parameter finite (a scalar), from
   scalars and one max |p|: |p'| <= max|p| + lr (U_t + wd max|p|) + max|bias delta| < LIMIT, U_t AdamW's bound or,
   larger, a Muon matrix's (`muon.NS_ENTRY_BOUND` times its update scale). It is known before the
@@ -95,7 +152,7 @@ def stays_finite(cfg: Config, count, params, bias_delta=None) -> jax.Array | Non
   absmax = lambda tree: jnp.max(jnp.stack([jnp.max(jnp.abs(x)).astype(jnp.float32)  # noqa: E731
                                            for x in jax.tree.leaves(tree)] or [jnp.float32(0)]))
   p = absmax(params)
-  lr = lr_schedule(o, cfg.train.steps)(count)
+  lr = lr_schedule(o, cfg.train.steps)(count) if lr is None else lr
   d = absmax(bias_delta) if bias_delta is not None else 0.0
   return p + lr * (ratio + o.weight_decay * p) + d < LIMIT
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxtrain import data
-from jaxtrain.core import config
+from jaxtrain.core import config, ramp
 from jaxtrain.core.errors import UserError
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run import loop, optimizer as optim_lib, step as step_lib
@@ -158,9 +158,10 @@ def logged(cfg, mesh, o: Options, shared: dict) -> Verdict:
     return Verdict("grad norm and LR", False, "no steps to read: the overfit check did not run")
   run_cfg, recs = shared["overfit"]
   schedule = optim_lib.lr_schedule(run_cfg.optim, run_cfg.train.steps)
+  factor = optim_lib.batch_factor(run_cfg.optim, ramp.of(run_cfg).size(0))  # optim.lr_reference_batch's
   shown, ok = [], True
   for k, r in enumerate(recs[:3]):
-    norm, lr, want = float(r["grad_norm"]), float(r["lr"]), float(schedule(k))
+    norm, lr, want = float(r["grad_norm"]), float(r["lr"]), float(schedule(k)) * factor
     ok &= math.isfinite(norm) and norm > 0 and math.isclose(lr, want, rel_tol=1e-6)
     shown.append(f"step {k + 1} grad_norm {norm:.4g} lr {lr:.4g} (schedule {want:.4g})")
   clip = run_cfg.optim.grad_clip

@@ -13,6 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxtrain.core import ramp
 from jaxtrain.core.config import Config
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import moe_balance, ops, quant, roles, transformer as model_lib
@@ -28,11 +29,15 @@ def init_state(cfg: Config, opt: optax.GradientTransformation, params) -> dict:
   params = roles.stored(cfg.model, params)
   state = {"params": params, "opt": opt.init(roles.split(cfg.model, params)[0]), "step": jnp.zeros((), jnp.int32),
            "loss_scale": precision.init(cfg)}
+  if optim_lib.in_tokens(cfg):  # the schedule's position: valid tokens of applied updates (optimizer.tokens_add)
+    state["tokens"] = jnp.zeros((2,), jnp.int32)
   return {**state, "ref": dpo.reference(cfg.model, params)} if dpo.holds_reference(cfg) else state
 
 
-def train_step(objective, opt, plan, layout: Layout, state, batch, executor=grads_lib.accumulate):
-  """One update; a step with non-finite gradients or update, or no valid token, moves nothing."""
+def train_step(objective, opt, plan, layout: Layout, state, batch, executor=grads_lib.accumulate, opt_at=None):
+  """One update; a step with non-finite gradients or update, or no valid token, moves nothing (the schedule's
+  position included). `opt_at(lr)`: the update rule at this update's learning rate, where the step computes it
+  (`optimizer.lr_in_step`: a schedule in tokens, or scaled by the batch)."""
   cfg = plan.cfg
   scale = state["loss_scale"]["scale"]
   with ops.use(plan):
@@ -48,19 +53,25 @@ def train_step(objective, opt, plan, layout: Layout, state, batch, executor=grad
   ok = finite & (n_valid > 0)
   # aux-loss-free balancing: the routing biases move with an applied update (nothing when off)
   delta = moe_balance.bias_delta(cfg.model, extra.pop("moe_load", None))
+  lr = optim_lib.learning_rate(cfg, state, n_valid, batch["inputs"].shape[0]) if optim_lib.lr_in_step(cfg) else None
+  if lr is not None:
+    opt = opt_at(lr)
   if layout.offload:  # master and moments in host memory, updated a unit at a time
     params, opt_state, apply = offload_lib.streamed_update(
-        optim_lib.parts(cfg), (layout.device_state(), (layout.stored, layout.opt)), grad_norm, state["params"],
-        state["opt"], g, ok, delta)
+        optim_lib.parts(cfg, lr=lr), (layout.device_state(), (layout.stored, layout.opt)), grad_norm,
+        state["params"], state["opt"], g, ok, delta)
   else:  # LoRA: the adapters move, the frozen base passes through
     trained, frozen = roles.split(cfg.model, state["params"])
-    safe = optim_lib.stays_finite(cfg, state["step"], trained, delta)
+    safe = optim_lib.stays_finite(cfg, state["step"], trained, delta, lr)
     params, opt_state, apply = optim_lib.guarded_update(opt, trained, state["opt"], g, ok, delta, safe)
     params = roles.join(params, frozen)
   new_state = {**state, "params": params, "opt": opt_state, "step": state["step"] + apply.astype(jnp.int32),
                "loss_scale": precision.update(cfg, state["loss_scale"], finite)}
-  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": optim_lib.lr_schedule(cfg.optim, cfg.train.steps)(state["step"]),
-             "tokens": n_valid, "skipped": ~apply, "loss_scale": scale}
+  if "tokens" in state:  # a skipped update moves the schedule by nothing
+    new_state["tokens"] = optim_lib.tokens_add(state["tokens"], jnp.where(apply, n_valid, 0))
+  if lr is None:
+    lr = optim_lib.lr_schedule(cfg.optim, cfg.train.steps)(state["step"])
+  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": n_valid, "skipped": ~apply, "loss_scale": scale}
   if cfg.model.moe_experts or dpo.active(cfg):
     metrics.update(extra)
   return new_state, metrics
@@ -98,6 +109,7 @@ class Setup:
     replicated = NamedSharding(mesh, P())
     self.state_shardings = {"params": layout.stored, "opt": layout.opt, "step": replicated,
                             "loss_scale": {"scale": replicated, "good_steps": replicated},
+                            **({"tokens": replicated} if optim_lib.in_tokens(cfg) else {}),
                             **({"ref": layout.param} if dpo.holds_reference(cfg) else {})}
     self.grad_shardings = layout.grads
     t = cfg.train
@@ -120,7 +132,9 @@ class Setup:
     # LoRA on an imported base: fresh adapters alone (the base's initializers are dead code XLA drops)
     self.init_adapters = jax.jit(lambda: roles.split(cfg.model, init()["params"])[0],
                                  out_shardings=roles.split(cfg.model, layout.stored)[0])
-    self.step = jax.jit(functools.partial(train_step, objective, self.opt, self.plan, layout, executor=executor),
+    opt_at = functools.partial(optim_lib.optimizer, cfg, layout.trained(layout.stored))
+    self.step = jax.jit(functools.partial(train_step, objective, self.opt, self.plan, layout, executor=executor,
+                                          opt_at=opt_at),
                         in_shardings=(self.state_shardings, self.batch_sharding),
                         out_shardings=(self.state_shardings, replicated), donate_argnums=0)
     self.eval_step = jax.jit(functools.partial(eval_step, objective, self.plan, layout, executor=forward),
@@ -178,10 +192,12 @@ def check_fits_mesh(cfg: Config, mesh) -> None:
   """Mesh-dependent config checks, as user errors."""
   t = cfg.train
   batch_ways = math.prod(mesh.shape[a] for a in sharding.RULES["batch"])
-  per_micro = t.batch_size // t.microbatches
-  if per_micro % batch_ways:
-    raise UserError(f"train.batch_size={t.batch_size} / train.microbatches={t.microbatches} = {per_micro} sequences "
-                    f"per microbatch must divide over data*fsdp*expert={batch_ways} devices")
+  for size in ramp.of(cfg).sizes():  # train.batch_size, or each size of train.batch_ramp
+    per_micro = size // t.microbatches
+    if per_micro % batch_ways:
+      name = f"train.batch_ramp size {size}" if t.batch_ramp else f"train.batch_size={size}"
+      raise UserError(f"{name} / train.microbatches={t.microbatches} = {per_micro} sequences per microbatch must "
+                      f"divide over data*fsdp*expert={batch_ways} devices")
   if (x := cfg.model.moe_experts) and x % mesh.shape["expert"]:
     raise UserError(f"model.moe_experts={x} must divide over expert={mesh.shape['expert']} devices")
   if cfg.model.lora_rank and pipeline.active(mesh):

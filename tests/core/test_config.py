@@ -173,6 +173,8 @@ MATH_KEYS = {
     "data.text_field", "data.weights", "data.eval_fraction",
     # the objective: DPO (train.objective=dpo) and its beta
     "train.objective", "train.dpo_beta",
+    # each step's batch (the ramp), the schedule in tokens, the LR scaled by the batch
+    "train.batch_ramp", "train.tokens", "optim.warmup_tokens", "optim.lr_reference_batch", "optim.lr_batch_scaling",
 }
 # Math keys naming files: compared by the digest of what they name, not by their text.
 CONTENT_KEYS = {"data.source", "data.tokenizer"}

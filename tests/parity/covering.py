@@ -49,6 +49,9 @@ FACTORS = (
     Factor("lora", ("off", "on", "nf4")),  # nf4: QLoRA, the frozen base stored in 4 bits
     Factor("objective", ("lm", "dpo")),
     Factor("optim", ("adamw", "muon")),  # optim.name
+    # the LR schedule: in steps; in tokens (train.tokens, optim.warmup_tokens, optim.lr_reference_batch); or that
+    # with train.batch_ramp (its steps run below train.batch_size)
+    Factor("schedule_in", ("steps", "tokens", "ramp")),
 )
 # Options that never change the step (what is logged where, what is evaluated beside it): their levels are given to
 # the rows of the factors above after those are chosen (so those rows stay as they were), and a row added for them

@@ -75,6 +75,12 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
     sets += ["model.lora_base_dtype=nf4"] if row["lora"] == "nf4" else []
   if row["objective"] == "dpo":
     sets += ["train.objective=dpo", "train.dpo_beta=0.1", f"data.source={source}", "train.batch_size=32"]
+  if row.get("schedule_in", "steps") != "steps":  # 2 steps of 16 (DPO 32) rows: the ramp's first size is those
+    rows = 32 if row["objective"] == "dpo" else 16
+    sets = [x for x in sets if x != "optim.warmup_steps=1"]  # warmup in tokens instead (both: refused)
+    sets += ["train.tokens=16384", "optim.warmup_tokens=400", f"optim.lr_reference_batch={rows}"]
+    if row["schedule_in"] == "ramp":
+      sets += [f"train.batch_ramp=0:{rows},1e9:{2 * rows}", f"train.batch_size={2 * rows}"]
   return sets
 
 

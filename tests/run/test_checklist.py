@@ -50,7 +50,7 @@ def _loader_rate_alone(cfg, n: int) -> float:
   it = data.batches(cfg)
   t, tokens = time.perf_counter(), 0
   for s in range(n):
-    tokens += int(np.count_nonzero(it.mixture.batch(s, it.lo, it.hi)["loss_mask"]))
+    tokens += int(np.count_nonzero(it.mixture.batch(s, *it.rows(s))["loss_mask"]))
   return tokens / (time.perf_counter() - t)
 
 

@@ -354,6 +354,7 @@ ACTING = [
     (("model.rope_beta", "model.rope_mscale"), {"model": {"rope_scaling": "yarn"}}),
     (("model.rope_",), {"model": {"rope_scaling": "llama3"}}),
     (("train.dpo_beta",), {"train": {"objective": "dpo"}}),
+    (("optim.lr_batch_scaling",), {"optim": {"lr_reference_batch": 4}}),
     (("loss_scale.",), {"loss_scale": {"mode": "dynamic"}}),
     (("data.eval_source", "data.eval_batches"), {"train": {"eval_interval": 1}}),
     (("data.weights",), {"data": {"source": "a,b"}}),
