@@ -22,6 +22,9 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "q_a", "q_b", "kv_a", 
 
 # Fingerprint categories (what --allow-mismatch names), and the category of each section's math keys.
 MISMATCH_CATEGORIES = ("model", "train", "tokenizer", "data")
+# What --allow-mismatch names: those and `optimizer`, a resume that switches optim.name (the new rule's state fresh)
+OPTIMIZER_SWITCH = "optimizer"
+ALLOW_MISMATCH = (*MISMATCH_CATEGORIES, OPTIMIZER_SWITCH)
 SECTION_CATEGORY = {"model": "model", "optim": "train", "train": "train", "loss_scale": "train", "data": "data"}
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # what run.trackers may name
 # The switch from before run.trackers: old spelling -> (the key it edits, the tracker it adds or removes).

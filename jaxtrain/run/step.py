@@ -170,6 +170,17 @@ class Setup:
     make = jax.jit(lambda p: init_state(self.cfg, self.opt, p), out_shardings=self.state_shardings, donate_argnums=0)
     return make(params)
 
+  def fresh_optimizer(self, kept):
+    """The train state around `kept` (a checkpoint's state but its optimizer's, written by the other rule): this
+    rule's state created as at step 0 (moments zero, their bias corrections from the start) but the schedule's
+    count, which continues at the applied updates `kept["step"]` (as the lr logged from it)."""
+    def make(kept):
+      trained = roles.split(self.cfg.model, kept["params"])[0]
+      at_step = lambda s: s._replace(count=kept["step"]) if isinstance(s, optax.ScaleByScheduleState) else s  # noqa: E731
+      opt = jax.tree.map(at_step, self.opt.init(trained), is_leaf=lambda s: isinstance(s, optax.ScaleByScheduleState))
+      return {**kept, "opt": opt}
+    return jax.jit(make, out_shardings=self.state_shardings, donate_argnums=0)(kept)
+
   def device_batch(self, local: dict):
     return self.placement.device_batch(local)
 
