@@ -115,7 +115,7 @@ def _same_run(current: dict, allowed: set[str], setup):
   def accept(step_dir: Path, manifest: dict) -> None:
     # first what no --allow-mismatch can pass, so that the hint below is one the run then accepts
     was, now = (checkpoint.value(f, "optim.name") for f in (manifest["fingerprint"], current))
-    switch = was is not None and was != now
+    switch = was is not None and was != now and not checkpoint.params_only(manifest)  # an import holds no state
     if switch and SWITCH not in allowed:  # the state holds the other rule's moments: only a fresh state bridges it
       raise UserError(f"checkpoint {step_dir} was written with optim.name={was!r}, this run has optim.name={now!r}: "
                       "the optimizer states differ (AdamW's two moments, Muon's one), so the run cannot switch "
@@ -125,7 +125,7 @@ def _same_run(current: dict, allowed: set[str], setup):
     imported = checkpoint.params_only(manifest)
     if imported:
       _check_quantized_base(setup.cfg, step_dir, manifest)
-    free = (config.LORA_KEYS if imported else ()) + (SWITCH_KEYS if switch else ())
+    free = (config.LORA_KEYS if imported else ()) + (SWITCH_KEYS if switch or imported else ())
     differ = checkpoint.mismatches(manifest["fingerprint"], current, free)
     if "model" in differ:  # other shapes (lora_base_dtype, ...) no --allow-mismatch bridges: say which keys first
       params = (setup.base_abstract(checkpoint.quantized_base(manifest) is not None) if imported
