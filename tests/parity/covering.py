@@ -48,6 +48,7 @@ FACTORS = (
     Factor("lora", ("off", "on", "nf4")),  # nf4: QLoRA, the frozen base stored in 4 bits
     Factor("objective", ("lm", "dpo")),
     Factor("optim", ("adamw", "muon")),  # optim.name
+    Factor("qk_clip", (False, True)),  # optim.qk_clip (MuonClip's rescale after the update)
 )
 BY_NAME = {f.name: f for f in FACTORS}
 
@@ -71,6 +72,12 @@ REFUSED = {
                                    "device, its matrices the model's own projections")
        for pair, words in ((("offload", "host"), "optim.offload='host'"), (("lora", "on"), "model.lora_rank="),
                            (("lora", "nf4"), "model.lora_rank="))},
+    **{(("qk_clip", True), pair): (("optim.qk_clip=", words), "QK-clip (core.config.check_qk_clip, step's mesh "
+                                   "check): a rule for grouped-query W_q/W_k only, its pass outside a pipeline")
+       for pair, words in ((("attention", "mla"), "model.attention_type='mla'"), (("qk_norm", True), "model.qk_norm"),
+                           (("lora", "on"), "model.lora_rank="), (("lora", "nf4"), "model.lora_rank="),
+                           (("offload", "host"), "optim.offload='host'"), (("mtp", True), "model.mtp_layers=1"),
+                           (("pipeline", 2), "pipeline=2"))},
 }
 
 

@@ -60,6 +60,8 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
           f"run.sequence_parallel={str(row['sequence_parallel']).lower()}", f"optim.name={row['optim']}"]
   if row["mtp"]:
     sets += ["model.mtp_layers=1", "model.mtp_weight=0.3"]
+  if row["qk_clip"]:  # below every head's largest logit (about 0.05 here): each is clipped, far from the threshold
+    sets += ["optim.qk_clip=0.001"]
   if on("routing_bias") and row["routing_bias"]:
     sets += ["model.moe_bias_rate=0.01"]
   if on("sequence_attention"):
