@@ -37,14 +37,7 @@ def _max_logits(cfg, setup, params, batch) -> np.ndarray:
   rec = _Recorder()
   with jax.disable_jit(), ops.use(rec):  # eager: the scanned stack runs layer by layer in Python
     nnx.merge(setup.graphdef, params)(batch["inputs"], batch["positions"], batch["segment_ids"])
-  out = []
-  for q, k, seg in rec.seen:
-    B, L, H, E = q.shape
-    k_BxLxHxE = np.repeat(k, H // k.shape[2], axis=2)  # query head h reads key head h // (H/K)
-    s = np.einsum("blhe,bmhe->bhlm", q, k_BxLxHxE) / np.sqrt(E)
-    allowed = np.tril(np.ones((L, L), bool))[None] & (seg[:, :, None] == seg[:, None, :])
-    out.append(np.where(allowed[:, None], s, -np.inf).max(axis=(0, 2, 3)))
-  return np.stack(out)
+  return np.stack([_numpy_max_logit(q, k, seg) for q, k, seg in rec.seen])
 
 
 def _one_step(cfg, spec="data=1"):
@@ -67,6 +60,55 @@ def _attn(params, scanned: bool, n_layers: int):
           for i in range(n_layers)]
 
 
+def _numpy_max_logit(q, k, seg) -> np.ndarray:
+  """(H,): the largest q.k / sqrt(E) per head over the causal, same-segment pairs, float64."""
+  B, L, H, E = q.shape
+  k_BxLxHxE = np.repeat(k, H // k.shape[2], axis=2)  # query head h reads key head h // (H/K)
+  s = np.einsum("blhe,bmhe->bhlm", q, k_BxLxHxE) / np.sqrt(E)
+  allowed = np.tril(np.ones((L, L), bool))[None] & (seg[:, :, None] == seg[:, None, :])
+  return np.where(allowed[:, None], s, -np.inf).max(axis=(0, 2, 3))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_the_max_logit_and_the_rescale_of_given_weights_match_numpy(kv_heads):
+  """Fast, no step: attention.max_logit on random q, k and two segments per row (the second segment's queries and
+  the first's keys made large: a pair across segments would win if the mask let it) against numpy; qk_clip.clip on random
+  stacked and unrolled weights against Kimi's factors; a step not applied clips nothing."""
+  from jaxtrain.model import attention
+  from jaxtrain.run import qk_clip
+  rng = np.random.default_rng(0)
+  q, k = rng.normal(size=(2, 8, 4, 8)), rng.normal(size=(2, 8, kv_heads, 8))
+  q[:, 4:] *= 5.0
+  k[:, :4] *= 5.0
+  seg = np.array([[1] * 4 + [2] * 4, [1] * 6 + [2] * 2])
+  got = attention.max_logit(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32), jnp.asarray(seg))
+  np.testing.assert_allclose(got, _numpy_max_logit(q, k, seg), rtol=1e-5)
+  max_LxH = np.array([[3.0, 9.0, 0.5, 4.5], [12.0, 1.0, 4.0, 6.0]], np.float32)
+  tau = 4.0
+  gamma = np.where(max_LxH > tau, tau / max_LxH, 1.0)
+  q_f, k_f = (np.sqrt(gamma), np.sqrt(gamma)) if kv_heads == 4 else (gamma, np.ones((2, kv_heads)))
+  for scan in (False, True):
+    cfg = config.load("tiny", [*SMALL, f"model.n_kv_heads={kv_heads}", f"model.scan_layers={str(scan).lower()}",
+                               f"optim.qk_clip={tau}"])
+    wq, wk = rng.normal(size=(2, 32, 4, 8)), rng.normal(size=(2, 32, kv_heads, 8))
+    if scan:
+      params = {"layers": {"attn": {"wq": jnp.asarray(wq), "wk": jnp.asarray(wk), "wv": jnp.ones(3)}}}
+      at = lambda p, i, name: np.asarray(p["layers"]["attn"][name][i])  # noqa: E731
+    else:
+      params = {"layers": {i: {"attn": {"wq": jnp.asarray(wq[i]), "wk": jnp.asarray(wk[i]), "wv": jnp.ones(3)}}
+                           for i in range(2)}}
+      at = lambda p, i, name: np.asarray(p["layers"][i]["attn"][name])  # noqa: E731
+    clipped = qk_clip.clip(cfg, params, jnp.asarray(max_LxH), jnp.bool_(True))
+    kept = qk_clip.clip(cfg, params, jnp.asarray(max_LxH), jnp.bool_(False))
+    for i in range(2):
+      np.testing.assert_allclose(at(clipped, i, "wq"), wq[i] * q_f[i][None, :, None], rtol=1e-6)
+      np.testing.assert_allclose(at(clipped, i, "wk"), wk[i] * k_f[i][None, :, None], rtol=1e-6)
+      np.testing.assert_array_equal(at(kept, i, "wq"), at(params, i, "wq"))
+      np.testing.assert_array_equal(at(kept, i, "wk"), at(params, i, "wk"))
+      np.testing.assert_array_equal(at(clipped, i, "wv"), at(params, i, "wv"))
+
+
+@pytest.mark.slow  # two compiled steps each
 @pytest.mark.parametrize("sets", [
     ["model.n_kv_heads=4", "optim.name=muon"],  # a key head per query head: sqrt(gamma) on each
     ["model.n_kv_heads=2", "model.scan_layers=true", "train.microbatches=2"],  # grouped keys stay; AdamW
