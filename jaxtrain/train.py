@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jaxtrain import cli
 from jaxtrain.core import files, outputs
-from jaxtrain.core.config import MISMATCH_CATEGORIES
+from jaxtrain.core.config import ALLOW_MISMATCH
 from jaxtrain.core.errors import UserError
 
 
@@ -32,7 +32,7 @@ def parse_args(argv=None):
                  help="resume from this committed step of the workdir, or from a checkpoint directory")
   p.add_argument("--allow-mismatch", default="", metavar="WHAT",
                  help="resume even though these differ from the checkpoint: comma list of "
-                      f"{', '.join(MISMATCH_CATEGORIES)}, or all")
+                      f"{', '.join(ALLOW_MISMATCH)} (optim.name: the new optimizer's state starts fresh), or all")
   return p.parse_args(argv)
 
 

@@ -22,6 +22,9 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "q_a", "q_b", "kv_a", 
 
 # Fingerprint categories (what --allow-mismatch names), and the category of each section's math keys.
 MISMATCH_CATEGORIES = ("model", "train", "tokenizer", "data")
+# What --allow-mismatch names: those and `optimizer`, a resume that switches optim.name (the new rule's state fresh)
+OPTIMIZER_SWITCH = "optimizer"
+ALLOW_MISMATCH = (*MISMATCH_CATEGORIES, OPTIMIZER_SWITCH)
 SECTION_CATEGORY = {"model": "model", "optim": "train", "train": "train", "loss_scale": "train", "data": "data"}
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # what run.trackers may name
 # The switch from before run.trackers: old spelling -> (the key it edits, the tracker it adds or removes).
@@ -211,6 +214,12 @@ class OptimConfig:
       "embedding, output head, norms and routers (the role table's `muon`).", math=True)
   muon_momentum: float = key(0.95, "Muon's (Nesterov) momentum, in [0, 1); optim.name=muon only.", math=True,
                              min=0.0, max=1.0, open_max=True)
+  qk_clip: float = key(
+      0.0, "MuonClip's QK-clip threshold tau (0 = off): after an applied update, each attention head whose largest "
+      "logit q.k/sqrt(head_dim) in the step exceeded tau has its query and key weights scaled so that its logits "
+      "shrink by tau/max (Kimi K2's rule; grouped-query keys stay, the query takes it all: docs/training.md#qk-clip). "
+      "With muon or adamw; grouped-query attention without qk_norm; costs a forward of the layers per step. The "
+      "largest logit per layer is logged (attn_max_logit/layerN).", math=True, min=0.0)
   lr: float = key(3e-3, "Peak learning rate.", math=True, min=0.0)
   warmup_steps: int = key(5, "Linear warmup steps, from lr/warmup_steps up to lr.", math=True, min=0)
   warmup_tokens: float = key(
@@ -419,7 +428,8 @@ SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 
 # Keys that moved when [train] was split by concern: old name -> new name.
 _NO_OLD_NAME = {"hang_timeout_s", "hang_first_step_s", "trackers"}  # [run] keys added after it was split from [train]
-_NO_OLD_OPTIM_NAME = {"name", "muon_momentum", "warmup_tokens", "lr_reference_batch", "lr_batch_scaling"}  # [optim] keys added after it was split from [train]
+_NO_OLD_OPTIM_NAME = {"name", "muon_momentum", "qk_clip", "warmup_tokens", "lr_reference_batch",
+                      "lr_batch_scaling"}  # [optim] keys added after it was split from [train]
 RENAMED = {f"train.{k}": f"optim.{k}" for k in dataclasses.asdict(OptimConfig()) if k not in _NO_OLD_OPTIM_NAME} | {
     f"train.{k}": f"run.{k}" for k in dataclasses.asdict(RunConfig()) if k not in _NO_OLD_NAME}
 
@@ -773,6 +783,7 @@ def check_schedule(cfg: Config) -> None:
 def check_optim(cfg: Config) -> None:
   """Muon's combinations, refused in one line: a key of Muon's set without it, or a layout it has no path for."""
   o = cfg.optim
+  check_qk_clip(cfg)
   if o.name != "muon":
     if o.muon_momentum != OptimConfig.muon_momentum:
       raise UserError(f"optim.muon_momentum={o.muon_momentum} applies to optim.name=muon only (optim.name="
@@ -784,6 +795,22 @@ def check_optim(cfg: Config) -> None:
   if cfg.model.lora_rank:
     raise UserError(f"optim.name='muon' with model.lora_rank={cfg.model.lora_rank} is not supported (LoRA trains "
                     "low-rank adapters, which Muon does not orthogonalize; use optim.name=adamw)")
+
+
+def check_qk_clip(cfg: Config) -> None:
+  """QK-clip's combinations it has no rule or pass for, refused in one line."""
+  o, m = cfg.optim, cfg.model
+  if not o.qk_clip:
+    return
+  why = {"model.attention_type='mla'": (m.attention_type == "mla", "MLA's per-head and shared rotary parts need "
+                                        "their own rule"),
+         "model.qk_norm=true": (m.qk_norm, "the norm undoes a scale of W_q and W_k; it bounds the logits itself"),
+         f"model.lora_rank={m.lora_rank}": (m.lora_rank > 0, "W_q and W_k are the frozen base"),
+         f"optim.offload={o.offload!r}": (o.offload != "none", "the streamed update holds the weights on the host"),
+         f"model.mtp_layers={m.mtp_layers}": (m.mtp_layers > 0, "the MTP block's attention has no pass yet")}
+  for what, (bad, reason) in why.items():
+    if bad:
+      raise UserError(f"optim.qk_clip={o.qk_clip:g} with {what} is not supported ({reason})")
 
 
 def check_lora(cfg: Config) -> None:

@@ -18,6 +18,20 @@ def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype=jnp.float32
   return masked_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, causal_LxL & same_BxLxL, logits_dtype)
 
 
+def max_logit(q_BxLxHxE, k_BxLxKxE, seg_BxL):
+  """Each head's largest attention logit q.k / sqrt(E) (H,), float32, over the pairs `attention` lets attend
+  (causal, within a segment): what QK-clip (optim.qk_clip) bounds. From q and k themselves, whatever kernel the
+  attention runs (a fused one, cuDNN's, does not return its scores); one layer's float32 score block at a time."""
+  B, L, H, E = q_BxLxHxE.shape
+  K = k_BxLxKxE.shape[2]
+  q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, H // K, E)
+  s_BxKxGxLxL = jnp.einsum("blkge,bmke->bkglm", q_BxLxKxGxE, k_BxLxKxE,
+                           preferred_element_type=jnp.float32) * jnp.float32(E**-0.5)
+  allowed_BxLxL = jnp.tril(jnp.ones((L, L), bool)) & (seg_BxL[:, :, None] == seg_BxL[:, None, :])
+  s_BxKxGxLxL = jnp.where(allowed_BxLxL[:, None, None], s_BxKxGxLxL, NEG_INF)
+  return jnp.max(s_BxKxGxLxL, axis=(0, 3, 4)).reshape(H)  # every row sees its own token: never NEG_INF
+
+
 def masked_attention(q_BxLxHxE, k_BxMxKxE, v_BxMxKxE, mask_BxLxM, logits_dtype=jnp.float32):
   """GQA of L queries over M keys where `mask_BxLxM` allows (M = L in training, the
   cache length when decoding)."""

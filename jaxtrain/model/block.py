@@ -9,7 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.core.config import ModelConfig
 from jaxtrain.model import ops
-from jaxtrain.model.attention import cached_attention
+from jaxtrain.model.attention import cached_attention, max_logit
 from jaxtrain.model.layers import MLP, RMSNorm, param, rope
 from jaxtrain.model.lora import adapted, add_adapters
 from jaxtrain.model.mla import MLA
@@ -34,6 +34,17 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None):
     """With a KV `cache` (decoding) returns (output, updated {"k", "v"})."""
+    qkv = self.project(x_BxLxD, rope_tables)
+    if cache is not None:
+      o_BxLxHxE, cache = cached_attention(*qkv, seg_BxL, cache)
+      return self.out(o_BxLxHxE), cache
+    return self.out(self.attend(qkv, seg_BxL))
+
+  def attend(self, qkv, seg_BxL):
+    return checkpoint_name(ops.current().attend(*qkv, seg_BxL, self.logits_dtype), "attn_out")
+
+  def project(self, x_BxLxD, rope_tables):
+    """(q, k, v) of the attention, RoPE applied."""
     dt = x_BxLxD.dtype
     q_BxLxHxE = adapted(self, "wq", x_BxLxD, ops.einsum("bld,dhe->blhe", x_BxLxD, ops.weight(self.wq, dt)))
     k_BxLxKxE = adapted(self, "wk", x_BxLxD, ops.einsum("bld,dke->blke", x_BxLxD, ops.weight(self.wk, dt)))
@@ -43,12 +54,7 @@ class Attention(nnx.Module):
     q_BxLxHxE = ops.constrain(rope(q_BxLxHxE, rope_tables), ("batch", "length", "act_heads", None))
     k_BxLxKxE = ops.constrain(rope(k_BxLxKxE, rope_tables), ("batch", "length", "act_kv_heads", None))
     v_BxLxKxE = ops.constrain(v_BxLxKxE, ("batch", "length", "act_kv_heads", None))
-    qkv = checkpoint_name(q_BxLxHxE, "q"), checkpoint_name(k_BxLxKxE, "k"), checkpoint_name(v_BxLxKxE, "v")
-    if cache is not None:
-      o_BxLxHxE, cache = cached_attention(*qkv, seg_BxL, cache)
-      return self.out(o_BxLxHxE), cache
-    o_BxLxHxE = checkpoint_name(ops.current().attend(*qkv, seg_BxL, self.logits_dtype), "attn_out")
-    return self.out(o_BxLxHxE)
+    return checkpoint_name(q_BxLxHxE, "q"), checkpoint_name(k_BxLxKxE, "k"), checkpoint_name(v_BxLxKxE, "v")
 
   def out(self, o_BxLxHxE):
     return adapted(self, "wo", o_BxLxHxE, ops.einsum("blhe,hed->bld", o_BxLxHxE, ops.weight(self.wo, o_BxLxHxE.dtype)))
@@ -70,11 +76,21 @@ class Block(nnx.Module):
     else:
       a_BxLxD, cache = self.attn(h_BxLxD, rope_tables, seg_BxL, cache)
       x_BxLxD = x_BxLxD + a_BxLxD
-    x_BxLxD = ops.constrain(x_BxLxD, RESIDUAL)
-    h_BxLxD = ops.constrain(self.mlp_norm(x_BxLxD), WHOLE)
-    y_BxLxD, stats = self.mlp(h_BxLxD, cache is not None) if isinstance(self.mlp, MoE) else (self.mlp(h_BxLxD), None)
-    out = ops.constrain(x_BxLxD + y_BxLxD, RESIDUAL), stats
+    out = self.ffn(ops.constrain(x_BxLxD, RESIDUAL), cache is not None)
     return out if cache is None else (*out, cache)
+
+  def ffn(self, x_BxLxD, decoding: bool = False):
+    """(x plus the MLP's (or MoE's) output, MoE stats or None)."""
+    h_BxLxD = ops.constrain(self.mlp_norm(x_BxLxD), WHOLE)
+    y_BxLxD, stats = self.mlp(h_BxLxD, decoding) if isinstance(self.mlp, MoE) else (self.mlp(h_BxLxD), None)
+    return ops.constrain(x_BxLxD + y_BxLxD, RESIDUAL), stats
+
+  def probe(self, x_BxLxD, rope_tables, seg_BxL):
+    """(the block's output, its attention's largest logit per head (H,)): QK-clip's forward, without gradient
+    (grouped-query attention: config.check_optim refuses MLA)."""
+    qkv = self.attn.project(ops.constrain(self.attn_norm(x_BxLxD), WHOLE), rope_tables)
+    x_BxLxD = ops.constrain(x_BxLxD + self.attn.out(self.attn.attend(qkv, seg_BxL)), RESIDUAL)
+    return self.ffn(x_BxLxD)[0], max_logit(qkv[0], qkv[1], seg_BxL)
 
 
 def empty_cache(cfg: ModelConfig, batch: int, length: int) -> dict:

@@ -85,6 +85,22 @@ class Transformer(nnx.Module):
         moe_stats += [] if stats is None else [stats]
     return self.final_norm(x_BxLxD), moe_stats
 
+  def max_logits(self, tokens_BxL, pos_BxL, seg_BxL):
+    """(n_layers, H) float32: each layer's largest attention logit per head on this batch, in layer order (the
+    pass of optim.qk_clip: the layers' forward again, without gradient, the MTP module not)."""
+    x_BxLxD, tables, out = self.embed_tokens(tokens_BxL), rope_tables(pos_BxL, self.cfg), []
+    if not self.cfg.scan_layers:
+      for block in self.layers:
+        x_BxLxD, m_H = block.probe(x_BxLxD, tables, seg_BxL)
+        out.append(m_H)
+      return jnp.stack(out)
+    for name in self.cfg.stacks():
+      graphdef, state = nnx.split(getattr(self, name))
+      body = lambda x, layer, g=graphdef: nnx.merge(g, layer).probe(x, tables, seg_BxL)  # noqa: E731
+      x_BxLxD, m_NxH = jax.lax.scan(body, x_BxLxD, state)
+      out.append(m_NxH)
+    return jnp.concatenate(out)
+
   def mtp_hidden(self, h_BxLxD, targets_BxL, tables, seg_BxL, next_emb_BxLxD=None):
     """The multi-token-prediction module on the final hidden states: (its head-normed hidden, MoE stats or None).
     `next_emb_BxLxD`: the targets' embeddings where the caller looked them up (the pipeline, outside its region)."""

@@ -337,8 +337,9 @@ class Checkpoints:
     finally:
       self.mgr.close()
 
-  def restore(self, step_dir: Path, abstract_state, verified: bool = False):
+  def restore(self, step_dir: Path, abstract_state, verified: bool = False, partial: bool = False):
     """Restore onto `abstract_state`'s shardings (any mesh), verified unless `verified`; every process calls it.
+    `partial`: `abstract_state` names only some of the saved entries (a switch of optimizer: all but "opt").
     A parameters-only checkpoint (`params_only`) gives {"params": ...} alone, cast to the abstract dtypes (an
     import keeps the tensors' own dtypes, which widen exactly): the caller creates the rest of the state."""
     import orbax.checkpoint as ocp
@@ -353,9 +354,9 @@ class Checkpoints:
     from jaxtrain.run import faults
     faults.kill_point("restore", manifest["step"])
     try:
-      if params_only(manifest):  # what of the parameters this run takes (a LoRA import's adapters: not)
+      if params_only(manifest) or partial:  # what of the state this run takes (a LoRA import's adapters: not)
         with ocp.PyTreeCheckpointer() as reader:
-          item = {"params": abstract_state["params"]}
+          item = {"params": abstract_state["params"]} if params_only(manifest) else abstract_state
           state = reader.restore(step_dir.absolute() / "default", args=ocp.args.PyTreeRestore(
               item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
       elif own:

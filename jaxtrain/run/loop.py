@@ -14,7 +14,7 @@ import numpy as np
 from jaxtrain import data
 from jaxtrain.analysis import fit
 from jaxtrain.core import config, parse, ramp as ramp_lib
-from jaxtrain.core.config import MISMATCH_CATEGORIES
+from jaxtrain.core.config import ALLOW_MISMATCH, OPTIMIZER_SWITCH as SWITCH
 from jaxtrain.core.errors import UserError
 from jaxtrain.interop import tasks as tasks_lib
 from jaxtrain.model import flops
@@ -111,13 +111,24 @@ class Preemption:
       signal.signal(signal.SIGTERM, self._old)
 
 
+# the keys a switch of optimizer frees: the rule and what only one of the rules reads
+SWITCH_KEYS = ("optim.name", "optim.muon_momentum")
+
+
 def allowed_mismatches(text: str) -> set[str]:
   allowed = set(parse.items(text, "--allow-mismatch"))
   if "all" in allowed:
-    return set(MISMATCH_CATEGORIES)
-  if bad := allowed - set(MISMATCH_CATEGORIES):
-    raise UserError(f"--allow-mismatch {','.join(sorted(bad))}: unknown; use {', '.join(MISMATCH_CATEGORIES)} or all")
+    return set(ALLOW_MISMATCH)
+  if bad := allowed - set(ALLOW_MISMATCH):
+    raise UserError(f"--allow-mismatch {','.join(sorted(bad))}: unknown; use {', '.join(ALLOW_MISMATCH)} or all")
   return allowed
+
+
+def switches_optimizer(manifest: dict, cfg) -> bool:
+  """Whether the checkpoint of `manifest` holds another optimizer's state than `cfg`'s rule (not one that holds
+  no optimizer state: an import)."""
+  was = checkpoint.value(manifest["fingerprint"], "optim.name")
+  return not checkpoint.params_only(manifest) and was is not None and was != cfg.optim.name
 
 
 def _sinks(setup, workdir: Path, stop_at: int, resumed_at: int | None, carried: list | None):
@@ -142,10 +153,12 @@ def _same_run(current: dict, allowed: set[str], setup):
   def accept(step_dir: Path, manifest: dict) -> None:
     # first what no --allow-mismatch can pass, so that the hint below is one the run then accepts
     was, now = (checkpoint.value(f, "optim.name") for f in (manifest["fingerprint"], current))
-    if was is not None and was != now:  # no --allow-mismatch bridges it: the state holds the other rule's moments
+    switch = was is not None and was != now and not checkpoint.params_only(manifest)  # an import holds no state
+    if switch and SWITCH not in allowed:  # the state holds the other rule's moments: only a fresh state bridges it
       raise UserError(f"checkpoint {step_dir} was written with optim.name={was!r}, this run has optim.name={now!r}: "
                       "the optimizer states differ (AdamW's two moments, Muon's one), so the run cannot switch "
-                      "optimizer on resume; keep optim.name, or --fresh")
+                      f"optimizer on resume; keep optim.name, pass --allow-mismatch {SWITCH} to start the new "
+                      "optimizer's state fresh (parameters, schedule and data position resume), or --fresh")
     was, now = (checkpoint.value(f, "train.tokens") for f in (manifest["fingerprint"], current))
     if was is not None and bool(was) != bool(now):  # the state holds the position in tokens, or does not
       unit = lambda t: f"in tokens (train.tokens={t:g})" if t else "in steps (train.tokens=0)"  # noqa: E731
@@ -156,7 +169,8 @@ def _same_run(current: dict, allowed: set[str], setup):
     imported = checkpoint.params_only(manifest)
     if imported:
       _check_quantized_base(setup.cfg, step_dir, manifest)
-    differ = checkpoint.mismatches(manifest["fingerprint"], current, config.LORA_KEYS if imported else ())
+    free = (config.LORA_KEYS if imported else ()) + (SWITCH_KEYS if switch or imported else ())
+    differ = checkpoint.mismatches(manifest["fingerprint"], current, free)
     if "model" in differ:  # other shapes (lora_base_dtype, ...) no --allow-mismatch bridges: say which keys first
       params = (setup.base_abstract(checkpoint.quantized_base(manifest) is not None) if imported
                 else setup.abstract_state()["params"])
@@ -191,6 +205,12 @@ def _resume(ckpts, step_dir, setup, batches, mesh_text: str):
     state = setup.init_from(setup.with_adapters(base["params"]))
     print("checkpoint: parameters only (an import): optimizer state created (Adam moments zero, schedule at step 0)"
           f"{', fresh LoRA adapters' if setup.cfg.model.lora_rank else ''}")
+  elif switches_optimizer(saved, setup.cfg):  # --allow-mismatch optimizer: all but the other rule's state
+    kept = {k: v for k, v in setup.abstract_state().items() if k != "opt"}
+    kept, manifest = ckpts.restore(step_dir, kept, verified=True, partial=True)
+    state = setup.fresh_optimizer(kept)
+    print(f"checkpoint: written with optim.name={checkpoint.value(saved['fingerprint'], 'optim.name')}: "
+          f"{setup.cfg.optim.name}'s state created (moments zero, schedule at update {int(state['step'])})")
   else:
     state, manifest = ckpts.restore(step_dir, setup.abstract_state(), verified=True)
   batches.set_state(manifest["data_state"])

@@ -19,7 +19,7 @@ DPO_FIELDS = ("dpo_reward_chosen", "dpo_reward_rejected", "dpo_reward_accuracy",
 def record(step: int, fetched: dict, step_time: float, data_wait: float, progress, flops_per_step: float,
            peak_total: float | None) -> dict:
   """One metrics.jsonl record from a step's fetched device metrics and the run state after it."""
-  m = {k: v.item() for k, v in fetched.items()}
+  m = {k: v.item() for k, v in fetched.items() if k != "attn_max_logit"}
   tokens = int(m["tokens"])
   return {
       "step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"], "tokens": tokens,
@@ -27,8 +27,17 @@ def record(step: int, fetched: dict, step_time: float, data_wait: float, progres
       "mfu": flops_per_step / step_time / peak_total if peak_total else None,
       "skipped": bool(m["skipped"]), "loss_scale": m["loss_scale"],
       "tokens_seen": progress.tokens_seen, "tokens_updated": progress.tokens_updated,
-      **{k: m[k] for k in (*EVAL_FIELDS, *MOE_FIELDS, *DPO_FIELDS) if k in m},  # eval steps / MoE / DPO only
+      **{k: m[k] for k in (*EVAL_FIELDS, *MOE_FIELDS, *DPO_FIELDS, "qk_clipped_heads") if k in m},  # eval/MoE/DPO/QK
+      **_per_layer("attn_max_logit", fetched.get("attn_max_logit")),
   }
+
+
+def _per_layer(name: str, values) -> dict:
+  """A per-layer array as one scalar per layer (`name`/layerN, what trackers plot) and its largest (`name`)."""
+  if values is None:
+    return {}
+  values = [float(v) for v in values]
+  return {name: max(values), **{f"{name}/layer{i}": v for i, v in enumerate(values)}}
 
 
 def _gib(n: int) -> str:

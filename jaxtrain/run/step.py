@@ -19,7 +19,7 @@ from jaxtrain.core.errors import UserError
 from jaxtrain.model import moe_balance, ops, quant, roles, transformer as model_lib
 from jaxtrain.parallel import expert_layout as moe_layout, pipeline, placement as placement_lib, plan as plan_lib
 from jaxtrain.parallel import data_region, sharding
-from jaxtrain.run import dpo, grads as grads_lib, offload as offload_lib, optimizer as optim_lib, precision
+from jaxtrain.run import dpo, grads as grads_lib, offload as offload_lib, optimizer as optim_lib, precision, qk_clip
 from jaxtrain.run.layout import Layout
 
 
@@ -48,6 +48,7 @@ def train_step(objective, opt, plan, layout: Layout, state, batch, executor=grad
                                           executor)
     else:
       loss, g, n_valid, extra = grads_lib.grads(objective, params, batch, scale, layout.grad_sharding, executor)
+    max_LxH = qk_clip.max_logits(objective, params, batch) if cfg.optim.qk_clip else None
   grad_norm = optax.tree.norm(g)  # unscaled, before the optimizer clips it: as logged
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)  # a non-finite element makes the norm non-finite
   ok = finite & (n_valid > 0)
@@ -64,6 +65,8 @@ def train_step(objective, opt, plan, layout: Layout, state, batch, executor=grad
     trained, frozen = roles.split(cfg.model, state["params"])
     safe = optim_lib.stays_finite(cfg, state["step"], trained, delta, lr)
     params, opt_state, apply = optim_lib.guarded_update(opt, trained, state["opt"], g, ok, delta, safe)
+    if max_LxH is not None:  # MuonClip: the heads over tau rescaled after the update
+      params = qk_clip.clip(cfg, params, max_LxH, apply)
     params = roles.join(params, frozen)
   new_state = {**state, "params": params, "opt": opt_state, "step": state["step"] + apply.astype(jnp.int32),
                "loss_scale": precision.update(cfg, state["loss_scale"], finite)}
@@ -74,6 +77,8 @@ def train_step(objective, opt, plan, layout: Layout, state, batch, executor=grad
   metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": n_valid, "skipped": ~apply, "loss_scale": scale}
   if cfg.model.moe_experts or dpo.active(cfg):
     metrics.update(extra)
+  if max_LxH is not None:
+    metrics.update(qk_clip.metrics(cfg, max_LxH))
   return new_state, metrics
 
 
@@ -184,6 +189,17 @@ class Setup:
     make = jax.jit(lambda p: init_state(self.cfg, self.opt, p), out_shardings=self.state_shardings, donate_argnums=0)
     return make(params)
 
+  def fresh_optimizer(self, kept):
+    """The train state around `kept` (a checkpoint's state but its optimizer's, written by the other rule): this
+    rule's state created as at step 0 (moments zero, their bias corrections from the start) but the schedule's
+    count, which continues at the applied updates `kept["step"]` (as the lr logged from it)."""
+    def make(kept):
+      trained = roles.split(self.cfg.model, kept["params"])[0]
+      at_step = lambda s: s._replace(count=kept["step"]) if isinstance(s, optax.ScaleByScheduleState) else s  # noqa: E731
+      opt = jax.tree.map(at_step, self.opt.init(trained), is_leaf=lambda s: isinstance(s, optax.ScaleByScheduleState))
+      return {**kept, "opt": opt}
+    return jax.jit(make, out_shardings=self.state_shardings, donate_argnums=0)(kept)
+
   def device_batch(self, local: dict):
     return self.placement.device_batch(local)
 
@@ -208,6 +224,9 @@ def check_fits_mesh(cfg: Config, mesh) -> None:
                     "supported yet (lm-eval's model runs the whole stack on each device's layers); evaluate the "
                     "checkpoints with python -m jaxtrain.eval instead")
   pipeline.check(cfg, mesh)
+  if cfg.optim.qk_clip and pipeline.active(mesh):
+    raise UserError(f"optim.qk_clip={cfg.optim.qk_clip:g} with mesh pipeline={mesh.shape['pipeline']} is not "
+                    "supported yet (its max-logit pass runs the layers outside the pipeline's schedule)")
   if t.seq_len % mesh.shape["sequence"]:
     raise UserError(f"train.seq_len={t.seq_len} must divide over sequence={mesh.shape['sequence']} devices")
   moe_layout.check(cfg, mesh)

@@ -52,6 +52,7 @@ FACTORS = (
     # the LR schedule: in steps; in tokens (train.tokens, optim.warmup_tokens, optim.lr_reference_batch); or that
     # with train.batch_ramp (its steps run below train.batch_size)
     Factor("schedule_in", ("steps", "tokens", "ramp")),
+    Factor("qk_clip", (False, True)),  # optim.qk_clip (MuonClip's rescale after the update)
 )
 # Options that never change the step (what is logged where, what is evaluated beside it): their levels are given to
 # the rows of the factors above after those are chosen (so those rows stay as they were), and a row added for them
@@ -87,6 +88,12 @@ REFUSED = {
                                       "whole layer stack on device-resident, dense parameters")
        for pair, words in ((("pipeline", 2), "pipeline=2"), (("offload", "host"), "optim.offload='host'"),
                            (("lora", "nf4"), "model.lora_base_dtype='nf4'"))},
+    **{(("qk_clip", True), pair): (("optim.qk_clip=", words), "QK-clip (core.config.check_qk_clip, step's mesh "
+                                   "check): a rule for grouped-query W_q/W_k only, its pass outside a pipeline")
+       for pair, words in ((("attention", "mla"), "model.attention_type='mla'"), (("qk_norm", True), "model.qk_norm"),
+                           (("lora", "on"), "model.lora_rank="), (("lora", "nf4"), "model.lora_rank="),
+                           (("offload", "host"), "optim.offload='host'"), (("mtp", True), "model.mtp_layers=1"),
+                           (("pipeline", 2), "pipeline=2"))},
 }
 
 
@@ -183,7 +190,7 @@ def matrix(seed: int = 0, candidates: int = 30) -> list[dict]:
 
 def _with_views(steps: list[dict]) -> list[dict]:
   """`steps` with the VIEWS' levels that cover most pairs still wanted, then copies of them with other levels for
-  the pairs left (each the copy that covers most)."""
+  the pairs left (each the copy that covers most; a new step where none of them can hold a pair)."""
   want, rows = all_pairs() - set().union(*(_pairs(r, FACTORS) for r in steps)), []
 
   def viewed(step: dict, fixed: dict) -> dict | None:
@@ -200,6 +207,8 @@ def _with_views(steps: list[dict]) -> list[dict]:
     first = sorted(want)[0]
     fixed = {n: v for n, v in first if n in {f.name for f in VIEWS}}
     options = [r for r in (viewed(step, fixed) for step in steps) if r is not None and set(first) <= set(r.items())]
+    if not options:  # no step so far can hold it: a new step for it
+      options = [r for r in (_complete(dict(first), random.Random(i), want) for i in range(30)) if r is not None]
     if not options:
       raise AssertionError(f"no row holds {first}")
     rows.append(max(options, key=lambda r: len(_pairs(r) & want)))

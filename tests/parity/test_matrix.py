@@ -63,6 +63,8 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
     sets += ["train.eval_tasks=tiny_mc", "train.eval_tasks_interval=1"]
   if row["mtp"]:
     sets += ["model.mtp_layers=1", "model.mtp_weight=0.3"]
+  if row["qk_clip"]:  # below every head's largest logit (about 0.05 here): each is clipped, far from the threshold
+    sets += ["optim.qk_clip=0.001"]
   if on("routing_bias") and row["routing_bias"]:
     sets += ["model.moe_bias_rate=0.01"]
   if on("sequence_attention"):

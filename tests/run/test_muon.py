@@ -151,19 +151,68 @@ def test_muon_combinations_it_does_not_run_are_refused_in_one_line(sets, words):
 
 @pytest.mark.parametrize("allowed", [set(), {"model", "train", "tokenizer", "data"}])
 def test_switching_optimizer_on_resume_is_refused_in_one_line(allowed, tmp_path):
-  """optim.name is a math key; its change is refused even where --allow-mismatch lets the other math keys go (the
-  saved state is the other rule's), in one line naming both values. The same name resumes."""
+  """optim.name is a math key; its change is refused unless --allow-mismatch names `optimizer`, even where the
+  other categories are allowed (the saved state is the other rule's), in one line naming both values and the way
+  through. The same name resumes; with `optimizer` allowed the switch passes the check, optim.name alone (not a
+  `train` mismatch) and muon_momentum with it."""
   from jaxtrain.run import checkpoint, loop
-  adamw, muon = (checkpoint.fingerprint(config.load("tiny", sets), "tok", "data") for sets in ([], ["optim.name=muon"]))
+  import types
+  cfgs = [config.load("tiny", sets) for sets in ([], ["optim.name=muon", "optim.muon_momentum=0.9"])]
+  adamw, muon = (checkpoint.fingerprint(c, "tok", "data") for c in cfgs)
+  setup_of = {id(adamw): types.SimpleNamespace(cfg=cfgs[0]), id(muon): types.SimpleNamespace(cfg=cfgs[1])}
   assert config.all_keys()["optim.name"].metadata["math"]
   for saved, current, words in ((adamw, muon, "optim.name='adamw', this run has optim.name='muon'"),
                                 (muon, adamw, "optim.name='muon', this run has optim.name='adamw'")):
     with pytest.raises(UserError) as e:
       loop._same_run(current, allowed, None)(tmp_path, {"fingerprint": saved})  # noqa: SLF001
-    assert "\n" not in str(e.value) and words in str(e.value) and "cannot switch optimizer" in str(e.value)
+    line = str(e.value)
+    assert "\n" not in line and words in line and "cannot switch optimizer" in line, line
+    assert "--allow-mismatch optimizer" in line, line
+    loop._same_run(current, allowed | {"optimizer"}, setup_of[id(current)])(  # noqa: SLF001
+        tmp_path, {"fingerprint": saved})
+  assert loop.allowed_mismatches("all") >= {"optimizer", "train"}
   old = {**muon, "train": {k: v for k, v in muon["train"].items() if k != "optim.name"}}  # before the key: adamw
   with pytest.raises(UserError, match="optim.name='adamw', this run has optim.name='muon'"):
     loop._same_run(muon, allowed, None)(tmp_path, {"fingerprint": old})  # noqa: SLF001
+  with pytest.raises(UserError, match="optim.lr"):  # the switch frees optim.name, not the other train keys
+    lr = {**muon, "train": {**muon["train"], "optim.lr": 1.0}}
+    loop._same_run(lr, {"optimizer"}, setup_of[id(muon)])(tmp_path, {"fingerprint": adamw})  # noqa: SLF001
+
+
+def _records(workdir) -> dict:
+  import json
+  return {r["step"]: r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+
+
+@pytest.mark.slow  # three short in-process runs
+def test_an_allowed_switch_resumes_params_schedule_and_data_with_a_fresh_state(tmp_path):
+  """AdamW for 2 steps, then Muon from that checkpoint with --allow-mismatch optimizer: step 3's loss (a function of
+  the parameters after step 2 and the third batch only) and lr equal an uninterrupted AdamW run's; the Muon state
+  it starts from has every moment zero and the schedule at update 2; step 3 then moves the parameters by Muon."""
+  from jaxtrain.run import checkpoint, loop, step
+  base = [s for s in SMALL if s != "optim.name=muon"] + ["checkpoint.async_save=false"]
+  adamw, muon = config.load("tiny", base), config.load("tiny", [*base, "optim.name=muon"])
+  loop.run(adamw, mesh_of("data=1"), tmp_path / "straight", "m", stop_at=3)
+  loop.run(adamw, mesh_of("data=1"), tmp_path / "w", "m", stop_at=2)
+  with pytest.raises(UserError, match="--allow-mismatch optimizer"):
+    loop.run(muon, mesh_of("data=1"), tmp_path / "w", "m", stop_at=3)
+  setup = step.Setup(muon, mesh_of("data=1"))
+  ckpts = checkpoint.Checkpoints(tmp_path / "w" / "checkpoints", 3, 0, False)
+  batches = data.batches(muon)
+  state, progress, _ = loop._resume(ckpts, tmp_path / "w" / "checkpoints" / "2", setup, batches, "data=1")  # noqa: SLF001
+  batches.close()
+  ckpts.close()
+  assert progress.step == 2 and int(state["step"]) == 2
+  is_sched = lambda s: isinstance(s, optax.ScaleByScheduleState)  # noqa: E731
+  scheds = [s for s in jax.tree.leaves(state["opt"], is_leaf=is_sched) if is_sched(s)]
+  assert len(scheds) == 2 and all(int(s.count) == 2 for s in scheds)  # AdamW's part and Muon's part
+  others = jax.tree.leaves([s for s in jax.tree.leaves(state["opt"], is_leaf=is_sched) if not is_sched(s)])
+  assert others and all(not np.any(np.asarray(x)) for x in others)  # moments and their counts: zero
+  loop.run(muon, mesh_of("data=1"), tmp_path / "w", "m", stop_at=3, allow_mismatch="optimizer")
+  straight, switched = _records(tmp_path / "straight"), _records(tmp_path / "w")
+  assert switched[3]["loss"] == pytest.approx(straight[3]["loss"], rel=1e-6)
+  assert switched[3]["lr"] == pytest.approx(straight[3]["lr"], rel=1e-7)
+  assert switched[2]["loss"] == pytest.approx(straight[2]["loss"], rel=1e-6)  # step 2 carried from the checkpoint
 
 
 def test_the_bill_counts_one_moment_for_muons_matrices():
