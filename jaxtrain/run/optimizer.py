@@ -10,7 +10,7 @@ import optax
 
 from jaxtrain.core.config import Config, OptimConfig
 from jaxtrain.model import moe_balance, roles
-from jaxtrain.run import muon as muon_lib
+from jaxtrain.run import moments, muon as muon_lib
 
 
 def lr_schedule(o: OptimConfig, steps: int) -> optax.Schedule:
@@ -29,13 +29,17 @@ def parts(cfg: Config, shardings=None) -> tuple[float, optax.GradientTransformat
   `shardings`: the momentum's, a tree like the trained params (Muon gathers each matrix whole from them)."""
   o = cfg.optim
   schedule = lr_schedule(o, cfg.train.steps)
-  adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                      mask=lambda params: roles.mask(cfg.model, params, "decayed"))
+  decayed = lambda params: roles.mask(cfg.model, params, "decayed")  # noqa: E731
+  if o.state_dtype == "float32":
+    adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decayed)
+  else:  # optax.adamw's chain, its moments kept as optim.state_dtype says
+    adamw = optax.chain(moments.scale_by_adam(o.b1, o.b2, o.eps, o.state_dtype),
+                        optax.add_decayed_weights(o.weight_decay, decayed), optax.scale_by_learning_rate(schedule))
   if o.name == "adamw":
     return o.grad_clip, adamw
   # NS in the compute dtype, bfloat16 for float16 (a normalized matrix's entries fall below half's normal range)
   dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
-  muon = optax.chain(muon_lib.scale_by_muon(o.muon_momentum, o.eps, cfg.model, shardings, dtype),
+  muon = optax.chain(muon_lib.scale_by_muon(o.muon_momentum, o.eps, cfg.model, shardings, dtype, o.state_dtype),
                      optax.add_decayed_weights(o.weight_decay), optax.scale_by_learning_rate(schedule))
   def label(params):
     return jax.tree.map(lambda m: "muon" if m else "adamw", roles.mask(cfg.model, params, "muon"))
@@ -84,8 +88,11 @@ def stays_finite(cfg: Config, count, params, bias_delta=None) -> jax.Array | Non
   larger, a Muon matrix's (`muon.NS_ENTRY_BOUND` times its update scale). It is known before the
   update runs, so the update is one pass over p, g, m, v (the guard fuses into it) instead of a second pass that
   picks new or old values after checking the new parameters. None where there is no such bound (`adam_ratio_bound`).
-  Finite gradients are the caller's part of the guard (the gradient norm)."""
+  Finite gradients are the caller's part of the guard (the gradient norm). None too for moments kept below float32
+  (optim.state_dtype): their roundings void the bound (an int8 second moment may round to 0)."""
   o = cfg.optim
+  if o.state_dtype != "float32":
+    return None
   ratio = adam_ratio_bound(o, count + 1)
   if ratio is None:
     return None
