@@ -10,6 +10,7 @@ import pytest
 
 from jaxtrain import data
 from jaxtrain.core import config
+from jaxtrain.analysis import memory
 from jaxtrain.run import checkpoint, moments, step
 from tests.helpers import mesh_of, trajectory
 
@@ -55,6 +56,26 @@ def test_round_trip_equals_bitsandbytes_blockwise(signed, shape):
   assert np.all(err[~same] < ref_err[~same])
 
 
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+def test_the_bill_counts_the_moments_at_their_bytes(state_dtype):
+  """Adam's m and v at 4+4, 2+2 or (int8) 1+1 bytes per value and 4 bytes per 256-value block per moment, float32
+  below 4096 values, counted from the parameter shapes here; the bill's lines say how they are kept."""
+  cfg = config.load("tiny", [f"optim.state_dtype={state_dtype}"])
+  setup = step.Setup(cfg, mesh_of("dp=1"))
+  want = 0
+  for x in jax.tree.leaves(setup.layout.abstract_params):
+    if state_dtype == "int8" and x.size >= 4096:
+      want += x.size + 4 * (x.size // x.shape[-1]) * -(-x.shape[-1] // 256)
+    else:
+      want += x.size * {"float32": 4, "bfloat16": 2, "int8": 4}[state_dtype]
+  bill = memory.bill(setup, memory.grouped(memory.param_rows(setup)), margin=0.1)
+  assert bill.items["adam_m"] == bill.items["adam_v"] == want
+  n = setup.n_params
+  assert want / n == pytest.approx({"float32": 4, "bfloat16": 2, "int8": 1.06}[state_dtype], abs=0.01)  # tiny
+  assert bill.notes["adam_m"].startswith({"float32": "float32,", "bfloat16": "bfloat16 (optim.state_dtype)",
+                                          "int8": "int8 codes"}[state_dtype])
+
+
 SMALL = ["model.dtype=float32", "train.batch_size=8", "train.seq_len=32", "model.d_model=64", "model.n_heads=4",
          "model.n_kv_heads=2", "model.d_ff=128", "train.steps=200", "optim.warmup_steps=10"]
 
@@ -74,3 +95,39 @@ def test_200_steps_stay_near_float32_adamw(state_dtype, tol):
   assert not np.array_equal(got, ref)  # the moments are rounded: the run is not float32's
   np.testing.assert_allclose(got, ref, rtol=tol)
   np.testing.assert_allclose(got[-20:].mean(), ref[-20:].mean(), rtol=0.01)
+
+
+def _steps(setup, cfg, state, batches, n):
+  out = []
+  for _ in range(n):
+    state, m = setup.step(state, setup.device_batch(next(batches)))
+    out.append(float(m["loss"]))
+  return state, out
+
+
+@pytest.mark.slow
+def test_int8_states_shard_like_the_master_and_resume_exactly(tmp_path):
+  """fsdp=2: the codes sharded as the master; 3 steps, a checkpoint (orbax, as the trainer saves), a restore onto
+  the abstract state, 3 more: bit for bit the 6 uninterrupted steps (losses, params and moments)."""
+  cfg = config.load("tiny", SMALL[:-2] + ["optim.state_dtype=int8", "model.n_layers=1"])
+  setup = step.Setup(cfg, mesh_of("fsdp=2"))
+  mu = setup.state_shardings["opt"][0].mu
+  quantized = [(k, q) for k, q in mu.items() if isinstance(q, moments.Quantized)]
+  assert quantized and all(q.codes == setup.state_shardings["params"][k] for k, q in quantized)
+  batches = data.batches(cfg)
+  straight, ref = _steps(setup, cfg, setup.init(), batches, 6)
+  batches.close()
+  batches = data.batches(cfg)
+  first, got = _steps(setup, cfg, setup.init(), batches, 3)
+  ck = checkpoint.Checkpoints(tmp_path / "ck", 3, 0, False)
+  ck.save(3, first, {})
+  ck.wait()
+  restored, _ = ck.restore(tmp_path / "ck" / "3", setup.abstract_state())
+  ck.mgr.close()
+  leaves = jax.tree.leaves(restored["opt"])
+  assert any(x.dtype == jnp.uint8 for x in leaves)  # the checkpoint holds the codes as they are
+  resumed, more = _steps(setup, cfg, restored, batches, 3)
+  batches.close()
+  assert got + more == ref
+  for a, b in zip(jax.tree.leaves(jax.device_get(resumed)), jax.tree.leaves(jax.device_get(straight)), strict=True):
+    np.testing.assert_array_equal(a, b)
