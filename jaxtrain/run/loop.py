@@ -103,11 +103,14 @@ def _same_run(current: dict, allowed: set[str], setup):
   import (parameters only) takes any LoRA keys: its base gains fresh adapters."""
   def accept(step_dir: Path, manifest: dict) -> None:
     # first what no --allow-mismatch can pass, so that the hint below is one the run then accepts
-    was, now = (checkpoint.value(f, "optim.name") for f in (manifest["fingerprint"], current))
-    if was is not None and was != now:  # no --allow-mismatch bridges it: the state holds the other rule's moments
-      raise UserError(f"checkpoint {step_dir} was written with optim.name={was!r}, this run has optim.name={now!r}: "
-                      "the optimizer states differ (AdamW's two moments, Muon's one), so the run cannot switch "
-                      "optimizer on resume; keep optim.name, or --fresh")
+    for key, why in (("optim.name", "AdamW's two moments, Muon's one"),
+                     ("optim.state_dtype", "float32, bfloat16, or int8 codes and scales")):
+      was, now = (checkpoint.value(f, key) for f in (manifest["fingerprint"], current))
+      if was is not None and was != now:  # no --allow-mismatch bridges it: the state holds other arrays
+        raise UserError(f"checkpoint {step_dir} was written with {key}={was!r}, this run has {key}={now!r}: the "
+                        f"optimizer states differ ({why}), so the run cannot switch optimizer states on resume; keep "
+                        f"{key}, or "
+                        "--fresh")
     dpo.check_start(setup.cfg, step_dir, manifest)  # an lm run's checkpoint holds no DPO reference
     imported = checkpoint.params_only(manifest)
     if imported:

@@ -48,6 +48,8 @@ FACTORS = (
     Factor("lora", ("off", "on", "nf4")),  # nf4: QLoRA, the frozen base stored in 4 bits
     Factor("objective", ("lm", "dpo")),
     Factor("optim", ("adamw", "muon")),  # optim.name
+    Factor("state_dtype", ("float32", "bfloat16", "int8")),  # optim.state_dtype: no refused pair (Muon's momentum,
+    # offload's units, LoRA's adapters and ZeRO/FSDP shards keep it too)
 )
 BY_NAME = {f.name: f for f in FACTORS}
 

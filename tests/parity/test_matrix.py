@@ -57,7 +57,8 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
           f"model.remat={row['remat']}", f"model.scan_layers={str(row['scan_layers']).lower()}",
           f"model.fp8={row['fp8']}", f"model.dtype={row['dtype']}", f"optim.zero_stage={row['zero_stage']}",
           f"optim.offload={row['offload']}", f"train.microbatches={micro}",
-          f"run.sequence_parallel={str(row['sequence_parallel']).lower()}", f"optim.name={row['optim']}"]
+          f"run.sequence_parallel={str(row['sequence_parallel']).lower()}", f"optim.name={row['optim']}",
+          f"optim.state_dtype={row['state_dtype']}"]
   if row["mtp"]:
     sets += ["model.mtp_layers=1", "model.mtp_weight=0.3"]
   if on("routing_bias") and row["routing_bias"]:
@@ -90,7 +91,7 @@ def trajectory(cfg, spec: str, init=None):
     first = jax.device_get(state) if init is None else init
     batch = setup.device_batch(next(batches))
     compiled = setup.step.lower(state, batch).compile(FAST)
-    for i in range(STEPS):
+    for i in range(STEPS + (cfg.optim.state_dtype != "float32")):  # a 3rd step: the 2nd update reads stored moments
       state, m = compiled(state, batch if i == 0 else setup.device_batch(next(batches)))
       assert not bool(m["skipped"]), f"a step was skipped on {spec}"
       out.append((float(m["loss"]), float(m["grad_norm"])))

@@ -76,6 +76,24 @@ def test_the_bill_counts_the_moments_at_their_bytes(state_dtype):
                                           "int8": "int8 codes"}[state_dtype])
 
 
+@pytest.mark.parametrize("allowed", [set(), {"model", "train", "tokenizer", "data"}])
+def test_switching_state_dtype_on_resume_is_refused_in_one_line(allowed, tmp_path):
+  """The saved moments are another dtype's arrays: refused even where --allow-mismatch lets math keys go, in one
+  line naming both values; a checkpoint from before the key is float32's."""
+  from jaxtrain.core.errors import UserError
+  from jaxtrain.run import loop
+  f32, i8 = (checkpoint.fingerprint(config.load("tiny", sets), "tok", "data")
+             for sets in ([], ["optim.state_dtype=int8"]))
+  for saved, current, words in ((f32, i8, "optim.state_dtype='float32', this run has optim.state_dtype='int8'"),
+                                (i8, f32, "optim.state_dtype='int8', this run has optim.state_dtype='float32'")):
+    with pytest.raises(UserError) as e:
+      loop._same_run(current, allowed, None)(tmp_path, {"fingerprint": saved})  # noqa: SLF001
+    assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
+  old = {**i8, "train": {k: v for k, v in i8["train"].items() if k != "optim.state_dtype"}}
+  with pytest.raises(UserError, match="optim.state_dtype='float32', this run has optim.state_dtype='int8'"):
+    loop._same_run(i8, allowed, None)(tmp_path, {"fingerprint": old})  # noqa: SLF001
+
+
 SMALL = ["model.dtype=float32", "train.batch_size=8", "train.seq_len=32", "model.d_model=64", "model.n_heads=4",
          "model.n_kv_heads=2", "model.d_ff=128", "train.steps=200", "optim.warmup_steps=10"]
 
