@@ -56,24 +56,40 @@ def test_round_trip_equals_bitsandbytes_blockwise(signed, shape):
   assert np.all(err[~same] < ref_err[~same])
 
 
-@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
-def test_the_bill_counts_the_moments_at_their_bytes(state_dtype):
-  """Adam's m and v at 4+4, 2+2 or (int8) 1+1 bytes per value and 4 bytes per 256-value block per moment, float32
-  below 4096 values, counted from the parameter shapes here; the bill's lines say how they are kept."""
-  cfg = config.load("tiny", [f"optim.state_dtype={state_dtype}"])
-  setup = step.Setup(cfg, mesh_of("dp=1"))
+def _moment_bytes(setup, state_dtype: str) -> int:
+  """One moment's bytes on one device, from the parameter shapes: int8 codes and a float32 scale per 256 values
+  (float32 under 4096 values), or 4 or 2 bytes a value."""
   want = 0
   for x in jax.tree.leaves(setup.layout.abstract_params):
     if state_dtype == "int8" and x.size >= 4096:
       want += x.size + 4 * (x.size // x.shape[-1]) * -(-x.shape[-1] // 256)
     else:
       want += x.size * {"float32": 4, "bfloat16": 2, "int8": 4}[state_dtype]
+  return want
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+def test_the_bill_counts_the_moments_at_their_bytes(state_dtype):
+  """Adam's m and v at 4+4, 2+2 or (int8) 1+1 bytes per value and 4 bytes per 256-value block per moment, float32
+  below 4096 values, counted from the parameter shapes here; the bill's lines say how they are kept."""
+  cfg = config.load("tiny", [f"optim.state_dtype={state_dtype}"])
+  setup = step.Setup(cfg, mesh_of("dp=1"))
+  want = _moment_bytes(setup, state_dtype)
   bill = memory.bill(setup, memory.grouped(memory.param_rows(setup)), margin=0.1)
   assert bill.items["adam_m"] == bill.items["adam_v"] == want
   n = setup.n_params
   assert want / n == pytest.approx({"float32": 4, "bfloat16": 2, "int8": 1.06}[state_dtype], abs=0.01)  # tiny
   assert bill.notes["adam_m"].startswith({"float32": "float32,", "bfloat16": "bfloat16 (optim.state_dtype)",
                                           "int8": "int8 codes"}[state_dtype])
+
+
+def test_offload_moves_the_moments_at_their_stored_bytes():
+  """optim.offload=host with int8 moments: per step the float32 master 3 times and both moments twice to the device,
+  master and moments once back (offload.py's design), the moments at their stored bytes."""
+  cfg = config.load("tiny", ["optim.state_dtype=int8", "optim.offload=host", "model.n_layers=1"])
+  setup = step.Setup(cfg, mesh_of("dp=1"))
+  n, w = setup.n_params, _moment_bytes(setup, "int8")
+  assert setup.layout.link == (3 * 4 * n + 2 * 2 * w, 4 * n + 2 * w)
 
 
 @pytest.mark.parametrize("allowed", [set(), {"model", "train", "tokenizer", "data"}])
