@@ -20,6 +20,7 @@ from jaxtrain.core.errors import UserError
 from jaxtrain.model import quant, roles
 from jaxtrain.parallel import devices, pipeline, program
 from jaxtrain.parallel import sharding
+from jaxtrain.run import moments
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -450,10 +451,10 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
       "grad_accumulator": (made["gradients"], f"float32 sum over {t.microbatches} microbatches, {grads}"
                            + ("" if p == 2 else ": this device's rows, reduced over data once, after the last"))
                           if t.microbatches > 1 else (0, "none (1 microbatch)"),
-      "adam_m": (on_device("adam_m"), stored + ("; AdamW's first moment, and Muon's momentum of its matrices"
-                                                 if cfg.optim.name == "muon" else "")),
-      "adam_v": (on_device("adam_v"), stored + ("; AdamW's second moment of the rest only (Muon keeps one moment)"
-                                                 if cfg.optim.name == "muon" else "")),
+      "adam_m": (on_device("adam_m"), moments_note(cfg, stored) + (
+          "; AdamW's first moment, and Muon's momentum of its matrices" if cfg.optim.name == "muon" else "")),
+      "adam_v": (on_device("adam_v"), moments_note(cfg, stored) + (
+          "; AdamW's second moment of the rest only (Muon keeps one moment)" if cfg.optim.name == "muon" else "")),
       "counters": (st["counters"], "step, Adam count, loss scale"),
       "batch": (batch, "inputs, targets, positions, segment ids, loss mask (int32)"),
       "weight_residuals": _weight_residuals(cfg, gathered["stored"]),
@@ -475,6 +476,14 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   me = mesh.devices.flat[0].process_index  # offload: every device of this host keeps its shards in host memory
   per_host = sum(d.process_index == me for d in mesh.devices.flat) if host else 0
   return Bill(items, notes, sum(items.values()), full, per_host * kept)
+
+
+def moments_note(cfg, stored: str) -> str:
+  """How a moment is kept (optim.state_dtype, run/moments.py), and where (`stored`: the master's note)."""
+  kind = {"float32": "float32", "bfloat16": "bfloat16 (optim.state_dtype)",
+          "int8": (f"int8 codes and a float32 scale per {moments.BLOCK} values (optim.state_dtype; float32 for "
+                   f"parameters under {moments.MIN_QUANTIZED} values)")}[cfg.optim.state_dtype]
+  return kind + stored.removeprefix("float32")
 
 
 def dequantized_line(cfg, rows: list[Row]) -> dict:

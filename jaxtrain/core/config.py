@@ -247,6 +247,12 @@ class OptimConfig:
   offload: Literal["none", "host"] = key("none", "host: the float32 master weights and Adam moments live in host "
                                          "memory (pinned_host) and are streamed to the device for the update.",
                                          math=False)
+  state_dtype: Literal["float32", "bfloat16", "int8"] = key(
+      "float32", "How Adam's two moments (and Muon's momentum) are kept between updates; the update's arithmetic "
+      "and the master weights stay float32. bfloat16: rounded to bfloat16 (2+2 bytes per parameter); int8: "
+      "bitsandbytes' 8-bit Adam, block-wise dynamic quantization, 256 values per float32 scale (1+1 bytes per "
+      "parameter and 4/256 per moment for scales; parameters under 4096 values keep float32: "
+      "docs/training.md#state-dtype). Changes the math (the stored moments are rounded).", math=True)
 
 
 @dataclasses.dataclass(frozen=True)

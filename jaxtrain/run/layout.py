@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.model import quant, roles
 from jaxtrain.parallel import sharding
-from jaxtrain.run import offload as offload_lib
+from jaxtrain.run import moments, offload as offload_lib
 
 
 def _on_device(tree):
@@ -39,13 +39,14 @@ class Layout:
     replicated = NamedSharding(mesh, P())
     self.trained = lambda tree: roles.split(cfg.model, tree)[0]  # LoRA: the adapters; else every parameter
     masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731 (Muon's partition: the other rule's leaves)
-    self.opt = optax.tree_map_params(opt, lambda x, sh: x if masked(x) else sh,
-                                     jax.eval_shape(opt.init, self.trained(abstract_params)),
+    # moments like the master; optim.state_dtype=int8's codes too, their scales by blocks (run/moments.py)
+    opt_shapes = jax.eval_shape(opt.init, self.trained(abstract_params))
+    self.opt = optax.tree_map_params(opt, lambda x, sh: x if masked(x) else moments.sharding_like(x, sh), opt_shapes,
                                      self.trained(self.stored), transform_non_params=lambda _: replicated,
-                                     is_leaf=masked)
+                                     is_leaf=lambda x: masked(x) or isinstance(x, moments.Quantized))
     self.offload = host is not None
     # (host-to-device, device-to-host) bytes per step over one device's host link; None without offload
-    self.link = offload_lib.link_bytes(self.stored, abstract_params) if self.offload else None
+    self.link = offload_lib.link_bytes(self.stored, abstract_params, self.opt, opt_shapes) if self.offload else None
     self.separate = plan.zero_stage > 0 or self.offload  # else the master is what the step computes with
     # pinned for ZeRO (stage 1 too: XLA would split the gradients like the update's operands otherwise)
     self.grads = self.trained(_on_device(self.stored) if plan.zero_stage == 2 else param_sh)

@@ -111,8 +111,11 @@ class Preemption:
       signal.signal(signal.SIGTERM, self._old)
 
 
-# the keys a switch of optimizer frees: the rule and what only one of the rules reads
-SWITCH_KEYS = ("optim.name", "optim.muon_momentum")
+# the keys whose change leaves the saved optimizer state unusable, and what differs in it
+STATE_KEYS = {"optim.name": "AdamW's two moments, Muon's one",
+              "optim.state_dtype": "float32, bfloat16, or int8 codes and scales"}
+# the keys a switch of optimizer frees: those, and what only one of the rules reads
+SWITCH_KEYS = (*STATE_KEYS, "optim.muon_momentum")
 
 
 def allowed_mismatches(text: str) -> set[str]:
@@ -124,11 +127,14 @@ def allowed_mismatches(text: str) -> set[str]:
   return allowed
 
 
-def switches_optimizer(manifest: dict, cfg) -> bool:
-  """Whether the checkpoint of `manifest` holds another optimizer's state than `cfg`'s rule (not one that holds
-  no optimizer state: an import)."""
-  was = checkpoint.value(manifest["fingerprint"], "optim.name")
-  return not checkpoint.params_only(manifest) and was is not None and was != cfg.optim.name
+def switches_optimizer(manifest: dict, current) -> bool:
+  """Whether the checkpoint of `manifest` holds another optimizer state (STATE_KEYS) than the run's fingerprint
+  `current` (or config) says (not one that holds no optimizer state: an import)."""
+  if checkpoint.params_only(manifest):
+    return False
+  now = (lambda k: checkpoint.value(current, k)) if isinstance(current, dict) else (
+      lambda k: config.value_of(current, k))
+  return any((was := checkpoint.value(manifest["fingerprint"], k)) is not None and was != now(k) for k in STATE_KEYS)
 
 
 def _sinks(setup, workdir: Path, stop_at: int, resumed_at: int | None, carried: list | None):
@@ -152,13 +158,15 @@ def _same_run(current: dict, allowed: set[str], setup):
   import (parameters only) takes any LoRA keys: its base gains fresh adapters."""
   def accept(step_dir: Path, manifest: dict) -> None:
     # first what no --allow-mismatch can pass, so that the hint below is one the run then accepts
-    was, now = (checkpoint.value(f, "optim.name") for f in (manifest["fingerprint"], current))
-    switch = was is not None and was != now and not checkpoint.params_only(manifest)  # an import holds no state
-    if switch and SWITCH not in allowed:  # the state holds the other rule's moments: only a fresh state bridges it
-      raise UserError(f"checkpoint {step_dir} was written with optim.name={was!r}, this run has optim.name={now!r}: "
-                      "the optimizer states differ (AdamW's two moments, Muon's one), so the run cannot switch "
-                      f"optimizer on resume; keep optim.name, pass --allow-mismatch {SWITCH} to start the new "
-                      "optimizer's state fresh (parameters, schedule and data position resume), or --fresh")
+    switch = switches_optimizer(manifest, current)
+    if switch and SWITCH not in allowed:  # the state holds other arrays: only a fresh state bridges it
+      key, why = next((k, why) for k, why in STATE_KEYS.items()
+                      if checkpoint.value(manifest["fingerprint"], k) != checkpoint.value(current, k))
+      was, now = (checkpoint.value(f, key) for f in (manifest["fingerprint"], current))
+      raise UserError(f"checkpoint {step_dir} was written with {key}={was!r}, this run has {key}={now!r}: the "
+                      f"optimizer states differ ({why}), so the run cannot switch optimizer (state) on resume; keep "
+                      f"{key}, pass --allow-mismatch {SWITCH} to start the new optimizer's state fresh (parameters, "
+                      "schedule and data position resume), or --fresh")
     was, now = (checkpoint.value(f, "train.tokens") for f in (manifest["fingerprint"], current))
     if was is not None and bool(was) != bool(now):  # the state holds the position in tokens, or does not
       unit = lambda t: f"in tokens (train.tokens={t:g})" if t else "in steps (train.tokens=0)"  # noqa: E731
@@ -209,8 +217,9 @@ def _resume(ckpts, step_dir, setup, batches, mesh_text: str):
     kept = {k: v for k, v in setup.abstract_state().items() if k != "opt"}
     kept, manifest = ckpts.restore(step_dir, kept, verified=True, partial=True)
     state = setup.fresh_optimizer(kept)
-    print(f"checkpoint: written with optim.name={checkpoint.value(saved['fingerprint'], 'optim.name')}: "
-          f"{setup.cfg.optim.name}'s state created (moments zero, schedule at update {int(state['step'])})")
+    was = ", ".join(f"{k}={checkpoint.value(saved['fingerprint'], k)}" for k in STATE_KEYS)
+    print(f"checkpoint: written with {was}: {setup.cfg.optim.name}'s state created "
+          f"({setup.cfg.optim.state_dtype} moments zero, schedule at update {int(state['step'])})")
   else:
     state, manifest = ckpts.restore(step_dir, setup.abstract_state(), verified=True)
   batches.set_state(manifest["data_state"])

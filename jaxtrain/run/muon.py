@@ -19,6 +19,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.model import roles
+from jaxtrain.run import moments
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the standard quintic (Jordan's): steepest slope at 0 that stays bounded
 NS_STEPS = 5
@@ -32,7 +33,7 @@ NS_ENTRY_BOUND = 1.5
 
 class MuonState(NamedTuple):
   count: jax.Array  # int32 updates made
-  mu: optax.Updates  # float32 momentum, shaped like the matrices
+  mu: optax.Updates  # the momentum, shaped like the matrices, kept as optim.state_dtype says (run/moments.py)
 
 
 def matrix_dims(role: roles.Role, shape) -> tuple[int, int]:
@@ -91,14 +92,17 @@ def orthogonalize(x, role: roles.Role, sharding: NamedSharding | None, dtype, ep
   return jax.lax.map(lambda xi: one(xi, spec[1:]), x)  # one layer's matrices gathered at a time
 
 
-def scale_by_muon(beta: float, eps: float, model_cfg, shardings, dtype) -> optax.GradientTransformation:
+def scale_by_muon(beta: float, eps: float, model_cfg, shardings, dtype,
+                  state_dtype: str = "float32") -> optax.GradientTransformation:
   """Nesterov momentum (bias-corrected as optax.contrib.muon does), orthogonalized and scaled by `update_scale`.
-  `shardings`: the momentum's NamedShardings, a tree like the params (None: no constraints)."""
+  `shardings`: the momentum's NamedShardings, a tree like the params (None: no constraints). `state_dtype`: how the
+  momentum is kept between updates (`moments.Store`, signed)."""
+  store = moments.Store(state_dtype, True)
   where = {} if shardings is None else {roles.keys_of(p): sh
                                         for p, sh in jax.tree_util.tree_leaves_with_path(shardings)}
 
   def init(params):
-    return MuonState(jnp.zeros([], jnp.int32), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    return MuonState(jnp.zeros([], jnp.int32), jax.tree.map(store.zeros, params))
 
   def direction(path, x):
     role = roles.of(model_cfg, path)
@@ -107,9 +111,10 @@ def scale_by_muon(beta: float, eps: float, model_cfg, shardings, dtype) -> optax
   def update(g, state, params=None):
     del params
     count = optax.safe_increment(state.count)
-    mu = optax.tree.update_moment(g, state.mu, beta, 1)
+    mu = optax.tree.update_moment(g, store.tree(store.load, state.mu), beta, 1)
     nesterov = jax.tree.map(lambda m, x: beta * m + (1 - beta) * x,
                             optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
                             optax.tree.bias_correction(g, beta, count))
-    return jax.tree_util.tree_map_with_path(direction, nesterov), MuonState(count, mu)
+    kept = store.tree(lambda s, x: store.save(x, s), state.mu, mu)
+    return jax.tree_util.tree_map_with_path(direction, nesterov), MuonState(count, kept)
   return optax.GradientTransformation(init, update)

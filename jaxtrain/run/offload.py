@@ -16,19 +16,22 @@ from jaxtrain.run.optimizer import all_finite
 
 
 # What one step moves over each device's host link, by this module's design: the float32 master comes to the device
-# for the forward (layout.compute_copy) and for each of the update's two passes, the two Adam moments for each pass,
-# and master and moments go back once, from the pass that writes (the first pass's results are dropped).
+# for the forward (layout.compute_copy) and for each of the update's two passes, the Adam moments (as
+# optim.state_dtype keeps them) for each pass, and master and moments go back once, from the pass that writes (the
+# first pass's results are dropped).
 MASTER_FETCHES, MOMENT_FETCHES, WRITES = 3, 2, 1
-MOMENTS = 2  # AdamW's mu and nu: float32, shaped like the master
 
 
-def link_bytes(stored, abstract_params) -> tuple[int, int]:
+def link_bytes(stored, abstract_params, opt_sh, opt_shapes) -> tuple[int, int]:
   """(host-to-device, device-to-host) bytes per step over one device's host link: its shard of each stored array
-  (`stored`: the master's shardings, `abstract_params`: their shapes), as the update moves them. Where the layers
-  are not scanned, XLA may merge the forward's fetch of a weight with the first pass's: then it moves less."""
-  shard = lambda sh, x: math.prod(sh.shard_shape(x.shape)) * 4  # noqa: E731 (the master is float32)
-  master = sum(jax.tree.leaves(jax.tree.map(shard, stored, abstract_params)))
-  return (MASTER_FETCHES + MOMENTS * MOMENT_FETCHES) * master, (1 + MOMENTS) * WRITES * master
+  (`stored`: the master's shardings, `abstract_params`: their shapes; `opt_sh`, `opt_shapes`: the optimizer state's,
+  whose arrays beyond its scalar counts are the moments), as the update moves them. Where the layers are not
+  scanned, XLA may merge the forward's fetch of a weight with the first pass's: then it moves less."""
+  shard = lambda sh, x, size: math.prod(sh.shard_shape(x.shape)) * size  # noqa: E731
+  master = sum(jax.tree.leaves(jax.tree.map(lambda sh, x: shard(sh, x, 4), stored, abstract_params)))  # float32
+  state = sum(shard(sh, x, x.dtype.itemsize) for sh, x in zip(jax.tree.leaves(opt_sh), jax.tree.leaves(opt_shapes),
+                                                              strict=True) if x.ndim)
+  return MASTER_FETCHES * master + MOMENT_FETCHES * state, WRITES * (master + state)
 
 
 def _clip(g, clip_norm, max_norm: float):

@@ -12,7 +12,7 @@ import optax
 
 from jaxtrain.core.config import Config, OptimConfig
 from jaxtrain.model import moe_balance, roles
-from jaxtrain.run import muon as muon_lib
+from jaxtrain.run import moments, muon as muon_lib
 
 
 def lr_schedule(o: OptimConfig, steps: int) -> optax.Schedule:
@@ -86,13 +86,17 @@ def parts(cfg: Config, shardings=None, lr=None) -> tuple[float, optax.GradientTr
   update's learning rate (`learning_rate`) instead of the schedule by optax's count (the state's layout the same)."""
   o = cfg.optim
   schedule = lr_schedule(o, cfg.train.steps) if lr is None else (lambda _: lr)
-  adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                      mask=lambda params: roles.mask(cfg.model, params, "decayed"))
+  decayed = lambda params: roles.mask(cfg.model, params, "decayed")  # noqa: E731
+  if o.state_dtype == "float32":
+    adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decayed)
+  else:  # optax.adamw's chain, its moments kept as optim.state_dtype says
+    adamw = optax.chain(moments.scale_by_adam(o.b1, o.b2, o.eps, o.state_dtype),
+                        optax.add_decayed_weights(o.weight_decay, decayed), optax.scale_by_learning_rate(schedule))
   if o.name == "adamw":
     return o.grad_clip, adamw
   # NS in the compute dtype, bfloat16 for float16 (a normalized matrix's entries fall below half's normal range)
   dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
-  muon = optax.chain(muon_lib.scale_by_muon(o.muon_momentum, o.eps, cfg.model, shardings, dtype),
+  muon = optax.chain(muon_lib.scale_by_muon(o.muon_momentum, o.eps, cfg.model, shardings, dtype, o.state_dtype),
                      optax.add_decayed_weights(o.weight_decay), optax.scale_by_learning_rate(schedule))
   def label(params):
     return jax.tree.map(lambda m: "muon" if m else "adamw", roles.mask(cfg.model, params, "muon"))
@@ -121,18 +125,8 @@ LIMIT = 2.0 ** 126  # below float32's overflow (2^128), with room for the update
 
 
 def adam_ratio_bound(o: OptimConfig, t) -> jax.Array | None:
-  """The most |m_hat / (sqrt(v_hat) + eps)| can be at AdamW's t-th update (t >= 1), whatever the gradients were,
-  for moments that started at zero with these betas: by Cauchy-Schwarz, |m_t| <= (1-b1) sqrt(S_t v_t / (1-b2)) with
-  S_t = sum_{k<t} (b1^2/b2)^k, and the bias corrections. 1 at t = 1. None where b1^2 >= b2 (S_t grows without
-  bound)."""
-  if o.b2 == 0:  # v = g^2: |m/sqrt(v)| <= 1 where m = g (b1 = 0), unbounded otherwise
-    return jnp.float32(1.0) if o.b1 == 0 else None
-  r = o.b1 ** 2 / o.b2
-  if r >= 1:
-    return None
-  t = jnp.asarray(t, jnp.float32)
-  s = (1 - r ** t) / (1 - r)
-  return (1 - o.b1) / (1 - o.b1 ** t) * jnp.sqrt((1 - o.b2 ** t) / (1 - o.b2) * s)
+  """`moments.ratio_bound` of optim's betas: the most an AdamW update can move a parameter (times lr) at update t."""
+  return moments.ratio_bound(o.b1, o.b2, t)
 
 
 def stays_finite(cfg: Config, count, params, bias_delta=None, lr=None) -> jax.Array | None:
@@ -141,7 +135,8 @@ def stays_finite(cfg: Config, count, params, bias_delta=None, lr=None) -> jax.Ar
   larger, a Muon matrix's (`muon.NS_ENTRY_BOUND` times its update scale). It is known before the
   update runs, so the update is one pass over p, g, m, v (the guard fuses into it) instead of a second pass that
   picks new or old values after checking the new parameters. None where there is no such bound (`adam_ratio_bound`).
-  Finite gradients are the caller's part of the guard (the gradient norm)."""
+  Finite gradients are the caller's part of the guard (the gradient norm). Moments kept below float32
+  (optim.state_dtype) keep the bound: their update is clipped to it (`moments.scale_by_adam`)."""
   o = cfg.optim
   ratio = adam_ratio_bound(o, count + 1)
   if ratio is None:

@@ -163,7 +163,7 @@ MATH_KEYS = {
     # stacked layers: the same numbers, but the saved parameter tree has another shape
     "model.scan_layers",
     # the optimizer and its schedule (train.steps sets the decay length)
-    "optim.name", "optim.muon_momentum", "optim.qk_clip",
+    "optim.name", "optim.muon_momentum", "optim.qk_clip", "optim.state_dtype",
     "optim.lr", "optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay", "optim.b1", "optim.b2", "optim.eps",
     "optim.grad_clip", "train.steps", "train.batch_size", "train.seq_len", "train.seed",
     # loss scaling changes which steps are skipped and the float16 gradients

@@ -53,6 +53,8 @@ FACTORS = (
     # with train.batch_ramp (its steps run below train.batch_size)
     Factor("schedule_in", ("steps", "tokens", "ramp")),
     Factor("qk_clip", (False, True)),  # optim.qk_clip (MuonClip's rescale after the update)
+    Factor("state_dtype", ("float32", "bfloat16", "int8")),  # optim.state_dtype: no refused pair (Muon's momentum,
+    # offload's units, LoRA's adapters and ZeRO/FSDP shards keep it too)
 )
 # Options that never change the step (what is logged where, what is evaluated beside it): their levels are given to
 # the rows of the factors above after those are chosen (so those rows stay as they were), and a row added for them

@@ -58,7 +58,8 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
           f"model.fp8={row['fp8']}", f"model.dtype={row['dtype']}", f"optim.zero_stage={row['zero_stage']}",
           f"optim.offload={row['offload']}", f"train.microbatches={micro}",
           f"run.sequence_parallel={str(row['sequence_parallel']).lower()}", f"optim.name={row['optim']}",
-          f"run.trackers={'' if row['trackers'] == 'none' else row['trackers']}"]
+          f"run.trackers={'' if row['trackers'] == 'none' else row['trackers']}",
+          f"optim.state_dtype={row['state_dtype']}"]
   if row["eval_tasks"]:  # the names are checked by the run (with lm-eval), not by the Setup these rows build
     sets += ["train.eval_tasks=tiny_mc", "train.eval_tasks_interval=1"]
   if row["mtp"]:
@@ -101,7 +102,7 @@ def trajectory(cfg, spec: str, init=None):
     first = jax.device_get(state) if init is None else init
     batch = setup.device_batch(next(batches))
     compiled = setup.step.lower(state, batch).compile(FAST)
-    for i in range(STEPS):
+    for i in range(STEPS + (cfg.optim.state_dtype != "float32")):  # a 3rd step: the 2nd update reads stored moments
       state, m = compiled(state, batch if i == 0 else setup.device_batch(next(batches)))
       assert not bool(m["skipped"]), f"a step was skipped on {spec}"
       out.append((float(m["loss"]), float(m["grad_norm"])))
