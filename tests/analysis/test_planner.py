@@ -166,3 +166,29 @@ def test_meshes_are_every_split_of_the_gpus_the_rules_allow(name, seq_len):
       want.add(sizes)
   assert got == want
   assert any(s[4] > 1 for s in got) == (seq_len >= 16384) and any(s[3] > 1 for s in got) == (name == "moe-tiny")
+
+
+def test_cpu_plan_measures_this_host_compiles_with_xla_cpu_and_ranks():
+  """--device cpu: the row is measured here (each simulated device 1/N of the host's RAM), every listed layout spans
+  the N devices of the one host and fits by the bill of a CPU mesh built again here, the best is compiled with
+  XLA:CPU (this process's devices) and ranked first, the rest by the analytic bound."""
+  import os
+  sets = ["train.batch_size=4", "train.seq_len=64"]
+  out = planner.plan("tiny", sets, planner.Target("cpu", 2, 2), compile_top=1, progress=False)
+  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  assert out.row.memory_bytes == ram // 2 and out.row.peak_bf16_flops > 0 and out.row.bandwidth > 0
+  assert out.results and out.results[0].compiled and not any(r.compiled for r in out.results[1:])
+  assert 0 < out.results[0].compiled["total"] and out.results[0].compiled["step_s"] > 0
+  rest = [r.step_s for r in out.results[1:]]
+  assert rest == sorted(rest)
+  for r in out.results:
+    axes, dcn = mesh_lib.parse_full(r.layout.mesh_spec())
+    assert math.prod(axes.values()) == 2 and math.prod(dcn.values()) == 1
+    cfg = config.load("tiny", [*sets, *r.layout.overrides()])
+    mesh = mesh_lib.build(axes)
+    segments = data.most_segments(cfg, cfg.train.steps)
+    setup = step_lib.Setup(cfg, mesh, segments=segments, abstracts=_ABSTRACTS)
+    b = memory.bill(setup, memory.grouped(memory.param_rows(setup)), 0.10,
+                    plan=plan_lib.build(setup.cfg, mesh, segments=segments))
+    assert mesh.devices.flat[0].platform == "cpu" and b.total == r.bill
+  assert "simulated on this host" in planner.render(out, 5)
