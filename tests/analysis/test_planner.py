@@ -168,6 +168,7 @@ def test_meshes_are_every_split_of_the_gpus_the_rules_allow(name, seq_len):
   assert any(s[4] > 1 for s in got) == (seq_len >= 16384) and any(s[3] > 1 for s in got) == (name == "moe-tiny")
 
 
+@pytest.mark.slow  # an XLA:CPU compile
 def test_cpu_plan_measures_this_host_compiles_with_xla_cpu_and_ranks():
   """--device cpu: the row is measured here (each simulated device 1/N of the host's RAM), every listed layout spans
   the N devices of the one host and fits by the bill of a CPU mesh built again here, the best is compiled with
