@@ -88,15 +88,17 @@ def run(base_name: str, base_sets: list[str], variants: list[tuple[str, list[str
 
 
 def table(rep: dict) -> str:
+  labels = {name: name if v.get("mesh", rep["mesh"]) == rep["mesh"] else f"{name} ({v['mesh']})"
+            for name, v in rep["variants"].items()}
+  w = max(16, *map(len, labels.values()))
   L = [f"jaxtrain.bench --compare: {rep['config']} {' '.join(rep['set'])} on {rep['mesh']} "
        f"({rep['devices']} x {rep['device_kind']}), {rep['steps']} steps x {rep['rounds']} alternating round(s)",
-       f"{'variant':<16} {'step ms: median [min..max]':<30} {'round medians ms':<28} {'temp MiB/dev':>12} "
+       f"{'variant':<{w}} {'step ms: median [min..max]':<30} {'round medians ms':<28} {'temp MiB/dev':>12} "
        f"{'compile s':>9}"]
   for name, v in rep["variants"].items():
     st, mem = v["step_time_s"], v["compiled_memory_per_device"]
     temp = "n/a" if mem is None else f"{mem['temp_bytes'] / 2**20:.2f}"
     rounds = " ".join(f"{x * 1e3:.0f}" for x in v["round_medians_s"])
-    label = name if v.get("mesh", rep["mesh"]) == rep["mesh"] else f"{name} ({v['mesh']})"
-    L.append(f"{label:<16} {st['median'] * 1e3:.1f} [{st['min'] * 1e3:.1f}..{st['max'] * 1e3:.1f}]".ljust(48)
-             + f"{rounds:<28} {temp:>12} {v['compile_s']:>9.1f}")
+    spread = f"{st['median'] * 1e3:.1f} [{st['min'] * 1e3:.1f}..{st['max'] * 1e3:.1f}]"
+    L.append(f"{labels[name]:<{w}} {spread:<31}" + f"{rounds:<28} {temp:>12} {v['compile_s']:>9.1f}")
   return "\n".join(L)

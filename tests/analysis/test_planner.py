@@ -193,3 +193,21 @@ def test_cpu_plan_measures_this_host_compiles_with_xla_cpu_and_ranks():
                     plan=plan_lib.build(setup.cfg, mesh, segments=segments))
     assert mesh.devices.flat[0].platform == "cpu" and b.total == r.bill
   assert "simulated on this host" in planner.render(out, 5)
+
+
+@pytest.mark.parametrize("sets", [
+    ["train.batch_size=8", "model.lora_rank=4"],  # LoRA: the adapters trained, the base frozen (no master, no moments)
+    ["train.batch_size=8", "optim.name=muon"],  # Muon: one moment for the matrices, its orthogonalization's work
+])
+def test_lora_and_muon_layouts_are_billed_as_inspect_bills_them(sets):
+  """Each listed layout's bill is inspect's (analysis.report, the command's own path) for the same mesh and --set
+  items, built afresh for that layout; ZeRO stages are among the layouts (their state sharding billed too)."""
+  from jaxtrain.analysis import report
+  out = planner.plan("tiny", sets, planner.Target("H100", 4, 2), compile_top=0, progress=False)
+  assert out.results, out.refused
+  assert {r.layout.zero_stage for r in out.results} == {0, 1, 2}
+  for r in out.results[::3]:  # every third: each inspect report traces the model afresh
+    cfg = config.load("tiny", [*sets, *r.layout.overrides()])
+    mesh = report.target_mesh("H100", r.layout.mesh_spec(), False, None)[0]
+    rep = report.report(cfg, mesh, "tiny", device="H100")
+    assert rep["memory"]["total"] == r.bill, r.layout.label()
