@@ -195,6 +195,7 @@ def test_cpu_plan_measures_this_host_compiles_with_xla_cpu_and_ranks():
   assert "simulated on this host" in planner.render(out, 5)
 
 
+@pytest.mark.slow  # an inspect report per layout checked
 @pytest.mark.parametrize("sets", [
     ["train.batch_size=8", "model.lora_rank=4"],  # LoRA: the adapters trained, the base frozen (no master, no moments)
     ["train.batch_size=8", "optim.name=muon"],  # Muon: one moment for the matrices, its orthogonalization's work
@@ -206,7 +207,7 @@ def test_lora_and_muon_layouts_are_billed_as_inspect_bills_them(sets):
   out = planner.plan("tiny", sets, planner.Target("H100", 4, 2), compile_top=0, progress=False)
   assert out.results, out.refused
   assert {r.layout.zero_stage for r in out.results} == {0, 1, 2}
-  for r in out.results[::3]:  # every third: each inspect report traces the model afresh
+  for r in out.results[::4]:  # every fourth: each inspect report traces the model afresh
     cfg = config.load("tiny", [*sets, *r.layout.overrides()])
     mesh = report.target_mesh("H100", r.layout.mesh_spec(), False, None)[0]
     rep = report.report(cfg, mesh, "tiny", device="H100")
