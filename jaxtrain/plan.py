@@ -26,8 +26,8 @@ def parse_args(argv=None):
                  help="GPU kind, a row of the device table with peak FLOPs and link bandwidth: H100, H200, B200, A100 "
                       "(compiles for H100, H200, A100-80GB; default H100); or cpu: --gpus simulated CPU devices of "
                       "this host, measured here, compiled with XLA:CPU")
-  p.add_argument("--gpus-per-host", type=int, default=8, help="GPUs per host: tensor and expert stay inside one "
-                                                               "(default 8)")
+  p.add_argument("--gpus-per-host", type=int, help="GPUs per host: tensor and expert stay inside one (default 8; "
+                                                    "not with --device cpu: this one host)")
   p.add_argument("--seq-len", type=int, help="tokens per sequence (train.seq_len; default: the config's)")
   p.add_argument("--global-batch", type=int, help="sequences per step (train.batch_size; default: the config's)")
   p.add_argument("--budget-min", type=float, default=15.0, help="time budget in minutes: no compile starts that "
@@ -45,10 +45,14 @@ def check(args) -> None:
   from jaxtrain.parallel import devices
   if args.gpus < 1:
     raise UserError(f"--gpus {args.gpus}: must be a positive number of GPUs")
+  if args.device.lower() == "cpu":
+    if args.gpus_per_host is not None:
+      raise UserError(f"--gpus-per-host {args.gpus_per_host}: --device cpu plans the devices of this one host; "
+                      "drop it")
+    return _check_numbers(args)
+  args.gpus_per_host = 8 if args.gpus_per_host is None else args.gpus_per_host
   if args.gpus_per_host < 1 or (args.gpus > args.gpus_per_host and args.gpus % args.gpus_per_host):
     raise UserError(f"--gpus-per-host {args.gpus_per_host}: must be >= 1 and divide --gpus {args.gpus}")
-  if args.device.lower() == "cpu":
-    return _check_numbers(args)
   row = devices.TABLE.get(devices.of(args.device).key or "")
   if row is None or not (row.peak_bf16_flops and row.link_bandwidth and row.memory_bytes):
     known = [k for k, r in devices.TABLE.items() if r.peak_bf16_flops and r.link_bandwidth and r.memory_bytes]

@@ -113,6 +113,7 @@ def test_winner_preset_loads_as_the_mesh(tmp_path, capsys):
     (["--gpus", "8", "--global-batch", "-4"], "--global-batch -4"),
     (["--gpus", "8", "--set", "train.nope=1"], "train.nope"),
     (["--gpus", "8", "--output", "/nonexistent/dir/p.toml"], "--output"),
+    (["--gpus", "4", "--device", "cpu", "--gpus-per-host", "2"], "--gpus-per-host 2"),
 ])
 def test_bad_flags_stop_in_one_line(argv, words, capsys):
   from jaxtrain import plan as plan_cmd
