@@ -59,7 +59,7 @@ def cpu_row(count: int) -> devices.Device:
   here = jax.devices("cpu")
   if len(here) < count:
     raise UserError(f"--device cpu --gpus {count}: this process has {len(here)} CPU device(s) (XLA_FLAGS or "
-                    f"JAX_NUM_CPU_DEVICES fixed the count); unset them or plan for {len(here)}")
+                    f"JAX_NUM_CPU_DEVICES fixed the count); plan for at most {len(here)} or unset them")
   dev = here[0]
   flops = speed.measure_peak(dev, size=512, reps=3)["flops"]
   x = jax.device_put(jnp.ones((16 * 2**20,), jnp.float32), dev)  # 64 MiB: beyond the caches
@@ -245,9 +245,14 @@ class Evaluator:
   def mesh(self, layout: Layout):
     spec = layout.mesh_spec()
     if spec not in self._meshes:
-      self._meshes[spec] = (mesh_lib.build(layout.axes) if self.target.cpu else
+      self._meshes[spec] = (mesh_lib.build(layout.axes, self._cpus()) if self.target.cpu else
                             report.target_mesh(self.target.device, spec, False, None)[0])
     return self._meshes[spec]
+
+  def _cpus(self) -> list:
+    """The first --gpus CPU devices of this process (it may hold more: a test's, a user's XLA_FLAGS)."""
+    import jax
+    return jax.devices("cpu")[:self.target.gpus]
 
   def setup(self, layout: Layout):
     """The layout's Setup, or the UserError line the config, the mesh checks or the plan refuse it with."""

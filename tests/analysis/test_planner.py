@@ -175,6 +175,7 @@ def test_cpu_plan_measures_this_host_compiles_with_xla_cpu_and_ranks():
   the N devices of the one host and fits by the bill of a CPU mesh built again here, the best is compiled with
   XLA:CPU (this process's devices) and ranked first, the rest by the analytic bound."""
   import os
+  import jax
   sets = ["train.batch_size=4", "train.seq_len=64"]
   out = planner.plan("tiny", sets, planner.Target("cpu", 2, 2), compile_top=1, progress=False)
   ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -187,7 +188,7 @@ def test_cpu_plan_measures_this_host_compiles_with_xla_cpu_and_ranks():
     axes, dcn = mesh_lib.parse_full(r.layout.mesh_spec())
     assert math.prod(axes.values()) == 2 and math.prod(dcn.values()) == 1
     cfg = config.load("tiny", [*sets, *r.layout.overrides()])
-    mesh = mesh_lib.build(axes)
+    mesh = mesh_lib.build(axes, jax.devices("cpu")[:2])  # the test process holds 8
     segments = data.most_segments(cfg, cfg.train.steps)
     setup = step_lib.Setup(cfg, mesh, segments=segments, abstracts=_ABSTRACTS)
     b = memory.bill(setup, memory.grouped(memory.param_rows(setup)), 0.10,
