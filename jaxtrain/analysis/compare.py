@@ -82,7 +82,8 @@ def run(base_name: str, base_sets: list[str], variants: list[tuple[str, list[str
       "config": base_name, "set": base_sets, "mesh": mesh_lib.describe(dict(mesh.shape)), "devices": mesh.size,
       "device_kind": mesh.devices.flat[0].device_kind, "steps": steps, "warmup": warmup, "rounds": rounds,
       "variants": {name: {"set": sets, "mesh": mesh_lib.describe(dict(meshes[name].shape)),
-                          "compile_s": sides[name][0].compile_s, "step_time_s": speed.stats(sides[name][0].times), "round_medians_s": medians[name],
+                          "compile_s": sides[name][0].compile_s, "step_time_s": speed.stats(sides[name][0].times),
+                          "round_medians_s": medians[name],
                           "compiled_memory_per_device": sides[name][1]} for name, sets in variants},
   }
 

@@ -448,8 +448,9 @@ def render(out: Outcome, top: int) -> str:
   n_ok = len(out.results)
   where = (f"simulated on this host, each measured at {row.peak_bf16_flops / 1e9:.1f} GFLOP/s bf16, "
            f"{row.bandwidth / 1e9:.1f} GB/s" if t.cpu else f"{t.hosts} host(s) of {min(t.per_host, t.gpus)}")
-  L = [f"plan: {out.config} on {t.gpus} x {t.device} ({where}): {out.enumerated} layouts, {sum(out.refused.values())} refused, {out.over_memory} over memory, {n_ok} "
-       f"can run; {out.seconds:.0f} s", *out.compile_notes, ""]
+  L = [f"plan: {out.config} on {t.gpus} x {t.device} ({where}): {out.enumerated} layouts, "
+       f"{sum(out.refused.values())} refused, {out.over_memory} over memory, {n_ok} can run; {out.seconds:.0f} s",
+       *out.compile_notes, ""]
   head = ("#", "layout", "memory/device", "exposed comm", "step", "MFU", "tokens/s/GPU", "from")
   rows = [head]
   for i, r in enumerate(out.results[:top], 1):
