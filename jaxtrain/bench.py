@@ -27,9 +27,10 @@ def parse_args(argv=None):
   p.add_argument("--measure-peak", action="store_true", help="time a large bf16 matmul; MFU also against it")
   p.add_argument("--out", help="JSON result file (default <workdir>/bench.json)")
   p.add_argument("--workdir", help="where the default --out goes (default runs/<config>)")
-  p.add_argument("--compare", action="append", default=[], metavar="NAME:SECTION.KEY=VALUE[,...]",
+  p.add_argument("--compare", action="append", default=[], metavar="NAME[@MESH]:SECTION.KEY=VALUE[,...]",
                  help="time variants of the config in one run, alternating rounds, with compiled memory per "
-                      "device (repeatable; see jaxtrain/analysis/compare.py); no baselines")
+                      "device (repeatable; NAME@MESH: that variant on its own mesh of the same devices, e.g. "
+                      "tp@data=2,tensor=4:; see jaxtrain/analysis/compare.py); no baselines")
   p.add_argument("--breakdown", type=int, default=0, metavar="N",
                  help="after timing, trace a few steps with jax.profiler and print the N ops that take the most time")
   return p.parse_args(argv)

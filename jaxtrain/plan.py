@@ -24,9 +24,10 @@ def parse_args(argv=None):
   p.add_argument("--gpus", type=int, required=True, help="number of GPUs to plan for")
   p.add_argument("--device", default="H100", metavar="KIND",
                  help="GPU kind, a row of the device table with peak FLOPs and link bandwidth: H100, H200, B200, A100 "
-                      "(compiles for H100, H200, A100-80GB; default H100)")
-  p.add_argument("--gpus-per-host", type=int, default=8, help="GPUs per host: tensor and expert stay inside one "
-                                                               "(default 8)")
+                      "(compiles for H100, H200, A100-80GB; default H100); or cpu: --gpus simulated CPU devices of "
+                      "this host, measured here, compiled with XLA:CPU")
+  p.add_argument("--gpus-per-host", type=int, help="GPUs per host: tensor and expert stay inside one (default 8; "
+                                                    "not with --device cpu: this one host)")
   p.add_argument("--seq-len", type=int, help="tokens per sequence (train.seq_len; default: the config's)")
   p.add_argument("--global-batch", type=int, help="sequences per step (train.batch_size; default: the config's)")
   p.add_argument("--budget-min", type=float, default=15.0, help="time budget in minutes: no compile starts that "
@@ -44,13 +45,23 @@ def check(args) -> None:
   from jaxtrain.parallel import devices
   if args.gpus < 1:
     raise UserError(f"--gpus {args.gpus}: must be a positive number of GPUs")
+  if args.device.lower() == "cpu":
+    if args.gpus_per_host is not None:
+      raise UserError(f"--gpus-per-host {args.gpus_per_host}: --device cpu plans the devices of this one host; "
+                      "drop it")
+    return _check_numbers(args)
+  args.gpus_per_host = 8 if args.gpus_per_host is None else args.gpus_per_host
   if args.gpus_per_host < 1 or (args.gpus > args.gpus_per_host and args.gpus % args.gpus_per_host):
     raise UserError(f"--gpus-per-host {args.gpus_per_host}: must be >= 1 and divide --gpus {args.gpus}")
   row = devices.TABLE.get(devices.of(args.device).key or "")
   if row is None or not (row.peak_bf16_flops and row.link_bandwidth and row.memory_bytes):
     known = [k for k, r in devices.TABLE.items() if r.peak_bf16_flops and r.link_bandwidth and r.memory_bytes]
     raise UserError(f"--device {args.device!r}: the planner needs a GPU with peak FLOPs, memory and link bandwidth "
-                    f"in the device table: {', '.join(known)}")
+                    f"in the device table: {', '.join(known)}; or cpu")
+  _check_numbers(args)
+
+
+def _check_numbers(args) -> None:
   for flag, v in (("--seq-len", args.seq_len), ("--global-batch", args.global_batch)):
     if v is not None and v < 1:
       raise UserError(f"{flag} {v}: must be a positive integer")
@@ -74,7 +85,10 @@ def main(argv=None) -> int:
     output = Path(args.output or f"plan-{name}-{args.gpus}x{args.device.lower()}.toml")
     if output.is_dir() or not output.parent.is_dir():
       raise UserError(f"--output {str(output)!r}: must be a file path in an existing directory")
-    target = planner.Target(args.device, args.gpus, args.gpus_per_host)
+    if args.device.lower() == "cpu":  # the CPU backend only (no GPU plugin's start-up), all devices on this host
+      import jax
+      jax.config.update("jax_platforms", "cpu")
+    target = planner.Target(args.device, args.gpus, args.gpus if args.device.lower() == "cpu" else args.gpus_per_host)
     out = planner.plan(args.config, sets, target, compile_top=args.compile_top, budget_s=args.budget_min * 60,
                        progress=sys.stderr.isatty())
     print(planner.render(out, args.top))

@@ -1,25 +1,43 @@
-"""`python -m jaxtrain.bench --compare NAME:k=v,k=v ...`: variants of one config (--config, --set, plus
-each variant's overrides) on the same mesh and batches, timed in one process, alternating round by
-round; per variant: step times, round medians, compile time and XLA's compiled memory per device."""
+"""`python -m jaxtrain.bench --compare NAME[@MESH]:k=v,k=v ...`: variants of one config (--config, --set, plus
+each variant's overrides) on the same batches, each on the bench's mesh or its own MESH (same device count: layouts
+compared), timed in one process, alternating round by round; per variant: step times, round medians, compile time
+and XLA's compiled memory per device."""
 
 from __future__ import annotations
+
+import math
 
 from jaxtrain.core import parse as parse_lib
 from jaxtrain.core.errors import UserError
 
 
 def parse(items: list[str]) -> list[tuple[str, list[str]]]:
-  """['name:k=v,k=v', ...] -> [(name, ['k=v', ...])]."""
+  """['name:k=v,k=v', ...] -> [(name, ['k=v', ...])]; a name may carry its mesh, 'name@data=2,fsdp=4' (see mesh)."""
   out = []
   for item in items:
     name, colon, sets = item.partition(":")
-    if not colon or not name.strip():
-      raise UserError(f"--compare {item!r} must look like NAME:section.key=value[,section.key=value...]")
+    if not colon or not name.strip() or name.strip().startswith("@"):
+      raise UserError(f"--compare {item!r} must look like NAME[@MESH]:section.key=value[,section.key=value...]")
     out.append((name.strip(), parse_lib.items(sets, f"--compare {name.strip()}:")))
-  names = [n for n, _ in out]
+  names = [n.partition("@")[0].strip() for n, _ in out]
   if len(set(names)) != len(names):
     raise UserError(f"--compare names must differ: {', '.join(names)}")
   return out
+
+
+def variant_mesh(name: str, default):
+  """(variant name, its mesh): the MESH of 'name@MESH' (axis=size pairs or a preset, the devices of the bench's mesh,
+  a size -1 filling them), else `default`; a mesh over another device count is refused in one line."""
+  from jaxtrain.parallel import mesh as mesh_lib
+  short, at, spec = name.partition("@")
+  if not at:
+    return name, default
+  sizes, dcn = mesh_lib.parse_full(spec.strip())
+  devices = list(default.devices.flat)
+  if -1 not in sizes.values() and math.prod(sizes.values()) != len(devices):
+    raise UserError(f"--compare {name}: the mesh {spec.strip()!r} spans {math.prod(sizes.values())} devices "
+                    f"but the bench's --mesh spans {len(devices)}: variants are timed on the same devices")
+  return short.strip(), mesh_lib.build(sizes, devices, dcn=dcn, simulate_hosts=True)
 
 
 def _variant(name, cfg, mesh, batches, first: dict, segments: int):
@@ -51,31 +69,37 @@ def run(base_name: str, base_sets: list[str], variants: list[tuple[str, list[str
   from jaxtrain.core import config
   from jaxtrain.parallel import mesh as mesh_lib
   from jaxtrain.run import step as step_lib
+  meshes = dict(variant_mesh(name, mesh) for name, _ in variants)
+  variants = [(name.partition("@")[0].strip(), sets) for name, sets in variants]
   cfgs = {name: config.load(base_name, base_sets, then=sets) for name, sets in variants}
   cfg0 = next(iter(cfgs.values()))
   segments = data.most_segments(cfg0, min(steps, 4))
   batches = speed.first_batches(cfg0, step_lib.Setup(cfg0, mesh, segments=segments), min(steps, 4), unpacked=False)
   first: dict = {}
-  sides = {name: _variant(name, cfg, mesh, batches, first, segments) for name, cfg in cfgs.items()}
+  sides = {name: _variant(name, cfg, meshes[name], batches, first, segments) for name, cfg in cfgs.items()}
   medians = speed.alternate([s for s, _ in sides.values()], steps=steps, warmup=warmup, rounds=rounds)
   return {
       "config": base_name, "set": base_sets, "mesh": mesh_lib.describe(dict(mesh.shape)), "devices": mesh.size,
       "device_kind": mesh.devices.flat[0].device_kind, "steps": steps, "warmup": warmup, "rounds": rounds,
-      "variants": {name: {"set": sets, "compile_s": sides[name][0].compile_s,
-                          "step_time_s": speed.stats(sides[name][0].times), "round_medians_s": medians[name],
+      "variants": {name: {"set": sets, "mesh": mesh_lib.describe(dict(meshes[name].shape)),
+                          "compile_s": sides[name][0].compile_s, "step_time_s": speed.stats(sides[name][0].times),
+                          "round_medians_s": medians[name],
                           "compiled_memory_per_device": sides[name][1]} for name, sets in variants},
   }
 
 
 def table(rep: dict) -> str:
+  labels = {name: name if v.get("mesh", rep["mesh"]) == rep["mesh"] else f"{name} ({v['mesh']})"
+            for name, v in rep["variants"].items()}
+  w = max(16, *map(len, labels.values()))
   L = [f"jaxtrain.bench --compare: {rep['config']} {' '.join(rep['set'])} on {rep['mesh']} "
        f"({rep['devices']} x {rep['device_kind']}), {rep['steps']} steps x {rep['rounds']} alternating round(s)",
-       f"{'variant':<16} {'step ms: median [min..max]':<30} {'round medians ms':<28} {'temp MiB/dev':>12} "
+       f"{'variant':<{w}} {'step ms: median [min..max]':<30} {'round medians ms':<28} {'temp MiB/dev':>12} "
        f"{'compile s':>9}"]
   for name, v in rep["variants"].items():
     st, mem = v["step_time_s"], v["compiled_memory_per_device"]
     temp = "n/a" if mem is None else f"{mem['temp_bytes'] / 2**20:.2f}"
     rounds = " ".join(f"{x * 1e3:.0f}" for x in v["round_medians_s"])
-    L.append(f"{name:<16} {st['median'] * 1e3:.1f} [{st['min'] * 1e3:.1f}..{st['max'] * 1e3:.1f}]".ljust(48)
-             + f"{rounds:<28} {temp:>12} {v['compile_s']:>9.1f}")
+    spread = f"{st['median'] * 1e3:.1f} [{st['min'] * 1e3:.1f}..{st['max'] * 1e3:.1f}]"
+    L.append(f"{labels[name]:<{w}} {spread:<31}" + f"{rounds:<28} {temp:>12} {v['compile_s']:>9.1f}")
   return "\n".join(L)

@@ -152,7 +152,16 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
 _INSTR = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
-_CALLS = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)")  # (attribute, computation)
+# (attribute, computation); a conditional on a predicate names its two branches, one on an index lists them all
+_CALLS = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def branches(i) -> list[str]:
+  """The computations a call or conditional runs: a call's callee, or every branch of a conditional (an index's
+  branch_computations={...}, a predicate's true_computation and false_computation)."""
+  named = [c for a, c in _CALLS.findall(i.rest) if a not in ("body", "condition")]
+  return named + [b.strip().lstrip("%") for group in _BRANCHES.findall(i.rest) for b in group.split(",") if b.strip()]
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
@@ -200,7 +209,7 @@ class Hlo:
         edges.setdefault(i.computation, []).append((callee, n))
         if attr == "body":
           loops.append((callee, i.computation, n))
-      for branch in re.findall(r"branch_computations=\{([^}]*)\}", i.rest):
+      for branch in _BRANCHES.findall(i.rest):
         edges.setdefault(i.computation, []).extend((b.strip().lstrip("%"), 1) for b in branch.split(","))
     times, todo = {entry: 1}, [entry]
     while todo:

@@ -17,7 +17,7 @@ import functools
 import math
 import re
 
-from jaxtrain.analysis.gpu_compile import COLLECTIVES, Hlo, dot_flops, operands as _operands, shape_bytes
+from jaxtrain.analysis.gpu_compile import COLLECTIVES, Hlo, branches, dot_flops, operands as _operands, shape_bytes
 from jaxtrain.analysis import hlo_axes
 from jaxtrain.parallel import devices
 from jaxtrain.analysis.gpu_compile import dims as _dims
@@ -72,9 +72,8 @@ class Costs:
     if i.opcode == "while":
       body, trip = re.search(r"body=%?([\w.\-]+)", i.rest).group(1), re.search(r'"n":"(\d+)"', i.rest)
       return self.computation(body) * (int(trip.group(1)) if trip else 1)
-    if i.opcode in ("call", "conditional"):
-      callees = re.findall(r"(?:to_apply|calls|branch_computations=\{)%?([\w.\-]+)", i.rest)
-      return max((self.computation(c) for c in callees), default=0.0)
+    if i.opcode in ("call", "conditional"):  # one branch runs: the longest (a pipeline tick's stage work)
+      return max((self.computation(c) for c in branches(i)), default=0.0)
     if i.opcode in _NOT_KERNELS or i.opcode.endswith(("-start", "-done", "-update")) or i.opcode in COLLECTIVES:
       return 0.0
     return max(self.flops(i) / self.peak(i), self.nbytes(i) / self.row.bandwidth)

@@ -33,14 +33,48 @@ MARGIN = 0.10  # inspect's default margin of the bill
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """What the plan is for: the device kind, how many, how many per host."""
+  """What the plan is for: the device kind, how many, how many per host ('cpu': this host's CPU, simulated
+  devices, all on the one host)."""
   device: str
   gpus: int
   per_host: int
 
   @property
+  def cpu(self) -> bool:
+    return self.device.lower() == "cpu"
+
+  @property
   def hosts(self) -> int:
-    return max(1, self.gpus // self.per_host)
+    return 1 if self.cpu else max(1, self.gpus // self.per_host)
+
+
+def cpu_row(count: int) -> devices.Device:
+  """A device-table row for one of `count` simulated CPU devices of this host, measured here: they share the host's
+  cores and memory, so each gets 1/count of its bf16 matmul rate, of its copy bandwidth (a kernel's bytes and, in one
+  process, a collective's too) and of its RAM. Needs the devices provided before the backend starts."""
+  import os
+  import jax
+  import jax.numpy as jnp
+  from jaxtrain.analysis import speed
+  here = jax.devices("cpu")
+  if len(here) < count:
+    raise UserError(f"--device cpu --gpus {count}: this process has {len(here)} CPU device(s) (XLA_FLAGS or "
+                    f"JAX_NUM_CPU_DEVICES fixed the count); plan for at most {len(here)} or unset them")
+  dev = here[0]
+  flops = speed.measure_peak(dev, size=512, reps=3)["flops"]
+  x = jax.device_put(jnp.ones((16 * 2**20,), jnp.float32), dev)  # 64 MiB: beyond the caches
+  copy = jax.jit(lambda a: a + 1)
+  copy(x).block_until_ready()
+  best = min(_timed(lambda: copy(x).block_until_ready()) for _ in range(3))
+  bandwidth = 2 * x.nbytes / best  # read and write
+  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  return devices.Device(flops / count, ram // count, bandwidth / count, None, bandwidth / count)
+
+
+def _timed(fn) -> float:
+  t = time.perf_counter()
+  fn()
+  return time.perf_counter() - t
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +221,7 @@ class Outcome:
   over_memory: int
   enumerated: int
   seconds: float = 0.0
+  row: devices.Device | None = None  # the device's row (for the CPU: measured on this host)
   compile_notes: list[str] = dataclasses.field(default_factory=list)
   flops_per_step: float = 0.0
   tokens_per_step: int = 0
@@ -197,7 +232,11 @@ class Evaluator:
 
   def __init__(self, name: str, overrides: list[str], target: Target):
     self.name, self.overrides, self.target = name, list(overrides), target
-    self.row = devices.TABLE[devices.of(target.device).key]
+    if target.cpu:  # simulated CPU devices, asked for before the backend starts; the row measured on them
+      mesh_lib.provide_cpu_devices(target.gpus)
+      self.row = cpu_row(target.gpus)
+    else:
+      self.row = devices.TABLE[devices.of(target.device).key]
     self.capacity = self.row.memory_bytes
     self._meshes: dict[str, object] = {}
     self._abstracts: dict = {}  # the abstract model and train state, traced once per config (run.step.Setup)
@@ -206,8 +245,14 @@ class Evaluator:
   def mesh(self, layout: Layout):
     spec = layout.mesh_spec()
     if spec not in self._meshes:
-      self._meshes[spec] = report.target_mesh(self.target.device, spec, False, None)[0]
+      self._meshes[spec] = (mesh_lib.build(layout.axes, self._cpus()) if self.target.cpu else
+                            report.target_mesh(self.target.device, spec, False, None)[0])
     return self._meshes[spec]
+
+  def _cpus(self) -> list:
+    """The first --gpus CPU devices of this process (it may hold more: a test's, a user's XLA_FLAGS)."""
+    import jax
+    return jax.devices("cpu")[:self.target.gpus]
 
   def setup(self, layout: Layout):
     """The layout's Setup, or the UserError line the config, the mesh checks or the plan refuse it with."""
@@ -302,6 +347,8 @@ def evaluate_group(ev: Evaluator, group: list[Layout], refused: dict[str, int]) 
 def can_compile(device: str) -> str | None:
   """None where XLA:GPU can compile for `device` here, else why not (one line)."""
   from jaxtrain.analysis import gpu_compile
+  if device.lower() == "cpu":
+    return None  # XLA:CPU, the backend of this process
   if gpu_compile.target(device) is None:
     return f"no XLA:GPU compile target for {device} (targets: {', '.join(gpu_compile.TARGETS.values())})"
   if not gpu_compile.plugin_installed():
@@ -370,7 +417,7 @@ def plan(name: str, overrides: list[str], target: Target, *, compile_top: int = 
   t0 = time.perf_counter()
   base = config_lib.load(name, overrides)  # a bad --set stops here, in one line
   ev = Evaluator(name, overrides, target)
-  out = Outcome(target, config_lib.run_name(name), [], {}, 0, 0,
+  out = Outcome(target, config_lib.run_name(name), [], {}, 0, 0, row=ev.row,
                 tokens_per_step=base.train.batch_size * base.train.seq_len)
   for _, _, group in tqdm.tqdm(list(candidates(base, target)), desc="pruning", unit="mesh", file=sys.stderr,
                                disable=not progress, leave=False):
@@ -397,11 +444,13 @@ def seconds(t: float) -> str:
 
 def render(out: Outcome, top: int) -> str:
   """The header, the table of the `top` best layouts, the commonest refusals."""
-  t, row = out.target, devices.TABLE[devices.of(out.target.device).key]
+  t, row = out.target, out.row or devices.TABLE[devices.of(out.target.device).key]
   n_ok = len(out.results)
-  L = [f"plan: {out.config} on {t.gpus} x {t.device} ({t.hosts} host(s) of {min(t.per_host, t.gpus)}): "
-       f"{out.enumerated} layouts, {sum(out.refused.values())} refused, {out.over_memory} over memory, {n_ok} "
-       f"can run; {out.seconds:.0f} s", *out.compile_notes, ""]
+  where = (f"simulated on this host, each measured at {row.peak_bf16_flops / 1e9:.1f} GFLOP/s bf16, "
+           f"{row.bandwidth / 1e9:.1f} GB/s" if t.cpu else f"{t.hosts} host(s) of {min(t.per_host, t.gpus)}")
+  L = [f"plan: {out.config} on {t.gpus} x {t.device} ({where}): {out.enumerated} layouts, "
+       f"{sum(out.refused.values())} refused, {out.over_memory} over memory, {n_ok} can run; {out.seconds:.0f} s",
+       *out.compile_notes, ""]
   head = ("#", "layout", "memory/device", "exposed comm", "step", "MFU", "tokens/s/GPU", "from")
   rows = [head]
   for i, r in enumerate(out.results[:top], 1):

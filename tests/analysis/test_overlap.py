@@ -77,3 +77,59 @@ def test_lora_reduces_the_adapters_gradients_alone():
   assert want == int(2 * 7 / 8 * adapters * 4) > 0
   got = rep["per_kind"]["all-reduce"]["wire_bytes"]
   assert want <= got <= want + 2 * 7 / 8 * 4 * 4, (got, want)
+
+
+LOOPED = """HloModule m
+
+%idle (a: f32[1024,1024]) -> f32[1024,1024] {
+  ROOT %a = f32[1024,1024]{1,0} parameter(0)
+}
+
+%work (w: f32[1024,1024]) -> f32[1024,1024] {
+  %w = f32[1024,1024]{1,0} parameter(0)
+  ROOT %d = f32[1024,1024]{1,0} dot(%w, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%idle2 (a2: f32[1024,1024]) -> f32[1024,1024] {
+  ROOT %a2 = f32[1024,1024]{1,0} parameter(0)
+}
+
+%work2 (w2: f32[1024,1024]) -> f32[1024,1024] {
+  %w2 = f32[1024,1024]{1,0} parameter(0)
+  ROOT %d2 = f32[1024,1024]{1,0} dot(%w2, %w2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%cond (cp: (s32[], f32[1024,1024])) -> pred[] {
+  %cp = (s32[], f32[1024,1024]) parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+%body (bp: (s32[], f32[1024,1024])) -> (s32[], f32[1024,1024]) {
+  %bp = (s32[], f32[1024,1024]) parameter(0)
+  %i = s32[] get-tuple-element(%bp), index=0
+  %x = f32[1024,1024]{1,0} get-tuple-element(%bp), index=1
+  %c = f32[1024,1024]{1,0} conditional(%i, %x, %x), branch_computations={%idle, %work}
+  %pr = pred[] constant(true)
+  %c2 = f32[1024,1024]{1,0} conditional(%pr, %c, %c), true_computation=%work2, false_computation=%idle2
+  ROOT %t = (s32[], f32[1024,1024]) tuple(%i, %c2)
+}
+
+ENTRY %main (p: f32[1024,1024]) -> (s32[], f32[1024,1024]) {
+  %p = f32[1024,1024]{1,0} parameter(0)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[1024,1024]) tuple(%z, %p)
+  ROOT %loop = (s32[], f32[1024,1024]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_a_loops_conditionals_count_their_longest_branch_every_iteration():
+  """A pipeline's tick loop: each tick runs one branch of a conditional (the stage's op, by index) and a
+  predicated one (the last stage's head). Each counts its longest branch (a 1024^3 matmul at the roofline, against
+  a branch that does nothing, whichever comes first), x the 4 iterations: 8 matmuls, not the first branch only."""
+  from jaxtrain.parallel import devices
+  row = devices.TABLE["H100"]
+  matmul = max(2 * 1024**3 / row.peak_bf16_flops, 3 * 4 * 2**20 / row.bandwidth)
+  tot = overlap.report(gpu_compile.Hlo.parse(LOOPED), row)["totals"]
+  assert tot["compute_seconds"] == pytest.approx(8 * matmul)
+  assert tot["matmul_flops"] == pytest.approx(8 * 2 * 1024**3)

@@ -113,6 +113,7 @@ def test_winner_preset_loads_as_the_mesh(tmp_path, capsys):
     (["--gpus", "8", "--global-batch", "-4"], "--global-batch -4"),
     (["--gpus", "8", "--set", "train.nope=1"], "train.nope"),
     (["--gpus", "8", "--output", "/nonexistent/dir/p.toml"], "--output"),
+    (["--gpus", "4", "--device", "cpu", "--gpus-per-host", "2"], "--gpus-per-host 2"),
 ])
 def test_bad_flags_stop_in_one_line(argv, words, capsys):
   from jaxtrain import plan as plan_cmd
@@ -166,3 +167,50 @@ def test_meshes_are_every_split_of_the_gpus_the_rules_allow(name, seq_len):
       want.add(sizes)
   assert got == want
   assert any(s[4] > 1 for s in got) == (seq_len >= 16384) and any(s[3] > 1 for s in got) == (name == "moe-tiny")
+
+
+@pytest.mark.slow  # an XLA:CPU compile
+def test_cpu_plan_measures_this_host_compiles_with_xla_cpu_and_ranks():
+  """--device cpu: the row is measured here (each simulated device 1/N of the host's RAM), every listed layout spans
+  the N devices of the one host and fits by the bill of a CPU mesh built again here, the best is compiled with
+  XLA:CPU (this process's devices) and ranked first, the rest by the analytic bound."""
+  import os
+  import jax
+  sets = ["train.batch_size=4", "train.seq_len=64"]
+  out = planner.plan("tiny", sets, planner.Target("cpu", 2, 2), compile_top=1, progress=False)
+  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  assert out.row.memory_bytes == ram // 2 and out.row.peak_bf16_flops > 0 and out.row.bandwidth > 0
+  assert out.results and out.results[0].compiled and not any(r.compiled for r in out.results[1:])
+  assert 0 < out.results[0].compiled["total"] and out.results[0].compiled["step_s"] > 0
+  rest = [r.step_s for r in out.results[1:]]
+  assert rest == sorted(rest)
+  for r in out.results:
+    axes, dcn = mesh_lib.parse_full(r.layout.mesh_spec())
+    assert math.prod(axes.values()) == 2 and math.prod(dcn.values()) == 1
+    cfg = config.load("tiny", [*sets, *r.layout.overrides()])
+    mesh = mesh_lib.build(axes, jax.devices("cpu")[:2])  # the test process holds 8
+    segments = data.most_segments(cfg, cfg.train.steps)
+    setup = step_lib.Setup(cfg, mesh, segments=segments, abstracts=_ABSTRACTS)
+    b = memory.bill(setup, memory.grouped(memory.param_rows(setup)), 0.10,
+                    plan=plan_lib.build(setup.cfg, mesh, segments=segments))
+    assert mesh.devices.flat[0].platform == "cpu" and b.total == r.bill
+  assert "simulated on this host" in planner.render(out, 5)
+
+
+@pytest.mark.slow  # an inspect report per layout checked
+@pytest.mark.parametrize("sets", [
+    ["train.batch_size=8", "model.lora_rank=4"],  # LoRA: the adapters trained, the base frozen (no master, no moments)
+    ["train.batch_size=8", "optim.name=muon"],  # Muon: one moment for the matrices, its orthogonalization's work
+])
+def test_lora_and_muon_layouts_are_billed_as_inspect_bills_them(sets):
+  """Each listed layout's bill is inspect's (analysis.report, the command's own path) for the same mesh and --set
+  items, built afresh for that layout; ZeRO stages are among the layouts (their state sharding billed too)."""
+  from jaxtrain.analysis import report
+  out = planner.plan("tiny", sets, planner.Target("H100", 4, 2), compile_top=0, progress=False)
+  assert out.results, out.refused
+  assert {r.layout.zero_stage for r in out.results} == {0, 1, 2}
+  for r in out.results[::4]:  # every fourth: each inspect report traces the model afresh
+    cfg = config.load("tiny", [*sets, *r.layout.overrides()])
+    mesh = report.target_mesh("H100", r.layout.mesh_spec(), False, None)[0]
+    rep = report.report(cfg, mesh, "tiny", device="H100")
+    assert rep["memory"]["total"] == r.bill, r.layout.label()

@@ -212,3 +212,27 @@ def test_bench_compare_refuses_variants_of_other_shapes(base, variants, shapes, 
   assert e.value.code == 2 and len(err.splitlines()) == 1, err
   assert "Traceback" not in err and all(s in err for s in shapes), err
   assert not out.exists()
+
+
+@pytest.mark.slow  # two compiles on eight simulated devices
+def test_bench_compare_times_each_variant_on_its_own_mesh(tmp_path, capsys):
+  """NAME@MESH: a variant on its own mesh of the bench's devices (layouts compared in alternating rounds): data=8
+  holds the whole state on every device, fsdp=8 an eighth, so XLA's per-device arguments differ by about 8x; a mesh
+  over another device count is one line, exit 2, no file."""
+  import json
+  from jaxtrain import bench
+  out = tmp_path / "b.json"
+  argv = ["--mesh", "fsdp=8", "--steps", "1", "--warmup", "0", "--rounds", "1", "--out", str(out),
+          "--set", "train.batch_size=8", "--set", "train.seq_len=32"]
+  assert bench.main([*argv, "--compare", "f:model.remat=none", "--compare", "d@data=8:model.remat=none"]) == 0
+  rep = json.loads(out.read_text())["variants"]
+  assert set(rep) == {"f", "d"} and rep["d"]["mesh"] == "data=8" and rep["f"]["mesh"] == "fsdp=8"
+  args_f, args_d = (rep[n]["compiled_memory_per_device"]["argument_bytes"] for n in ("f", "d"))
+  assert args_d > 4 * args_f, (args_d, args_f)
+  assert len(rep["d"]["round_medians_s"]) == 1 and "d (data=8)" in capsys.readouterr().out
+  out.unlink()
+  with pytest.raises(SystemExit) as e:
+    bench.main([*argv, "--compare", "a@fsdp=4:", "--compare", "b:model.remat=full"])
+  err = capsys.readouterr().err.strip()
+  assert e.value.code == 2 and len(err.splitlines()) == 1 and "spans 4 devices" in err, err
+  assert not out.exists()
