@@ -3,13 +3,16 @@ B batch, L length, D d_model, H heads, K kv heads, E head_dim."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.core.config import ModelConfig
 from jaxtrain.model import ops
-from jaxtrain.model.attention import cached_attention
+from jaxtrain.model.attention import cached_attention, windowed_cached_attention
 from jaxtrain.model.layers import MLP, RMSNorm, param, rope
 from jaxtrain.model.lora import adapted, add_adapters
 from jaxtrain.model.mla import MLA
@@ -30,10 +33,14 @@ class Attention(nnx.Module):
     add_adapters(self, cfg, rngs, {"wq": 1, "wk": 1, "wv": 1, "wo": 2})
     if cfg.qk_norm:  # Qwen3: one scale over head_dim shared by every head, so replicated under tensor
       self.q_norm, self.k_norm = RMSNorm(E, cfg.norm_eps), RMSNorm(E, cfg.norm_eps)
+    if cfg.attention_sinks:  # GPT-OSS: zero at init, a sink as likely as a key scoring 0
+      self.sinks = nnx.Param(jnp.zeros((H,), jnp.float32), axes=("sinks",))
     self.qk_norm, self.logits_dtype = cfg.qk_norm, cfg.attention_logits_dtype
+    self.choices = cfg.window_choices()
 
-  def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None):
-    """With a KV `cache` (decoding) returns (output, updated {"k", "v"})."""
+  def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None, window=0):
+    """With a KV `cache` (decoding) returns (output, updated {"k", "v"}). `window`: this layer's (cfg.layer_windows;
+    traced in a scanned stack, where a stack of mixed layers picks its kernel by it)."""
     dt = x_BxLxD.dtype
     q_BxLxHxE = adapted(self, "wq", x_BxLxD, ops.einsum("bld,dhe->blhe", x_BxLxD, ops.weight(self.wq, dt)))
     k_BxLxKxE = adapted(self, "wk", x_BxLxD, ops.einsum("bld,dke->blke", x_BxLxD, ops.weight(self.wk, dt)))
@@ -44,11 +51,22 @@ class Attention(nnx.Module):
     k_BxLxKxE = ops.constrain(rope(k_BxLxKxE, rope_tables), ("batch", "length", "act_kv_heads", None))
     v_BxLxKxE = ops.constrain(v_BxLxKxE, ("batch", "length", "act_kv_heads", None))
     qkv = checkpoint_name(q_BxLxHxE, "q"), checkpoint_name(k_BxLxKxE, "k"), checkpoint_name(v_BxLxKxE, "v")
-    if cache is not None:
-      o_BxLxHxE, cache = cached_attention(*qkv, seg_BxL, cache)
+    sinks_H = self.sinks[...] if hasattr(self, "sinks") else None
+    if cache is not None:  # decoding: `window` is static (a stack of mixed layers decodes one layer at a time)
+      cached = functools.partial(windowed_cached_attention, window=window) if window else cached_attention
+      o_BxLxHxE, cache = cached(*qkv, seg_BxL, cache, sinks_H=sinks_H)
       return self.out(o_BxLxHxE), cache
-    o_BxLxHxE = checkpoint_name(ops.current().attend(*qkv, seg_BxL, self.logits_dtype), "attn_out")
+    o_BxLxHxE = checkpoint_name(self.attend(*qkv, seg_BxL, window, sinks_H), "attn_out")
     return self.out(o_BxLxHxE)
+
+  def attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, window, sinks_H):
+    """The plan's kernel with this layer's window, static for it: the one window of the model, a Python int, or
+    (a traced window of a stack of mixed layers) a switch among the model's windows."""
+    kernel = lambda w: lambda *a: ops.current().attend(*a, self.logits_dtype, window=w, sinks_H=sinks_H)  # noqa: E731
+    if len(self.choices) == 1 or isinstance(window, int):
+      return kernel(self.choices[0] if len(self.choices) == 1 else window)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+    branch = jnp.searchsorted(jnp.asarray(self.choices), window)
+    return jax.lax.switch(branch, [kernel(w) for w in self.choices], q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
 
   def out(self, o_BxLxHxE):
     return adapted(self, "wo", o_BxLxHxE, ops.einsum("blhe,hed->bld", o_BxLxHxE, ops.weight(self.wo, o_BxLxHxE.dtype)))
@@ -61,14 +79,16 @@ class Block(nnx.Module):
     self.attn = MLA(cfg, rngs) if cfg.attention_type == "mla" else Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.mlp = MoE(cfg, rngs) if moe_layer else MLP(cfg, rngs)
+    self.windowed = cfg.sliding_window > 0
 
-  def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None):
-    """(x, MoE stats or None)[, updated KV cache]."""
+  def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None, window=0):
+    """(x, MoE stats or None)[, updated KV cache]; `window`: the layer's attention window (0: global)."""
     h_BxLxD = ops.constrain(self.attn_norm(x_BxLxD), WHOLE)
+    kw = {"window": window} if self.windowed else {}  # MLA has no window (the config refuses one)
     if cache is None:
-      x_BxLxD = x_BxLxD + self.attn(h_BxLxD, rope_tables, seg_BxL)
+      x_BxLxD = x_BxLxD + self.attn(h_BxLxD, rope_tables, seg_BxL, **kw)
     else:
-      a_BxLxD, cache = self.attn(h_BxLxD, rope_tables, seg_BxL, cache)
+      a_BxLxD, cache = self.attn(h_BxLxD, rope_tables, seg_BxL, cache, **kw)
       x_BxLxD = x_BxLxD + a_BxLxD
     x_BxLxD = ops.constrain(x_BxLxD, RESIDUAL)
     h_BxLxD = ops.constrain(self.mlp_norm(x_BxLxD), WHOLE)
@@ -77,7 +97,8 @@ class Block(nnx.Module):
     return out if cache is None else (*out, cache)
 
 
-def empty_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
-  """One grouped-query layer's KV cache of `length` slots per row."""
-  shape = (batch, length, cfg.n_kv_heads, cfg.head_dim)
+def empty_cache(cfg: ModelConfig, batch: int, length: int, window: int = 0) -> dict:
+  """One grouped-query layer's KV cache of `length` slots per row; a local layer's (`window` > 0) holds at most its
+  window (a ring of the last `window` slots)."""
+  shape = (batch, min(length, window) if window else length, cfg.n_kv_heads, cfg.head_dim)
   return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}

@@ -1,0 +1,111 @@
+"""Sliding windows and attention sinks (model.sliding_window, model.layer_types, model.attention_sinks) in every
+attention kernel, against a plain masked softmax written here: the reference kernel, jax's fused attention (the
+cuDNN call's masking, run by XLA on CPU), ring attention (outputs, gradients, and the ring steps a window skips),
+ulysses, and KV-cached decoding whose local layers keep only their window."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain.model import attention as attention_lib
+from jaxtrain.parallel import kernels, ring
+from tests.helpers import mesh_of, plan_of
+
+B, L, H, K, E = 2, 32, 4, 2, 8
+
+
+def plain(q, k, v, seg, window=0, sinks=None):
+  """Masked softmax attention in numpy, float64: key j visible to query i when j <= i, i - j < window (window > 0)
+  and both are in one segment; a head's sink adds exp(sink) to its denominator."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  seg = np.asarray(seg)
+  i, j = np.arange(q.shape[1])[:, None], np.arange(k.shape[1])[None, :]
+  ok = (j <= i) & ((i - j < window) if window else True)
+  out = np.zeros_like(q)
+  for b in range(q.shape[0]):
+    for h in range(q.shape[2]):
+      kh = h // (q.shape[2] // k.shape[2])
+      s = q[b, :, h] @ k[b, :, kh].T / np.sqrt(q.shape[-1])
+      s = np.where(ok & (seg[b][:, None] == seg[b][None, :]), s, -np.inf)
+      top = np.maximum(s.max(-1, keepdims=True), -1e300 if sinks is None else sinks[h])
+      p = np.exp(s - top)
+      den = p.sum(-1, keepdims=True) + (0 if sinks is None else np.exp(sinks[h] - top))
+      out[b, :, h] = (p / den) @ v[b, :, kh]
+  return out
+
+
+def inputs(seed=0):
+  rng = np.random.default_rng(seed)
+  q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in [(B, L, H, E), (B, L, K, E), (B, L, K, E)])
+  seg = np.ones((B, L), np.int32)  # packed rows whose boundaries miss the shard edges, and padding
+  seg[0, 5:19], seg[0, 19:29], seg[0, 29:] = 2, 3, 0
+  seg[1, 11:] = 2
+  sinks = jnp.asarray(rng.standard_normal(H), jnp.float32)
+  return q, k, v, jnp.asarray(seg), sinks
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 20])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_reference_kernel_equals_plain_masked_softmax(window, with_sinks):
+  q, k, v, seg, sinks = inputs()
+  s = sinks if with_sinks else None
+  got = attention_lib.attention(q, k, v, seg, window=window, sinks_H=s)
+  np.testing.assert_allclose(got, plain(q, k, v, seg, window, None if s is None else np.asarray(s)), atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16])
+def test_fused_kernel_carries_the_window(window):
+  """jax.nn.dot_product_attention with the window the cuDNN path passes (XLA on CPU runs its masking)."""
+  q, k, v, seg, _ = inputs()
+  for s in (seg, None):
+    got = kernels.fused(q, k, v, s, implementation="xla", window=window)
+    np.testing.assert_allclose(got, plain(q, k, v, np.ones((B, L)) if s is None else seg, window), atol=2e-5)
+
+
+def _loss(attn, with_sinks):
+  w = jnp.asarray(np.random.default_rng(9).standard_normal((B, L, H, E)), jnp.float32)
+  return lambda q, k, v, seg, sinks: jnp.sum(attn(q, k, v, seg, sinks if with_sinks else None) * w)
+
+
+@pytest.mark.parametrize("spec,window,with_sinks", [("sp=4", 5, False), ("sp=4", 12, True), ("sp=2", 20, True),
+                                                    ("sp=4", 0, True), ("dp=2,sp=2,tp=2", 9, True)])
+def test_ring_equals_the_reference_with_windows_and_sinks(spec, window, with_sinks):
+  plan = plan_of(mesh_of(spec))
+  q, k, v, seg, sinks = inputs()
+  ring_fn = lambda q, k, v, seg, s: ring.ring_attention(q, k, v, seg, plan, window=window, sinks_H=s)  # noqa: E731
+  ref_fn = lambda q, k, v, seg, s: attention_lib.attention(q, k, v, seg, window=window, sinks_H=s)  # noqa: E731
+  got = jax.jit(ring_fn)(q, k, v, seg, sinks if with_sinks else None)
+  np.testing.assert_allclose(got, plain(q, k, v, seg, window, np.asarray(sinks) if with_sinks else None), atol=2e-5)
+  args = (0, 1, 2, 4) if with_sinks else (0, 1, 2)
+  g_want = jax.grad(_loss(ref_fn, with_sinks), argnums=args)(q, k, v, seg, sinks)
+  g_got = jax.jit(jax.grad(_loss(ring_fn, with_sinks), argnums=args))(q, k, v, seg, sinks)
+  for name, a, b in zip(["q", "k", "v", "sinks"], g_got, g_want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"d{name}")
+
+
+def test_a_window_skips_the_ring_steps_and_tiles_outside_it():
+  """sp=4, blocks of 8 tokens: step t brings keys at least 8 (t - 1) + 1 back, so windows up to 9 need one hop, up
+  to 17 two; without one, three. At 256 tokens (blocks of 64) a window of 16 sends K/V once each way instead of
+  three times, and computes query tiles of 16 over the keys they may see: its FLOPs fall below a quarter."""
+  assert [ring.ring_steps(8, 4, w) for w in (0, 1, 2, 9, 10, 17, 18)] == [3, 0, 1, 1, 2, 2, 3]
+  plan = plan_of(mesh_of("sp=4"))
+  rng = np.random.default_rng(0)
+  n = 256
+  q, k, v = (jnp.asarray(rng.standard_normal((1, n, h, E)), jnp.float32) for h in (H, K, K))
+  seg = jnp.ones((1, n), jnp.int32)
+  permutes, flops = {}, {}
+  for window in (0, 16):
+    fn = jax.jit(jax.grad(lambda q, k, v, w=window: jnp.sum(ring.ring_attention(q, k, v, seg, plan, window=w) ** 2),
+                          argnums=(0, 1, 2)))
+    compiled = fn.lower(q, k, v).compile()
+    hlo = compiled.as_text()
+    permutes[window] = hlo.count("collective-permute(") + hlo.count("collective-permute-start(")
+    flops[window] = compiled.cost_analysis()["flops"]
+    if window:
+      got = jax.grad(lambda q, k, v: jnp.sum(attention_lib.attention(q, k, v, seg, window=16) ** 2),
+                     argnums=(0, 1, 2))(q, k, v)
+      for a, b in zip(fn(q, k, v), got):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+  assert permutes[16] < permutes[0], permutes
+  assert flops[16] < 0.25 * flops[0], flops
