@@ -194,8 +194,13 @@ class Plan(ops.Ops):
     fp8_line = (f"; FP8 projections (model.fp8={m.fp8}): every projection matmul, not the embedding, LM head or "
                 "router" if m.fp8 != "none" else "")
     implied = f"; set by the mesh: {', '.join(self.implied)}" if self.implied else ""
+    local = sum(1 for w in m.layer_windows() if w)
+    windows = (f"; sliding window {m.sliding_window} on {local} of {m.n_layers} layers"
+               + ("; ring skips the blocks outside it" if self.attention == "ring" else "")) if local else ""
+    sinks = "; attention sinks" if m.attention_sinks else ""
     ignored = f"\nignored: {'; '.join(self.ignored)}" if self.ignored else ""
-    return (f"attention: {self.attention} ({self.attention_why}{scores}){moe}; remat {m.remat}{rules}{fp8_line}; "
+    return (f"attention: {self.attention} ({self.attention_why}{scores}){windows}{sinks}{moe}; remat {m.remat}"
+            f"{rules}{fp8_line}; "
             f"{self.state_layout()}{implied}{ignored}")
 
   def state_layout(self) -> str:
