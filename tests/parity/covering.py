@@ -48,6 +48,8 @@ FACTORS = (
     Factor("lora", ("off", "on", "nf4")),  # nf4: QLoRA, the frozen base stored in 4 bits
     Factor("objective", ("lm", "dpo")),
     Factor("optim", ("adamw", "muon")),  # optim.name
+    Factor("window", ("none", "local", "alternate")),  # model.sliding_window on every layer, or every other
+    Factor("sinks", (False, True)),  # model.attention_sinks
 )
 BY_NAME = {f.name: f for f in FACTORS}
 
@@ -71,6 +73,13 @@ REFUSED = {
                                    "device, its matrices the model's own projections")
        for pair, words in ((("offload", "host"), "optim.offload='host'"), (("lora", "on"), "model.lora_rank="),
                            (("lora", "nf4"), "model.lora_rank="))},
+    **{(("attention", "mla"), pair): (("model.attention_type=mla", words), "sliding windows and sinks are "
+                                      "grouped-query attention's (core.config.validate)")
+       for pair, words in ((("window", "local"), "model.sliding_window="), (("window", "alternate"),
+                                                                            "model.sliding_window="),
+                           (("sinks", True), "model.attention_sinks=true"))},
+    (("window", "alternate"), ("pipeline", 2)): (("model.layer_types='alternate'", "pipeline=2"), "the matrix's "
+                                                 "pipelines hold one layer a chunk: their chunks' windows differ"),
 }
 
 
