@@ -85,6 +85,9 @@ def _window_keys(hf: dict, where: str) -> dict[str, Any]:
   W = F.get(hf, "sliding_window", where, "int", None, least=1)
   if W is None:
     return {}
+  if mt == "llama":  # its `transformers` model has no window: the field would be read as something it is not
+    raise UserError(f"{where}: sliding_window={W} is not supported for model_type='llama'; allowed: null (a "
+                    "windowed Llama-shaped checkpoint is model_type='mistral')")
   n = F.get(hf, "num_hidden_layers", where, "int", least=1)
   types = F.get(hf, "layer_types", where, "list", None) if mt == "qwen3" else None
   if mt == "qwen3" and types is None:

@@ -30,7 +30,7 @@ def attended_keys(seq_len: int, window: int) -> float:
   triangle at the start of the row)."""
   if not window or window >= seq_len:
     return seq_len / 2
-  return window - window * window / (2 * seq_len)
+  return window - window * (window - 1) / (2 * seq_len)  # query i sees min(i + 1, window) keys
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:

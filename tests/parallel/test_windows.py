@@ -109,3 +109,67 @@ def test_a_window_skips_the_ring_steps_and_tiles_outside_it():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
   assert permutes[16] < permutes[0], permutes
   assert flops[16] < 0.25 * flops[0], flops
+
+
+@pytest.mark.parametrize("spec", ["sp=2", "sp=2,tp=2"])
+def test_ulysses_equals_the_reference_with_a_window_and_sinks(spec):
+  """Heads resharded over sequence (and tensor): each device's kernel gets the window and its heads' sinks."""
+  plan = plan_of(mesh_of(spec), "model.sequence_attention=ulysses", "model.n_heads=4", "model.n_kv_heads=2")
+  assert plan.ulysses
+  q, k, v, seg, sinks = inputs()
+  fn = lambda q, k, v, seg, s: plan.attend(q, k, v, seg, window=6, sinks_H=s)  # noqa: E731
+  np.testing.assert_allclose(jax.jit(fn)(q, k, v, seg, sinks), plain(q, k, v, seg, 6, np.asarray(sinks)), atol=2e-5)
+  ref_fn = lambda q, k, v, seg, s: attention_lib.attention(q, k, v, seg, window=6, sinks_H=s)  # noqa: E731
+  g_want = jax.grad(_loss(ref_fn, True), argnums=(0, 1, 2, 4))(q, k, v, seg, sinks)
+  g_got = jax.jit(jax.grad(_loss(fn, True), argnums=(0, 1, 2, 4)))(q, k, v, seg, sinks)
+  for name, a, b in zip(["q", "k", "v", "sinks"], g_got, g_want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"d{name}")
+
+
+def test_decoding_keeps_a_local_layers_window_and_equals_the_full_forward():
+  """Alternate local/global layers with sinks, scanned: the local layers' caches hold the window (3 slots), the
+  global ones every position, and prompt-then-token decoding gives the full forward's logits."""
+  from flax import nnx
+
+  from jaxtrain.core import config
+  from jaxtrain.interop import decode
+  from jaxtrain.model import transformer as model_lib
+  sets = ["model.dtype=float32", "model.n_layers=4", "model.sliding_window=3", "model.layer_types=alternate",
+          "model.attention_sinks=true", "model.scan_layers=true"]
+  cfg = config.load("tiny", sets)
+  model = model_lib.Transformer(cfg.model, nnx.Rngs(0))
+  _, state = nnx.split(model)
+  sinks = state["layers"]["attn"]["sinks"]
+  sinks.set_value(jnp.asarray(np.random.default_rng(1).standard_normal(sinks.shape), jnp.float32))
+  nnx.update(model, state)
+  n, S = 12, 16
+  tok = jnp.asarray(np.random.default_rng(0).integers(1, 500, (2, n)), jnp.int32)
+  pos, seg = jnp.broadcast_to(jnp.arange(n), (2, n)), jnp.ones((2, n), jnp.int32)
+  cache = model_lib.init_cache(cfg.model, 2, S)
+  assert [kv["k"].shape[1] for kv in cache["layers"]] == [3, S, 3, S]
+  logits, cache = model.decode(tok[:, :5], pos[:, :5], seg[:, :5], cache)  # a prompt longer than the window
+  out = [logits]
+  for t in range(5, n):
+    logits, cache = model.decode(tok[:, t:t + 1], pos[:, t:t + 1], seg[:, t:t + 1], cache)
+    out.append(logits)
+  full = model(tok, pos, seg)
+  np.testing.assert_allclose(jnp.concatenate(out, 1), full, atol=2e-5)
+  no_window = config.load("tiny", sets[:2] + sets[4:])
+  assert decode.cache_bytes(cfg, S) < decode.cache_bytes(no_window, S)
+  assert "2 local layer(s) keep their last 3 tokens" in decode.cache_words(cfg, S)
+
+
+def test_flops_count_a_local_layers_window():
+  """The MFU formula's attention term against the visible (query, key) pairs counted here: a local layer of a
+  window W at seq_len L attends to what the mask shows, a global one to the causal half."""
+  from jaxtrain.core import config
+  from jaxtrain.model import flops
+  L, W = 64, 9
+  cfg = config.load("tiny", ["model.n_layers=4", f"model.sliding_window={W}", "model.layer_types=5:1"])
+  none = config.load("tiny", ["model.n_layers=4"])
+  i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+  local, causal = ((j <= i) & (i - j < W)).sum() / L, L / 2  # the formula's own causal convention: L/2 keys
+  per_key = 3 * 2 * cfg.model.n_heads * 2 * cfg.model.head_dim  # QK^T and PV, forward and backward
+  drop = flops.flops_per_token(none.model, L) - flops.flops_per_token(cfg.model, L)
+  assert cfg.model.layer_windows() == (W, W, W, W)  # 5:1 over 4 layers: all local
+  assert drop == pytest.approx(4 * (causal - local) * per_key)
