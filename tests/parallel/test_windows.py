@@ -173,3 +173,34 @@ def test_flops_count_a_local_layers_window():
   drop = flops.flops_per_token(none.model, L) - flops.flops_per_token(cfg.model, L)
   assert cfg.model.layer_windows() == (W, W, W, W)  # 5:1 over 4 layers: all local
   assert drop == pytest.approx(4 * (causal - local) * per_key)
+
+
+def test_on_a_gpu_target_sinks_take_the_reference_kernel_and_the_plan_says_why():
+  """jax's cuDNN attention has no sink logits: auto picks the reference kernel and names the reason; cudnn asked
+  for is one line. A window alone stays on cuDNN, whose plan line names it."""
+  import dataclasses
+
+  from jaxtrain.core import config
+  from jaxtrain.core.errors import UserError
+  from jaxtrain.parallel import devices
+  m = config.load("tiny", ["model.dtype=bfloat16", "model.sliding_window=64"]).model
+  impl, why, _ = kernels.select(m, 128, devices.of("H100"), segments=1)
+  assert impl == "cudnn" and "sliding window 64" in why
+  impl, why, _ = kernels.select(dataclasses.replace(m, attention_sinks=True), 128, devices.of("H100"), segments=1)
+  assert impl == "xla" and "model.attention_sinks=true" in why
+  with pytest.raises(UserError, match="model.attention=cudnn is not supported here: model.attention_sinks=true"):
+    kernels.select(dataclasses.replace(m, attention_sinks=True, attention="cudnn"), 128, devices.of("H100"))
+
+
+@pytest.mark.slow  # two whole-step compiles
+def test_a_scanned_stack_of_mixed_layers_trains_on_the_ring_as_on_one_device():
+  """Alternate local/global layers with sinks in one scanned stack, sp=4 (the ring, switching kernels per layer):
+  3 steps equal the one-device run."""
+  from jaxtrain.core import config
+  from tests.helpers import trajectory
+  cfg = config.load("tiny", ["model.dtype=float32", "model.n_layers=4", "model.scan_layers=true",
+                             "model.sliding_window=12", "model.layer_types=alternate", "model.attention_sinks=true",
+                             "train.batch_size=4", "train.seq_len=64"])
+  ref = trajectory(cfg, "dp=1", 3)
+  assert ref[-1, 0] < ref[0, 0]
+  np.testing.assert_allclose(trajectory(cfg, "sp=4", 3), ref, rtol=1e-5)
