@@ -71,6 +71,20 @@ def mixtral(path, seed=0):
   return m
 
 
+def mistral(path, *, window=5, seed=0):
+  """A 2-layer GQA Mistral whose every layer sees a sliding window of `window` tokens, saved to `path`."""
+  import torch
+  import transformers
+  torch.manual_seed(seed)
+  cfg = transformers.MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=window,
+                                   initializer_range=0.2, max_position_embeddings=64, rope_theta=10000.0)
+  m = transformers.MistralForCausalLM(cfg).eval()
+  _perturb_norms(m, seed)
+  m.save_pretrained(path)
+  return m
+
+
 def _perturb_norms(m, seed):
   """Norm scales start at 1; random ones make a transposed or swapped norm visible."""
   import torch
@@ -116,7 +130,7 @@ def config_json(path):
   return json.loads((path / "config.json").read_text())
 
 
-def qwen3(path, *, tied=True, dtype="float32", seed=0, rope_scaling=None):
+def qwen3(path, *, tied=True, dtype="float32", seed=0, rope_scaling=None, **extra):
   """A 2-layer GQA Qwen3 (q/k norms; head_dim 16, not d_model / heads = 8) saved to `path`; returns the torch model."""
   import torch
   import transformers
@@ -124,7 +138,7 @@ def qwen3(path, *, tied=True, dtype="float32", seed=0, rope_scaling=None):
   cfg = transformers.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied,
                                  rope_theta=10000.0, rope_scaling=rope_scaling, initializer_range=0.2,
-                                 max_position_embeddings=64)
+                                 max_position_embeddings=64, **extra)
   m = transformers.Qwen3ForCausalLM(cfg).to(getattr(torch, dtype)).eval()
   _perturb_norms(m, seed)
   m.save_pretrained(path)

@@ -38,7 +38,8 @@ def slot_costs(setup) -> dict:
   def objective(c, x, dy, pos, rest, probes=None):  # <y, dy>: its gradients are the chunk's vjp with dy
     c = c if probes is None else wgrad.wrap(c, deferred, probes)
     model = nnx.merge(setup.graphdef, {**rest, "layers": c})
-    y, _ = model_lib.run_stack(model.layers, x, rope_tables(pos, mc), jnp.zeros_like(pos), mc.remat)
+    y, _ = model_lib.run_stack(model.layers, x, rope_tables(pos, mc), jnp.zeros_like(pos), mc.remat,
+                               windows=mc.layer_windows()[:1])
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
 
   def split_b(c, x, dy, pos, rest):  # the input, the parameters W does not make, the probes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math as _math
+import re
 import sys
 import tomllib
 import typing
@@ -147,6 +148,19 @@ class ModelConfig:
       "float32", "Dtype of the output head's logits and of their gradient entering the head's two backward "
       "matmuls (bfloat16: MaxText's choice, the head's three matmuls take bfloat16 operands); softmax, "
       "cross-entropy and the matmuls' sums stay float32.", math=True)
+  sliding_window: int = key(
+      0, "Sliding-window attention: a local layer's token sees itself and the window-1 tokens before it (Mistral, "
+      "GPT-OSS, Gemma 3, Hugging Face's sliding_window); model.layer_types says which layers are local. Every "
+      "kernel honours it (ring attention skips blocks wholly outside it; decoding keeps a local layer's last "
+      "window tokens only). 0 = none: every layer global.", math=True, min=0)
+  layer_types: str = key(
+      "", "Which layers are local (windowed) with model.sliding_window > 0: empty = every layer (Mistral); "
+      "alternate = every other, local first (GPT-OSS); a:b = a local then b global, repeated (5:1: Gemma 3); or a "
+      "comma list of local/global, one per layer.", math=True)
+  attention_sinks: bool = key(
+      False, "Attention sinks (GPT-OSS): one learned logit per query head joins every softmax's denominator (param "
+      "`sinks`, zero at init), so a query may attend to nothing. The reference kernel, ring attention and decoding "
+      "take it; cuDNN cannot (the plan names the kernel that runs).", math=True)
   attention: Literal["auto", "xla", "cudnn"] = key(
       "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if "
       "unsupported). With sequence > 1 it is the kernel inside ulysses (ring computes its own blocks: cudnn is "
@@ -197,6 +211,29 @@ class ModelConfig:
 
   def moe_layers(self) -> int:
     return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+  def layer_windows(self) -> tuple[int, ...]:
+    """The one rule for each layer's attention window: model.sliding_window for a local layer (model.layer_types),
+    0 (the whole causal past) for a global one. A bad model.layer_types is a one-line error."""
+    n, w, spec = self.n_layers, self.sliding_window, self.layer_types.strip()
+    if not w:
+      return (0,) * n
+    allowed = "empty (all local), alternate, a:b (a local then b global) or a comma list of local/global per layer"
+    if spec in ("", "alternate") or re.fullmatch(r"\d+:\d+", spec):
+      a, b = (1, 0) if not spec else (1, 1) if spec == "alternate" else map(int, spec.split(":"))
+      if a + b == 0:
+        raise UserError(f"model.layer_types={spec!r}: a:b needs a + b > 0; allowed: {allowed}")
+      return tuple(w if i % (a + b) < a else 0 for i in range(n))
+    kinds = [t.strip() for t in spec.split(",")]
+    if any(t not in ("local", "global") for t in kinds) or len(kinds) != n:
+      why = (f"has {len(kinds)} entries for model.n_layers={n}" if set(kinds) <= {"local", "global"}
+             else "is not a known pattern")
+      raise UserError(f"model.layer_types={spec!r} {why}; allowed: {allowed}")
+    return tuple(w if t == "local" else 0 for t in kinds)
+
+  def window_choices(self) -> tuple[int, ...]:
+    """The distinct windows of the layers (0: global), sorted: a scanned stack picks among these per layer."""
+    return tuple(sorted(set(self.layer_windows())))
 
   def stacks(self) -> dict[str, range]:
     """The layers of each scanned stack (model.scan_layers): dense first layers (moe_first_dense) are their own
@@ -506,6 +543,7 @@ DEPENDENT = (
     Needs(("model.rope_mscale_all_dim",), "model.rope_scaling=yarn, or llama3 with model.attention_type=mla",
           lambda c, _: c.model.rope_scaling == "yarn" or (c.model.rope_scaling == "llama3"
                                                           and c.model.attention_type == "mla")),
+    Needs(("model.layer_types",), "model.sliding_window > 0", lambda c, _: c.model.sliding_window > 0),
     Needs(("train.dpo_beta",), "train.objective=dpo", lambda c, _: c.train.objective == "dpo"),
     Needs(("train.steps", "optim.warmup_steps"), "train.tokens=0 (the schedule in steps)",
           lambda c, _: not c.train.tokens),
@@ -749,6 +787,10 @@ def validate(cfg: Config) -> None:
     raise UserError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (RoPE rotates pairs)")
   if m.head_dim % 2:
     raise UserError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
+  m.layer_windows()  # a bad model.layer_types: one line
+  if m.attention_type == "mla" and (m.sliding_window or m.attention_sinks):
+    what = f"model.sliding_window={m.sliding_window}" if m.sliding_window else "model.attention_sinks=true"
+    raise UserError(f"{what} is for grouped-query attention, not model.attention_type=mla (use gqa)")
   check_lora(cfg)
   check_trackers(cfg)
   check_eval_tasks(cfg)
@@ -813,7 +855,9 @@ def check_qk_clip(cfg: Config) -> None:
          "model.qk_norm=true": (m.qk_norm, "the norm undoes a scale of W_q and W_k; it bounds the logits itself"),
          f"model.lora_rank={m.lora_rank}": (m.lora_rank > 0, "W_q and W_k are the frozen base"),
          f"optim.offload={o.offload!r}": (o.offload != "none", "the streamed update holds the weights on the host"),
-         f"model.mtp_layers={m.mtp_layers}": (m.mtp_layers > 0, "the MTP block's attention has no pass yet")}
+         f"model.mtp_layers={m.mtp_layers}": (m.mtp_layers > 0, "the MTP block's attention has no pass yet"),
+         f"model.sliding_window={m.sliding_window}": (m.sliding_window > 0, "the max-logit pass sees the whole past"),
+         "model.attention_sinks=true": (m.attention_sinks, "the max-logit pass has no sink")}
   for what, (bad, reason) in why.items():
     if bad:
       raise UserError(f"optim.qk_clip={o.qk_clip:g} with {what} is not supported ({reason})")

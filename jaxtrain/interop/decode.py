@@ -4,6 +4,7 @@ token per step; greedy at temperature 0, else nucleus sampling."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -65,6 +66,8 @@ def generate(cfg, mesh, graphdef, params, prompts: list[list[int]], max_new_toke
       done |= out[-1] == eos_id
   if shown[1] and sys.stderr.isatty():
     print("\r\x1b[K", end="", file=sys.stderr)  # erase the progress line
+  if timing is not None:
+    timing["positions"] = P + max_new_tokens
   if timing is not None and warm is not None and len(out) > 2:
     timing.update(decode_steps=len(out) - 2, decode_s=time.perf_counter() - warm, batch=n)
   rows = np.stack(out, 1).tolist()
@@ -100,7 +103,7 @@ def context_limit(cfg, workdir: Path) -> tuple[int, str]:
 def cache_layout(cfg, mesh, B: int, S: int):
   """(shapes, shardings) of the KV cache of B rows of S slots: split like the activations it
   holds (batch over the batch axes, kv heads over tensor)."""
-  lead = ("layers",) if cfg.model.scan_layers else ()
+  lead = ("layers",) if model_lib.stacked_cache(cfg.model) else ()
 
   def spec(path, x):
     if x.ndim == 0:
@@ -112,10 +115,30 @@ def cache_layout(cfg, mesh, B: int, S: int):
   return shapes, jax.tree_util.tree_map_with_path(spec, shapes)
 
 
+def cache_bytes(cfg, S: int) -> int:
+  """The KV cache of one row of S positions over all layers: K and V (a local layer's: its window's at most), or
+  MLA's latent and RoPE key; the segment ids beside them."""
+  return sum(math.prod(x.shape) * x.dtype.itemsize
+             for x in jax.tree.leaves(jax.eval_shape(lambda: model_lib.init_cache(cfg.model, 1, S))))
+
+
 def cache_bytes_per_token(cfg) -> int:
-  """What the cache holds per token over all layers: K and V, or MLA's latent and RoPE key."""
-  one = [v for k, v in jax.eval_shape(lambda: model_lib.init_cache(cfg.model, 1, 1)).items() if "layers" in k]
+  """What the cache holds per token over all layers without sliding windows: K and V, or MLA's latent and RoPE
+  key."""
+  one = [v for k, v in jax.eval_shape(lambda: model_lib.init_cache(
+      dataclasses.replace(cfg.model, sliding_window=0), 1, 1)).items() if "layers" in k]
   return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(one))
+
+
+def cache_words(cfg, S: int) -> str:
+  """The cache's size as generate reports it: per token, or with sliding windows the whole row's beside what it
+  would be without them."""
+  if not cfg.model.sliding_window:
+    return f"cache {cache_bytes_per_token(cfg):,} bytes per token"
+  no_window = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sliding_window=0))
+  local = sum(1 for w in cfg.model.layer_windows() if w)
+  return (f"cache {cache_bytes(cfg, S):,} bytes per row for {S} positions ({local} local layer(s) keep their last "
+          f"{cfg.model.sliding_window} tokens; {cache_bytes(no_window, S):,} without the window)")
 
 
 def check_fits(cfg, mesh, params, B: int, S: int) -> None:
@@ -144,9 +167,9 @@ def from_checkpoint(cfg, mesh, step_dir, prompts: list[list[int]], max_new_token
   out = generate(cfg, mesh, setup.graphdef, params, prompts, max_new_tokens, timing=timing, **kw)
   dt = time.perf_counter() - t1
   rate = (f"; decoding {timing['batch'] * timing['decode_steps'] / timing['decode_s']:.1f} tokens/s once compiled"
-          if timing else "")
+          if "decode_s" in timing else "")
   return out, (f"generated {sum(map(len, out))} tokens for {len(out)} prompt(s) in {dt:.2f}s (compiles included"
-               f"{rate}; cache {cache_bytes_per_token(cfg):,} bytes per token; loaded step {step_dir.name} in "
+               f"{rate}; {cache_words(cfg, timing['positions'])}; loaded step {step_dir.name} in "
                f"{t1 - t0:.1f}s)")
 
 

@@ -50,12 +50,10 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
   mt = hf.get("model_type")
   if mt not in SUPPORTED:
     raise UserError(f"{where}: model_type={mt!r} is not supported; supported: {', '.join(SUPPORTED)}")
-  if mt in QWEN3:
-    hf = _qwen3_attention(hf, where)
+  windows = _window_keys(hf, where)
   false = lambda v: v is False  # noqa: E731
   for field, ok, allowed in (("hidden_act", lambda v: v == "silu", "silu"), ("attention_bias", false, "false"),
-                             ("mlp_bias", false, "false"), ("sliding_window", None, "null (no sliding window)"),
-                             ("attn_logit_softcapping", None, "null")):
+                             ("mlp_bias", false, "false"), ("attn_logit_softcapping", None, "null")):
     if hf.get(field) is not None and not (ok and ok(hf[field])):
       raise UserError(f"{where}: {field}={hf[field]!r} is not supported; allowed: {allowed}")
   size = lambda field, default=F.REQUIRED: F.get(hf, field, where, "int", default, least=1)  # noqa: E731
@@ -74,16 +72,37 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
                 moe_dropless=True, moe_aux_convention="hf",
                 moe_aux_weight=F.get(hf, "router_aux_loss_coef", where, "number", 0.001, least=0), moe_z_weight=0.0)
   keys.update(_qwen3_keys(hf, where) if mt in QWEN3 else {})
-  return keys
+  return {**keys, **windows}
 
 
-def _qwen3_attention(hf: dict, where: str) -> dict:
-  """Qwen3 configs carry a sliding_window that only applies with use_sliding_window (never in released ones)."""
-  if F.get(hf, "use_sliding_window", where, "bool", False):
-    raise UserError(f"{where}: use_sliding_window=true is not supported; allowed: false (full attention)")
-  if any(t != "full_attention" for t in F.get(hf, "layer_types", where, "list", [])):
-    raise UserError(f"{where}: layer_types={hf['layer_types']!r} is not supported; allowed: only 'full_attention'")
-  return {**hf, "sliding_window": None}
+def _window_keys(hf: dict, where: str) -> dict[str, Any]:
+  """model.sliding_window and model.layer_types as `transformers` applies them: Mistral and Mixtral window every
+  layer; Qwen3 only with use_sliding_window, the layers its layer_types (else max_window_layers on) name, Qwen3-MoE
+  every layer then; a layer_types list where a family has one."""
+  mt = hf["model_type"]
+  if mt == "deepseek_v3" or (mt in QWEN3 and not F.get(hf, "use_sliding_window", where, "bool", False)):
+    return {}  # a sliding_window these carry is not applied
+  W = F.get(hf, "sliding_window", where, "int", None, least=1)
+  if W is None:
+    return {}
+  if mt == "llama":  # its `transformers` model has no window: the field would be read as something it is not
+    raise UserError(f"{where}: sliding_window={W} is not supported for model_type='llama'; allowed: null (a "
+                    "windowed Llama-shaped checkpoint is model_type='mistral')")
+  n = F.get(hf, "num_hidden_layers", where, "int", least=1)
+  types = F.get(hf, "layer_types", where, "list", None) if mt == "qwen3" else None
+  if mt == "qwen3" and types is None:
+    first = F.get(hf, "max_window_layers", where, "int", 28, least=0)
+    types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+  types = types or ["sliding_attention"] * n
+  allowed = ("full_attention", "sliding_attention")
+  if len(types) != n or any(t not in allowed for t in types):
+    raise UserError(f"{where}: layer_types={types!r} is not supported; allowed: {n} entries, each one of "
+                    f"{', '.join(allowed)}")
+  if "sliding_attention" not in types:
+    return {}
+  local = [t == "sliding_attention" for t in types]
+  return {"sliding_window": W,
+          "layer_types": "" if all(local) else ",".join("local" if x else "global" for x in local)}
 
 
 def _qwen3_keys(hf: dict, where: str) -> dict[str, Any]:
@@ -115,7 +134,19 @@ def family(m) -> str:
   """The Hugging Face model_type a jaxtrain model exports as."""
   if m.attention_type == "mla":
     return "deepseek_v3"
-  return ("qwen3_moe" if m.moe_experts else "qwen3") if m.qk_norm else ("mixtral" if m.moe_experts else "llama")
+  if m.qk_norm:
+    return "qwen3_moe" if m.moe_experts else "qwen3"
+  return "mixtral" if m.moe_experts else "mistral" if m.sliding_window else "llama"
+
+
+def _check_windows(m, fam: str) -> None:
+  """What a family's checkpoint can say of windows and sinks: a per-layer list (dense Qwen3), every layer or none
+  (Mistral, Mixtral, Qwen3-MoE); no sinks anywhere yet."""
+  if m.attention_sinks:
+    raise UserError(f"model.attention_sinks=true: a {fam} checkpoint has no attention sinks; it cannot export")
+  if m.sliding_window and fam != "qwen3" and not all(m.layer_windows()):
+    raise UserError(f"model.layer_types={m.layer_types!r}: a {fam} checkpoint windows every layer or none; only an "
+                    "empty model.layer_types (every layer local) exports")
 
 
 def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
@@ -133,11 +164,13 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
   if fam == "mixtral" and m.moe_expert_d_ff not in (0, m.d_ff):
     raise UserError(f"model.moe_expert_d_ff={m.moe_expert_d_ff}: Mixtral experts are d_ff={m.d_ff} wide; only 0 or "
                     f"{m.d_ff} exports")
+  _check_windows(m, fam)
   drop = ("rope_parameters", "rope_scaling", "rope_theta", "original_max_position_embeddings", "partial_rotary_factor",
           "torch_dtype", "dtype", "architectures", "model_type", "transformers_version", "sliding_window",
           "num_local_experts", "num_experts", "layer_types")  # the rope fields: hf_rope.hf_rope's alone count
   out = {k: v for k, v in base.items() if k not in drop}
-  arch = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+  arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+          "qwen3": "Qwen3ForCausalLM",
           "qwen3_moe": "Qwen3MoeForCausalLM",
           "deepseek_v3": "DeepseekV3ForCausalLM"}[fam]
   out.update(
@@ -149,13 +182,16 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
   if m.rope_scaling != "none":  # the extended context
     out.setdefault("max_position_embeddings", int(m.rope_original_max_position * m.rope_factor))
   out.setdefault("max_position_embeddings", max(8192, cfg.train.seq_len))
+  window = m.sliding_window or None
   if fam == "mixtral":
-    out.update(num_local_experts=m.moe_experts, num_experts_per_tok=m.moe_top_k, sliding_window=None,
+    out.update(num_local_experts=m.moe_experts, num_experts_per_tok=m.moe_top_k, sliding_window=window,
                router_aux_loss_coef=m.moe_aux_weight, output_router_logits=False)
-  elif fam == "llama":
-    out.update(attention_bias=False, mlp_bias=False)
-  elif fam in QWEN3:  # Qwen3 (dense or MoE): full attention everywhere
-    out.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+  elif fam in ("llama", "mistral"):
+    out.update(attention_bias=False, mlp_bias=False, **({"sliding_window": window} if window else {}))
+  elif fam in QWEN3:  # Qwen3 (dense or MoE): its sliding layers by name (dense Qwen3), or every layer
+    out.update(attention_bias=False, use_sliding_window=bool(window), sliding_window=window)
+    if fam == "qwen3":
+      out.update(layer_types=["sliding_attention" if w else "full_attention" for w in m.layer_windows()])
     if moe:
       out.update(num_experts=m.moe_experts, num_experts_per_tok=m.moe_top_k, norm_topk_prob=m.moe_norm_top_k,
                  moe_intermediate_size=m.moe_expert_d_ff or m.d_ff, decoder_sparse_step=m.moe_every,

@@ -3,13 +3,16 @@ B batch, L length, D d_model, H heads, K kv heads, E head_dim."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.core.config import ModelConfig
 from jaxtrain.model import ops
-from jaxtrain.model.attention import cached_attention, max_logit
+from jaxtrain.model.attention import cached_attention, max_logit, windowed_cached_attention
 from jaxtrain.model.layers import MLP, RMSNorm, param, rope
 from jaxtrain.model.lora import adapted, add_adapters
 from jaxtrain.model.mla import MLA
@@ -30,18 +33,21 @@ class Attention(nnx.Module):
     add_adapters(self, cfg, rngs, {"wq": 1, "wk": 1, "wv": 1, "wo": 2})
     if cfg.qk_norm:  # Qwen3: one scale over head_dim shared by every head, so replicated under tensor
       self.q_norm, self.k_norm = RMSNorm(E, cfg.norm_eps), RMSNorm(E, cfg.norm_eps)
+    if cfg.attention_sinks:  # GPT-OSS: zero at init, a sink as likely as a key scoring 0
+      self.sinks = nnx.Param(jnp.zeros((H,), jnp.float32), axes=("sinks",))
     self.qk_norm, self.logits_dtype = cfg.qk_norm, cfg.attention_logits_dtype
+    self.choices = cfg.window_choices()
 
-  def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None):
-    """With a KV `cache` (decoding) returns (output, updated {"k", "v"})."""
+  def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None, window=0):
+    """With a KV `cache` (decoding) returns (output, updated {"k", "v"}). `window`: this layer's (cfg.layer_windows;
+    traced in a scanned stack, where a stack of mixed layers picks its kernel by it)."""
     qkv = self.project(x_BxLxD, rope_tables)
-    if cache is not None:
-      o_BxLxHxE, cache = cached_attention(*qkv, seg_BxL, cache)
+    sinks_H = self.sinks[...] if hasattr(self, "sinks") else None
+    if cache is not None:  # decoding: `window` is static (a stack of mixed layers decodes one layer at a time)
+      cached = functools.partial(windowed_cached_attention, window=window) if window else cached_attention
+      o_BxLxHxE, cache = cached(*qkv, seg_BxL, cache, sinks_H=sinks_H)
       return self.out(o_BxLxHxE), cache
-    return self.out(self.attend(qkv, seg_BxL))
-
-  def attend(self, qkv, seg_BxL):
-    return checkpoint_name(ops.current().attend(*qkv, seg_BxL, self.logits_dtype), "attn_out")
+    return self.out(checkpoint_name(self.attend(*qkv, seg_BxL, window, sinks_H), "attn_out"))
 
   def project(self, x_BxLxD, rope_tables):
     """(q, k, v) of the attention, RoPE applied."""
@@ -56,6 +62,15 @@ class Attention(nnx.Module):
     v_BxLxKxE = ops.constrain(v_BxLxKxE, ("batch", "length", "act_kv_heads", None))
     return checkpoint_name(q_BxLxHxE, "q"), checkpoint_name(k_BxLxKxE, "k"), checkpoint_name(v_BxLxKxE, "v")
 
+  def attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, window, sinks_H):
+    """The plan's kernel with this layer's window, static for it: the one window of the model, a Python int, or
+    (a traced window of a stack of mixed layers) a switch among the model's windows."""
+    kernel = lambda w: lambda *a: ops.current().attend(*a, self.logits_dtype, window=w, sinks_H=sinks_H)  # noqa: E731
+    if len(self.choices) == 1 or isinstance(window, int):
+      return kernel(self.choices[0] if len(self.choices) == 1 else window)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+    branch = jnp.searchsorted(jnp.asarray(self.choices), window)
+    return jax.lax.switch(branch, [kernel(w) for w in self.choices], q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+
   def out(self, o_BxLxHxE):
     return adapted(self, "wo", o_BxLxHxE, ops.einsum("blhe,hed->bld", o_BxLxHxE, ops.weight(self.wo, o_BxLxHxE.dtype)))
 
@@ -67,14 +82,16 @@ class Block(nnx.Module):
     self.attn = MLA(cfg, rngs) if cfg.attention_type == "mla" else Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.mlp = MoE(cfg, rngs) if moe_layer else MLP(cfg, rngs)
+    self.windowed = cfg.sliding_window > 0
 
-  def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None):
-    """(x, MoE stats or None)[, updated KV cache]."""
+  def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None, window=0):
+    """(x, MoE stats or None)[, updated KV cache]; `window`: the layer's attention window (0: global)."""
     h_BxLxD = ops.constrain(self.attn_norm(x_BxLxD), WHOLE)
+    kw = {"window": window} if self.windowed else {}  # MLA has no window (the config refuses one)
     if cache is None:
-      x_BxLxD = x_BxLxD + self.attn(h_BxLxD, rope_tables, seg_BxL)
+      x_BxLxD = x_BxLxD + self.attn(h_BxLxD, rope_tables, seg_BxL, **kw)
     else:
-      a_BxLxD, cache = self.attn(h_BxLxD, rope_tables, seg_BxL, cache)
+      a_BxLxD, cache = self.attn(h_BxLxD, rope_tables, seg_BxL, cache, **kw)
       x_BxLxD = x_BxLxD + a_BxLxD
     out = self.ffn(ops.constrain(x_BxLxD, RESIDUAL), cache is not None)
     return out if cache is None else (*out, cache)
@@ -88,12 +105,13 @@ class Block(nnx.Module):
   def probe(self, x_BxLxD, rope_tables, seg_BxL):
     """(the block's output, its attention's largest logit per head (H,)): QK-clip's forward, without gradient
     (grouped-query attention: config.check_optim refuses MLA)."""
-    qkv = self.attn.project(ops.constrain(self.attn_norm(x_BxLxD), WHOLE), rope_tables)
-    x_BxLxD = ops.constrain(x_BxLxD + self.attn.out(self.attn.attend(qkv, seg_BxL)), RESIDUAL)
+    qkv = self.attn.project(ops.constrain(self.attn_norm(x_BxLxD), WHOLE), rope_tables)  # no window, no sinks:
+    x_BxLxD = ops.constrain(x_BxLxD + self.attn.out(self.attn.attend(*qkv, seg_BxL, 0, None)), RESIDUAL)  # refused
     return self.ffn(x_BxLxD)[0], max_logit(qkv[0], qkv[1], seg_BxL)
 
 
-def empty_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
-  """One grouped-query layer's KV cache of `length` slots per row."""
-  shape = (batch, length, cfg.n_kv_heads, cfg.head_dim)
+def empty_cache(cfg: ModelConfig, batch: int, length: int, window: int = 0) -> dict:
+  """One grouped-query layer's KV cache of `length` slots per row; a local layer's (`window` > 0) holds at most its
+  window (a ring of the last `window` slots)."""
+  shape = (batch, min(length, window) if window else length, cfg.n_kv_heads, cfg.head_dim)
   return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}

@@ -2,7 +2,8 @@
 
 Training FLOPs per token = 3 x forward: 2 x every matmul weight a token passes (the
 embedding lookup is a gather: excluded) + 2 x 2 x seq_len x n_heads x head_dim per layer
-for QK^T and PV, halved by causal masking. MFU counts padding too (the device computes it).
+for QK^T and PV, halved by causal masking (a local layer: its window's keys, `attended_keys`). MFU counts
+padding too (the device computes it).
 """
 
 from __future__ import annotations
@@ -24,9 +25,18 @@ def matmul_params(m: ModelConfig) -> int:
   return m.n_layers * attn + (m.n_layers - n_moe) * mlp + n_moe * moe + m.d_model * m.vocab_size
 
 
+def attended_keys(seq_len: int, window: int) -> float:
+  """Keys a query attends to on average: seq_len / 2 causally; with a sliding window, the window (less its
+  triangle at the start of the row)."""
+  if not window or window >= seq_len:
+    return seq_len / 2
+  return window - window * (window - 1) / (2 * seq_len)  # query i sees min(i + 1, window) keys
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
   qk_v = (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) if m.attention_type == "mla" else 2 * m.head_dim
-  forward = 2 * matmul_params(m) + m.n_layers * 2 * seq_len * m.n_heads * qk_v / 2
+  keys = sum(attended_keys(seq_len, w) for w in m.layer_windows())  # local layers count their window only
+  forward = 2 * matmul_params(m) + 2 * keys * m.n_heads * qk_v
   return 3 * forward
 
 

@@ -35,9 +35,11 @@ class Ops:
     device (a data-parallel region, where each device sees only its rows, makes it the whole microbatch's)."""
     return x_mean
 
-  def attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype: str = "float32"):
-    """Causal grouped-query attention within segments; `logits_dtype`: the reference kernel's scores."""
-    return attention.attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, jnp.dtype(logits_dtype))
+  def attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype: str = "float32", window: int = 0,
+             sinks_H=None):
+    """Causal grouped-query attention within segments; `logits_dtype`: the reference kernel's scores; `window`
+    (static): a local layer's sliding window (0: none); `sinks_H`: attention sinks' logits, or None."""
+    return attention.attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, jnp.dtype(logits_dtype), window, sinks_H)
 
   def dequantize(self, q, axes, dtype):
     """QLoRA's weight `q` (a quant.QTensor whose weight has logical `axes`, leading stack axes included) in `dtype`,

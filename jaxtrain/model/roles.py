@@ -26,6 +26,7 @@ KINDS = {
     "router": "router",  # a matrix the router uses in float32
     "router_bias": "router_bias",  # aux-loss-free balancing: no gradient, moved by moe_balance
     "scale": "norm",
+    "sinks": "sink",  # attention sinks (model.attention_sinks): one logit per query head, used in float32
   "lora_a": "adapter",  # LoRA (model.lora_rank): A (in, r) and B (r, out) beside a targeted projection
   "lora_b": "adapter",
 }

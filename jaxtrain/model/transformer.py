@@ -74,14 +74,16 @@ class Transformer(nnx.Module):
     x_BxLxD = self.embed_tokens(tokens_BxL)
     tables = rope_tables(pos_BxL, self.cfg)
     moe_stats = []
+    windows = self.cfg.layer_windows()
     if self.cfg.scan_layers:
-      for name in self.cfg.stacks():
-        x_BxLxD, stats = run_stack(getattr(self, name), x_BxLxD, tables, seg_BxL, self.cfg.remat, self.cfg.dtype)
+      for name, idx in self.cfg.stacks().items():
+        x_BxLxD, stats = run_stack(getattr(self, name), x_BxLxD, tables, seg_BxL, self.cfg.remat, self.cfg.dtype,
+                                   windows[idx.start:idx.stop])
         moe_stats += stats
     else:
       run_block = _remat(self.cfg.remat, prevent_cse=True, dtype=self.cfg.dtype)
-      for block in self.layers:
-        x_BxLxD, stats = run_block(block, x_BxLxD, tables, seg_BxL)
+      for block, window in zip(self.layers, windows):
+        x_BxLxD, stats = run_block(block, x_BxLxD, tables, seg_BxL, window)
         moe_stats += [] if stats is None else [stats]
     return self.final_norm(x_BxLxD), moe_stats
 
@@ -107,6 +109,14 @@ class Transformer(nnx.Module):
     next_emb_BxLxD = self.embed_tokens(targets_BxL) if next_emb_BxLxD is None else next_emb_BxLxD
     return self.mtp(h_BxLxD, next_emb_BxLxD, tables, seg_BxL)
 
+  def block(self, i: int) -> Block:
+    """Layer i (a slice of its scanned stack)."""
+    if not self.cfg.scan_layers:
+      return self.layers[i]
+    name, idx = next((n, r) for n, r in self.cfg.stacks().items() if i in r)
+    graphdef, state = nnx.split(getattr(self, name))
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[i - idx.start], state))
+
   def decode(self, tokens_BxT, pos_BxT, seg_BxT, cache):
     """KV-cached forward of T new tokens into cache slots [start, start+T): (float32 logits (B, T, V), cache)."""
     x_BxTxD = self.embed_tokens(tokens_BxT)
@@ -114,30 +124,41 @@ class Transformer(nnx.Module):
     start = cache["start"]
     kv_seg_BxS = jax.lax.dynamic_update_slice(cache["seg"], seg_BxT.astype(cache["seg"].dtype), (0, start))
     shared = {"seg": kv_seg_BxS, "start": start}
-    new = {}
-    if self.cfg.scan_layers:
-      for name in self.cfg.stacks():
+    new, windows = {}, self.cfg.layer_windows()
+    if stacked_cache(self.cfg):
+      for name, idx in self.cfg.stacks().items():
         graphdef, state = nnx.split(getattr(self, name))
+        window = windows[idx.start]  # one window for every layer of a stacked cache
 
-        def body(x, layer, graphdef=graphdef):
-          x, _, kv = dense(nnx.merge(graphdef, layer[0]), self.cfg.dtype)(x, tables, seg_BxT, {**layer[1], **shared})
+        def body(x, layer, graphdef=graphdef, window=window):
+          x, _, kv = dense(nnx.merge(graphdef, layer[0]), self.cfg.dtype)(x, tables, seg_BxT, {**layer[1], **shared},
+                                                                          window=window)
           return x, kv
         x_BxTxD, new[name] = jax.lax.scan(body, x_BxTxD, (state, cache[name]))
-    else:
+    else:  # one layer at a time (a scanned stack of mixed windows: each layer its slice, its own cache size)
       new["layers"] = []
-      for block, kv in zip(self.layers, cache["layers"]):
-        x_BxTxD, _, kv = dense(block, self.cfg.dtype)(x_BxTxD, tables, seg_BxT, {**kv, **shared})
+      for i, (kv, window) in enumerate(zip(cache["layers"], windows)):
+        x_BxTxD, _, kv = dense(self.block(i), self.cfg.dtype)(x_BxTxD, tables, seg_BxT, {**kv, **shared},
+                                                               window=window)
         new["layers"].append(kv)
     logits_BxTxV = self.logits(self.final_norm(x_BxTxD))
     return logits_BxTxV, {**new, "seg": kv_seg_BxS, "start": start + tokens_BxT.shape[1]}
 
 
+def stacked_cache(cfg: ModelConfig) -> bool:
+  """Whether decoding scans a stack over one stacked cache: scanned layers all of one window (a stack of mixed
+  windows decodes layer by layer, each local layer's cache the size of its window)."""
+  return cfg.scan_layers and len(cfg.window_choices()) == 1
+
+
 def init_cache(cfg: ModelConfig, batch: int, length: int):
-  """An empty KV cache of `length` slots per row for `Transformer.decode` (segment id 0 = empty)."""
-  kv = (lambda: mla_lib.empty_cache(cfg, batch, length)) if cfg.attention_type == "mla" else (
-      lambda: empty_cache(cfg, batch, length))
-  stacks = {"layers": [kv() for _ in range(cfg.n_layers)]} if not cfg.scan_layers else {
-      name: jax.tree.map(lambda a, n=len(idx): jnp.broadcast_to(a, (n, *a.shape)), kv())
+  """An empty KV cache of `length` slots per row for `Transformer.decode` (segment id 0 = empty); a local layer's
+  holds its window's slots only."""
+  windows = cfg.layer_windows()
+  kv = (lambda w: mla_lib.empty_cache(cfg, batch, length)) if cfg.attention_type == "mla" else (
+      lambda w: empty_cache(cfg, batch, length, w))
+  stacks = {"layers": [kv(w) for w in windows]} if not stacked_cache(cfg) else {
+      name: jax.tree.map(lambda a, n=len(idx): jnp.broadcast_to(a, (n, *a.shape)), kv(windows[idx.start]))
       for name, idx in cfg.stacks().items()}
   return {**stacks, "seg": jnp.zeros((batch, length), jnp.int32), "start": jnp.zeros((), jnp.int32)}
 
@@ -176,7 +197,8 @@ def _remat(remat: str, prevent_cse: bool, dtype=jnp.bfloat16):
   kept for backward: every layer's dense weights at once), so under QLoRA it saves every matmul's output instead and
   recomputes the elementwise work, the dequantization among it."""
   use_remat, policy = remat_policy(remat)
-  run = lambda block, x_BxLxD, tables, seg_BxL: dense(block, dtype)(x_BxLxD, tables, seg_BxL)  # noqa: E731
+  run = lambda block, x_BxLxD, tables, seg_BxL, window: dense(block, dtype)(  # noqa: E731
+      x_BxLxD, tables, seg_BxL, window=window)
   if use_remat:
     return nnx.remat(run, policy=policy, prevent_cse=prevent_cse)
   dots = jax.checkpoint_policies.checkpoint_dots
@@ -188,14 +210,17 @@ def _quantized(block) -> bool:
   return any(map(quant.is_quantized, jax.tree.leaves(nnx.state(block), is_leaf=quant.is_quantized)))
 
 
-def run_stack(stacked: Block, x_BxLxD, tables, seg_BxL, remat: str = "none", dtype=jnp.bfloat16):
+def run_stack(stacked: Block, x_BxLxD, tables, seg_BxL, remat: str = "none", dtype=jnp.bfloat16,
+              windows: tuple[int, ...] | None = None):
   """A stack of blocks (`stack_blocks`; or any slice of one) as one jax.lax.scan over its leading axis, each block
-  under the remat policy (QLoRA: dequantized there, `dense`): (x, list of each MoE layer's stats)."""
+  under the remat policy (QLoRA: dequantized there, `dense`): (x, list of each MoE layer's stats). `windows`: each
+  layer's attention window (cfg.layer_windows; None: all global), scanned beside its parameters."""
   graphdef, state = nnx.split(stacked)
-  run_block = _remat(remat, prevent_cse=False, dtype=dtype)  # the scan already keeps the recomputation apart
-  body = lambda x, layer_state: run_block(nnx.merge(graphdef, layer_state), x, tables, seg_BxL)  # noqa: E731
-  x_BxLxD, stats = jax.lax.scan(body, x_BxLxD, state)
   n = jax.tree.leaves(state)[0].shape[0]
+  windows_N = jnp.asarray(windows or (0,) * n, jnp.int32)
+  run_block = _remat(remat, prevent_cse=False, dtype=dtype)  # the scan already keeps the recomputation apart
+  body = lambda x, layer: run_block(nnx.merge(graphdef, layer[0]), x, tables, seg_BxL, layer[1])  # noqa: E731
+  x_BxLxD, stats = jax.lax.scan(body, x_BxLxD, (state, windows_N))
   return x_BxLxD, ([] if stats is None else [jax.tree.map(lambda a, i=i: a[i], stats) for i in range(n)])
 
 

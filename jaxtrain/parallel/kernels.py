@@ -30,10 +30,13 @@ def select(model_cfg, seq_len: int | None = None, info: devices.Info | None = No
       (dt not in ("bfloat16", "float16"), f"model.dtype={dt} (cuDNN needs bfloat16 or float16)"),
       (E % 8 or E > info.max_head_dim,
        f"model.head_dim={E} (cuDNN needs a multiple of 8, at most {info.max_head_dim} on this GPU)"),
-      (seq_len is not None and seq_len % 2, f"train.seq_len={seq_len} is odd (cuDNN needs it even)")) if failed), None)
+      (seq_len is not None and seq_len % 2, f"train.seq_len={seq_len} is odd (cuDNN needs it even)"),
+      (model_cfg.attention_sinks, "model.attention_sinks=true (jax's cuDNN attention takes no sink logits)"))
+      if failed), None)
   if problem is None:
     slots, how = path(model_cfg, info, seq_len, segments)
-    return "cudnn", f"cuDNN fused attention (causal; {how})", slots
+    local = f", sliding window {model_cfg.sliding_window} on local layers" if model_cfg.sliding_window else ""
+    return "cudnn", f"cuDNN fused attention (causal{local}; {how})", slots
   if want == "cudnn":
     raise UserError(f"model.attention=cudnn is not supported here: {problem}; use auto or xla")
   return "xla", f"reference XLA attention: {problem}", 0
@@ -64,12 +67,14 @@ def path(model_cfg, info: devices.Info, seq_len: int | None, segments: int | Non
   return 0, f"segments as an L x L mask: {why}"
 
 
-def fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, implementation: str = "cudnn"):
+def fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, implementation: str = "cudnn", window: int = 0):
   """Causal GQA with segment masking through `jax.nn.dot_product_attention` (the tests run
   it with implementation="xla" on CPU to check the masking plumbing); `seg_BxL` None: one segment a row, causal
-  alone (no mask operand: cuDNN's CAUSAL mask type)."""
+  alone (no mask operand: cuDNN's CAUSAL mask type). `window` > 0: a token sees itself and the window - 1 before
+  it (cuDNN's sliding window of that length)."""
   mask_Bx1xLxL = None if seg_BxL is None else (seg_BxL[:, :, None] == seg_BxL[:, None, :])[:, None]
   return jax.nn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask=mask_Bx1xLxL, is_causal=True,
+                                      local_window_size=(window - 1, 0) if window else None,
                                       implementation=implementation).astype(q_BxLxHxE.dtype)
 
 
@@ -105,7 +110,7 @@ def segment_offsets(seg_BxL, max_segments: int):
   return jnp.where(lengths_BxM > 0, lengths_BxM, -1), jnp.where(used_BxM1, starts_BxM1, -1)
 
 
-def packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, max_segments: int):
+def packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, max_segments: int, window: int = 0):
   """Causal GQA within segments through cuDNN's packed layout (Hopper or later): O(L)
   lengths and offsets, no L x L mask. Private jax module (`packed_module`): re-check on a jax upgrade."""
   cudnn = packed_module()
@@ -113,7 +118,7 @@ def packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, max_segments: int):
   out = cudnn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, q_seqlen=lengths_BxM, kv_seqlen=lengths_BxM,
                                     q_offsets=starts_BxM1, kv_offsets=starts_BxM1,
                                     scale=q_BxLxHxE.shape[-1] ** -0.5, mask_type=cudnn.MaskType.PADDING_CAUSAL,
-                                    qkv_layout="BTNH")
+                                    qkv_layout="BTNH", sliding_window_length=window or None)
   return out.astype(q_BxLxHxE.dtype)
 
 

@@ -38,6 +38,11 @@ def active(mesh) -> bool:
   return stages(mesh) > 1
 
 
+def chunk_windows(m, lc: int) -> tuple[int, ...]:
+  """The windows of a chunk's `lc` layers: every chunk's are the first chunk's (`check`)."""
+  return m.layer_windows()[:lc]
+
+
 def check(cfg, mesh) -> None:
   """Pipeline config/mesh checks, as one-line user errors."""
   p = stages(mesh)
@@ -52,6 +57,10 @@ def check(cfg, mesh) -> None:
   if m.n_layers % (p * pc.virtual_stages):
     raise UserError(f"model.n_layers={m.n_layers} must divide into pipeline={p} x pipeline.virtual_stages="
                     f"{pc.virtual_stages} = {p * pc.virtual_stages} stages of equal depth")
+  lc, windows = m.n_layers // (p * pc.virtual_stages), m.layer_windows()
+  if any(windows[i] != windows[i % lc] for i in range(m.n_layers)):
+    raise UserError(f"model.layer_types={m.layer_types!r} gives the pipeline's chunks of {lc} layer(s) different "
+                    f"windows; a pattern that repeats every {lc} layers (or fewer, dividing it) runs on pipeline={p}")
   if why := schedule_lib.check(pc.schedule, p, cfg.train.microbatches, pc.virtual_stages):
     raise UserError(why)
   if mesh.shape.get("sequence", 1) > 1:
@@ -279,7 +288,8 @@ class _Ticks:
     chunk = jax.tree.map(lambda a, ax: self.plan.constrain(a, (None, *ax[1:])), chunk, self.st.axes["layers"])
     chunk = chunk if probes is None else wgrad.wrap(chunk, self.st.deferred, probes)
     model = self.st.objective.model({**self.rest, "layers": chunk})
-    y, stats = model_lib.run_stack(model.layers, x, rope_tables(mb["positions"], mc), mb["segment_ids"], mc.remat)
+    y, stats = model_lib.run_stack(model.layers, x, rope_tables(mb["positions"], mc), mb["segment_ids"], mc.remat,
+                                   windows=chunk_windows(mc, jax.tree.leaves(chunk)[0].shape[0]))
     return self.act(y), stats
 
   def head_terms(self, head_params, y, e, mb):

@@ -115,42 +115,48 @@ class Plan(ops.Ops):
   def project(self, fn, x, w, *args):
     return fp8.matmul(self.cfg.model.fp8, fn, x, w, *args)
 
-  def attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype: str = "float32"):
-    """Causal grouped-query attention with segment masking, by the kernel this plan chose."""
+  def attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype: str = "float32", window: int = 0,
+             sinks_H=None):
+    """Causal grouped-query attention with segment masking (a local layer's `window`, sinks), by the kernel this
+    plan chose."""
+    qkv_seg = (q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
     if self.attention == "ring":
       from jaxtrain.parallel import ring
-      return ring.ring_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, self)
+      return ring.ring_attention(*qkv_seg, self, window=window, sinks_H=sinks_H)
     if self.ulysses:
       from jaxtrain.parallel import ulysses
-      return ulysses.attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, self, logits_dtype)
+      return ulysses.attend(*qkv_seg, self, logits_dtype, window=window, sinks_H=sinks_H)
     if self.attention == "cudnn" and self.mesh is not None and jax.sharding.get_abstract_mesh().manual_axes:
-      return self._cudnn_in_region(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
-    return self.local_attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype)
+      return self._cudnn_in_region(*qkv_seg, window)
+    return self.local_attend(*qkv_seg, logits_dtype, window, sinks_H)
 
-  def local_attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype: str = "float32"):
+  def local_attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype: str = "float32", window: int = 0,
+                   sinks_H=None):
     """The chosen kernel on arrays holding whole sequences (never dispatches again: ulysses calls it inside its
-    own shard_map)."""
+    own shard_map). cuDNN is never chosen with sinks (kernels.select)."""
     if self.attention == "xla":
-      return attention_lib.attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, jnp.dtype(logits_dtype))
+      return attention_lib.attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, jnp.dtype(logits_dtype), window,
+                                     sinks_H)
     E, Ev = q_BxLxHxE.shape[-1], v_BxLxKxE.shape[-1]
     if Ev < E:  # cuDNN takes one head width (MLA's v is narrower): zero-padded v, its extra outputs cut off
       v_BxLxKxE = jnp.pad(v_BxLxKxE, ((0, 0), (0, 0), (0, 0), (0, E - Ev)))
     if self.packed_segments == 1:
-      o = kernels.fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, None)
+      o = kernels.fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, None, window=window)
     elif self.packed_segments:
-      o = kernels.packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, self.packed_segments)
+      o = kernels.packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, self.packed_segments, window=window)
     else:
-      o = kernels.fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+      o = kernels.fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, window=window)
     return o[..., :Ev]
 
-  def _cudnn_in_region(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL):
+  def _cudnn_in_region(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, window: int = 0):
     """cuDNN inside a partially manual region (the pipeline's): its custom partitioning cannot read such a region's
     shardings (jax 0.10.2: "'GSPMDSharding' object has no attribute 'spec'"), so it runs in a nested shard_map,
     manual over the other axes too: attention is local to its rows and heads."""
     q, kv = (self.spec(("batch", "length", h, None), x.shape) for h, x in (("act_heads", q_BxLxHxE),
                                                                              ("act_kv_heads", k_BxLxKxE)))
     rest = set(self.mesh.axis_names) - set(jax.sharding.get_abstract_mesh().manual_axes)
-    return sharding.manual(self.local_attend, self.mesh, (q, kv, kv, self.spec(("batch", "length"), seg_BxL.shape)),
+    local = functools.partial(self.local_attend, window=window)
+    return sharding.manual(local, self.mesh, (q, kv, kv, self.spec(("batch", "length"), seg_BxL.shape)),
                            q, axis_names=rest)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
 
   def experts(self, x_BxLxD, idx_BxLxk, w_BxLxk, weights, group: int, capacity: int | None):
@@ -188,8 +194,13 @@ class Plan(ops.Ops):
     fp8_line = (f"; FP8 projections (model.fp8={m.fp8}): every projection matmul, not the embedding, LM head or "
                 "router" if m.fp8 != "none" else "")
     implied = f"; set by the mesh: {', '.join(self.implied)}" if self.implied else ""
+    local = sum(1 for w in m.layer_windows() if w)
+    windows = (f"; sliding window {m.sliding_window} on {local} of {m.n_layers} layers"
+               + ("; ring skips the blocks outside it" if self.attention == "ring" else "")) if local else ""
+    sinks = "; attention sinks" if m.attention_sinks else ""
     ignored = f"\nignored: {'; '.join(self.ignored)}" if self.ignored else ""
-    return (f"attention: {self.attention} ({self.attention_why}{scores}){moe}; remat {m.remat}{rules}{fp8_line}; "
+    return (f"attention: {self.attention} ({self.attention_why}{scores}){windows}{sinks}{moe}; remat {m.remat}"
+            f"{rules}{fp8_line}; "
             f"{self.state_layout()}{implied}{ignored}")
 
   def state_layout(self) -> str:

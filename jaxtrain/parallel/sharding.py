@@ -34,6 +34,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "experts": ("expert",),
     "vocab": ("tensor",),
     "norm": (),
+    "sinks": (),  # a logit per query head: attention kernels take their heads' share where they split them
     "layers": ("pipeline",),  # the stacked-blocks axis of model.scan_layers: a pipeline stage holds its slice
 }
 

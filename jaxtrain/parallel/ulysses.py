@@ -45,8 +45,10 @@ def describe(model_cfg, mesh, rules) -> str:
           f"device" + (f", KV heads repeated x{r}" if r > 1 else ""))
 
 
-def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, plan, logits_dtype: str = "float32"):
-  """Causal GQA with segment masking over the plan's sequence axis: reshard to heads, local kernel, reshard back."""
+def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, plan, logits_dtype: str = "float32", window: int = 0,
+           sinks_H=None):
+  """Causal GQA with segment masking over the plan's sequence axis: reshard to heads, local kernel (with the
+  layer's `window`, and each device's share of the sinks), reshard back."""
   mesh, AXIS = plan.mesh, plan.sequence_axis
   q_spec = plan.spec(("batch", "length", "act_heads", None), q_BxLxHxE.shape)
   if q_spec[1] != AXIS:
@@ -63,10 +65,11 @@ def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, plan, logits_dtype: str = "
   head_spec, seg_spec = P(q_spec[0], None, heads, None), P(q_spec[0], None)  # whole sequences, a share of heads
   to_heads = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, head_spec))  # noqa: E731
   # check_vma: the kernel is all local, so the transpose needs no psum over the axes the specs leave out
-  kernel = lambda *qkv_seg: plan.local_attend(*qkv_seg, logits_dtype)  # noqa: E731
-  o_BxLxHxE = jax.shard_map(kernel, mesh=mesh, in_specs=(head_spec, head_spec, head_spec, seg_spec),
-                            out_specs=head_spec)(
-      to_heads(q_BxLxHxE), to_heads(k_BxLxRxE), to_heads(v_BxLxRxE), seg_BxL)
+  kernel = lambda q, k, v, seg, *sinks: plan.local_attend(q, k, v, seg, logits_dtype, window, *sinks)  # noqa: E731
+  sinks = () if sinks_H is None else (sinks_H,)  # each device gets its heads' sinks
+  specs = (head_spec, head_spec, head_spec, seg_spec, *(P(heads),) * len(sinks))
+  args = (to_heads(q_BxLxHxE), to_heads(k_BxLxRxE), to_heads(v_BxLxRxE), seg_BxL, *sinks)
+  o_BxLxHxE = jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=head_spec)(*args)
   return jax.lax.with_sharding_constraint(o_BxLxHxE, NamedSharding(mesh, q_spec))
 
 

@@ -74,3 +74,16 @@ def test_the_optimizer_update_is_one_fusion_per_parameter_over_p_g_m_v(one_docum
   update = {i.name: i for i in hlo.instrs if i.opcode == "fusion"
             and any(o.lstrip("%") in moments for o in gpu_compile.operands(i))}
   assert all(re.match(r"\(f32\[[\d,]*\]\S*, f32\[", i.shape) for i in update.values())  # p, m, v out, together
+
+
+@needs_plugin
+@pytest.mark.parametrize("segments", [1, 5])
+def test_cudnn_calls_carry_the_local_layers_window(segments):
+  """Alternate local/global layers (a scanned stack switching kernels per layer): the H100 step's cuDNN calls carry
+  the window on the local layers' branch and none on the global ones', forward and backward, whole rows and
+  packed."""
+  sets = [*TINY, "model.sliding_window=24", "model.layer_types=alternate", "model.scan_layers=true"]
+  _, hlo = _hlo(sets, segments=segments)
+  fmha = [i.rest for i in hlo.instrs if i.opcode == "custom-call" and "__cudnn$fmha" in i.rest]
+  windows = collections.Counter(re.search(r'"sliding_window_length":\s*"?(\d+)', r).group(1) for r in fmha)
+  assert set(windows) == {"0", "24"} and windows["24"] >= 2, windows  # forward and backward of each kind

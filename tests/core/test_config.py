@@ -1,4 +1,5 @@
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -155,6 +156,7 @@ MATH_KEYS = {
     "model.moe_shared_experts", "model.moe_first_dense", "model.moe_router", "model.moe_bias_rate",
     "model.moe_aux_convention",
     "model.qk_norm", "model.moe_norm_top_k",  # Qwen3: per-head q/k norms; unnormalized top-k weights
+    "model.sliding_window", "model.layer_types", "model.attention_sinks",  # local layers' windows; sink logits
     # DeepSeek-V3: YaRN, multi-head latent attention, group-limited routing, multi-token prediction
     "model.rope_beta_fast", "model.rope_beta_slow", "model.rope_mscale", "model.rope_mscale_all_dim",
     "model.attention_type", "model.q_lora_rank", "model.kv_lora_rank", "model.qk_nope_head_dim",
@@ -219,3 +221,21 @@ def test_a_run_key_leaves_the_losses_alone_and_a_math_key_changes_them():
     assert setting.split("=")[0] in MATH_KEYS
     other = trajectory(config.load("tiny", [*sets, setting]), "dp=1", 3)[:, 0]
     assert np.max(np.abs(other - base) / base) > 1e-3, (setting, other, base)
+
+
+def test_layer_types_give_each_layer_its_window_and_refuse_bad_values_in_one_line():
+  """The presets (empty: every layer; alternate: local first; a:b), an explicit list, and what is refused."""
+  def windows(lt, n=6, w=4):
+    return config.load("tiny", [f"model.n_layers={n}", f"model.sliding_window={w}", f"model.layer_types={lt}"]
+                       ).model.layer_windows()
+  assert windows("") == (4,) * 6 and windows("alternate") == (4, 0, 4, 0, 4, 0)
+  assert windows("5:1", n=7) == (4, 4, 4, 4, 4, 0, 4) and windows("local, global,global,local,local,local") == (
+      4, 0, 0, 4, 4, 4)
+  assert windows("alternate", w=0) == (0,) * 6  # no window: every layer global (layer_types reported ignored)
+  for bad, words in (("every", "is not a known pattern"), ("local,global", "has 2 entries for model.n_layers=6"),
+                     ("0:0", "a:b needs a + b > 0")):
+    with pytest.raises(UserError, match=re.escape(f"model.layer_types={bad!r}") + r"\W+" + re.escape(words)) as e:
+      windows(bad)
+    assert "\n" not in str(e.value)
+  with pytest.raises(UserError, match="model.attention_sinks=true is for grouped-query attention"):
+    config.load("tiny", ["model.attention_type=mla", "model.attention_sinks=true"])

@@ -85,7 +85,8 @@ def test_unsupported_qwen3_configs_are_one_line_and_exit_2(tmp_path, capsys):
   w = str(tmp_path / "w")
   for name, changes, msg in (
       ("mid", {"mlp_only_layers": [1]}, "mlp_only_layers=[1] with decoder_sparse_step=1 is not supported"),
-      ("sliding", {"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window=true is not supported")):
+      ("sliding", {"use_sliding_window": True, "sliding_window": 0}, "sliding_window=0 is not supported; it must be "
+                                                                      "an integer >= 1")):
     assert msg in _one_line_exit_2(capsys, ["import", str(_edited(src, tmp_path / name, **changes)), "--workdir", w])
   assert not (tmp_path / "w").exists()
   # A Mixtral export cannot hold unnormalized top-k weights (HF Mixtral always normalizes).

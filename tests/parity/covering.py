@@ -55,6 +55,8 @@ FACTORS = (
     Factor("qk_clip", (False, True)),  # optim.qk_clip (MuonClip's rescale after the update)
     Factor("state_dtype", ("float32", "bfloat16", "int8")),  # optim.state_dtype: no refused pair (Muon's momentum,
     # offload's units, LoRA's adapters and ZeRO/FSDP shards keep it too)
+    Factor("window", ("none", "local", "alternate")),  # model.sliding_window on every layer, or every other
+    Factor("sinks", (False, True)),  # model.attention_sinks
 )
 # Options that never change the step (what is logged where, what is evaluated beside it): their levels are given to
 # the rows of the factors above after those are chosen (so those rows stay as they were), and a row added for them
@@ -95,7 +97,16 @@ REFUSED = {
        for pair, words in ((("attention", "mla"), "model.attention_type='mla'"), (("qk_norm", True), "model.qk_norm"),
                            (("lora", "on"), "model.lora_rank="), (("lora", "nf4"), "model.lora_rank="),
                            (("offload", "host"), "optim.offload='host'"), (("mtp", True), "model.mtp_layers=1"),
-                           (("pipeline", 2), "pipeline=2"))},
+                           (("pipeline", 2), "pipeline=2"), (("window", "local"), "model.sliding_window="),
+                           (("window", "alternate"), "model.sliding_window="),
+                           (("sinks", True), "model.attention_sinks=true"))},
+    **{(("attention", "mla"), pair): (("model.attention_type=mla", words), "sliding windows and sinks are "
+                                      "grouped-query attention's (core.config.validate)")
+       for pair, words in ((("window", "local"), "model.sliding_window="), (("window", "alternate"),
+                                                                            "model.sliding_window="),
+                           (("sinks", True), "model.attention_sinks=true"))},
+    (("window", "alternate"), ("pipeline", 2)): (("model.layer_types='alternate'", "pipeline=2"), "the matrix's "
+                                                 "pipelines hold one layer a chunk: their chunks' windows differ"),
 }
 
 

@@ -32,6 +32,8 @@ ATTENTION = {"mha": ["model.n_kv_heads=4"], "gqa": ["model.n_kv_heads=2"],
                      "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8"]}
 MOE = {"dense": [], "capacity": ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_expert_d_ff=32"],
        "dropless": ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_expert_d_ff=32", "model.moe_dropless=true"]}
+WINDOW = {"none": [], "local": ["model.sliding_window=4"],  # of train.seq_len=16
+          "alternate": ["model.sliding_window=4", "model.layer_types=alternate"]}
 TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 2e-2}
 FAST = {"xla_backend_optimization_level": 0}  # LLVM at -O0, both sides: half the compile time
 FP8_TOLERANCE = 5e-2
@@ -50,7 +52,8 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
   `source`, 32 rows a batch (16 pairs: an even number of rows on each of up to 8 batch devices in each of 2
   microbatches)."""
   on = lambda name: covering.BY_NAME[name].active(row)  # noqa: E731
-  layers = (4 if row["schedule"] in ("interleaved", "zbv", "dualpipev") else 2) if on("schedule") else 1
+  layers = (4 if row["schedule"] in ("interleaved", "zbv", "dualpipev") else 2) if on("schedule") else (
+      2 if row["window"] == "alternate" else 1)  # a local and a global layer
   micro = 4 if on("schedule") and row["schedule"] == "dualpipev" and row["microbatches"] == 2 else row["microbatches"]
   sets = [*BASE, f"model.n_layers={layers}", *ATTENTION[row["attention"]], *MOE[row["moe"]],
           f"model.tie_embeddings={str(row['tied']).lower()}", f"model.qk_norm={str(row['qk_norm']).lower()}",
@@ -76,6 +79,7 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
     attn = "q_a,q_b,kv_a,kv_b,o" if row["attention"] == "mla" else "q,k,v,o"  # every projection the attention has
     sets += ["model.lora_rank=4", f"model.lora_targets={attn},gate,up,down"]
     sets += ["model.lora_base_dtype=nf4"] if row["lora"] == "nf4" else []
+  sets += WINDOW[row["window"]] + (["model.attention_sinks=true"] if row["sinks"] else [])
   if row["objective"] == "dpo":
     sets += ["train.objective=dpo", "train.dpo_beta=0.1", f"data.source={source}", "train.batch_size=32"]
   if row.get("schedule_in", "steps") != "steps":  # 2 steps of 16 (DPO 32) rows: the ramp's first size is those
