@@ -27,9 +27,9 @@ class _Recorder(ops.Ops):
   def __init__(self):
     self.seen = []
 
-  def attend(self, q, k, v, seg, logits_dtype="float32"):
+  def attend(self, q, k, v, seg, logits_dtype="float32", **kw):  # window=0, sinks_H=None: QK-clip refuses others
     self.seen.append((np.asarray(q, np.float64), np.asarray(k, np.float64), np.asarray(seg)))
-    return super().attend(q, k, v, seg, logits_dtype)
+    return super().attend(q, k, v, seg, logits_dtype, **kw)
 
 
 def _max_logits(cfg, setup, params, batch) -> np.ndarray:
