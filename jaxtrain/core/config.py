@@ -227,6 +227,12 @@ class OptimConfig:
   offload: Literal["none", "host"] = key("none", "host: the float32 master weights and Adam moments live in host "
                                          "memory (pinned_host) and are streamed to the device for the update.",
                                          math=False)
+  in_backward: bool = key(
+      False, "Apply each scanned layer's update inside the backward as soon as its gradient exists, so the layers' "
+      "whole gradient is never held (jaxtrain.run.in_backward, docs/training.md#the-update-in-the-backward). The "
+      "update, clipping and skipped steps are the plain step's (equal to rounding): a first backward pass takes the "
+      "global gradient norm and checks it is finite, a second applies the updates, so a step costs one backward "
+      "more. One microbatch, no pipeline, AdamW, dense scanned layers, no LoRA, DPO, ZeRO or offload.", math=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -671,6 +677,7 @@ def validate(cfg: Config) -> None:
   check_lora(cfg)
   check_trackers(cfg)
   check_optim(cfg)
+  check_in_backward(cfg)
   if not cfg.data.text_field.strip():
     raise UserError(f"data.text_field={cfg.data.text_field!r}: must name a field of a raw source's records")
   ls = cfg.loss_scale
@@ -695,6 +702,29 @@ def check_optim(cfg: Config) -> None:
   if cfg.model.lora_rank:
     raise UserError(f"optim.name='muon' with model.lora_rank={cfg.model.lora_rank} is not supported (LoRA trains "
                     "low-rank adapters, which Muon does not orthogonalize; use optim.name=adamw)")
+
+
+def check_in_backward(cfg: Config) -> None:
+  """What the update in the backward runs with (jaxtrain.run.in_backward), the rest refused in one line."""
+  o, m, t = cfg.optim, cfg.model, cfg.train
+  if not o.in_backward:
+    return
+  refused = (("train.microbatches", t.microbatches, t.microbatches > 1, "a layer's gradient is whole only after "
+              "the last microbatch"),
+             ("model.scan_layers", "false", not m.scan_layers, "the update runs in the scan over the layers"),
+             ("model.moe_experts", m.moe_experts, m.moe_experts > 0, "the dense layers only, so far"),
+             ("model.lora_rank", m.lora_rank, m.lora_rank > 0, "not with LoRA's frozen base, so far"),
+             ("train.objective", t.objective, t.objective != "lm", "the language-model objective only"),
+             ("optim.name", repr(o.name), o.name != "adamw", "AdamW's elementwise update only"),
+             ("optim.zero_stage", o.zero_stage, o.zero_stage > 0, "the state stays where the step computes"),
+             ("optim.offload", repr(o.offload), o.offload != "none", "the state stays where the step computes"))
+  for name, value, bad, why in refused:
+    if bad:
+      raise UserError(f"optim.in_backward=true with {name}={value} is not supported ({why}); set "
+                      f"optim.in_backward=false")
+  if o.b2 and o.b1 ** 2 >= o.b2:
+    raise UserError(f"optim.in_backward=true needs optim.b1**2 < optim.b2 (here b1={o.b1}, b2={o.b2}): the update "
+                    "is guarded by a bound known before it runs, which does not exist otherwise")
 
 
 def check_lora(cfg: Config) -> None:
