@@ -48,6 +48,7 @@ FACTORS = (
     Factor("lora", ("off", "on", "nf4")),  # nf4: QLoRA, the frozen base stored in 4 bits
     Factor("objective", ("lm", "dpo")),
     Factor("optim", ("adamw", "muon")),  # optim.name
+    Factor("in_backward", (False, True)),  # optim.in_backward
 )
 BY_NAME = {f.name: f for f in FACTORS}
 
@@ -71,6 +72,16 @@ REFUSED = {
                                    "device, its matrices the model's own projections")
        for pair, words in ((("offload", "host"), "optim.offload='host'"), (("lora", "on"), "model.lora_rank="),
                            (("lora", "nf4"), "model.lora_rank="))},
+    **{(("in_backward", True), pair): (("optim.in_backward=true", words), "the update in the backward "
+                                       "(core.config.check_in_backward): AdamW on dense scanned layers, one "
+                                       "microbatch, the state where the step computes")
+       for pair, words in ((("microbatches", 2), "train.microbatches="), (("scan_layers", False), "model.scan_layers"),
+                           (("moe", "capacity"), "model.moe_experts=4"), (("moe", "dropless"), "model.moe_experts=4"),
+                           (("lora", "on"), "model.lora_rank="), (("lora", "nf4"), "model.lora_rank="),
+                           (("objective", "dpo"), "train.objective=dpo"), (("optim", "muon"), "optim.name='muon'"),
+                           (("zero_stage", 1), "optim.zero_stage=1"), (("zero_stage", 2), "optim.zero_stage=2"),
+                           (("offload", "host"), "optim.offload='host'"))},
+    # (with a pipeline, which needs 2 microbatches here, the pair is never alone: test_in_backward refuses it)
 }
 
 

@@ -57,7 +57,8 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
           f"model.remat={row['remat']}", f"model.scan_layers={str(row['scan_layers']).lower()}",
           f"model.fp8={row['fp8']}", f"model.dtype={row['dtype']}", f"optim.zero_stage={row['zero_stage']}",
           f"optim.offload={row['offload']}", f"train.microbatches={micro}",
-          f"run.sequence_parallel={str(row['sequence_parallel']).lower()}", f"optim.name={row['optim']}"]
+          f"run.sequence_parallel={str(row['sequence_parallel']).lower()}", f"optim.name={row['optim']}",
+          f"optim.in_backward={str(row['in_backward']).lower()}"]
   if row["mtp"]:
     sets += ["model.mtp_layers=1", "model.mtp_weight=0.3"]
   if on("routing_bias") and row["routing_bias"]:
