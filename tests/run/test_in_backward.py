@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxtrain import data
-from jaxtrain.analysis import gpu_compile
+from jaxtrain.analysis import gpu_compile, memory
 from jaxtrain.core import config
 from jaxtrain.core.errors import UserError
 from jaxtrain.model import transformer as model_lib
@@ -112,12 +112,15 @@ def test_a_non_finite_gradient_in_one_layer_moves_no_parameter_of_any_layer(monk
   assert not np.array_equal(after["params"]["layers"]["mlp"]["w_up"], control["params"]["layers"]["mlp"]["w_up"])
 
 
-def _temporaries(sets, mesh) -> tuple[int, int, int]:
-  """(plain step's temporaries, in-backward step's, the layers' gradient bytes per device) of compiled steps."""
+def _temporaries(sets, mesh, billed=None) -> tuple[int, int, int]:
+  """(plain step's temporaries, in-backward step's, the layers' gradient bytes per device) of compiled steps;
+  `billed`: a list that gets each one's memory-bill gradient line."""
   out = []
   for on in ("false", "true"):
     setup = step.Setup(config.load("tiny", [*sets, f"optim.in_backward={on}"]), mesh)
     out.append(gpu_compile.CompiledMemory.of(gpu_compile.compile_step(setup)[0]).temporaries)
+    if billed is not None:
+      billed.append(memory.bill(setup, memory.param_rows(setup), 0.0).items["gradients"])
   layers = sum(x.size for x in jax.tree.leaves(setup.abstract_params["layers"]))
   return out[0], out[1], 4 * layers // mesh.size
 
@@ -130,9 +133,12 @@ BIG = ["model.scan_layers=true", "model.n_layers=8", "model.d_model=256", "model
 def test_the_compiled_step_holds_no_whole_gradient_on_the_cpu():
   """XLA:CPU's memory analysis, float32, 8 layers of 0.9 M parameters: the temporaries fall by at least the layers'
   gradient bytes (28.3 MB; measured 88.1 -> 23.7 MB: the plain step's update also copies state on this backend),
-  and what is left could not hold that gradient."""
-  plain, fused, grad = _temporaries([*BIG, "model.dtype=float32"], mesh_of("data=1"))
+  and what is left could not hold that gradient; the memory bill's gradient line falls by 7/8 of it."""
+  billed = []
+  plain, fused, grad = _temporaries([*BIG, "model.dtype=float32"], mesh_of("data=1"), billed)
   assert plain - fused >= grad and fused < grad, (plain, fused, grad)
+  # the bill: the stack's gradient one layer (of 8) at a time, the rest (embedding, head, final norm) whole
+  assert billed[0] - billed[1] == grad * 7 // 8 and billed[0] - billed[1] <= plain - fused, billed
 
 
 @needs_plugin
