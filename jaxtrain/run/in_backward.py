@@ -34,9 +34,29 @@ OUTER = "outer"  # the group of every parameter outside the layer stacks
 def update(objective, opt, state, batch, scale):
   """(mean token loss, unscaled gradient norm, n_valid, new params, new optimizer state, applied) of one step."""
   cfg = objective.cfg
-  params, opt_state = state["params"], state["opt"]
+  params = state["params"]
   w, n_valid = grads_lib.weights(cfg, batch, scale)
   mb = jax.tree.map(lambda x: x[0], grads_lib.split_microbatches(grads_lib.with_mtp_targets(cfg, batch), 1))
+  ce, backward = _forward(objective, params, mb, w, scale)
+  # 1. the norm pass: the parameters read as they are (loop constants), only sums of squares carried
+  sumsq = lambda g: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g))  # noqa: E731 (as optax.tree.norm)
+  g_outer, sums = backward(lambda s, i, g, c: c + sumsq(g), {s: jnp.float32(0) for s in cfg.model.stacks()},
+                           lambda s, c: params[s])
+  grad_norm = jnp.sqrt(sumsq(g_outer) + sum(sums.values()))
+  loss = ce / jnp.maximum(n_valid, 1)
+  finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+  apply = finite & (n_valid > 0) & optim_lib.stays_finite(cfg, state["step"], params)
+  # 2. the update pass
+  new_params, new_opt = _update_pass(opt, cfg, params, state["opt"], backward, grad_norm, apply)
+  return loss, grad_norm, n_valid, new_params, new_opt, apply
+
+
+def _forward(objective, params, mb, w, scale):
+  """The forward of one microbatch in pieces under `jax.vjp`: (its token loss sum, `backward`).
+  backward(consume, carries, read) runs the whole backward once: `consume(stack, i, layer gradient, carry) ->
+  carry` on each layer, last first, the layer's parameters read from `read(stack, carry)`; it returns (the outer
+  parameters' gradient, the carries). Gradients unscaled."""
+  cfg = objective.cfg
   names = list(cfg.model.stacks())
   outer = {k: v for k, v in params.items() if k not in names}
   model = objective.model(params)
@@ -46,7 +66,7 @@ def update(objective, opt, state, batch, scale):
   stacks = {}
   for s in names:
     layer = model_lib.layer_fn(getattr(model, s), tables, mb["segment_ids"], cfg.model.remat, cfg.model.dtype)
-    x_BxLxD, stacks[s] = _forward(layer, x_BxLxD, params[s])
+    x_BxLxD, stacks[s] = _stack_forward(layer, x_BxLxD, params[s])
 
   def tail(o, h_BxLxD):
     m = whole(o)
@@ -56,27 +76,22 @@ def update(objective, opt, state, batch, scale):
   unscale = lambda g: jax.tree.map(lambda x: x / jnp.asarray(scale, x.dtype), g)  # noqa: E731
 
   def backward(consume, carries, read):
-    """The backward once: `consume(stack, i, layer gradient, carry) -> carry` on each layer, last first, the layer's
-    parameters read from `read(stack, carry)`; returns (the outer parameters' gradient, carries)."""
     g_tail, dy_BxLxD = tail_vjp(jnp.ones_like(out))
     carries = dict(carries)
     for s in reversed(names):
-      dy_BxLxD, carries[s] = _backward(stacks[s], dy_BxLxD, carries[s], lambda i, g, c, s=s: consume(s, i, unscale(g), c),
-                                       lambda c, s=s: read(s, c))
+      dy_BxLxD, carries[s] = _stack_backward(stacks[s], dy_BxLxD, carries[s],
+                                             lambda i, g, c, s=s: consume(s, i, unscale(g), c),
+                                             lambda c, s=s: read(s, c))
     g_outer = jax.tree.map(jnp.add, g_tail, embed_vjp(dy_BxLxD)[0])
     return unscale(g_outer), carries
+  return ce, backward
 
-  # 1. the norm pass: the parameters read as they are (loop constants), only sums of squares carried
-  sumsq = lambda g: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g))  # noqa: E731 (as optax.tree.norm)
-  g_outer, sums = backward(lambda s, i, g, c: c + sumsq(g), {s: jnp.float32(0) for s in names},
-                           lambda s, c: params[s])
-  grad_norm = jnp.sqrt(sumsq(g_outer) + sum(sums.values()))
-  loss = ce / jnp.maximum(n_valid, 1)
-  finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
-  safe = optim_lib.stays_finite(cfg, state["step"], params)
-  apply = finite & (n_valid > 0) & safe
 
-  # 2. the update pass: each stack's master and moments carried, layer i's written in place
+def _update_pass(opt, cfg, params, opt_state, backward, grad_norm, apply):
+  """(new params, new optimizer state): the backward again, each stack's master and moments carried and layer i's
+  update written in place as its gradient exists; the outer parameters' update after it. Nothing moves unless
+  `apply`."""
+  names = list(cfg.model.stacks())
   pick = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
   max_norm = cfg.optim.grad_clip
   labels = {k: jax.tree.map(lambda _, k=k: k if k in names else OUTER, v) for k, v in params.items()}
@@ -100,7 +115,7 @@ def update(objective, opt, state, batch, scale):
   new_params = {k: (done[k][0] if k in names else jax.tree.map(pick, p_out[k], v)) for k, v in params.items()}
   new_opt = jax.tree.map(lambda old, lab, out, *stacked: pick(out, old) if lab in (OUTER, "") else
                          stacked[names.index(lab)], opt_state, state_labels, o_out, *(done[s][1] for s in names))
-  return loss, grad_norm, n_valid, new_params, new_opt, apply
+  return new_params, new_opt
 
 
 def _empty(x):
@@ -135,7 +150,7 @@ def _apply(opt, p_view, o_view, g_view):
   return optax.apply_updates(p_view, updates), o_new
 
 
-def _forward(layer, x_BxLxD, stacked):
+def _stack_forward(layer, x_BxLxD, stacked):
   """The stack's forward as a scan of `jax.vjp`s: (output, (the residuals stacked, how to rebuild a layer's vjp)).
   The layer's parameters among the residuals are left out (the backward passes them back in): stacking them would
   copy the stack."""
@@ -152,7 +167,7 @@ def _forward(layer, x_BxLxD, stacked):
   return y, (res, shape)
 
 
-def _backward(stack, dy_BxLxD, carry, consume, read):
+def _stack_backward(stack, dy_BxLxD, carry, consume, read):
   """The stack's backward, last layer first: dy of its output -> dy of its input; `consume(i, gradient, carry)` gets
   each layer's parameter gradient, the layer's parameters read from `read(carry)` (the stack's, or the carried copy
   the update pass writes in place)."""
