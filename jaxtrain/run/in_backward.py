@@ -31,9 +31,10 @@ from jaxtrain.run import grads as grads_lib, optimizer as optim_lib
 OUTER = "outer"  # the group of every parameter outside the layer stacks
 
 
-def update(objective, opt, state, batch, scale):
+def update(objective, state, batch, scale):
   """(mean token loss, unscaled gradient norm, n_valid, new params, new optimizer state, applied) of one step."""
   cfg = objective.cfg
+  opt = optim_lib.parts(cfg)[1]  # the update rule alone: the global norm's clip is applied here, layer by layer
   params = state["params"]
   w, n_valid = grads_lib.weights(cfg, batch, scale)
   mb = jax.tree.map(lambda x: x[0], grads_lib.split_microbatches(grads_lib.with_mtp_targets(cfg, batch), 1))

@@ -38,7 +38,7 @@ def train_step(objective, opt, plan, layout: Layout, state, batch, executor=grad
   scale = state["loss_scale"]["scale"]
   if cfg.optim.in_backward:  # each layer's update inside the backward: no whole gradient
     with ops.use(plan):
-      loss, grad_norm, n_valid, params, opt_state, apply = in_backward.update(objective, opt, state, batch, scale)
+      loss, grad_norm, n_valid, params, opt_state, apply = in_backward.update(objective, state, batch, scale)
     return _finish(cfg, state, params, opt_state, apply, loss, grad_norm, n_valid, scale, {},
                    jnp.isfinite(grad_norm) & jnp.isfinite(loss))
   with ops.use(plan):
