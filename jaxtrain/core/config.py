@@ -229,7 +229,7 @@ class OptimConfig:
                                          math=False)
   in_backward: bool = key(
       False, "Apply each scanned layer's update inside the backward as soon as its gradient exists, so the layers' "
-      "whole gradient is never held (jaxtrain.run.in_backward, docs/training.md#the-update-in-the-backward). The "
+      "whole gradient is never held (jaxtrain.run.in_backward, docs/training.md#the-step). The "
       "update, clipping and skipped steps are the plain step's (equal to rounding): a first backward pass takes the "
       "global gradient norm and checks it is finite, a second applies the updates, so a step costs one backward "
       "more. One microbatch, no pipeline, AdamW, dense scanned layers, no LoRA, DPO, ZeRO or offload.", math=False)

@@ -1,4 +1,4 @@
-"""The optimizer step fused into the backward (optim.in_backward; docs/training.md#the-update-in-the-backward): each
+"""The optimizer step fused into the backward (optim.in_backward; docs/training.md#the-step): each
 scanned layer's AdamW update is applied as soon as its gradient exists, inside the backward's own scan over the
 layers, so the layers' whole gradient is never held (one layer's at a time; the embedding's, head's and norms'
 gradients, outside the stacks, are held until the end).
