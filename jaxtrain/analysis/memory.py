@@ -157,8 +157,12 @@ def step_bytes(setup) -> dict[str, int]:
     cast = roles.of(setup.cfg.model, path).cast_at_use
     out["compute"] += math.prod(c.shard_shape(x.shape)) * (s if cast else 4) if setup.layout.separate else 0
   trained = roles.split(setup.cfg.model, params)[0]  # LoRA: only the adapters have a gradient
-  for x, g in zip(jax.tree.leaves(trained), jax.tree.leaves(setup.grad_shardings), strict=True):
-    out["gradients"] += math.prod(g.shard_shape(x.shape)) * 4
+  stacks = setup.cfg.model.stacks() if setup.cfg.optim.in_backward else {}
+  for (path, x), g in zip(jax.tree_util.tree_leaves_with_path(trained), jax.tree.leaves(setup.grad_shardings),
+                          strict=True):
+    # the update in the backward: a stack's gradient one layer at a time
+    layers = x.shape[0] if path[0].key in stacks else 1
+    out["gradients"] += math.prod(g.shard_shape(x.shape)) * 4 // layers
   return out
 
 
@@ -434,7 +438,9 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   p, host = plan.zero_stage, "host" if plan.cfg.optim.offload == "host" else ""
   stored = (f"in host memory ({human(st['params'])} of master per device)" if host else
             "float32, " + ("sharded like the params" if p == 0 else "split over data too (zero_stage)"))
-  grads = "float32, " + ("split over data (zero_stage 2)" if p == 2 else "sharded like the params")
+  grads = "float32, " + ("split over data (zero_stage 2)" if p == 2 else "sharded like the params") + (
+      "; one layer of each stack at a time beside the embedding's, head's and norms' (optim.in_backward)"
+      if cfg.optim.in_backward else "")
   on_device = lambda part: 0 if host else st[part]  # noqa: E731
   kept = st["params"] + st["adam_m"] + st["adam_v"]  # offload: the master read for the compute copy, the state
   moved = (f"; per step {human(st['params'] + 2 * kept)} to the device, {human(kept)} back (the master for the "

@@ -290,6 +290,12 @@ class OptimConfig:
       "bitsandbytes' 8-bit Adam, block-wise dynamic quantization, 256 values per float32 scale (1+1 bytes per "
       "parameter and 4/256 per moment for scales; parameters under 4096 values keep float32: "
       "docs/training.md#state-dtype). Changes the math (the stored moments are rounded).", math=True)
+  in_backward: bool = key(
+      False, "Apply each scanned layer's update inside the backward as soon as its gradient exists, so the layers' "
+      "whole gradient is never held (jaxtrain.run.in_backward, docs/training.md#the-step). The "
+      "update, clipping and skipped steps are the plain step's (equal to rounding): a first backward pass takes the "
+      "global gradient norm and checks it is finite, a second applies the updates, so a step costs one backward "
+      "more. One microbatch, no pipeline, AdamW, dense scanned layers, no LoRA, DPO, ZeRO or offload.", math=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -795,6 +801,7 @@ def validate(cfg: Config) -> None:
   check_trackers(cfg)
   check_eval_tasks(cfg)
   check_optim(cfg)
+  check_in_backward(cfg)
   if not cfg.data.text_field.strip():
     raise UserError(f"data.text_field={cfg.data.text_field!r}: must name a field of a raw source's records")
   ls = cfg.loss_scale
@@ -861,6 +868,33 @@ def check_qk_clip(cfg: Config) -> None:
   for what, (bad, reason) in why.items():
     if bad:
       raise UserError(f"optim.qk_clip={o.qk_clip:g} with {what} is not supported ({reason})")
+def check_in_backward(cfg: Config) -> None:
+  """What the update in the backward runs with (jaxtrain.run.in_backward), the rest refused in one line."""
+  o, m, t = cfg.optim, cfg.model, cfg.train
+  if not o.in_backward:
+    return
+  refused = (("train.microbatches", t.microbatches, t.microbatches > 1, "a layer's gradient is whole only after "
+              "the last microbatch"),
+             ("model.scan_layers", "false", not m.scan_layers, "the update runs in the scan over the layers"),
+             ("model.moe_experts", m.moe_experts, m.moe_experts > 0, "the dense layers only, so far"),
+             ("model.lora_rank", m.lora_rank, m.lora_rank > 0, "not with LoRA's frozen base, so far"),
+             ("train.objective", t.objective, t.objective != "lm", "the language-model objective only"),
+             ("optim.name", repr(o.name), o.name != "adamw", "AdamW's elementwise update only"),
+             ("optim.zero_stage", o.zero_stage, o.zero_stage > 0, "the state stays where the step computes"),
+             ("optim.offload", repr(o.offload), o.offload != "none", "the state stays where the step computes"),
+             ("optim.state_dtype", repr(o.state_dtype), o.state_dtype != "float32", "float32 moments only, so far"),
+             ("optim.qk_clip", o.qk_clip, o.qk_clip > 0, "QK-clip's pass is the plain step's"),
+             ("train.tokens", t.tokens, t.tokens > 0, "the schedule by applied updates only, so far"),
+             ("optim.lr_reference_batch", o.lr_reference_batch, o.lr_reference_batch > 0,
+              "the schedule by applied updates only, so far"),
+             ("model.sliding_window", m.sliding_window, m.sliding_window > 0, "global attention only, so far"))
+  for name, value, bad, why in refused:
+    if bad:
+      raise UserError(f"optim.in_backward=true with {name}={value} is not supported ({why}); set "
+                      f"optim.in_backward=false")
+  if o.b2 and o.b1 ** 2 >= o.b2:
+    raise UserError(f"optim.in_backward=true needs optim.b1**2 < optim.b2 (here b1={o.b1}, b2={o.b2}): the update "
+                    "is guarded by a bound known before it runs, which does not exist otherwise")
 
 
 def check_lora(cfg: Config) -> None:

@@ -215,13 +215,21 @@ def run_stack(stacked: Block, x_BxLxD, tables, seg_BxL, remat: str = "none", dty
   """A stack of blocks (`stack_blocks`; or any slice of one) as one jax.lax.scan over its leading axis, each block
   under the remat policy (QLoRA: dequantized there, `dense`): (x, list of each MoE layer's stats). `windows`: each
   layer's attention window (cfg.layer_windows; None: all global), scanned beside its parameters."""
-  graphdef, state = nnx.split(stacked)
+  state = nnx.split(stacked)[1]
   n = jax.tree.leaves(state)[0].shape[0]
   windows_N = jnp.asarray(windows or (0,) * n, jnp.int32)
-  run_block = _remat(remat, prevent_cse=False, dtype=dtype)  # the scan already keeps the recomputation apart
-  body = lambda x, layer: run_block(nnx.merge(graphdef, layer[0]), x, tables, seg_BxL, layer[1])  # noqa: E731
-  x_BxLxD, stats = jax.lax.scan(body, x_BxLxD, (state, windows_N))
+  layer = layer_fn(stacked, tables, seg_BxL, remat, dtype)
+  x_BxLxD, stats = jax.lax.scan(lambda x, lw: layer(x, *lw), x_BxLxD, (state, windows_N))
   return x_BxLxD, ([] if stats is None else [jax.tree.map(lambda a, i=i: a[i], stats) for i in range(n)])
+
+
+def layer_fn(stacked: Block, tables, seg_BxL, remat: str = "none", dtype=jnp.bfloat16):
+  """One layer of a stack as f(x, layer, window=0) -> (x, MoE stats or None), `layer` its parameters without the
+  leading   `layers` axis (an nnx.State slice, or the pure dict's), under the remat policy: what `run_stack` scans, for the
+  callers that scan the stack themselves (the update in the backward, jaxtrain.run.in_backward)."""
+  graphdef = nnx.split(stacked)[0]
+  run_block = _remat(remat, prevent_cse=False, dtype=dtype)  # the scan already keeps the recomputation apart
+  return lambda x_BxLxD, layer, window=0: run_block(nnx.merge(graphdef, layer), x_BxLxD, tables, seg_BxL, window)
 
 
 def abstract(cfg: ModelConfig, seed: int = 0):

@@ -109,12 +109,19 @@ def optimizer(cfg: Config, shardings=None, lr=None) -> optax.GradientTransformat
   max_norm, adamw = parts(cfg, shardings, lr)
   if max_norm <= 0:
     return adamw
-  clip = optax.clip_by_global_norm(max_norm)
 
   def update(g, state, params=None):
-    g, _ = clip.update(g, clip.init(g))
-    return adamw.update(g, state, params)
+    return adamw.update(clip(g, optax.tree.norm(g), max_norm), state, params)
   return optax.GradientTransformation(adamw.init, update)
+
+
+def clip(g, norm, max_norm: float):
+  """`g` (a whole gradient, or any part of one) scaled to the global norm `max_norm` where its whole gradient's
+  `norm` exceeds it, as optax.clip_by_global_norm; the update in the backward (jaxtrain.run.in_backward) knows
+  `norm` before it sees a layer's gradient."""
+  if max_norm <= 0:
+    return g
+  return jax.tree.map(lambda t: jax.lax.select(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm), g)
 
 
 def all_finite(tree):

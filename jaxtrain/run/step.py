@@ -19,7 +19,8 @@ from jaxtrain.core.errors import UserError
 from jaxtrain.model import moe_balance, ops, quant, roles, transformer as model_lib
 from jaxtrain.parallel import expert_layout as moe_layout, pipeline, placement as placement_lib, plan as plan_lib
 from jaxtrain.parallel import data_region, sharding
-from jaxtrain.run import dpo, grads as grads_lib, offload as offload_lib, optimizer as optim_lib, precision, qk_clip
+from jaxtrain.run import dpo, grads as grads_lib, in_backward, offload as offload_lib, optimizer as optim_lib
+from jaxtrain.run import precision, qk_clip
 from jaxtrain.run.layout import Layout
 
 
@@ -40,6 +41,11 @@ def train_step(objective, opt, plan, layout: Layout, state, batch, executor=grad
   (`optimizer.lr_in_step`: a schedule in tokens, or scaled by the batch)."""
   cfg = plan.cfg
   scale = state["loss_scale"]["scale"]
+  if cfg.optim.in_backward:  # each layer's update inside the backward: no whole gradient
+    with ops.use(plan):
+      loss, grad_norm, n_valid, params, opt_state, apply = in_backward.update(objective, state, batch, scale)
+    return _finish(cfg, state, params, opt_state, apply, loss, grad_norm, n_valid, scale, {},
+                   jnp.isfinite(grad_norm) & jnp.isfinite(loss), None, None)
   with ops.use(plan):
     params = layout.compute(state["params"])
     if dpo.active(cfg):  # DPO: the frozen reference beside the policy
@@ -68,6 +74,12 @@ def train_step(objective, opt, plan, layout: Layout, state, batch, executor=grad
     if max_LxH is not None:  # MuonClip: the heads over tau rescaled after the update
       params = qk_clip.clip(cfg, params, max_LxH, apply)
     params = roles.join(params, frozen)
+  return _finish(cfg, state, params, opt_state, apply, loss, grad_norm, n_valid, scale, extra, finite, lr, max_LxH)
+
+
+def _finish(cfg, state, params, opt_state, apply, loss, grad_norm, n_valid, scale, extra, finite, lr, max_LxH):
+  """The new state and the step's metrics (`lr`: the step's own learning rate, None: the schedule's by step;
+  `max_LxH`: QK-clip's largest logits, None: off)."""
   new_state = {**state, "params": params, "opt": opt_state, "step": state["step"] + apply.astype(jnp.int32),
                "loss_scale": precision.update(cfg, state["loss_scale"], finite)}
   if "tokens" in state:  # a skipped update moves the schedule by nothing
@@ -216,6 +228,9 @@ def check_fits_mesh(cfg: Config, mesh) -> None:
                       f"divide over data*fsdp*expert={batch_ways} devices")
   if (x := cfg.model.moe_experts) and x % mesh.shape["expert"]:
     raise UserError(f"model.moe_experts={x} must divide over expert={mesh.shape['expert']} devices")
+  if cfg.optim.in_backward and pipeline.active(mesh):
+    raise UserError(f"optim.in_backward=true with mesh pipeline={mesh.shape['pipeline']} is not supported (the "
+                    "update runs in the scan over a whole stack's layers); set optim.in_backward=false")
   if cfg.model.lora_rank and pipeline.active(mesh):
     raise UserError(f"model.lora_rank={cfg.model.lora_rank} with mesh pipeline={mesh.shape['pipeline']} is not "
                     "supported yet (LoRA runs on data, fsdp, tensor, sequence and expert axes)")

@@ -192,6 +192,7 @@ RUN_KEYS = {
     "checkpoint.verify", "distributed.heartbeat_timeout_s", "distributed.init_timeout_s",
     "data.eval_source", "data.eval_batches", "data.workers", "data.prefetch", "data.verify",
     "pipeline.schedule", "pipeline.virtual_stages", "optim.zero_stage", "optim.offload",
+    "optim.in_backward",  # the update inside the backward: the same update, the gradient never whole
     "model.sequence_attention",  # ring or ulysses: the same attention, split another way
 }
 

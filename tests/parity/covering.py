@@ -57,6 +57,7 @@ FACTORS = (
     # offload's units, LoRA's adapters and ZeRO/FSDP shards keep it too)
     Factor("window", ("none", "local", "alternate")),  # model.sliding_window on every layer, or every other
     Factor("sinks", (False, True)),  # model.attention_sinks
+    Factor("in_backward", (False, True)),  # optim.in_backward
 )
 # Options that never change the step (what is logged where, what is evaluated beside it): their levels are given to
 # the rows of the factors above after those are chosen (so those rows stay as they were), and a row added for them
@@ -107,6 +108,22 @@ REFUSED = {
                            (("sinks", True), "model.attention_sinks=true"))},
     (("window", "alternate"), ("pipeline", 2)): (("model.layer_types='alternate'", "pipeline=2"), "the matrix's "
                                                  "pipelines hold one layer a chunk: their chunks' windows differ"),
+    **{(("in_backward", True), pair): (("optim.in_backward=true", words), "the update in the backward "
+                                       "(core.config.check_in_backward): AdamW on dense scanned layers, one "
+                                       "microbatch, the state where the step computes")
+       for pair, words in ((("microbatches", 2), "train.microbatches="), (("scan_layers", False), "model.scan_layers"),
+                           (("moe", "capacity"), "model.moe_experts=4"), (("moe", "dropless"), "model.moe_experts=4"),
+                           (("lora", "on"), "model.lora_rank="), (("lora", "nf4"), "model.lora_rank="),
+                           (("objective", "dpo"), "train.objective=dpo"), (("optim", "muon"), "optim.name='muon'"),
+                           (("zero_stage", 1), "optim.zero_stage=1"), (("zero_stage", 2), "optim.zero_stage=2"),
+                           (("offload", "host"), "optim.offload='host'"),
+                           (("state_dtype", "bfloat16"), "optim.state_dtype="), (("state_dtype", "int8"),
+                                                                                "optim.state_dtype="),
+                           (("qk_clip", True), "optim.qk_clip="), (("schedule_in", "tokens"), "train.tokens="),
+                           (("schedule_in", "ramp"), "train.tokens="),
+                           (("window", "local"), "model.sliding_window="),
+                           (("window", "alternate"), "model.sliding_window="))},
+    # (with a pipeline, which needs 2 microbatches here, the pair is never alone: test_in_backward refuses it)
 }
 
 

@@ -62,7 +62,8 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
           f"optim.offload={row['offload']}", f"train.microbatches={micro}",
           f"run.sequence_parallel={str(row['sequence_parallel']).lower()}", f"optim.name={row['optim']}",
           f"run.trackers={'' if row['trackers'] == 'none' else row['trackers']}",
-          f"optim.state_dtype={row['state_dtype']}"]
+          f"optim.state_dtype={row['state_dtype']}",
+          f"optim.in_backward={str(row['in_backward']).lower()}"]
   if row["eval_tasks"]:  # the names are checked by the run (with lm-eval), not by the Setup these rows build
     sets += ["train.eval_tasks=tiny_mc", "train.eval_tasks_interval=1"]
   if row["mtp"]:
