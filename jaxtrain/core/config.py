@@ -161,6 +161,21 @@ class ModelConfig:
       False, "Attention sinks (GPT-OSS): one learned logit per query head joins every softmax's denominator (param "
       "`sinks`, zero at init), so a query may attend to nothing. The reference kernel, ring attention and decoding "
       "take it; cuDNN cannot (the plan names the kernel that runs).", math=True)
+  attention_bias: bool = key(
+      False, "Biases on the q, k, v and output projections (GPT-OSS; params bq, bk, bv, bo, zero at init).",
+      math=True)
+  moe_bias: bool = key(
+      False, "GPT-OSS experts: a learned router bias added to the router logits (param router_logit_bias) and biases "
+      "on every expert's gate, up and down projections (b_gate, b_up, b_down); zero at init. Needs moe_experts > 0.",
+      math=True)
+  mlp_activation: Literal["swiglu", "swiglu_clamped"] = key(
+      "swiglu", "The gated MLP's (and every expert's) activation: swiglu = silu(gate) * up; swiglu_clamped (GPT-OSS) "
+      "= g * sigmoid(swiglu_alpha * g) * (u + 1) with g = min(gate, swiglu_limit), u = up clipped to "
+      "[-swiglu_limit, swiglu_limit].", math=True)
+  swiglu_alpha: float = key(1.702, "swiglu_clamped: the sigmoid's gain (GPT-OSS: 1.702); unused with swiglu.",
+                            math=True, min=0.0, open_min=True)
+  swiglu_limit: float = key(7.0, "swiglu_clamped: the clamp of gate (above) and up (both sides) (GPT-OSS: 7.0); "
+                            "unused with swiglu.", math=True, min=0.0, open_min=True)
   attention: Literal["auto", "xla", "cudnn"] = key(
       "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if "
       "unsupported). With sequence > 1 it is the kernel inside ulysses (ring computes its own blocks: cudnn is "
@@ -791,6 +806,10 @@ def validate(cfg: Config) -> None:
   if m.attention_type == "mla" and (m.sliding_window or m.attention_sinks):
     what = f"model.sliding_window={m.sliding_window}" if m.sliding_window else "model.attention_sinks=true"
     raise UserError(f"{what} is for grouped-query attention, not model.attention_type=mla (use gqa)")
+  if m.attention_type == "mla" and m.attention_bias:
+    raise UserError("model.attention_bias=true is for grouped-query attention, not model.attention_type=mla (use gqa)")
+  if m.moe_bias and not m.moe_experts:
+    raise UserError("model.moe_bias=true needs model.moe_experts > 0 (it biases the router and the experts)")
   check_lora(cfg)
   check_trackers(cfg)
   check_eval_tasks(cfg)
