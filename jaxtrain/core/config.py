@@ -72,6 +72,8 @@ class ModelConfig:
   rope_mscale_all_dim: float = key(0.0, "yarn scaling: with rope_mscale, the cos/sin factor's denominator; MLA also "
                                    "multiplies its softmax scale by mscale(factor, this)^2 (DeepSeek-V3: 1.0); 0 = "
                                    "not.", math=True, min=0.0)
+  rope_truncate: bool = key(True, "yarn scaling: the ramp's correction range floored/ceiled to whole dimensions "
+                            "(Hugging Face's truncate; GPT-OSS: false).", math=True)
   # Multi-head latent attention (DeepSeek-V2/V3): model/mla.py
   attention_type: Literal["gqa", "mla"] = key(
       "gqa", "gqa: q/k/v projections of n_heads/n_kv_heads x head_dim; mla: multi-head latent attention (the "

@@ -1,0 +1,86 @@
+"""GPT-OSS in and out of Hugging Face: a tiny random GptOssForCausalLM (biased attention and experts, sinks,
+alternating windows local first, YaRN without truncation, the clamped SwiGLU) imports with the logits of
+`transformers`, exports bit-identical (reloading to the same logits), and generates its greedy tokens."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from jaxtrain.core.errors import UserError  # noqa: E402
+from jaxtrain.interop import hf, hf_export  # noqa: E402
+from jaxtrain.run import checkpoint, runs  # noqa: E402
+from tests import hf_models as H  # noqa: E402
+from tests.helpers import mesh_of  # noqa: E402
+from tests.interop.test_generate import _generate  # noqa: E402
+from tests.interop.test_hf import IDS, _bit_identical, _tensors  # noqa: E402
+
+pytestmark = pytest.mark.slow  # whole-model compiles
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 90]]  # the first longer than the window
+YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 2.0, "beta_slow": 0.25, "truncate": False}
+
+
+def gpt_oss(path, seed=0):
+  """A 2-layer GPT-OSS (a local layer of window 4, then a global one; 4 experts, top 2) with every bias and sink
+  random, saved to `path`; returns the torch model."""
+  import torch
+  import transformers
+  torch.manual_seed(seed)
+  cfg = transformers.GptOssConfig(
+      vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+      rope_parameters=dict(YARN), initializer_range=0.2, max_position_embeddings=64, rms_norm_eps=1e-5,
+      attn_implementation="eager")
+  m = transformers.GptOssForCausalLM(cfg).eval()
+  g = torch.Generator().manual_seed(seed + 1)
+  with torch.no_grad():
+    for name, p in m.named_parameters():
+      if name.endswith(("bias", "sinks")):
+        p.copy_(0.5 * torch.randn(p.shape, generator=g))
+      elif "gate_up_proj" in name:  # gates and ups past the clamp (7) for some tokens
+        p.mul_(8.0)
+  H._perturb_norms(m, seed)
+  m.save_pretrained(path)
+  return m
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+  d = tmp_path_factory.mktemp("gpt_oss")
+  ref = gpt_oss(d / "hf")
+  H.imported(d / "hf", d / "w", "ep=2")
+  return d, ref, H.load(d / "w", "ep=2")
+
+
+def test_gpt_oss_imports_and_exports_with_the_logits_of_transformers(imported, tmp_path):
+  import torch
+  import transformers
+  d, ref, (cfg, model, _) = imported
+  m = cfg.model
+  assert m.layer_windows() == (4, 0) and m.attention_sinks and m.moe_bias and m.attention_bias
+  assert (m.mlp_activation, m.rope_scaling, m.rope_truncate) == ("swiglu_clamped", "yarn", False)
+  theirs = H.torch_logits(ref, IDS)
+  assert H.rel_err(H.jax_logits(model, IDS), theirs) < 1e-5
+  step_dir = runs.locate(d / "w", 0)
+  hf_export.run_export(runs.config_of(checkpoint.read_manifest(step_dir)), mesh_of("ep=2"), step_dir,
+                       tmp_path / "out", "float32", 10**9, d / "w")
+  _bit_identical(_tensors(d / "hf"), _tensors(tmp_path / "out"))
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+  assert type(back) is type(ref)
+  np.testing.assert_array_equal(H.torch_logits(back, IDS), theirs)
+
+
+def test_gpt_oss_greedy_generation_equals_transformers(imported):
+  d, ref, loaded = imported
+  assert _generate(loaded, PROMPTS, "ep=2") == H.transformers_greedy(ref, PROMPTS, 20)
+
+
+def test_mxfp4_experts_are_refused_in_one_line(tmp_path):
+  gpt_oss(tmp_path / "hf")
+  fields = H.config_json(tmp_path / "hf")
+  fields["quantization_config"] = {"quant_method": "mxfp4"}
+  with pytest.raises(UserError, match="quant_method='mxfp4'.*dequantize"):
+    hf.model_keys(fields, "config.json")
