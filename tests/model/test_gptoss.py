@@ -72,3 +72,17 @@ def test_biased_clamped_experts_equal_transformers_on_every_dispatch_path(path):
   got = jax.jit(lambda *a: _moe(*a, plan=plan, cap_factor=cap_factor))(jnp.asarray(x), router, rbias, weights)
   assert np.abs(want).max() > 1.0  # the clamp and the biases matter at this scale
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
+
+
+def test_a_dense_mlp_takes_the_clamped_activation_too():
+  """model.mlp_activation reaches the dense MLP: against a numpy reference of GPT-OSS's formula."""
+  cfg = config.load("tiny", ["model.mlp_activation=swiglu_clamped", "model.swiglu_alpha=1.5",
+                             "model.swiglu_limit=2.0", "model.dtype=float32"]).model
+  from jaxtrain.model.layers import MLP
+  mlp = MLP(cfg, nnx.Rngs(0))
+  x = np.random.default_rng(2).standard_normal((2, 5, cfg.d_model)).astype(np.float32) * 20
+  wg, wu, wd = (np.asarray(getattr(mlp, w)[...], np.float64) for w in ("w_gate", "w_up", "w_down"))
+  g, u = np.minimum(x @ wg, 2.0), np.clip(x @ wu, -2.0, 2.0)
+  want = (g / (1 + np.exp(-1.5 * g)) * (u + 1)) @ wd
+  assert np.abs(x @ wg).max() > 2.0  # the clamp bites
+  np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), want, rtol=1e-4, atol=1e-5)
