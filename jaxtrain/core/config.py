@@ -878,7 +878,8 @@ def check_qk_clip(cfg: Config) -> None:
          f"optim.offload={o.offload!r}": (o.offload != "none", "the streamed update holds the weights on the host"),
          f"model.mtp_layers={m.mtp_layers}": (m.mtp_layers > 0, "the MTP block's attention has no pass yet"),
          f"model.sliding_window={m.sliding_window}": (m.sliding_window > 0, "the max-logit pass sees the whole past"),
-         "model.attention_sinks=true": (m.attention_sinks, "the max-logit pass has no sink")}
+         "model.attention_sinks=true": (m.attention_sinks, "the max-logit pass has no sink"),
+         "model.attention_bias=true": (m.attention_bias, "the rescale of W_q and W_k leaves the q/k biases")}
   for what, (bad, reason) in why.items():
     if bad:
       raise UserError(f"optim.qk_clip={o.qk_clip:g} with {what} is not supported ({reason})")
