@@ -475,6 +475,8 @@ def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | Non
   model = model_keys(hf, str(src / "config.json"))
   if hf.get("model_type") == "deepseek_v3":
     model.update(hf_deepseek.mtp_keys(hf, headers))
+  if hf.get("model_type") == "gpt_oss":
+    hf_gptoss.check_quantized(headers, str(src))
   head = model["tie_embeddings"] and own_head(headers)
   if head:  # as transformers loads it: the checkpoint's own head, untied
     model["tie_embeddings"] = False

@@ -36,6 +36,14 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
           "moe_aux_convention": "hf", "moe_aux_weight": num("router_aux_loss_coef", 0.001), "moe_z_weight": 0.0}
 
 
+def check_quantized(headers: dict, where: str) -> None:
+  """MXFP4 expert tensors (`*_blocks`, `*_scales`) without a quantization_config saying so: the same refusal."""
+  packed = sorted(n for n in headers if n.endswith(("_blocks", "_scales")))
+  if packed:
+    raise UserError(f"{where}: tensor {packed[0]} is MXFP4 (experts in blocks and scales), which is not supported; "
+                    "import a dequantized copy: transformers' Mxfp4Config(dequantize=True), then save_pretrained")
+
+
 def window_types(hf: dict, where: str) -> list[str]:
   """GptOssConfig's layer_types: given, or sliding first then full, alternating."""
   n = F.get(hf, "num_hidden_layers", where, "int", least=1)

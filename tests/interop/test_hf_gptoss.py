@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from jaxtrain.core.errors import UserError  # noqa: E402
-from jaxtrain.interop import hf, hf_export  # noqa: E402
+from jaxtrain.interop import hf, hf_export, hf_gptoss  # noqa: E402
 from jaxtrain.run import checkpoint, runs  # noqa: E402
 from tests import hf_models as H  # noqa: E402
 from tests.helpers import mesh_of  # noqa: E402
@@ -84,3 +84,6 @@ def test_mxfp4_experts_are_refused_in_one_line(tmp_path):
   fields["quantization_config"] = {"quant_method": "mxfp4"}
   with pytest.raises(UserError, match="quant_method='mxfp4'.*dequantize"):
     hf.model_keys(fields, "config.json")
+  headers = {"model.layers.0.mlp.experts.gate_up_proj_blocks": None, "model.layers.0.mlp.experts.gate_up_proj_scales": None}
+  with pytest.raises(UserError, match="gate_up_proj_blocks is MXFP4.*dequantized copy"):
+    hf_gptoss.check_quantized(headers, "ckpt")
