@@ -84,7 +84,8 @@ def block_rows(cfg, moe: bool) -> list[tuple]:
       ("q", (H * E, D), (D, H, E)), ("k", (K * E, D), (D, K, E)), ("v", (K * E, D), (D, K, E)),
       ("o", (D, H * E), (H, E, D)))]
   if cfg.attention_bias:
-    rows += [(("attn", f"b{p}"), f"self_attn.{p}_proj.bias", (n * E,), (n, E)) for p, n in (("q", H), ("k", K), ("v", K))]
+    rows += [(("attn", f"b{p}"), f"self_attn.{p}_proj.bias", (n * E,), (n, E))
+             for p, n in (("q", H), ("k", K), ("v", K))]
     rows.append((("attn", "bo"), "self_attn.o_proj.bias", (D,), None))
   if cfg.attention_sinks:
     rows.append((("attn", "sinks"), "self_attn.sinks", (H,), None))

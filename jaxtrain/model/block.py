@@ -80,7 +80,8 @@ class Attention(nnx.Module):
     return jax.lax.switch(branch, [kernel(w) for w in self.choices], q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
 
   def out(self, o_BxLxHxE):
-    y_BxLxD = adapted(self, "wo", o_BxLxHxE, ops.einsum("blhe,hed->bld", o_BxLxHxE, ops.weight(self.wo, o_BxLxHxE.dtype)))
+    wo = ops.weight(self.wo, o_BxLxHxE.dtype)
+    y_BxLxD = adapted(self, "wo", o_BxLxHxE, ops.einsum("blhe,hed->bld", o_BxLxHxE, wo))
     return y_BxLxD + self.bo[...].astype(y_BxLxD.dtype) if self.bias else y_BxLxD
 
 

@@ -105,8 +105,8 @@ def grouped_ffn(rows_NxD, expert_N, experts: int, weights, impl: str = "ragged_d
   w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD = weights[:3]
   if experts == 1:  # one local expert (X = ep): plain matmuls, padding rows masked; no sort
     b_gate, b_up, b_down = biases(weights, 0)
-    h = glu(_add(mm(jnp.matmul, rows_NxD, w_gate_XxDxF[0]), b_gate), _add(mm(jnp.matmul, rows_NxD, w_up_XxDxF[0]), b_up),
-            act)
+    h = glu(_add(mm(jnp.matmul, rows_NxD, w_gate_XxDxF[0]), b_gate),
+            _add(mm(jnp.matmul, rows_NxD, w_up_XxDxF[0]), b_up), act)
     return jnp.where((expert_N == 0)[:, None], _add(mm(jnp.matmul, h, w_down_XxFxD[0]), b_down), 0)
   if impl == "blocks":
     return blocked_ffn(rows_NxD, expert_N, experts, weights, skip_empty, project, act)

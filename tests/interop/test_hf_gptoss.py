@@ -84,6 +84,6 @@ def test_mxfp4_experts_are_refused_in_one_line(tmp_path):
   fields["quantization_config"] = {"quant_method": "mxfp4"}
   with pytest.raises(UserError, match="quant_method='mxfp4'.*dequantize"):
     hf.model_keys(fields, "config.json")
-  headers = {"model.layers.0.mlp.experts.gate_up_proj_blocks": None, "model.layers.0.mlp.experts.gate_up_proj_scales": None}
+  headers = dict.fromkeys(f"model.layers.0.mlp.experts.gate_up_proj_{p}" for p in ("blocks", "scales"))
   with pytest.raises(UserError, match="gate_up_proj_blocks is MXFP4.*dequantized copy"):
     hf_gptoss.check_quantized(headers, "ckpt")
