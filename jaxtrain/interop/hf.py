@@ -31,7 +31,7 @@ HF_KEPT = ("config.json", "generation_config.json", "tokenizer_config.json", "sp
 # non-weights some checkpoints carry (recomputed), and DeepSeek's MTP layer's copies of the shared embedding and head
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embed_tokens.weight", "shared_head.head.weight")
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
-READABLE = ("F32", "BF16", "F16")
+READABLE = ("F32", "BF16", "F16", hf_gptoss.MXFP4)
 
 
 def safetensors_api():
@@ -475,8 +475,8 @@ def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | Non
   model = model_keys(hf, str(src / "config.json"))
   if hf.get("model_type") == "deepseek_v3":
     model.update(hf_deepseek.mtp_keys(hf, headers))
-  if hf.get("model_type") == "gpt_oss":
-    hf_gptoss.check_quantized(headers, str(src))
+  if hf.get("model_type") == "gpt_oss":  # MXFP4 experts: read dequantized
+    headers = hf_gptoss.unpack_headers(headers)
   head = model["tie_embeddings"] and own_head(headers)
   if head:  # as transformers loads it: the checkpoint's own head, untied
     model["tie_embeddings"] = False
@@ -604,9 +604,12 @@ def _place_params(plan: ImportPlan, by_path: dict, abstract_params, finish=None)
     # Our part `index` of one HF tensor: only that part is read; the file is opened per read, so no mapping
     # outlives it.
     with safe_open(str(plan.headers[name][0]), framework="numpy") as st:
-      part = st.get_slice(name)
-      hf_index = _hf_index(t, index)
-      raw = part[hf_index] if hf_index is not None else part[:]
+      if plan.headers[name][2] == hf_gptoss.MXFP4:
+        hf_index, raw = None, hf_gptoss.read(st, name)  # decoded whole, then cut
+      else:
+        part = st.get_slice(name)
+        hf_index = _hf_index(t, index)
+        raw = part[hf_index] if hf_index is not None else part[:]
     nread[0] += raw.nbytes
     raw = raw.astype(dtype, copy=False)
     if hf_index is None:  # a part the file does not hold contiguously: cut from the whole tensor

@@ -3,12 +3,18 @@ its block.
 
 GPT-OSS fuses each layer's experts into 3-D tensors stored (in, out): gate_up_proj (X, D, 2F) with gate and up
 interleaved along the last axis (gate at the even columns, up at the odd), its bias (X, 2F) likewise; down_proj
-(X, F, D) and its bias as ours. Our w_gate/w_up are each one half of that tensor (`Tensor.fused`). The released
-checkpoints store the experts in MXFP4 (`*_blocks`, `*_scales`): refused, a dequantized copy imports."""
+(X, F, D) and its bias as ours. Our w_gate/w_up are each one half of that tensor (`Tensor.fused`).
+
+The released checkpoints store the experts' matrices in MXFP4 (OCP microscaling): `<name>_blocks` (X, out, G, 16)
+uint8, two 4-bit e2m1 values a byte (low nibble first), and `<name>_scales` (X, out, G) uint8, one e8m0 exponent
+(2^(s - 127)) shared by each block of 32 values along the input. Import dequantizes them exactly (every value is
+a float32) into the (X, in, out) tensor `transformers` computes with."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from jaxtrain.core.errors import UserError
 from jaxtrain.interop import hf_fields as F, hf_rope
@@ -20,11 +26,10 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
   """The gpt_oss fields beyond the Llama ones: biased attention and experts, sinks, the clamped SwiGLU, every layer
   MoE (HF never drops tokens), its windows (alternating unless layer_types says otherwise)."""
   quant = hf.get("quantization_config")
-  if quant:
-    method = quant.get("quant_method") if isinstance(quant, dict) else quant
-    raise UserError(f"{where}: quantization_config.quant_method={method!r} (MXFP4 experts) is not supported; "
-                    "allowed: none (import a dequantized copy: transformers' Mxfp4Config(dequantize=True), then "
-                    "save_pretrained)")
+  method = quant.get("quant_method") if isinstance(quant, dict) else quant
+  if quant and method != "mxfp4":
+    raise UserError(f"{where}: quantization_config.quant_method={method!r} is not supported; allowed: mxfp4 (the "
+                    "experts dequantized on import) or none")
   if hf_rope.parameters(hf, where)["rope_type"] == "llama3":
     raise UserError(f"{where}: rope type 'llama3' is not supported for gpt_oss; allowed: default, yarn")
   int_ = lambda field, default=F.REQUIRED: F.get(hf, field, where, "int", default, least=1)  # noqa: E731
@@ -36,12 +41,37 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
           "moe_aux_convention": "hf", "moe_aux_weight": num("router_aux_loss_coef", 0.001), "moe_z_weight": 0.0}
 
 
-def check_quantized(headers: dict, where: str) -> None:
-  """MXFP4 expert tensors (`*_blocks`, `*_scales`) without a quantization_config saying so: the same refusal."""
-  packed = sorted(n for n in headers if n.endswith(("_blocks", "_scales")))
-  if packed:
-    raise UserError(f"{where}: tensor {packed[0]} is MXFP4 (experts in blocks and scales), which is not supported; "
-                    "import a dequantized copy: transformers' Mxfp4Config(dequantize=True), then save_pretrained")
+MXFP4 = "MXFP4"  # the dtype tag of a dequantized tensor in the headers
+E2M1 = np.array([s * (m / 2 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2))  # sign, 2 exponent bits (bias 1), 1 mantissa
+                 for s in (1, -1) for e in range(4) for m in range(2)], np.float32)
+
+
+def dequantize(blocks, scales) -> np.ndarray:
+  """MXFP4 (blocks (..., R, G, 16) uint8, scales (..., R, G) uint8) -> float32 (..., G * 32, R): input-major, as
+  the unquantized tensor is stored."""
+  *lead, R, G, B = blocks.shape
+  if tuple(scales.shape) != (*lead, R, G):
+    raise UserError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match")
+  vals = np.stack([E2M1[blocks & 0x0F], E2M1[blocks >> 4]], axis=-1).reshape(*lead, R, G, 2 * B)
+  out = np.ldexp(vals, scales.astype(np.int32)[..., None] - 127).reshape(*lead, R, G * 2 * B)
+  return np.ascontiguousarray(np.swapaxes(out, -1, -2))
+
+
+def unpack_headers(headers: dict) -> dict:
+  """The headers with each `<name>_blocks`/`<name>_scales` pair as the one tensor `<name>` they dequantize to (its
+  dtype MXFP4: `read` decodes it); a lone half is left, to be refused as unexpected."""
+  out = dict(headers)
+  for name in [n.removesuffix("_blocks") for n in headers if n.endswith("_blocks")]:
+    if f"{name}_scales" in headers:
+      f, (*lead, R, G, B), _ = out.pop(f"{name}_blocks")
+      out.pop(f"{name}_scales")
+      out[name] = (f, (*lead, G * 2 * B, R), MXFP4)
+  return out
+
+
+def read(st, name: str) -> np.ndarray:
+  """The dequantized tensor `name` from the open safetensors file `st`."""
+  return dequantize(st.get_tensor(f"{name}_blocks"), st.get_tensor(f"{name}_scales"))
 
 
 def window_types(hf: dict, where: str) -> list[str]:
@@ -62,7 +92,7 @@ def hf_config(cfg, out: dict) -> dict:
   if m.moe_expert_d_ff not in (0, m.d_ff) or m.qk_norm or m.tie_embeddings or m.rope_scaling == "llama3":
     raise UserError("a gpt_oss checkpoint has experts d_ff wide, no q/k norm, an untied head and default or yarn "
                     "RoPE: model.moe_expert_d_ff, qk_norm, tie_embeddings or rope_scaling cannot export")
-  for k in ("rope_scaling", "rope_theta", "mlp_bias", "head_dim"):
+  for k in ("rope_scaling", "rope_theta", "mlp_bias", "head_dim", "quantization_config"):  # written unquantized
     out.pop(k, None)
   out.update(architectures=["GptOssForCausalLM"], model_type="gpt_oss", head_dim=m.head_dim,
              attention_bias=m.attention_bias, num_local_experts=m.moe_experts, num_experts_per_tok=m.moe_top_k,

@@ -1,6 +1,7 @@
 """GPT-OSS in and out of Hugging Face: a tiny random GptOssForCausalLM (biased attention and experts, sinks,
 alternating windows local first, YaRN without truncation, the clamped SwiGLU) imports with the logits of
-`transformers`, exports bit-identical (reloading to the same logits), and generates its greedy tokens."""
+`transformers`, exports bit-identical (reloading to the same logits), and generates its greedy tokens; its MXFP4
+experts (quantized here) import dequantized as `transformers` dequantizes them."""
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ def gpt_oss(path, seed=0):
   import transformers
   torch.manual_seed(seed)
   cfg = transformers.GptOssConfig(
-      vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+      vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
       num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
       rope_parameters=dict(YARN), initializer_range=0.2, max_position_embeddings=64, rms_norm_eps=1e-5,
       attn_implementation="eager")
@@ -78,12 +79,57 @@ def test_gpt_oss_greedy_generation_equals_transformers(imported):
   assert _generate(loaded, PROMPTS, "ep=2") == H.transformers_greedy(ref, PROMPTS, 20)
 
 
-def test_mxfp4_experts_are_refused_in_one_line(tmp_path):
+def test_other_quantizations_are_refused_in_one_line(tmp_path):
   gpt_oss(tmp_path / "hf")
   fields = H.config_json(tmp_path / "hf")
-  fields["quantization_config"] = {"quant_method": "mxfp4"}
-  with pytest.raises(UserError, match="quant_method='mxfp4'.*dequantize"):
+  fields["quantization_config"] = {"quant_method": "bitsandbytes"}
+  with pytest.raises(UserError, match="quant_method='bitsandbytes' is not supported; allowed: mxfp4"):
     hf.model_keys(fields, "config.json")
-  headers = dict.fromkeys(f"model.layers.0.mlp.experts.gate_up_proj_{p}" for p in ("blocks", "scales"))
-  with pytest.raises(UserError, match="gate_up_proj_blocks is MXFP4.*dequantized copy"):
-    hf_gptoss.check_quantized(headers, "ckpt")
+
+
+def _quantize(w_XxIxO):
+  """A local MXFP4 quantizer (round to the nearest e2m1 value under a power-of-two scale per 32 inputs): blocks
+  (X, O, I/32, 16) uint8, low nibble first, and e8m0 scales (X, O, I/32) uint8."""
+  codes = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+  X, In, O = w_XxIxO.shape
+  w = np.swapaxes(w_XxIxO, 1, 2).reshape(X, O, In // 32, 32)
+  exp = np.ceil(np.log2(np.maximum(np.abs(w).max(-1), 1e-30) / 6)).astype(np.int32)
+  idx = np.abs(w[..., None] / np.exp2(exp)[..., None, None] - codes).argmin(-1).astype(np.uint8)
+  return (idx[..., 0::2] | (idx[..., 1::2] << 4)).astype(np.uint8), (exp + 127).astype(np.uint8)
+
+
+def test_mxfp4_dequantizes_as_transformers_and_by_hand():
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+  import torch
+  rng = np.random.default_rng(0)
+  blocks = rng.integers(0, 256, (3, 5, 2, 16), dtype=np.uint8)
+  scales = rng.integers(120, 134, (3, 5, 2), dtype=np.uint8)
+  want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+  np.testing.assert_array_equal(hf_gptoss.dequantize(blocks, scales), want.numpy())
+  one = hf_gptoss.dequantize(np.full((1, 1, 1, 16), 0xB1, np.uint8), np.full((1, 1, 1), 128, np.uint8))
+  assert one[0, :2, 0].tolist() == [1.0, -3.0]  # low nibble 1: 0.5, high 0xB: -1.5; times 2^(128 - 127)
+
+
+def test_an_mxfp4_checkpoint_imports_dequantized_with_the_logits_of_transformers(tmp_path):
+  import json
+  import torch
+  from safetensors.numpy import load_file, save_file
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+  ref = gpt_oss(tmp_path / "hf")
+  f = next((tmp_path / "hf").glob("*.safetensors"))
+  tensors = load_file(str(f))
+  for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+    blocks, scales = _quantize(tensors.pop(name).astype(np.float32))
+    tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    with torch.no_grad():  # the reference computes with what the quantized file holds
+      ref.get_parameter(name).copy_(convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                               dtype=torch.float32))
+  save_file(tensors, str(f), metadata={"format": "pt"})
+  fields = H.config_json(tmp_path / "hf")
+  fields["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+  (tmp_path / "hf" / "config.json").write_text(json.dumps(fields))
+  H.imported(tmp_path / "hf", tmp_path / "w")
+  cfg, model, params = H.load(tmp_path / "w")
+  gu = ref.model.layers[0].mlp.experts.gate_up_proj.detach().numpy()
+  np.testing.assert_array_equal(np.asarray(params["layers"][0]["mlp"]["w_up"]), gu[..., 1::2])
+  assert H.rel_err(H.jax_logits(model, IDS), H.torch_logits(ref, IDS)) < 1e-5
