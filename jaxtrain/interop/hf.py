@@ -178,6 +178,9 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
     raise UserError(f"model.moe_expert_d_ff={m.moe_expert_d_ff}: Mixtral experts are d_ff={m.d_ff} wide; only 0 or "
                     f"{m.d_ff} exports")
   _check_windows(m, fam)
+  for k, v in (("mlp_activation", "swiglu"), ("attention_bias", False)):  # GPT-OSS's alone (family: its sinks)
+    if fam != "gpt_oss" and getattr(m, k) != v:
+      raise UserError(f"model.{k}={getattr(m, k)!r}: a {fam} checkpoint cannot hold it; only {v!r} exports")
   drop = ("rope_parameters", "rope_scaling", "rope_theta", "original_max_position_embeddings", "partial_rotary_factor",
           "torch_dtype", "dtype", "architectures", "model_type", "transformers_version", "sliding_window",
           "num_local_experts", "num_experts", "layer_types")  # the rope fields: hf_rope.hf_rope's alone count

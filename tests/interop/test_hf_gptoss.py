@@ -133,3 +133,14 @@ def test_an_mxfp4_checkpoint_imports_dequantized_with_the_logits_of_transformers
   gu = ref.model.layers[0].mlp.experts.gate_up_proj.detach().numpy()
   np.testing.assert_array_equal(np.asarray(params["layers"][0]["mlp"]["w_up"]), gu[..., 1::2])
   assert H.rel_err(H.jax_logits(model, IDS), H.torch_logits(ref, IDS)) < 1e-5
+
+
+@pytest.mark.parametrize("sets,msg", [
+    (["model.mlp_activation=swiglu_clamped"], "model.mlp_activation='swiglu_clamped': a llama checkpoint cannot"),
+    (["model.attention_bias=true"], "model.attention_bias=True: a llama checkpoint cannot hold it"),
+    (["model.moe_experts=4", "model.moe_bias=true"], "model.attention_sinks=False: a gpt_oss checkpoint always"),
+])
+def test_what_no_checkpoint_family_holds_is_refused_on_export(sets, msg):
+  from jaxtrain.core import config
+  with pytest.raises(UserError, match=msg):
+    hf.hf_config(config.load("tiny", sets), {}, "float32")
