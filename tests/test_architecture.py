@@ -247,6 +247,7 @@ COVERED_BY = {
     "jaxtrain.analysis.report": ("tests/commands/test_inspect.py", "report"),
     "jaxtrain.analysis.speed": ("tests/commands/test_bench.py", "speed"),
     "jaxtrain.cli": ("tests/commands/test_flows.py", "exit"),
+    "jaxtrain.model.activation": ("tests/model/test_gptoss.py", "activation"),
     "jaxtrain.launch.__main__": ("tests/launch/test_supervisor.py", "jaxtrain.launch"),
     "jaxtrain.goodput": ("tests/run/test_goodput.py", "jaxtrain.goodput"),
     "jaxtrain.interop.tasks": ("tests/run/test_eval_tasks.py", "tasks_lib"),

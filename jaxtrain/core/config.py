@@ -72,6 +72,8 @@ class ModelConfig:
   rope_mscale_all_dim: float = key(0.0, "yarn scaling: with rope_mscale, the cos/sin factor's denominator; MLA also "
                                    "multiplies its softmax scale by mscale(factor, this)^2 (DeepSeek-V3: 1.0); 0 = "
                                    "not.", math=True, min=0.0)
+  rope_truncate: bool = key(True, "yarn scaling: the ramp's correction range floored/ceiled to whole dimensions "
+                            "(Hugging Face's truncate; GPT-OSS: false).", math=True)
   # Multi-head latent attention (DeepSeek-V2/V3): model/mla.py
   attention_type: Literal["gqa", "mla"] = key(
       "gqa", "gqa: q/k/v projections of n_heads/n_kv_heads x head_dim; mla: multi-head latent attention (the "
@@ -161,6 +163,21 @@ class ModelConfig:
       False, "Attention sinks (GPT-OSS): one learned logit per query head joins every softmax's denominator (param "
       "`sinks`, zero at init), so a query may attend to nothing. The reference kernel, ring attention and decoding "
       "take it; cuDNN cannot (the plan names the kernel that runs).", math=True)
+  attention_bias: bool = key(
+      False, "Biases on the q, k, v and output projections (GPT-OSS; params bq, bk, bv, bo, zero at init).",
+      math=True)
+  moe_bias: bool = key(
+      False, "GPT-OSS experts: a learned router bias added to the router logits (param router_logit_bias) and biases "
+      "on every expert's gate, up and down projections (b_gate, b_up, b_down); zero at init. Needs moe_experts > 0.",
+      math=True)
+  mlp_activation: Literal["swiglu", "swiglu_clamped"] = key(
+      "swiglu", "The gated MLP's (and every expert's) activation: swiglu = silu(gate) * up; swiglu_clamped (GPT-OSS) "
+      "= g * sigmoid(swiglu_alpha * g) * (u + 1) with g = min(gate, swiglu_limit), u = up clipped to "
+      "[-swiglu_limit, swiglu_limit].", math=True)
+  swiglu_alpha: float = key(1.702, "swiglu_clamped: the sigmoid's gain (GPT-OSS: 1.702); unused with swiglu.",
+                            math=True, min=0.0, open_min=True)
+  swiglu_limit: float = key(7.0, "swiglu_clamped: the clamp of gate (above) and up (both sides) (GPT-OSS: 7.0); "
+                            "unused with swiglu.", math=True, min=0.0, open_min=True)
   attention: Literal["auto", "xla", "cudnn"] = key(
       "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if "
       "unsupported). With sequence > 1 it is the kernel inside ulysses (ring computes its own blocks: cudnn is "
@@ -797,6 +814,10 @@ def validate(cfg: Config) -> None:
   if m.attention_type == "mla" and (m.sliding_window or m.attention_sinks):
     what = f"model.sliding_window={m.sliding_window}" if m.sliding_window else "model.attention_sinks=true"
     raise UserError(f"{what} is for grouped-query attention, not model.attention_type=mla (use gqa)")
+  if m.attention_type == "mla" and m.attention_bias:
+    raise UserError("model.attention_bias=true is for grouped-query attention, not model.attention_type=mla (use gqa)")
+  if m.moe_bias and not m.moe_experts:
+    raise UserError("model.moe_bias=true needs model.moe_experts > 0 (it biases the router and the experts)")
   check_lora(cfg)
   check_trackers(cfg)
   check_eval_tasks(cfg)
@@ -864,7 +885,8 @@ def check_qk_clip(cfg: Config) -> None:
          f"optim.offload={o.offload!r}": (o.offload != "none", "the streamed update holds the weights on the host"),
          f"model.mtp_layers={m.mtp_layers}": (m.mtp_layers > 0, "the MTP block's attention has no pass yet"),
          f"model.sliding_window={m.sliding_window}": (m.sliding_window > 0, "the max-logit pass sees the whole past"),
-         "model.attention_sinks=true": (m.attention_sinks, "the max-logit pass has no sink")}
+         "model.attention_sinks=true": (m.attention_sinks, "the max-logit pass has no sink"),
+         "model.attention_bias=true": (m.attention_bias, "the rescale of W_q and W_k leaves the q/k biases")}
   for what, (bad, reason) in why.items():
     if bad:
       raise UserError(f"optim.qk_clip={o.qk_clip:g} with {what} is not supported ({reason})")

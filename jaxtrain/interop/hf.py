@@ -21,9 +21,9 @@ import numpy as np
 
 from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
-from jaxtrain.interop import hf_deepseek, hf_source, hf_fields as F, hf_rope
+from jaxtrain.interop import hf_deepseek, hf_gptoss, hf_source, hf_fields as F, hf_rope
 
-SUPPORTED = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")
+SUPPORTED = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss")
 QWEN3 = ("qwen3", "qwen3_moe")
 INDEX = "model.safetensors.index.json"
 HF_KEPT = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -31,7 +31,7 @@ HF_KEPT = ("config.json", "generation_config.json", "tokenizer_config.json", "sp
 # non-weights some checkpoints carry (recomputed), and DeepSeek's MTP layer's copies of the shared embedding and head
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embed_tokens.weight", "shared_head.head.weight")
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
-READABLE = ("F32", "BF16", "F16")
+READABLE = ("F32", "BF16", "F16", hf_gptoss.MXFP4)
 
 
 def safetensors_api():
@@ -54,6 +54,8 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
   false = lambda v: v is False  # noqa: E731
   for field, ok, allowed in (("hidden_act", lambda v: v == "silu", "silu"), ("attention_bias", false, "false"),
                              ("mlp_bias", false, "false"), ("attn_logit_softcapping", None, "null")):
+    if mt == "gpt_oss" and field == "attention_bias":  # its q/k/v/o biases: model.attention_bias
+      continue
     if hf.get(field) is not None and not (ok and ok(hf[field])):
       raise UserError(f"{where}: {field}={hf[field]!r} is not supported; allowed: {allowed}")
   size = lambda field, default=F.REQUIRED: F.get(hf, field, where, "int", default, least=1)  # noqa: E731
@@ -67,6 +69,8 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
   }
   if mt == "deepseek_v3":
     keys.update(hf_deepseek.model_keys(hf, where))
+  if mt == "gpt_oss":
+    keys.update(hf_gptoss.model_keys(hf, where))
   if mt == "mixtral":  # HF Mixtral never drops tokens; router_aux_loss_coef means the same under the hf convention
     keys.update(moe_experts=size("num_local_experts", 8), moe_top_k=size("num_experts_per_tok", 2), moe_every=1,
                 moe_dropless=True, moe_aux_convention="hf",
@@ -89,7 +93,8 @@ def _window_keys(hf: dict, where: str) -> dict[str, Any]:
     raise UserError(f"{where}: sliding_window={W} is not supported for model_type='llama'; allowed: null (a "
                     "windowed Llama-shaped checkpoint is model_type='mistral')")
   n = F.get(hf, "num_hidden_layers", where, "int", least=1)
-  types = F.get(hf, "layer_types", where, "list", None) if mt == "qwen3" else None
+  types = (F.get(hf, "layer_types", where, "list", None) if mt == "qwen3" else
+           hf_gptoss.window_types(hf, where) if mt == "gpt_oss" else None)
   if mt == "qwen3" and types is None:
     first = F.get(hf, "max_window_layers", where, "int", 28, least=0)
     types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
@@ -101,8 +106,9 @@ def _window_keys(hf: dict, where: str) -> dict[str, Any]:
   if "sliding_attention" not in types:
     return {}
   local = [t == "sliding_attention" for t in types]
-  return {"sliding_window": W,
-          "layer_types": "" if all(local) else ",".join("local" if x else "global" for x in local)}
+  alternate = local == [i % 2 == 0 for i in range(n)]
+  return {"sliding_window": W, "layer_types": "" if all(local) else "alternate" if alternate else
+          ",".join("local" if x else "global" for x in local)}
 
 
 def _qwen3_keys(hf: dict, where: str) -> dict[str, Any]:
@@ -134,6 +140,8 @@ def family(m) -> str:
   """The Hugging Face model_type a jaxtrain model exports as."""
   if m.attention_type == "mla":
     return "deepseek_v3"
+  if m.attention_sinks or m.moe_bias:  # GPT-OSS alone has these
+    return "gpt_oss"
   if m.qk_norm:
     return "qwen3_moe" if m.moe_experts else "qwen3"
   return "mixtral" if m.moe_experts else "mistral" if m.sliding_window else "llama"
@@ -141,7 +149,12 @@ def family(m) -> str:
 
 def _check_windows(m, fam: str) -> None:
   """What a family's checkpoint can say of windows and sinks: a per-layer list (dense Qwen3), every layer or none
-  (Mistral, Mixtral, Qwen3-MoE); no sinks anywhere yet."""
+  (Mistral, Mixtral, Qwen3-MoE); GPT-OSS any per-layer pattern, with sinks and its experts' biases (both always)."""
+  if fam == "gpt_oss":
+    for k, v in (("attention_sinks", True), ("moe_bias", True), ("mlp_activation", "swiglu_clamped")):
+      if getattr(m, k) != v:
+        raise UserError(f"model.{k}={getattr(m, k)!r}: a gpt_oss checkpoint always has it {v!r}; only that exports")
+    return
   if m.attention_sinks:
     raise UserError(f"model.attention_sinks=true: a {fam} checkpoint has no attention sinks; it cannot export")
   if m.sliding_window and fam != "qwen3" and not all(m.layer_windows()):
@@ -165,6 +178,9 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
     raise UserError(f"model.moe_expert_d_ff={m.moe_expert_d_ff}: Mixtral experts are d_ff={m.d_ff} wide; only 0 or "
                     f"{m.d_ff} exports")
   _check_windows(m, fam)
+  for k, v in (("mlp_activation", "swiglu"), ("attention_bias", False)):  # GPT-OSS's alone (family: its sinks)
+    if fam != "gpt_oss" and getattr(m, k) != v:
+      raise UserError(f"model.{k}={getattr(m, k)!r}: a {fam} checkpoint cannot hold it; only {v!r} exports")
   drop = ("rope_parameters", "rope_scaling", "rope_theta", "original_max_position_embeddings", "partial_rotary_factor",
           "torch_dtype", "dtype", "architectures", "model_type", "transformers_version", "sliding_window",
           "num_local_experts", "num_experts", "layer_types")  # the rope fields: hf_rope.hf_rope's alone count
@@ -172,7 +188,7 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
   arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
           "qwen3": "Qwen3ForCausalLM",
           "qwen3_moe": "Qwen3MoeForCausalLM",
-          "deepseek_v3": "DeepseekV3ForCausalLM"}[fam]
+          "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}[fam]
   out.update(
       architectures=[arch], model_type=fam,
       vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff, num_hidden_layers=m.n_layers,
@@ -197,6 +213,8 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
                  moe_intermediate_size=m.moe_expert_d_ff or m.d_ff, decoder_sparse_step=m.moe_every,
                  mlp_only_layers=list(range(m.moe_first_dense)), router_aux_loss_coef=m.moe_aux_weight,
                  output_router_logits=False)
+  elif fam == "gpt_oss":
+    out = hf_gptoss.hf_config(cfg, out)
   else:  # DeepSeek-V3: the Llama fields above, then its own
     out = hf_deepseek.hf_config(cfg, out)
   if tokenizer is not None:
@@ -220,9 +238,13 @@ class Tensor:
   hf_shape: tuple[int, ...]
   ours: tuple[int, ...] | None
   rows: np.ndarray | None = None  # the HF row of each of our rows (MLA's RoPE parts), None: the same order
+  # (start, step): ours is the HF tensor's columns start::step of its last axis, which it shares with other
+  # parameters (GPT-OSS's interleaved gate_up_proj); `to_hf` gives that part alone, the export interleaves
+  fused: tuple[int, int] | None = None
 
   def to_ours(self, w):
     w = w if self.rows is None else w[self.rows]
+    w = w if self.fused is None else w[..., self.fused[0]::self.fused[1]]
     return w if self.ours is None else w.T.reshape(self.ours)
 
   def to_hf(self, a):
@@ -234,6 +256,8 @@ def _block(cfg, moe: bool) -> list[tuple]:
   """(path inside a block, HF suffix ({x}: the expert), HF shape, our shape or None)."""
   if cfg.attention_type == "mla":
     return hf_deepseek.block_rows(cfg, moe)
+  if family(cfg) == "gpt_oss":
+    return hf_gptoss.block_rows(cfg, moe)
   D, H, K, E, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
   rows = [(("attn", f"w{p}"), f"self_attn.{p}_proj.weight", hf, ours) for p, hf, ours in (
       ("q", (H * E, D), (D, H, E)), ("k", (K * E, D), (D, K, E)), ("v", (K * E, D), (D, K, E)),
@@ -318,8 +342,8 @@ def lora_table(cfg) -> list[Tensor]:
 def _hf_index(t: Tensor, index: tuple) -> tuple | None:
   """The HF (out, in) slices holding our part `index` of one tensor, or None if they are not contiguous ranges.
   Ours is the transpose (in, out) reshaped: each HF dimension is a run of our dimensions merged."""
-  if t.rows is not None:  # permuted rows: read whole, then cut
-    return None
+  if t.rows is not None or t.fused is not None or (t.ours is not None and len(t.hf_shape) < 2):
+    return None  # permuted rows, interleaved columns, a vector split into heads: read whole, then cut
   if t.ours is None:
     return index
   n_in, split = t.hf_shape[1], 0
@@ -454,6 +478,8 @@ def plan_import(hf_dir: str, workdir: str, overrides: list[str], name: str | Non
   model = model_keys(hf, str(src / "config.json"))
   if hf.get("model_type") == "deepseek_v3":
     model.update(hf_deepseek.mtp_keys(hf, headers))
+  if hf.get("model_type") == "gpt_oss":  # MXFP4 experts: read dequantized
+    headers = hf_gptoss.unpack_headers(headers)
   head = model["tie_embeddings"] and own_head(headers)
   if head:  # as transformers loads it: the checkpoint's own head, untied
     model["tie_embeddings"] = False
@@ -581,9 +607,12 @@ def _place_params(plan: ImportPlan, by_path: dict, abstract_params, finish=None)
     # Our part `index` of one HF tensor: only that part is read; the file is opened per read, so no mapping
     # outlives it.
     with safe_open(str(plan.headers[name][0]), framework="numpy") as st:
-      part = st.get_slice(name)
-      hf_index = _hf_index(t, index)
-      raw = part[hf_index] if hf_index is not None else part[:]
+      if plan.headers[name][2] == hf_gptoss.MXFP4:
+        hf_index, raw = None, hf_gptoss.read(st, name)  # decoded whole, then cut
+      else:
+        part = st.get_slice(name)
+        hf_index = _hf_index(t, index)
+        raw = part[hf_index] if hf_index is not None else part[:]
     nread[0] += raw.nbytes
     raw = raw.astype(dtype, copy=False)
     if hf_index is None:  # a part the file does not hold contiguously: cut from the whole tensor

@@ -47,7 +47,7 @@ def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes
   _, params = runs.restore_params(cfg, mesh, step_dir)
   if cfg.model.lora_rank and not adapter:
     params = _merged(cfg, params)
-  items = [(t.names[s], t, s, math.prod(t.hf_shape) * np.dtype(np_dtype).itemsize)
+  items = [(t.names[s], t, s, math.prod(t.hf_shape) * np.dtype(np_dtype).itemsize // (t.fused or (0, 1))[1])
            for t in (lora_table if adapter else table)(cfg.model) for s in np.ndindex(t.names.shape)]
   files = [items] if adapter else _files(items, max_shard_bytes)
   n, me, total = len(files), jax.process_index(), sum(it[3] for it in items)
@@ -73,15 +73,15 @@ def run_export(cfg, mesh, step_dir: Path, out: Path, dtype: str, max_shard_bytes
     raise UserError(f"--out {out}: cannot write the export ({files_lib.errno_text(e.errno) if e.errno else e}); "
                     f"its partial files were removed, the checkpoint {step_dir} is untouched: free space (or fix "
                     "--out) and run again") from None
-  print(f"exported step {step_dir.name} of {workdir} to {out}: {len(items)} tensors in {n} file(s), "
+  print(f"exported step {step_dir.name} of {workdir} to {out}: {len({it[0] for it in items})} tensors in {n} file(s), "
         f"{total / 2**30:.2f} GiB {dtype}{', the PEFT adapter' if adapter else ''}, in {time.perf_counter() - t0:.1f}s")
 
 
 def _files(items: list, max_shard_bytes: int) -> list[list]:
   """Consecutive tensors, a new file when the next would pass max_shard_bytes."""
   files, size = [[]], 0
-  for it in items:
-    if files[-1] and size + it[3] > max_shard_bytes:
+  for i, it in enumerate(items):  # a fused tensor's parts (consecutive, one name) stay in one file
+    if files[-1] and size + it[3] > max_shard_bytes and it[0] != items[i - 1][0]:
       files, size = files + [[]], 0
     files[-1].append(it)
     size += it[3]
@@ -144,14 +144,19 @@ def _write_shards(out: Path, files: list, fname, params, np_dtype, me: int) -> N
   from safetensors.numpy import save_file
   for i, entries in enumerate(files):
     mine = i % jax.process_count() == me  # files are spread over the processes
-    shard = {}  # host memory: one file's tensors at a time
+    shard = {}  # host memory: one file's tensors at a time (a fused one's parts interleaved as they come)
     for name, t, s, nbytes in entries:  # every process takes part: a gather is a collective
       x = functools.reduce(lambda x, k: x[k], t.path, params)
       x = x[s] if s else x
       # one tensor at a time: local when this process holds it whole, else gathered once
       x = np.asarray(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
       arr = np.ascontiguousarray(t.to_hf(np.asarray(x, np.float32)).astype(np_dtype))
-      assert arr.shape == t.hf_shape and arr.nbytes == nbytes, (name, arr.shape, t.hf_shape)
+      assert arr.nbytes == nbytes, (name, arr.shape, t.hf_shape)
+      if t.fused:
+        whole = shard.get(name, np.zeros(t.hf_shape, np_dtype))
+        whole[..., t.fused[0]::t.fused[1]] = arr
+        arr = whole
+      assert arr.shape == t.hf_shape, (name, arr.shape, t.hf_shape)
       if mine:
         shard[name] = arr
     if mine:

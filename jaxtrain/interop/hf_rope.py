@@ -15,7 +15,8 @@ from jaxtrain.interop import hf_fields as F
 
 # transformers' defaults where config.json leaves the field out: (default_theta, max_position_embeddings)
 DEFAULTS = {"llama": (10000.0, 2048), "mistral": (10000.0, 131072), "mixtral": (1000000.0, 131072),
-            "qwen3": (10000.0, 32768), "qwen3_moe": (10000.0, 32768), "deepseek_v3": (10000.0, 4096)}
+            "qwen3": (10000.0, 32768), "qwen3_moe": (10000.0, 32768), "deepseek_v3": (10000.0, 4096),
+            "gpt_oss": (150000.0, 131072)}
 SCALED = ("llama3", "yarn")  # the types with an original context
 LAYER_TYPES = ("full_attention", "sliding_attention")  # keys of rope_parameters given per layer type
 
@@ -80,12 +81,13 @@ def model_keys(rope: dict, where: str) -> dict[str, Any]:
 
 def _yarn_keys(rope: dict, where: str) -> dict[str, Any]:
   """_compute_yarn_parameters: betas 0 or absent are 32 and 1; mscale counts only with mscale_all_dim."""
-  if rope.get("truncate", True) is not True:  # jaxtrain floors/ceils the correction range
-    raise UserError(f"{where}: truncate={rope['truncate']!r} is not supported; allowed: true (or left out)")
+  truncate = rope.get("truncate", True)
+  if not isinstance(truncate, bool):
+    raise UserError(f"{where}: truncate={truncate!r} is not supported; allowed: true or false (or left out)")
   if rope.get("attention_factor") is not None:  # jaxtrain derives the cos/sin factor from factor and the mscales
     raise UserError(f"{where}: attention_factor={rope['attention_factor']!r} is not supported; allowed: null (or "
                     "left out: derived from factor, mscale, mscale_all_dim)")
-  out = {}
+  out: dict[str, Any] = {"rope_truncate": truncate}
   for field, key, default in (("beta_fast", "rope_beta_fast", 32.0), ("beta_slow", "rope_beta_slow", 1.0),
                               ("mscale", "rope_mscale", 0.0), ("mscale_all_dim", "rope_mscale_all_dim", 0.0)):
     given = rope.get(field) is not None and rope[field] != 0
@@ -101,5 +103,5 @@ def hf_rope(m) -> dict[str, Any] | None:
                          "original_max_position_embeddings": m.rope_original_max_position}
   if m.rope_scaling == "llama3":
     return {**out, "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor}
-  out.update(beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow)
+  out.update(beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow, **({} if m.rope_truncate else {"truncate": False}))
   return {**out, **{k: v for k, v in (("mscale", m.rope_mscale), ("mscale_all_dim", m.rope_mscale_all_dim)) if v}}

@@ -33,9 +33,14 @@ class Attention(nnx.Module):
     add_adapters(self, cfg, rngs, {"wq": 1, "wk": 1, "wv": 1, "wo": 2})
     if cfg.qk_norm:  # Qwen3: one scale over head_dim shared by every head, so replicated under tensor
       self.q_norm, self.k_norm = RMSNorm(E, cfg.norm_eps), RMSNorm(E, cfg.norm_eps)
+    if cfg.attention_bias:  # GPT-OSS: zero at init
+      self.bq = nnx.Param(jnp.zeros((H, E), jnp.float32), axes=("heads", "head_dim"))
+      self.bk = nnx.Param(jnp.zeros((K, E), jnp.float32), axes=("kv_heads", "head_dim"))
+      self.bv = nnx.Param(jnp.zeros((K, E), jnp.float32), axes=("kv_heads", "head_dim"))
+      self.bo = nnx.Param(jnp.zeros((D,), jnp.float32), axes=("norm",))  # replicated as a norm's scale
     if cfg.attention_sinks:  # GPT-OSS: zero at init, a sink as likely as a key scoring 0
       self.sinks = nnx.Param(jnp.zeros((H,), jnp.float32), axes=("sinks",))
-    self.qk_norm, self.logits_dtype = cfg.qk_norm, cfg.attention_logits_dtype
+    self.qk_norm, self.logits_dtype, self.bias = cfg.qk_norm, cfg.attention_logits_dtype, cfg.attention_bias
     self.choices = cfg.window_choices()
 
   def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None, window=0):
@@ -55,6 +60,9 @@ class Attention(nnx.Module):
     q_BxLxHxE = adapted(self, "wq", x_BxLxD, ops.einsum("bld,dhe->blhe", x_BxLxD, ops.weight(self.wq, dt)))
     k_BxLxKxE = adapted(self, "wk", x_BxLxD, ops.einsum("bld,dke->blke", x_BxLxD, ops.weight(self.wk, dt)))
     v_BxLxKxE = adapted(self, "wv", x_BxLxD, ops.einsum("bld,dke->blke", x_BxLxD, ops.weight(self.wv, dt)))
+    if self.bias:
+      q_BxLxHxE, k_BxLxKxE, v_BxLxKxE = (y + b[...].astype(dt) for y, b in (
+          (q_BxLxHxE, self.bq), (k_BxLxKxE, self.bk), (v_BxLxKxE, self.bv)))
     if self.qk_norm:
       q_BxLxHxE, k_BxLxKxE = self.q_norm(q_BxLxHxE), self.k_norm(k_BxLxKxE)
     q_BxLxHxE = ops.constrain(rope(q_BxLxHxE, rope_tables), ("batch", "length", "act_heads", None))
@@ -72,7 +80,9 @@ class Attention(nnx.Module):
     return jax.lax.switch(branch, [kernel(w) for w in self.choices], q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
 
   def out(self, o_BxLxHxE):
-    return adapted(self, "wo", o_BxLxHxE, ops.einsum("blhe,hed->bld", o_BxLxHxE, ops.weight(self.wo, o_BxLxHxE.dtype)))
+    wo = ops.weight(self.wo, o_BxLxHxE.dtype)
+    y_BxLxD = adapted(self, "wo", o_BxLxHxE, ops.einsum("blhe,hed->bld", o_BxLxHxE, wo))
+    return y_BxLxD + self.bo[...].astype(y_BxLxD.dtype) if self.bias else y_BxLxD
 
 
 class Block(nnx.Module):

@@ -9,7 +9,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.core.config import ModelConfig
-from jaxtrain.model import ops, rope as rope_scaling
+from jaxtrain.model import activation, ops, rope as rope_scaling
 from jaxtrain.model.lora import adapted, add_adapters
 
 
@@ -31,7 +31,7 @@ class RMSNorm(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  """The gated MLP: down(glu(gate(x), up(x))), glu model.mlp_activation's (activation.glu)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
     D, F, std = cfg.d_model, d_ff or cfg.d_ff, cfg.init_std
@@ -39,12 +39,13 @@ class MLP(nnx.Module):
     self.w_up = param(rngs, (D, F), ("embed", "mlp"), std)
     self.w_down = param(rngs, (F, D), ("mlp", "embed"), std)
     add_adapters(self, cfg, rngs, {"w_gate": 1, "w_up": 1, "w_down": 1})
+    self.act = activation.of(cfg)
 
   def __call__(self, x_BxLxD):
     dt = x_BxLxD.dtype
     g_BxLxF = adapted(self, "w_gate", x_BxLxD, ops.matmul(x_BxLxD, ops.weight(self.w_gate, dt)))
     u_BxLxF = adapted(self, "w_up", x_BxLxD, ops.matmul(x_BxLxD, ops.weight(self.w_up, dt)))
-    h_BxLxF = ops.constrain(jax.nn.silu(g_BxLxF) * u_BxLxF, ("batch", "length", "act_mlp"))
+    h_BxLxF = ops.constrain(activation.glu(g_BxLxF, u_BxLxF, self.act), ("batch", "length", "act_mlp"))
     h_BxLxF = checkpoint_name(h_BxLxF, "mlp_hidden")
     return adapted(self, "w_down", h_BxLxF, ops.matmul(h_BxLxF, ops.weight(self.w_down, dt)))
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.core.config import ModelConfig
-from jaxtrain.model import ops
+from jaxtrain.model import activation, ops
 from jaxtrain.model.layers import MLP, param
 from jaxtrain.model.lora import add_adapters, effective
 
@@ -37,13 +37,16 @@ def group_size(cfg: ModelConfig, B: int, L: int, decoding: bool = False) -> int:
 
 
 def route(x_BxLxD, router_DxX, top_k: int, score: str = "softmax", bias_X=None, norm_top_k: bool = True,
-          groups=(1, 1), scale: float = 1.0):
+          groups=(1, 1), scale: float = 1.0, logit_bias_X=None):
   """-> ids (B,L,k) int32, weights (B,L,k) f32 (summing to `scale` if norm_top_k, else the raw scores times
   `scale`), stats: balance, z, share f_e, prob P_e, load (X,). `groups` (n, best): choose among the `best` of n
-  expert groups (ranked by their top-2 scores), DeepSeek-V3."""
+  expert groups (ranked by their top-2 scores), DeepSeek-V3. `logit_bias_X`: a learned bias on the logits (GPT-OSS),
+  unlike `bias_X` part of the scores and trained."""
   B, L, _ = x_BxLxD.shape
   X = router_DxX.shape[1]
   logits_BxLxX = jnp.einsum("bld,dx->blx", x_BxLxD.astype(jnp.float32), router_DxX.astype(jnp.float32))
+  if logit_bias_X is not None:
+    logits_BxLxX = logits_BxLxX + logit_bias_X.astype(jnp.float32)
   if score == "softmax":
     scores_BxLxX = probs_BxLxX = jax.nn.softmax(logits_BxLxX, axis=-1)
   else:  # sigmoid: independent per expert; P_e of the balance loss uses them normalized per token
@@ -91,6 +94,11 @@ class MoE(nnx.Module):
     add_adapters(self, cfg, rngs, {"w_gate": 1, "w_up": 1, "w_down": 1}, n_batch=1)  # LoRA: one adapter an expert
     if cfg.moe_bias_rate > 0:
       self.router_bias = nnx.Param(jnp.zeros((X,), jnp.float32), axes=(None,))
+    if cfg.moe_bias:  # GPT-OSS: zero at init, so a new model routes and computes as without them
+      self.router_logit_bias = nnx.Param(jnp.zeros((X,), jnp.float32), axes=(None,))
+      self.b_gate = nnx.Param(jnp.zeros((X, F), jnp.float32), axes=("experts", "mlp"))
+      self.b_up = nnx.Param(jnp.zeros((X, F), jnp.float32), axes=("experts", "mlp"))
+      self.b_down = nnx.Param(jnp.zeros((X, D), jnp.float32), axes=("experts", "embed"))
     if cfg.moe_shared_experts:
       self.shared = MLP(cfg, rngs, d_ff=cfg.moe_shared_experts * F)
     self.cfg = cfg
@@ -100,12 +108,15 @@ class MoE(nnx.Module):
     B, L, _ = x_BxLxD.shape
     bias = jax.lax.stop_gradient(self.router_bias[...]) if c.moe_bias_rate > 0 else None
     idx, w, stats = route(x_BxLxD, self.router[...], c.moe_top_k, c.moe_router, bias, c.moe_norm_top_k,
-                          (c.moe_n_group, c.moe_topk_group), c.moe_routed_scale)
+                          (c.moe_n_group, c.moe_topk_group), c.moe_routed_scale,
+                          self.router_logit_bias[...] if c.moe_bias else None)
     # LoRA: each expert's weight merged with its adapter (one layer's at a time), so the dispatch is the plain one
     weights = tuple(effective(self, attr, dt) for attr in ("w_gate", "w_up", "w_down"))
+    if c.moe_bias:
+      weights += tuple(getattr(self, b)[...].astype(dt) for b in ("b_gate", "b_up", "b_down"))
     G = group_size(c, B, L, decoding)
     cap = None if c.moe_dropless else capacity(G, c.moe_experts, c.moe_top_k, c.moe_capacity_factor)
-    y_BxLxD, dropped = ops.current().experts(x_BxLxD, idx, w, weights, G, cap)
+    y_BxLxD, dropped = ops.current().experts(x_BxLxD, idx, w, weights, G, cap, activation.of(c))
     stats.update(dropped=jax.lax.stop_gradient(dropped), assigned=jnp.float32(B * L * c.moe_top_k))
     y_BxLxD = y_BxLxD.astype(dt)
     if c.moe_shared_experts:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.model.activation import glu
+
 
 def _einsum(spec, x, w):
   return jnp.einsum(spec, x, w)
@@ -67,47 +69,65 @@ def group_combine(out_XxMxD, idx_bxnxk, slot_gxGxk, keep_gxGxk, w_bxnxk):
   return y.reshape(b, n, D)
 
 
-def swiglu(buf_XxNxD, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, mm=_einsum, hidden=lambda h: h):
-  """SwiGLU of every expert on its buffer; `hidden` annotates the (X, N, F) hidden."""
-  h_XxNxF = hidden(jax.nn.silu(mm("xnd,xdf->xnf", buf_XxNxD, w_gate_XxDxF))
-                   * mm("xnd,xdf->xnf", buf_XxNxD, w_up_XxDxF))
-  return mm("xnf,xfd->xnd", h_XxNxF, w_down_XxFxD)
+def biases(weights, pick):
+  """The experts' (gate, up, down) biases at `pick` (an index into their expert axis), in `weights` (w_gate, w_up,
+  w_down[, b_gate, b_up, b_down]: model.moe_bias); None each where the experts have none."""
+  return tuple(b[pick] for b in weights[3:]) if len(weights) > 3 else (None, None, None)
 
 
-def capacity_ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, group: int, cap: int, mm=_einsum):
+def _add(y, b):
+  return y if b is None else y + b.astype(y.dtype)
+
+
+def swiglu(buf_XxNxD, weights, mm=_einsum, hidden=lambda h: h, act=None):
+  """The gated FFN of every expert on its buffer (`weights`: see `biases`; `act`: activation.glu's); `hidden`
+  annotates the (X, N, F) hidden."""
+  w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD = weights[:3]
+  b_gate, b_up, b_down = biases(weights, (slice(None), None))
+  h_XxNxF = hidden(glu(_add(mm("xnd,xdf->xnf", buf_XxNxD, w_gate_XxDxF), b_gate),
+                       _add(mm("xnd,xdf->xnf", buf_XxNxD, w_up_XxDxF), b_up), act))
+  return _add(mm("xnf,xfd->xnd", h_XxNxF, w_down_XxFxD), b_down)
+
+
+def capacity_ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, group: int, cap: int, mm=_einsum, act=None):
   """Capacity-group experts on one device: (y float32, dropped assignments)."""
   buf, slot, keep, dropped = group_dispatch(x_BxLxD, idx_BxLxk, weights[0].shape[0], cap, group)
-  return group_combine(swiglu(buf, *weights, mm), idx_BxLxk, slot, keep, w_BxLxk), dropped
+  return group_combine(swiglu(buf, weights, mm, act=act), idx_BxLxk, slot, keep, w_BxLxk), dropped
 
 
 # --- dropless: grouped matmuls
 
-def grouped_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, impl: str = "ragged_dot",
-                skip_empty: bool = False, project=None):
-  """SwiGLU of each row through expert expert_N[i] (ids >= experts: padding, output 0); `project` None: plain."""
+def grouped_ffn(rows_NxD, expert_N, experts: int, weights, impl: str = "ragged_dot", skip_empty: bool = False,
+                project=None, act=None):
+  """The gated FFN of each row through expert expert_N[i] (ids >= experts: padding, output 0); `weights`: see
+  `biases`; `project` None: plain."""
   mm = project or _plain
+  w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD = weights[:3]
   if experts == 1:  # one local expert (X = ep): plain matmuls, padding rows masked; no sort
-    h = jax.nn.silu(mm(jnp.matmul, rows_NxD, w_gate_XxDxF[0])) * mm(jnp.matmul, rows_NxD, w_up_XxDxF[0])
-    return jnp.where((expert_N == 0)[:, None], mm(jnp.matmul, h, w_down_XxFxD[0]), 0)
+    b_gate, b_up, b_down = biases(weights, 0)
+    h = glu(_add(mm(jnp.matmul, rows_NxD, w_gate_XxDxF[0]), b_gate),
+            _add(mm(jnp.matmul, rows_NxD, w_up_XxDxF[0]), b_up), act)
+    return jnp.where((expert_N == 0)[:, None], _add(mm(jnp.matmul, h, w_down_XxFxD[0]), b_down), 0)
   if impl == "blocks":
-    return blocked_ffn(rows_NxD, expert_N, experts, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, skip_empty, project)
+    return blocked_ffn(rows_NxD, expert_N, experts, weights, skip_empty, project, act)
   order_N = jnp.argsort(expert_N, stable=True)
   inverse_N = jnp.argsort(order_N)
   sizes_X = jnp.zeros((experts + 1,), jnp.int32).at[jnp.minimum(expert_N, experts)].add(1)[:experts]
   x_NxD = rows_NxD[order_N]
-  g_NxF = mm(jax.lax.ragged_dot, x_NxD, w_gate_XxDxF, sizes_X)
-  u_NxF = mm(jax.lax.ragged_dot, x_NxD, w_up_XxDxF, sizes_X)
-  y_NxD = mm(jax.lax.ragged_dot, jax.nn.silu(g_NxF) * u_NxF, w_down_XxFxD, sizes_X)
+  b_gate, b_up, b_down = biases(weights, jnp.minimum(expert_N[order_N], experts - 1))  # padding rows: masked below
+  g_NxF = _add(mm(jax.lax.ragged_dot, x_NxD, w_gate_XxDxF, sizes_X), b_gate)
+  u_NxF = _add(mm(jax.lax.ragged_dot, x_NxD, w_up_XxDxF, sizes_X), b_up)
+  y_NxD = _add(mm(jax.lax.ragged_dot, glu(g_NxF, u_NxF, act), w_down_XxFxD, sizes_X), b_down)
   valid_N = jnp.arange(rows_NxD.shape[0]) < jnp.sum(sizes_X)  # rows past every group: padding
   return jnp.where(valid_N[:, None], y_NxD, 0)[inverse_N]
 
 
-def grouped_ffn_BxL(x_BxLxD, idx_BxLxk, w_BxLxk, weights, impl: str, project=None):
+def grouped_ffn_BxL(x_BxLxD, idx_BxLxk, w_BxLxk, weights, impl: str, project=None, act=None):
   """Dropless experts on one device: every token's k choices through `grouped_ffn`, weighted; (B, L, D) float32."""
   B, L, D = x_BxLxD.shape
   k = idx_BxLxk.shape[-1]
   y_NxD = grouped_ffn(jnp.repeat(x_BxLxD.reshape(B * L, D), k, axis=0), idx_BxLxk.reshape(-1), weights[0].shape[0],
-                      *weights, impl=impl, project=project)
+                      weights, impl=impl, project=project, act=act)
   y_TxD = jnp.einsum("tkd,tk->td", y_NxD.reshape(B * L, k, D).astype(jnp.float32), w_BxLxk.reshape(B * L, k))
   return y_TxD.reshape(B, L, D)
 
@@ -150,12 +170,12 @@ def _block_layout(expert_N, experts: int, b: int, nb: int):
   return pos_N, jnp.minimum(src_Q, N - 1), src_Q < N, pos_N < nb * b, block_e, pend_X[-1]
 
 
-def blocked_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD, skip_empty: bool = False,
-                project=None):
+def blocked_ffn(rows_NxD, expert_N, experts: int, weights, skip_empty: bool = False, project=None, act=None):
   """`grouped_ffn` over blocks of b rows of one expert each: one batched matmul, or (skip_empty) a loop that
   skips the blocks past the rows in use (not with a `project` of its own, e.g. FP8: a scale's pmax cannot sit in
   a branch some devices skip)."""
   N, D = rows_NxD.shape
+  w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD = weights[:3]
   b = max(8, 1 << max(0, (N // (4 * experts)).bit_length() - 1))  # power of two near N / 4X: padding ~N/4
   nb = -(-(N + experts * (b - 1)) // b)
   pos_N, src_Q, keep_Q, kept_N, block_e, used = _block_layout(expert_N, experts, b, nb)
@@ -163,14 +183,19 @@ def blocked_ffn(rows_NxD, expert_N, experts: int, w_gate_XxDxF, w_up_XxDxF, w_do
   if not skip_empty or project is not None:
     # each weight goes through `project` whole (an FP8 per-tensor scale), then is gathered per block
     mm = lambda spec, x, w: (project or _plain)(lambda a, c: jnp.einsum(spec, a, c[block_e]), x, w)  # noqa: E731
-    g = mm("nbd,ndf->nbf", x_blocks, w_gate_XxDxF)
-    u = mm("nbd,ndf->nbf", x_blocks, w_up_XxDxF)
-    y = mm("nbf,nfd->nbd", jax.nn.silu(g) * u, w_down_XxFxD)
+    b_gate, b_up, b_down = biases(weights, (block_e, None))
+    g = _add(mm("nbd,ndf->nbf", x_blocks, w_gate_XxDxF), b_gate)
+    u = _add(mm("nbd,ndf->nbf", x_blocks, w_up_XxDxF), b_up)
+    y = _add(mm("nbf,nfd->nbd", glu(g, u, act), w_down_XxFxD), b_down)
   else:
     @jax.checkpoint  # else the loop's backward keeps each block's weight slices: (blocks, D, F) per weight
     def one(args):
       x_bxD, e, first = args
-      swiglu_ = lambda _: jax.nn.silu(x_bxD @ w_gate_XxDxF[e]) * (x_bxD @ w_up_XxDxF[e]) @ w_down_XxFxD[e]  # noqa: E731
-      return jax.lax.cond(first < used, swiglu_, lambda _: jnp.zeros_like(x_bxD), None)
+      b_gate, b_up, b_down = biases(weights, e)
+
+      def ffn(_):
+        h = glu(_add(x_bxD @ w_gate_XxDxF[e], b_gate), _add(x_bxD @ w_up_XxDxF[e], b_up), act)
+        return _add(h @ w_down_XxFxD[e], b_down)
+      return jax.lax.cond(first < used, ffn, lambda _: jnp.zeros_like(x_bxD), None)
     y = jax.lax.map(one, (x_blocks, block_e, jnp.arange(nb) * b))
   return move(y.reshape(nb * b, D), jnp.minimum(pos_N, nb * b - 1), kept_N, src_Q[:, None], keep_Q[:, None])

@@ -54,12 +54,12 @@ class Ops:
     """A projection: the bilinear `fn(x, w, *args)` (einsum, ragged_dot). The FP8 policy replaces it."""
     return fn(x, w, *args)
 
-  def experts(self, x_BxLxD, idx_BxLxk, w_BxLxk, weights, group: int, capacity: int | None):
+  def experts(self, x_BxLxD, idx_BxLxk, w_BxLxk, weights, group: int, capacity: int | None, act=None):
     """(y (B, L, D) float32, dropped assignments) of the routed experts; `capacity` None: dropless, else slots
-    per expert in each group of `group` consecutive positions."""
+    per expert in each group of `group` consecutive positions. `weights`: moe_kernels.biases'; `act`: glu's."""
     if capacity is None:
-      return moe_kernels.grouped_ffn_BxL(x_BxLxD, idx_BxLxk, w_BxLxk, weights, "ragged_dot"), jnp.float32(0)
-    return moe_kernels.capacity_ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, group, capacity)
+      return moe_kernels.grouped_ffn_BxL(x_BxLxD, idx_BxLxk, w_BxLxk, weights, "ragged_dot", act=act), jnp.float32(0)
+    return moe_kernels.capacity_ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, group, capacity, act=act)
 
 
 _CURRENT: contextvars.ContextVar[Ops] = contextvars.ContextVar("jaxtrain_ops", default=Ops())

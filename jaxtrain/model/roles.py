@@ -27,6 +27,8 @@ KINDS = {
     "router_bias": "router_bias",  # aux-loss-free balancing: no gradient, moved by moe_balance
     "scale": "norm",
     "sinks": "sink",  # attention sinks (model.attention_sinks): one logit per query head, used in float32
+    # biases (model.attention_bias, model.moe_bias: GPT-OSS), added in the compute dtype; the router's in float32
+    **dict.fromkeys(("bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down", "router_logit_bias"), "bias"),
   "lora_a": "adapter",  # LoRA (model.lora_rank): A (in, r) and B (r, out) beside a targeted projection
   "lora_b": "adapter",
 }

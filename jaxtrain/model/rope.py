@@ -36,10 +36,14 @@ def inv_freq(cfg) -> np.ndarray | None:
 
 def _yarn(cfg, pos_E2, E: int) -> np.ndarray:
   """Frequencies turning fewer than beta_slow times over the original context are divided by the factor, more than
-  beta_fast kept, a linear ramp over the dimensions between (correction range floored/ceiled, as HF's truncate)."""
+  beta_fast kept, a linear ramp over the dimensions between (the correction range floored/ceiled with
+  model.rope_truncate, as HF's truncate)."""
   theta, old = cfg.rope_theta, cfg.rope_original_max_position
   at = lambda rot: E * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(theta))  # noqa: E731
-  low, high = max(math.floor(at(cfg.rope_beta_fast)), 0), min(math.ceil(at(cfg.rope_beta_slow)), E - 1)
+  low, high = at(cfg.rope_beta_fast), at(cfg.rope_beta_slow)
+  if cfg.rope_truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, E - 1)
   high = high + 0.001 if low == high else high
   ramp = np.clip((np.arange(E // 2, dtype=np.float32) - low) / np.float32(high - low), 0, 1).astype(np.float32)
   keep = np.float32(1) - ramp  # 1: extrapolate (keep), 0: interpolate (divide by the factor)

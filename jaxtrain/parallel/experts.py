@@ -11,11 +11,12 @@ from jaxtrain.model import moe, moe_kernels
 from jaxtrain.parallel import experts_dropless, expert_layout as moe_layout, sharding
 
 
-def ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, group: int, cap: int | None, plan):
-  """(y (B, L, D) float32, dropped assignments): the plan's Ops.experts."""
+def ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, group: int, cap: int | None, plan, act=None):
+  """(y (B, L, D) float32, dropped assignments): the plan's Ops.experts (`weights` with or without the experts'
+  biases, moe_kernels.biases; `act`: activation.glu's)."""
   if cap is None:
-    return experts_dropless.ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, plan), jax.numpy.float32(0)
-  return _capacity_ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, plan, group, cap)
+    return experts_dropless.ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, plan, act), jax.numpy.float32(0)
+  return _capacity_ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, plan, group, cap, act)
 
 
 def _hidden(plan, slot_axes):
@@ -30,7 +31,7 @@ def _hidden(plan, slot_axes):
   return annotate
 
 
-def _capacity_ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, plan, G: int, C: int):
+def _capacity_ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, plan, G: int, C: int, act=None):
   X, AXIS, mesh = weights[0].shape[0], plan.expert_axis, moe_layout.dispatch_mesh(plan)
   ep = 1 if mesh is None else mesh.shape[AXIS]
   B, L, D = x_BxLxD.shape
@@ -58,14 +59,14 @@ def _capacity_ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, plan, G: int, C: int):
 
   if mesh is None:
     buf, slot, keep, dropped = send(x_BxLxD, idx_BxLxk)
-    out = moe_kernels.swiglu(buf, *weights, plan.expert_einsum, _hidden(plan, None))
+    out = moe_kernels.swiglu(buf, weights, plan.expert_einsum, _hidden(plan, None), act)
     return receive(out, idx_BxLxk, slot, keep, w_BxLxk), dropped
   other = tuple(a for a in tok_axes if a != AXIS)
   buf_spec = P(AXIS, other or None, None)  # (experts, slots of every device's groups, D)
   grp_spec = P(tok_axes or None, None, None)  # (groups, G, k): groups follow their tokens
   buf, slot, keep, dropped = sharding.manual(send, mesh, (tok_spec, tok_spec), (buf_spec, grp_spec, grp_spec, P()))(
       x_BxLxD, idx_BxLxk)
-  out = moe_kernels.swiglu(buf, *weights, plan.expert_einsum, _hidden(plan, other or None))
+  out = moe_kernels.swiglu(buf, weights, plan.expert_einsum, _hidden(plan, other or None), act)
   y = sharding.manual(receive, mesh, (buf_spec, tok_spec, grp_spec, grp_spec, tok_spec), tok_spec)(
       out, idx_BxLxk, slot, keep, w_BxLxk)
   return y, dropped

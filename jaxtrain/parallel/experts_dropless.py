@@ -11,13 +11,14 @@ from jaxtrain.model import moe_kernels
 from jaxtrain.parallel import expert_layout as moe_layout, sharding
 
 
-def _local(x_TxD, idx_Txk, w_Txk, weights, ep: int, impl: str, axis: str = "expert", project=None):
+def _local(x_TxD, idx_Txk, w_Txk, weights, ep: int, impl: str, axis: str = "expert", project=None, act=None):
   """This device's tokens -> their MoE output (T, D) float32; ep > 1 inside a shard_map."""
   T, k = idx_Txk.shape
   X = weights[0].shape[0] * ep
   flat_N = idx_Txk.reshape(-1)  # assignment a = token a // k, choice a % k
   if ep == 1:
-    y_NxD = moe_kernels.grouped_ffn(jnp.repeat(x_TxD, k, axis=0), flat_N, X, *weights, impl=impl, project=project)
+    y_NxD = moe_kernels.grouped_ffn(jnp.repeat(x_TxD, k, axis=0), flat_N, X, weights, impl=impl, project=project,
+                                    act=act)
   else:
     Xl = X // ep
     bound = moe_layout.dropless_bound(T, X, k, ep)
@@ -35,16 +36,17 @@ def _local(x_TxD, idx_Txk, w_Txk, weights, ep: int, impl: str, axis: str = "expe
     ids = jnp.where(keep_S, flat_N[src_S] % Xl, Xl).reshape(ep, bound)
     recv = jax.lax.all_to_all(send, axis, 0, 0)  # (source device, bound, D) for our experts
     recv_ids = jax.lax.all_to_all(ids, axis, 0, 0)
-    out = moe_kernels.grouped_ffn(recv.reshape(ep * bound, -1), recv_ids.reshape(-1), Xl, *weights, impl=impl,
-                                  skip_empty=True, project=project)
+    out = moe_kernels.grouped_ffn(recv.reshape(ep * bound, -1), recv_ids.reshape(-1), Xl, weights, impl=impl,
+                                  skip_empty=True, project=project, act=act)
     back = jax.lax.all_to_all(out.reshape(ep, bound, -1), axis, 0, 0)  # (destination device, bound, D)
     y_NxD = moe_kernels.move(back.reshape(ep * bound, -1), slot_N, jnp.ones(slot_N.shape, bool), src_S[:, None],
                  keep_S[:, None])
   return jnp.einsum("tkd,tk->td", y_NxD.reshape(T, k, -1).astype(jnp.float32), w_Txk)
 
 
-def ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, plan):
-  """Dropless MoE output (B, L, D) float32; weights (X,D,F),(X,D,F),(X,F,D); kernel and mesh are the plan's."""
+def ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, plan, act=None):
+  """Dropless MoE output (B, L, D) float32; weights (X,D,F),(X,D,F),(X,F,D)[, their biases (X,F),(X,F),(X,D)];
+  kernel and mesh are the plan's."""
   impl, axis, mesh = plan.moe_kernel, plan.expert_axis, moe_layout.dispatch_mesh(plan)
   ep = 1 if mesh is None else mesh.shape[axis]
 
@@ -52,8 +54,9 @@ def ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, plan):
     b, n, D = x_bxnxD.shape
     k = idx_bxnxk.shape[-1]
     return _local(x_bxnxD.reshape(b * n, D), idx_bxnxk.reshape(b * n, k), w_bxnxk.reshape(b * n, k), ws, ep, impl,
-                  axis, plan.expert_projection()).reshape(b, n, D)
+                  axis, plan.expert_projection(), act).reshape(b, n, D)
   if mesh is None:
     return local(x_BxLxD, idx_BxLxk, w_BxLxk, *weights)
-  tok_spec, w_spec = moe_layout.token_spec(mesh, *x_BxLxD.shape[:2], plan.rules), P(axis, None, None)
-  return sharding.manual(local, mesh, (tok_spec,) * 3 + (w_spec,) * 3, tok_spec)(x_BxLxD, idx_BxLxk, w_BxLxk, *weights)
+  tok_spec = moe_layout.token_spec(mesh, *x_BxLxD.shape[:2], plan.rules)
+  w_specs = tuple(P(axis, *(None,) * (w.ndim - 1)) for w in weights)  # each expert's weights (and biases) on its device
+  return sharding.manual(local, mesh, (tok_spec,) * 3 + w_specs, tok_spec)(x_BxLxD, idx_BxLxk, w_BxLxk, *weights)

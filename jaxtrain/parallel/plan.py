@@ -159,9 +159,9 @@ class Plan(ops.Ops):
     return sharding.manual(local, self.mesh, (q, kv, kv, self.spec(("batch", "length"), seg_BxL.shape)),
                            q, axis_names=rest)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
 
-  def experts(self, x_BxLxD, idx_BxLxk, w_BxLxk, weights, group: int, capacity: int | None):
+  def experts(self, x_BxLxD, idx_BxLxk, w_BxLxk, weights, group: int, capacity: int | None, act=None):
     from jaxtrain.parallel import experts
-    return experts.ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, group, capacity, self)
+    return experts.ffn(x_BxLxD, idx_BxLxk, w_BxLxk, weights, group, capacity, self, act)
 
   def expert_projection(self):
     """`project` for the expert kernels, None where it is plain (the blocks kernel then skips empty blocks)."""

@@ -157,6 +157,8 @@ MATH_KEYS = {
     "model.moe_aux_convention",
     "model.qk_norm", "model.moe_norm_top_k",  # Qwen3: per-head q/k norms; unnormalized top-k weights
     "model.sliding_window", "model.layer_types", "model.attention_sinks",  # local layers' windows; sink logits
+    "model.attention_bias", "model.moe_bias", "model.mlp_activation", "model.swiglu_alpha",  # GPT-OSS's biases
+    "model.swiglu_limit", "model.rope_truncate",  # and its clamped SwiGLU; YaRN's correction range not truncated
     # DeepSeek-V3: YaRN, multi-head latent attention, group-limited routing, multi-token prediction
     "model.rope_beta_fast", "model.rope_beta_slow", "model.rope_mscale", "model.rope_mscale_all_dim",
     "model.attention_type", "model.q_lora_rank", "model.kv_lora_rank", "model.qk_nope_head_dim",
@@ -240,3 +242,7 @@ def test_layer_types_give_each_layer_its_window_and_refuse_bad_values_in_one_lin
     assert "\n" not in str(e.value)
   with pytest.raises(UserError, match="model.attention_sinks=true is for grouped-query attention"):
     config.load("tiny", ["model.attention_type=mla", "model.attention_sinks=true"])
+  with pytest.raises(UserError, match="model.attention_bias=true is for grouped-query attention"):
+    config.load("tiny", ["model.attention_type=mla", "model.attention_bias=true"])
+  with pytest.raises(UserError, match=r"model.moe_bias=true needs model.moe_experts > 0"):
+    config.load("tiny", ["model.moe_bias=true"])

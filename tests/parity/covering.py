@@ -58,6 +58,9 @@ FACTORS = (
     Factor("window", ("none", "local", "alternate")),  # model.sliding_window on every layer, or every other
     Factor("sinks", (False, True)),  # model.attention_sinks
     Factor("in_backward", (False, True)),  # optim.in_backward
+    Factor("attention_bias", (False, True)),  # model.attention_bias (GPT-OSS's q/k/v/o biases)
+    Factor("moe_bias", (False, True), when=("moe", ("capacity", "dropless"))),  # model.moe_bias: router, experts
+    Factor("activation", ("swiglu", "swiglu_clamped")),  # model.mlp_activation (dense MLP and experts)
 )
 # Options that never change the step (what is logged where, what is evaluated beside it): their levels are given to
 # the rows of the factors above after those are chosen (so those rows stay as they were), and a row added for them
@@ -100,12 +103,14 @@ REFUSED = {
                            (("offload", "host"), "optim.offload='host'"), (("mtp", True), "model.mtp_layers=1"),
                            (("pipeline", 2), "pipeline=2"), (("window", "local"), "model.sliding_window="),
                            (("window", "alternate"), "model.sliding_window="),
-                           (("sinks", True), "model.attention_sinks=true"))},
-    **{(("attention", "mla"), pair): (("model.attention_type=mla", words), "sliding windows and sinks are "
-                                      "grouped-query attention's (core.config.validate)")
+                           (("sinks", True), "model.attention_sinks=true"),
+                           (("attention_bias", True), "model.attention_bias=true"))},
+    **{(("attention", "mla"), pair): (("model.attention_type=mla", words), "sliding windows, sinks and q/k/v/o "
+                                      "biases are grouped-query attention's (core.config.validate)")
        for pair, words in ((("window", "local"), "model.sliding_window="), (("window", "alternate"),
                                                                             "model.sliding_window="),
-                           (("sinks", True), "model.attention_sinks=true"))},
+                           (("sinks", True), "model.attention_sinks=true"),
+                           (("attention_bias", True), "model.attention_bias=true"))},
     (("window", "alternate"), ("pipeline", 2)): (("model.layer_types='alternate'", "pipeline=2"), "the matrix's "
                                                  "pipelines hold one layer a chunk: their chunks' windows differ"),
     **{(("in_backward", True), pair): (("optim.in_backward=true", words), "the update in the backward "

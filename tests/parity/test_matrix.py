@@ -81,6 +81,9 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
     sets += ["model.lora_rank=4", f"model.lora_targets={attn},gate,up,down"]
     sets += ["model.lora_base_dtype=nf4"] if row["lora"] == "nf4" else []
   sets += WINDOW[row["window"]] + (["model.attention_sinks=true"] if row["sinks"] else [])
+  sets += [f"model.attention_bias={str(row['attention_bias']).lower()}", f"model.mlp_activation={row['activation']}"]
+  if on("moe_bias") and row["moe_bias"]:
+    sets += ["model.moe_bias=true"]
   if row["objective"] == "dpo":
     sets += ["train.objective=dpo", "train.dpo_beta=0.1", f"data.source={source}", "train.batch_size=32"]
   if row.get("schedule_in", "steps") != "steps":  # 2 steps of 16 (DPO 32) rows: the ramp's first size is those
