@@ -145,6 +145,7 @@ def hf_config(cfg, out: dict) -> dict:
       sliding_window=m.sliding_window or out.get("sliding_window") or 4096,
       layer_types=[LOCAL if w else GLOBAL for w in m.layer_windows()],
       rope_parameters={GLOBAL: full, LOCAL: local})
+  out.setdefault("max_position_embeddings", max(8192, cfg.train.seq_len))
   for k in ("rope_scaling", "rope_theta", "rope_local_base_freq", "sliding_window_pattern", "hidden_act"):
     out.pop(k, None)
   return out
