@@ -157,6 +157,8 @@ MATH_KEYS = {
     "model.moe_aux_convention",
     "model.qk_norm", "model.moe_norm_top_k",  # Qwen3: per-head q/k norms; unnormalized top-k weights
     "model.sliding_window", "model.layer_types", "model.attention_sinks",  # local layers' windows; sink logits
+    "model.norm_convention", "model.post_norms", "model.mlp_activation", "model.embed_scale",  # Gemma 3
+    "model.rope_local_theta", "model.attention_scale",
     # DeepSeek-V3: YaRN, multi-head latent attention, group-limited routing, multi-token prediction
     "model.rope_beta_fast", "model.rope_beta_slow", "model.rope_mscale", "model.rope_mscale_all_dim",
     "model.attention_type", "model.q_lora_rank", "model.kv_lora_rank", "model.qk_nope_head_dim",

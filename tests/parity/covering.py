@@ -57,6 +57,9 @@ FACTORS = (
     # offload's units, LoRA's adapters and ZeRO/FSDP shards keep it too)
     Factor("window", ("none", "local", "alternate")),  # model.sliding_window on every layer, or every other
     Factor("sinks", (False, True)),  # model.attention_sinks
+    # Gemma 3's block: model.norm_convention=one_plus, post_norms, mlp_activation=gelu_tanh, embed_scale,
+    # attention_scale (and rope_local_theta with a window)
+    Factor("gemma", (False, True)),
 )
 # Options that never change the step (what is logged where, what is evaluated beside it): their levels are given to
 # the rows of the factors above after those are chosen (so those rows stay as they were), and a row added for them
@@ -105,6 +108,10 @@ REFUSED = {
        for pair, words in ((("window", "local"), "model.sliding_window="), (("window", "alternate"),
                                                                             "model.sliding_window="),
                            (("sinks", True), "model.attention_sinks=true"))},
+    (("gemma", True), ("attention", "mla")): (("model.attention_scale=", "model.attention_type=mla"), "MLA's softmax "
+                                              "scale is its own (core.config.validate)"),
+    **{(("gemma", True), ("moe", moe)): (("model.mlp_activation='gelu_tanh'", "model.moe_experts="), "the experts "
+                                         "are SwiGLU (core.config.validate)") for moe in ("capacity", "dropless")},
     (("window", "alternate"), ("pipeline", 2)): (("model.layer_types='alternate'", "pipeline=2"), "the matrix's "
                                                  "pipelines hold one layer a chunk: their chunks' windows differ"),
 }
