@@ -82,7 +82,7 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
     sets += ["model.lora_rank=4", f"model.lora_targets={attn},gate,up,down"]
     sets += ["model.lora_base_dtype=nf4"] if row["lora"] == "nf4" else []
   sets += WINDOW[row["window"]] + (["model.attention_sinks=true"] if row["sinks"] else [])
-  if row["gemma"]:
+  if on("gemma") and row["gemma"]:
     sets += GEMMA + (["model.rope_local_theta=100"] if row["window"] != "none" else [])
   if row["objective"] == "dpo":
     sets += ["train.objective=dpo", "train.dpo_beta=0.1", f"data.source={source}", "train.batch_size=32"]
