@@ -86,3 +86,31 @@ def test_gemma3_defaults_read_as_transformers_reads_them():
   assert keys["attention_scale"] == pytest.approx(c.query_pre_attn_scalar ** -0.5)
   assert keys["tie_embeddings"] is c.tie_word_embeddings
   assert hf.model_keys(BASE, "config.json") == keys
+
+
+@pytest.mark.parametrize("sets,named", [
+    (["model.mlp_activation=gelu_tanh", "model.moe_experts=4"], ("model.mlp_activation='gelu_tanh'", "moe_experts=4")),
+    (["model.attention_scale=0.1", "model.attention_type=mla"], ("model.attention_scale=0.1", "attention_type=mla"))])
+def test_gemma_keys_that_cannot_combine_are_refused_in_one_line(sets, named):
+  from jaxtrain.core import config
+  with pytest.raises(UserError) as e:
+    config.load("tiny", sets)
+  assert all(n in str(e.value) for n in named) and "\n" not in str(e.value)
+
+
+def test_local_rope_base_acts_only_on_local_layers():
+  """model.rope_local_theta: the local layers' tables differ from the global ones, which keep rope_theta and its
+  linear scaling (every frequency / factor); without a window the key has nothing to act on (one table pair)."""
+  import dataclasses
+
+  from jaxtrain.core import config
+  from jaxtrain.model.layers import layer_tables, rope_tables
+  m = dataclasses.replace(config.load("tiny").model, sliding_window=4, rope_local_theta=10.0, rope_theta=1000.0,
+                          rope_scaling="linear", rope_factor=2.0)
+  pos = np.arange(8)[None]
+  tables = rope_tables(pos, m)
+  half = m.head_dim // 2
+  for window, theta, factor in ((4, 10.0, 1.0), (0, 1000.0, 2.0)):
+    want = pos[:, :, None, None] * (theta ** (-np.arange(half) / half) / factor)
+    np.testing.assert_allclose(np.asarray(layer_tables(tables, window)[0]), np.sin(want), rtol=1e-5, atol=1e-6)
+  assert len(rope_tables(pos, dataclasses.replace(m, sliding_window=0))) == 2
