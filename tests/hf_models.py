@@ -85,6 +85,24 @@ def mistral(path, *, window=5, seed=0):
   return m
 
 
+def gemma3(path, *, seed=0, layers=6, window=4, **extra):
+  """A GQA Gemma 3 text model: every 6th layer global (the rest see `window` tokens), local RoPE base 10 against a
+  linearly scaled global 1000, query_pre_attn_scalar 24 (not head_dim 16), tied; saved to `path`."""
+  import torch
+  import transformers
+  torch.manual_seed(seed)
+  rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+          "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}}
+  cfg = transformers.Gemma3TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
+                                      query_pre_attn_scalar=24, rope_parameters=rope, initializer_range=0.2,
+                                      max_position_embeddings=64, **extra)
+  m = transformers.Gemma3ForCausalLM(cfg).eval()
+  _perturb_norms(m, seed)
+  m.save_pretrained(path)
+  return m
+
+
 def _perturb_norms(m, seed):
   """Norm scales start at 1; random ones make a transposed or swapped norm visible."""
   import torch

@@ -267,6 +267,7 @@ COVERED_BY = {
     "jaxtrain.hf": ("tests/commands/test_flows.py", "hf_command"),
     "jaxtrain.interop.decode": ("tests/interop/test_generate.py", "decode"),
     "jaxtrain.interop.hf_deepseek": ("tests/interop/test_deepseek.py", "DeepseekV3"),
+    "jaxtrain.interop.hf_gemma3": ("tests/interop/test_gemma3.py", "gemma3_text"),
     "jaxtrain.interop.hf_rope": ("tests/interop/test_hf.py", "hf_rope"),
     "jaxtrain.interop.hf_export": ("tests/interop/test_hf.py", "hf_export"),
     "jaxtrain.model.attention": ("tests/model/test_transformer.py", "attention"),

@@ -51,10 +51,11 @@ class ModelConfig:
   head_dim: int = key(16, "Width of one attention head.", math=True, min=1)
   d_ff: int = key(256, "Hidden width of the SwiGLU MLP.", math=True, min=1)
   rope_theta: float = key(10000.0, "RoPE base frequency.", math=True, min=1.0)
-  rope_scaling: Literal["none", "llama3", "yarn"] = key(
-      "none", "RoPE frequency scaling: none, llama3 (Llama 3.1/3.2 long context) or yarn (DeepSeek-V3); the rope_* "
-      "keys below.", math=True)
-  rope_factor: float = key(8.0, "llama3/yarn scaling: low frequencies are divided by this.", math=True, min=1.0)
+  rope_scaling: Literal["none", "linear", "llama3", "yarn"] = key(
+      "none", "RoPE frequency scaling: none, linear (every frequency divided by rope_factor: Gemma 3's global "
+      "layers), llama3 (Llama 3.1/3.2 long context) or yarn (DeepSeek-V3); the rope_* keys below.", math=True)
+  rope_factor: float = key(8.0, "linear/llama3/yarn scaling: (low) frequencies are divided by this.", math=True,
+                           min=1.0)
   rope_low_freq_factor: float = key(1.0, "llama3 scaling: wavelengths above original/this are fully scaled.",
                                     math=True, min=0.0)
   rope_high_freq_factor: float = key(4.0, "llama3 scaling: wavelengths below original/this are unscaled.",
@@ -170,14 +171,29 @@ class ModelConfig:
       False, "GPT-OSS experts: a learned router bias added to the router logits (param router_logit_bias) and biases "
       "on every expert's gate, up and down projections (b_gate, b_up, b_down); zero at init. Needs moe_experts > 0.",
       math=True)
-  mlp_activation: Literal["swiglu", "swiglu_clamped"] = key(
+  mlp_activation: Literal["swiglu", "swiglu_clamped", "gelu_tanh"] = key(
       "swiglu", "The gated MLP's (and every expert's) activation: swiglu = silu(gate) * up; swiglu_clamped (GPT-OSS) "
       "= g * sigmoid(swiglu_alpha * g) * (u + 1) with g = min(gate, swiglu_limit), u = up clipped to "
-      "[-swiglu_limit, swiglu_limit].", math=True)
+      "[-swiglu_limit, swiglu_limit]; gelu_tanh (Gemma, dense MLPs only) = gelu_tanh(gate) * up (GeGLU with the "
+      "tanh-approximated GELU).", math=True)
   swiglu_alpha: float = key(1.702, "swiglu_clamped: the sigmoid's gain (GPT-OSS: 1.702); unused with swiglu.",
                             math=True, min=0.0, open_min=True)
   swiglu_limit: float = key(7.0, "swiglu_clamped: the clamp of gate (above) and up (both sides) (GPT-OSS: 7.0); "
                             "unused with swiglu.", math=True, min=0.0, open_min=True)
+  # Gemma 3's departures from the Llama block (each off by default: the Llama math)
+  norm_convention: Literal["scale", "one_plus"] = key(
+      "scale", "What every RMSNorm (q/k norms included) multiplies the normalized x by: scale = its weight (init 1, "
+      "Llama); one_plus = 1 + its weight (init 0, Gemma).", math=True)
+  post_norms: bool = key(False, "Gemma 3: an RMSNorm also after the attention and after the MLP, on each one's "
+                         "output before the residual add (params attn_post_norm, mlp_post_norm).", math=True)
+  embed_scale: bool = key(False, "Gemma: token embeddings multiplied by sqrt(d_model), rounded to model.dtype as "
+                          "transformers does.", math=True)
+  rope_local_theta: float = key(
+      0.0, "Gemma 3: the RoPE base of local (windowed) layers, unscaled (global layers keep rope_theta and "
+      "rope_scaling). 0 = local layers rotate as global ones.", math=True, min=0.0)
+  attention_scale: float = key(
+      0.0, "The factor on the attention logits q.k; 0 = 1/sqrt(head_dim). Gemma 3: query_pre_attn_scalar**-0.5.",
+      math=True, min=0.0)
   attention: Literal["auto", "xla", "cudnn"] = key(
       "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if "
       "unsupported). With sequence > 1 it is the kernel inside ulysses (ring computes its own blocks: cudnn is "
@@ -557,8 +573,11 @@ DEPENDENT = (
     Needs(("model.moe_topk_group",), "model.moe_n_group > 1", lambda c, _: c.model.moe_n_group > 1),
     Needs(("model.q_lora_rank", "model.kv_lora_rank", "model.qk_nope_head_dim", "model.qk_rope_head_dim",
            "model.v_head_dim"), "model.attention_type=mla", lambda c, _: c.model.attention_type == "mla"),
-    Needs(("model.rope_factor", "model.rope_original_max_position"), "model.rope_scaling=llama3 or yarn",
+    Needs(("model.rope_factor",), "model.rope_scaling=linear, llama3 or yarn",
           lambda c, _: c.model.rope_scaling != "none"),
+    Needs(("model.rope_original_max_position",), "model.rope_scaling=llama3 or yarn",
+          lambda c, _: c.model.rope_scaling in ("llama3", "yarn")),
+    Needs(("model.rope_local_theta",), "model.sliding_window > 0", lambda c, _: c.model.sliding_window > 0),
     Needs(("model.rope_low_freq_factor", "model.rope_high_freq_factor"), "model.rope_scaling=llama3",
           lambda c, _: c.model.rope_scaling == "llama3"),
     Needs(("model.rope_beta_fast", "model.rope_beta_slow", "model.rope_mscale"), "model.rope_scaling=yarn",
@@ -818,6 +837,12 @@ def validate(cfg: Config) -> None:
     raise UserError("model.attention_bias=true is for grouped-query attention, not model.attention_type=mla (use gqa)")
   if m.moe_bias and not m.moe_experts:
     raise UserError("model.moe_bias=true needs model.moe_experts > 0 (it biases the router and the experts)")
+  if m.attention_type == "mla" and m.attention_scale:
+    raise UserError(f"model.attention_scale={m.attention_scale:g} is for grouped-query attention, not "
+                    "model.attention_type=mla (its softmax scale is its own; use 0)")
+  if m.mlp_activation == "gelu_tanh" and m.moe_experts:
+    raise UserError(f"model.mlp_activation={m.mlp_activation!r} is for dense MLPs; with model.moe_experts="
+                    f"{m.moe_experts} the experts are SwiGLU: allowed: swiglu, swiglu_clamped")
   check_lora(cfg)
   check_trackers(cfg)
   check_eval_tasks(cfg)

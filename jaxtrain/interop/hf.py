@@ -21,9 +21,9 @@ import numpy as np
 
 from jaxtrain.core import files
 from jaxtrain.core.errors import UserError
-from jaxtrain.interop import hf_deepseek, hf_gptoss, hf_source, hf_fields as F, hf_rope
+from jaxtrain.interop import hf_deepseek, hf_gemma3, hf_gptoss, hf_source, hf_fields as F, hf_rope
 
-SUPPORTED = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss")
+SUPPORTED = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "gemma3_text")
 QWEN3 = ("qwen3", "qwen3_moe")
 INDEX = "model.safetensors.index.json"
 HF_KEPT = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -50,6 +50,8 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
   mt = hf.get("model_type")
   if mt not in SUPPORTED:
     raise UserError(f"{where}: model_type={mt!r} is not supported; supported: {', '.join(SUPPORTED)}")
+  if mt == hf_gemma3.FAMILY:  # its own fields throughout (rope per layer kind, its activation's name)
+    return hf_gemma3.model_keys(hf, where)
   windows = _window_keys(hf, where)
   false = lambda v: v is False  # noqa: E731
   for field, ok, allowed in (("hidden_act", lambda v: v == "silu", "silu"), ("attention_bias", false, "false"),
@@ -142,6 +144,8 @@ def family(m) -> str:
     return "deepseek_v3"
   if m.attention_sinks or m.moe_bias:  # GPT-OSS alone has these
     return "gpt_oss"
+  if hf_gemma3.is_gemma(m):
+    return hf_gemma3.FAMILY
   if m.qk_norm:
     return "qwen3_moe" if m.moe_experts else "qwen3"
   return "mixtral" if m.moe_experts else "mistral" if m.sliding_window else "llama"
@@ -157,7 +161,7 @@ def _check_windows(m, fam: str) -> None:
     return
   if m.attention_sinks:
     raise UserError(f"model.attention_sinks=true: a {fam} checkpoint has no attention sinks; it cannot export")
-  if m.sliding_window and fam != "qwen3" and not all(m.layer_windows()):
+  if m.sliding_window and fam not in ("qwen3", hf_gemma3.FAMILY) and not all(m.layer_windows()):
     raise UserError(f"model.layer_types={m.layer_types!r}: a {fam} checkpoint windows every layer or none; only an "
                     "empty model.layer_types (every layer local) exports")
 
@@ -179,8 +183,11 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
                     f"{m.d_ff} exports")
   _check_windows(m, fam)
   for k, v in (("mlp_activation", "swiglu"), ("attention_bias", False)):  # GPT-OSS's alone (family: its sinks)
-    if fam != "gpt_oss" and getattr(m, k) != v:
+    if fam not in ("gpt_oss", hf_gemma3.FAMILY) and getattr(m, k) != v:
       raise UserError(f"model.{k}={getattr(m, k)!r}: a {fam} checkpoint cannot hold it; only {v!r} exports")
+  if fam == hf_gemma3.FAMILY:
+    return _with_tokenizer(hf_gemma3.hf_config(cfg, {k: v for k, v in base.items() if k not in (
+        "rope_parameters", "torch_dtype", "dtype", "transformers_version")} | {"torch_dtype": dtype}), tokenizer)
   drop = ("rope_parameters", "rope_scaling", "rope_theta", "original_max_position_embeddings", "partial_rotary_factor",
           "torch_dtype", "dtype", "architectures", "model_type", "transformers_version", "sliding_window",
           "num_local_experts", "num_experts", "layer_types")  # the rope fields: hf_rope.hf_rope's alone count
@@ -217,6 +224,11 @@ def hf_config(cfg, base: dict, dtype: str, tokenizer=None) -> dict:
     out = hf_gptoss.hf_config(cfg, out)
   else:  # DeepSeek-V3: the Llama fields above, then its own
     out = hf_deepseek.hf_config(cfg, out)
+  return _with_tokenizer(out, tokenizer)
+
+
+def _with_tokenizer(out: dict, tokenizer) -> dict:
+  """The tokenizer's special ids where the kept config.json does not name them."""
   if tokenizer is not None:
     out.setdefault("eos_token_id", tokenizer.eos_id)
     if tokenizer.bos_id is not None:
@@ -262,8 +274,9 @@ def _block(cfg, moe: bool) -> list[tuple]:
   rows = [(("attn", f"w{p}"), f"self_attn.{p}_proj.weight", hf, ours) for p, hf, ours in (
       ("q", (H * E, D), (D, H, E)), ("k", (K * E, D), (D, K, E)), ("v", (K * E, D), (D, K, E)),
       ("o", (D, H * E), (H, E, D)))]
-  rows += [(("attn_norm", "scale"), "input_layernorm.weight", (D,), None),
-           (("mlp_norm", "scale"), "post_attention_layernorm.weight", (D,), None)]
+  rows += hf_gemma3.norm_rows(cfg) if hf_gemma3.is_gemma(cfg) else [
+      (("attn_norm", "scale"), "input_layernorm.weight", (D,), None),
+      (("mlp_norm", "scale"), "post_attention_layernorm.weight", (D,), None)]
   if cfg.qk_norm:
     rows += [(("attn", f"{p}_norm", "scale"), f"self_attn.{p}_norm.weight", (E,), None) for p in "qk"]
   qwen = family(cfg) == "qwen3_moe"  # Qwen3-MoE names its experts like dense MLPs; Mixtral w1/w3/w2

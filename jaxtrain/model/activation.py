@@ -8,16 +8,21 @@ import jax.numpy as jnp
 from jaxtrain.core.config import ModelConfig
 
 
-def of(cfg: ModelConfig) -> tuple[float, float] | None:
-  """The static activation argument of `glu`: None for SwiGLU, (alpha, limit) for the clamped form."""
-  return (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.mlp_activation == "swiglu_clamped" else None
+def of(cfg: ModelConfig) -> tuple[float, float] | str | None:
+  """The static activation argument of `glu`: None for SwiGLU, (alpha, limit) for the clamped form, "gelu_tanh"."""
+  if cfg.mlp_activation == "swiglu_clamped":
+    return cfg.swiglu_alpha, cfg.swiglu_limit
+  return "gelu_tanh" if cfg.mlp_activation == "gelu_tanh" else None
 
 
-def glu(g, u, act: tuple[float, float] | None = None):
-  """silu(g) * u; with act = (alpha, limit) GPT-OSS's clamped form: the clamps keep its large activations finite in
-  low precision, and (u + 1) lets a zero up projection pass the gate through."""
+def glu(g, u, act: tuple[float, float] | str | None = None):
+  """silu(g) * u; "gelu_tanh": Gemma's GeGLU, gelu(g) (tanh approximation) * u; act = (alpha, limit): GPT-OSS's
+  clamped form, whose clamps keep its large activations finite in low precision, and (u + 1) lets a zero up
+  projection pass the gate through."""
   if act is None:
     return jax.nn.silu(g) * u
+  if act == "gelu_tanh":
+    return jax.nn.gelu(g, approximate=True) * u
   alpha, limit = act
   g = jnp.minimum(g, limit)
   u = jnp.clip(u, -limit, limit)

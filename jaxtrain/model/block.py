@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtrain.core.config import ModelConfig
 from jaxtrain.model import ops
 from jaxtrain.model.attention import cached_attention, max_logit, windowed_cached_attention
-from jaxtrain.model.layers import MLP, RMSNorm, param, rope
+from jaxtrain.model.layers import MLP, layer_tables, norm, param, rope
 from jaxtrain.model.lora import adapted, add_adapters
 from jaxtrain.model.mla import MLA
 from jaxtrain.model.moe import MoE
@@ -32,7 +32,7 @@ class Attention(nnx.Module):
     self.wo = param(rngs, (H, E, D), ("heads", "head_dim", "embed"), std)
     add_adapters(self, cfg, rngs, {"wq": 1, "wk": 1, "wv": 1, "wo": 2})
     if cfg.qk_norm:  # Qwen3: one scale over head_dim shared by every head, so replicated under tensor
-      self.q_norm, self.k_norm = RMSNorm(E, cfg.norm_eps), RMSNorm(E, cfg.norm_eps)
+      self.q_norm, self.k_norm = norm(cfg, E), norm(cfg, E)
     if cfg.attention_bias:  # GPT-OSS: zero at init
       self.bq = nnx.Param(jnp.zeros((H, E), jnp.float32), axes=("heads", "head_dim"))
       self.bk = nnx.Param(jnp.zeros((K, E), jnp.float32), axes=("kv_heads", "head_dim"))
@@ -41,6 +41,8 @@ class Attention(nnx.Module):
     if cfg.attention_sinks:  # GPT-OSS: zero at init, a sink as likely as a key scoring 0
       self.sinks = nnx.Param(jnp.zeros((H,), jnp.float32), axes=("sinks",))
     self.qk_norm, self.logits_dtype, self.bias = cfg.qk_norm, cfg.attention_logits_dtype, cfg.attention_bias
+    # model.attention_scale: q scaled once here, so every kernel's own 1/sqrt(head_dim) gives that factor
+    self.q_scale = cfg.attention_scale * E ** 0.5 if cfg.attention_scale else 1.0
     self.choices = cfg.window_choices()
 
   def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None, window=0):
@@ -65,7 +67,10 @@ class Attention(nnx.Module):
           (q_BxLxHxE, self.bq), (k_BxLxKxE, self.bk), (v_BxLxKxE, self.bv)))
     if self.qk_norm:
       q_BxLxHxE, k_BxLxKxE = self.q_norm(q_BxLxHxE), self.k_norm(k_BxLxKxE)
-    q_BxLxHxE = ops.constrain(rope(q_BxLxHxE, rope_tables), ("batch", "length", "act_heads", None))
+    q_BxLxHxE = rope(q_BxLxHxE, rope_tables)
+    if self.q_scale != 1.0:
+      q_BxLxHxE = (q_BxLxHxE.astype(jnp.float32) * self.q_scale).astype(q_BxLxHxE.dtype)
+    q_BxLxHxE = ops.constrain(q_BxLxHxE, ("batch", "length", "act_heads", None))
     k_BxLxKxE = ops.constrain(rope(k_BxLxKxE, rope_tables), ("batch", "length", "act_kv_heads", None))
     v_BxLxKxE = ops.constrain(v_BxLxKxE, ("batch", "length", "act_kv_heads", None))
     return checkpoint_name(q_BxLxHxE, "q"), checkpoint_name(k_BxLxKxE, "k"), checkpoint_name(v_BxLxKxE, "v")
@@ -88,21 +93,24 @@ class Attention(nnx.Module):
 class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe_layer: bool = False):
-    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.attn_norm = norm(cfg)
     self.attn = MLA(cfg, rngs) if cfg.attention_type == "mla" else Attention(cfg, rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.mlp_norm = norm(cfg)
     self.mlp = MoE(cfg, rngs) if moe_layer else MLP(cfg, rngs)
+    if cfg.post_norms:  # Gemma 3: each sublayer's output normed before the residual add
+      self.attn_post_norm, self.mlp_post_norm = norm(cfg), norm(cfg)
     self.windowed = cfg.sliding_window > 0
 
   def __call__(self, x_BxLxD, rope_tables, seg_BxL, cache=None, window=0):
     """(x, MoE stats or None)[, updated KV cache]; `window`: the layer's attention window (0: global)."""
     h_BxLxD = ops.constrain(self.attn_norm(x_BxLxD), WHOLE)
     kw = {"window": window} if self.windowed else {}  # MLA has no window (the config refuses one)
+    rope_tables = layer_tables(rope_tables, window)
     if cache is None:
-      x_BxLxD = x_BxLxD + self.attn(h_BxLxD, rope_tables, seg_BxL, **kw)
+      a_BxLxD = self.attn(h_BxLxD, rope_tables, seg_BxL, **kw)
     else:
       a_BxLxD, cache = self.attn(h_BxLxD, rope_tables, seg_BxL, cache, **kw)
-      x_BxLxD = x_BxLxD + a_BxLxD
+    x_BxLxD = x_BxLxD + self.post(a_BxLxD, "attn_post_norm")
     out = self.ffn(ops.constrain(x_BxLxD, RESIDUAL), cache is not None)
     return out if cache is None else (*out, cache)
 
@@ -110,13 +118,18 @@ class Block(nnx.Module):
     """(x plus the MLP's (or MoE's) output, MoE stats or None)."""
     h_BxLxD = ops.constrain(self.mlp_norm(x_BxLxD), WHOLE)
     y_BxLxD, stats = self.mlp(h_BxLxD, decoding) if isinstance(self.mlp, MoE) else (self.mlp(h_BxLxD), None)
-    return ops.constrain(x_BxLxD + y_BxLxD, RESIDUAL), stats
+    return ops.constrain(x_BxLxD + self.post(y_BxLxD, "mlp_post_norm"), RESIDUAL), stats
+
+  def post(self, y_BxLxD, name: str):
+    """A sublayer's output as the residual adds it: normed by `name` with model.post_norms."""
+    return getattr(self, name)(y_BxLxD) if hasattr(self, name) else y_BxLxD
 
   def probe(self, x_BxLxD, rope_tables, seg_BxL):
     """(the block's output, its attention's largest logit per head (H,)): QK-clip's forward, without gradient
     (grouped-query attention: config.check_optim refuses MLA)."""
     qkv = self.attn.project(ops.constrain(self.attn_norm(x_BxLxD), WHOLE), rope_tables)  # no window, no sinks:
-    x_BxLxD = ops.constrain(x_BxLxD + self.attn.out(self.attn.attend(*qkv, seg_BxL, 0, None)), RESIDUAL)  # refused
+    a_BxLxD = self.post(self.attn.out(self.attn.attend(*qkv, seg_BxL, 0, None)), "attn_post_norm")  # refused
+    x_BxLxD = ops.constrain(x_BxLxD + a_BxLxD, RESIDUAL)
     return self.ffn(x_BxLxD)[0], max_logit(qkv[0], qkv[1], seg_BxL)
 
 

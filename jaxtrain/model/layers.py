@@ -3,6 +3,8 @@ B batch, L length, D d_model, F d_ff, N heads, E head width."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,19 +21,28 @@ def param(rngs: nnx.Rngs, shape, axes, std: float) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
+  """`one_plus` (Gemma): the weight is stored as an offset from 1, (1 + w), zero at init."""
 
-  def __init__(self, dim: int, eps: float):
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=("norm",))
-    self.eps = eps
+  def __init__(self, dim: int, eps: float, one_plus: bool = False):
+    self.scale = nnx.Param((jnp.zeros if one_plus else jnp.ones)((dim,), jnp.float32), axes=("norm",))
+    self.eps, self.one_plus = eps, one_plus
 
   def __call__(self, x_BxLxD):
     x = x_BxLxD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-    return (x * self.scale[...]).astype(x_BxLxD.dtype)
+    return (x * (1.0 + self.scale[...] if self.one_plus else self.scale[...])).astype(x_BxLxD.dtype)
+
+
+def norm(cfg: ModelConfig, dim: int | None = None, eps: float | None = None) -> RMSNorm:
+  """An RMSNorm of the model (model.norm_convention), over d_model unless `dim`."""
+  return RMSNorm(dim or cfg.d_model, cfg.norm_eps if eps is None else eps, cfg.norm_convention == "one_plus")
+
+
 
 
 class MLP(nnx.Module):
-  """The gated MLP: down(glu(gate(x), up(x))), glu model.mlp_activation's (activation.glu)."""
+  """The gated MLP: down(glu(gate(x), up(x))), glu model.mlp_activation's (activation.glu): SwiGLU, GPT-OSS's
+  clamped form, or Gemma's GeGLU."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
     D, F, std = cfg.d_model, d_ff or cfg.d_ff, cfg.init_std
@@ -51,7 +62,25 @@ class MLP(nnx.Module):
 
 
 def rope_tables(pos_BxL, cfg: ModelConfig):
-  """(sin, cos) of the rotary angles, (B, L, 1, E/2) float32 with model.rope_scaling, once per forward pass."""
+  """(sin, cos) of the rotary angles, (B, L, 1, E/2) float32 with model.rope_scaling, once per forward pass; with
+  model.rope_local_theta, (sin, cos, local sin, local cos): `layer_tables` picks a layer's pair."""
+  tables = _angles(pos_BxL, cfg)
+  if cfg.rope_local_theta and cfg.sliding_window:
+    tables += _angles(pos_BxL, dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling="none"))
+  return tables
+
+
+def layer_tables(tables, window):
+  """The (sin, cos) a layer rotates with: the local pair for a local layer (`window` > 0; traced in a scanned
+  stack of mixed layers) where `rope_tables` made one."""
+  if len(tables) == 2:
+    return tables
+  if isinstance(window, int):
+    return tables[2:] if window else tables[:2]
+  return tuple(jnp.where(window > 0, local, full) for full, local in zip(tables[:2], tables[2:]))
+
+
+def _angles(pos_BxL, cfg: ModelConfig):
   half = rope_scaling.dim(cfg) // 2
   freq_E2 = rope_scaling.inv_freq(cfg)
   freq_E2 = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half) if freq_E2 is None else jnp.asarray(freq_E2)

@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.model import ops, rope as rope_lib
 from jaxtrain.model.attention import NEG_INF
-from jaxtrain.model.layers import RMSNorm, param as _param, rope
+from jaxtrain.model.layers import norm, param as _param, rope
 from jaxtrain.model.lora import adapted, add_adapters, effective
 
 LATENT_EPS = 1e-6  # the latent norms keep DeepSeek's eps whatever model.norm_eps says (as transformers does)
@@ -31,12 +31,12 @@ class MLA(nnx.Module):
     N, R, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     if Q:
       self.wq_a = _param(rngs, (D, Q), ("embed", None), std)
-      self.q_norm = RMSNorm(Q, LATENT_EPS)
+      self.q_norm = norm(cfg, Q, LATENT_EPS)
       self.wq_b = _param(rngs, (Q, H, N + R), ("embed", "heads", "head_dim"), std)
     else:
       self.wq = _param(rngs, (D, H, N + R), ("embed", "heads", "head_dim"), std)
     self.wkv_a = _param(rngs, (D, C + R), ("embed", None), std)
-    self.kv_norm = RMSNorm(C, LATENT_EPS)
+    self.kv_norm = norm(cfg, C, LATENT_EPS)
     self.wkv_b = _param(rngs, (C, H, N + V), ("embed", "heads", "head_dim"), std)
     self.wo = _param(rngs, (H, V, D), ("heads", "head_dim", "embed"), std)
     add_adapters(self, cfg, rngs, {"wq": 1, "wq_a": 1, "wq_b": 1, "wkv_a": 1, "wkv_b": 1, "wo": 2})

@@ -10,17 +10,17 @@ from flax import nnx
 
 from jaxtrain.model import ops
 from jaxtrain.model.block import RESIDUAL, Block
-from jaxtrain.model.layers import RMSNorm, param
+from jaxtrain.model.layers import norm, param
 
 
 class MTP(nnx.Module):
 
   def __init__(self, cfg, rngs: nnx.Rngs):
     D = cfg.d_model
-    self.enorm, self.hnorm = RMSNorm(D, cfg.norm_eps), RMSNorm(D, cfg.norm_eps)
+    self.enorm, self.hnorm = norm(cfg, D), norm(cfg, D)
     self.eh_proj = param(rngs, (2 * D, D), (None, "embed"), cfg.init_std)  # rows: [embedding; hidden]
     self.block = Block(cfg, rngs, cfg.is_moe_layer(cfg.n_layers))  # the layer after the last one
-    self.head_norm = RMSNorm(D, cfg.norm_eps)
+    self.head_norm = norm(cfg, D)
 
   def __call__(self, h_BxLxD, next_emb_BxLxD, tables, seg_BxL):
     """(head-normed hidden (B, L, D) whose logits predict the token after next, the block's MoE stats or None)."""

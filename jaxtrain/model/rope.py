@@ -21,6 +21,8 @@ def inv_freq(cfg) -> np.ndarray | None:
   half = E // 2
   pos_E2 = np.float32(cfg.rope_theta) ** (np.arange(half, dtype=np.float32) * 2 / E)
   base = np.float32(1.0) / pos_E2
+  if cfg.rope_scaling == "linear":
+    return (base / np.float32(cfg.rope_factor)).astype(np.float32)
   if cfg.rope_scaling == "yarn":
     return _yarn(cfg, pos_E2, E)
   # llama3: high kept, low / factor, blended between
@@ -66,6 +68,6 @@ def table_scale(cfg) -> float:
 
 def softmax_scale(cfg) -> float:
   """YaRN's extra factor on the softmax scale (mscale(factor, mscale_all_dim)^2), 1 without it."""
-  if cfg.rope_scaling == "none" or not cfg.rope_mscale_all_dim:
+  if cfg.rope_scaling in ("none", "linear") or not cfg.rope_mscale_all_dim:
     return 1.0
   return _mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2

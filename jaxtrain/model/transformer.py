@@ -11,7 +11,7 @@ from flax import nnx
 from jaxtrain.core.config import ModelConfig
 from jaxtrain.model import mla as mla_lib, ops, quant
 from jaxtrain.model.block import RESIDUAL, Block, empty_cache
-from jaxtrain.model.layers import RMSNorm, param, rope_tables
+from jaxtrain.model.layers import norm, param, rope_tables
 from jaxtrain.model.mtp import MTP
 
 NAMED = ("q", "k", "v", "attn_out", "mlp_hidden")
@@ -42,7 +42,7 @@ class Transformer(nnx.Module):
         setattr(self, name, stack_blocks(blocks[idx.start:idx.stop]))
     else:
       self.layers = nnx.List(blocks)
-    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.final_norm = norm(cfg)
     if not cfg.tie_embeddings:
       self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
     if cfg.mtp_layers:
@@ -67,7 +67,7 @@ class Transformer(nnx.Module):
     # batch split (on CPU it warns of a full rematerialization there). Gathering the table first silences that
     # but moves the whole float32 table and its gradient every step (2 x 2 GiB at 8B), far more than the rows.
     x_BxLxD = ops.lookup(self.embed[...], tokens_BxL).astype(jnp.dtype(self.cfg.dtype))
-    return ops.constrain(x_BxLxD, RESIDUAL)
+    return ops.constrain(scale_embeddings(x_BxLxD, self.cfg), RESIDUAL)
 
   def hidden(self, tokens_BxL, pos_BxL, seg_BxL):
     """(final-normed hidden states (B, L, D), list of MoE layers' stats): the forward pass without the head."""
@@ -143,6 +143,12 @@ class Transformer(nnx.Module):
         new["layers"].append(kv)
     logits_BxTxV = self.logits(self.final_norm(x_BxTxD))
     return logits_BxTxV, {**new, "seg": kv_seg_BxS, "start": start + tokens_BxT.shape[1]}
+
+
+def scale_embeddings(x_BxLxD, cfg: ModelConfig):
+  """model.embed_scale: looked-up rows times sqrt(d_model), that factor first rounded to the rows' dtype (as
+  transformers' Gemma does)."""
+  return x_BxLxD * jnp.asarray(cfg.d_model ** 0.5, x_BxLxD.dtype) if cfg.embed_scale else x_BxLxD
 
 
 def stacked_cache(cfg: ModelConfig) -> bool:

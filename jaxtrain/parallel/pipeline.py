@@ -142,7 +142,8 @@ def _execute(objective, params, mbs, w, grad_sharding, *, cfg, mesh, forward_onl
       state, is_leaf=lambda x: isinstance(x, nnx.Variable))])
   mtp = mtp_lib.trains(mc) and not forward_only
   tokens = (mbs["inputs"], mbs["targets"]) if mtp else (mbs["inputs"],)
-  embedded, embed_vjp = jax.vjp(lambda e: [_embed(plan, e, x, jnp.dtype(mc.dtype)) for x in tokens], params["embed"])
+  embedded, embed_vjp = jax.vjp(lambda e: [model_lib.scale_embeddings(_embed(plan, e, x, jnp.dtype(mc.dtype)), mc)
+                                           for x in tokens], params["embed"])
   head = [k for k in rest if all(r.head for r in jax.tree.leaves(roles.tree(mc, {k: rest[k]})))]
   specs = None if grad_sharding is None else jax.tree.map(lambda sh: sh.spec, (
       grad_sharding["layers"], {k: grad_sharding[k] for k in head}))

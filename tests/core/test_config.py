@@ -159,6 +159,8 @@ MATH_KEYS = {
     "model.sliding_window", "model.layer_types", "model.attention_sinks",  # local layers' windows; sink logits
     "model.attention_bias", "model.moe_bias", "model.mlp_activation", "model.swiglu_alpha",  # GPT-OSS's biases
     "model.swiglu_limit", "model.rope_truncate",  # and its clamped SwiGLU; YaRN's correction range not truncated
+    "model.norm_convention", "model.post_norms", "model.embed_scale",  # Gemma 3
+    "model.rope_local_theta", "model.attention_scale",
     # DeepSeek-V3: YaRN, multi-head latent attention, group-limited routing, multi-token prediction
     "model.rope_beta_fast", "model.rope_beta_slow", "model.rope_mscale", "model.rope_mscale_all_dim",
     "model.attention_type", "model.q_lora_rank", "model.kv_lora_rank", "model.qk_nope_head_dim",

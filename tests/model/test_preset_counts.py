@@ -15,7 +15,8 @@ from jaxtrain.model import transformer as model_lib  # noqa: E402
 
 # Add a family's presets here: each is counted both ways.
 PRESETS = ["llama3-1b", "llama3-8b", "llama3.1-8b", "llama3.1-70b", "llama3.1-405b", "llama3.2-1b", "mixtral-8x7b",
-           "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b"]
+           "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b", "gemma-3-1b", "gemma-3-4b",
+           "gemma-3-12b", "gemma-3-27b"]
 
 
 def _count(module) -> int:

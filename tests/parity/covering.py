@@ -60,7 +60,12 @@ FACTORS = (
     Factor("in_backward", (False, True)),  # optim.in_backward
     Factor("attention_bias", (False, True)),  # model.attention_bias (GPT-OSS's q/k/v/o biases)
     Factor("moe_bias", (False, True), when=("moe", ("capacity", "dropless"))),  # model.moe_bias: router, experts
-    Factor("activation", ("swiglu", "swiglu_clamped")),  # model.mlp_activation (dense MLP and experts)
+    Factor("activation", ("swiglu", "swiglu_clamped", "gelu_tanh")),  # model.mlp_activation
+    # Gemma 3's block: model.norm_convention=one_plus, post_norms, embed_scale (its GeGLU: `activation`),
+    # attention_scale (and rope_local_theta with a window). Not under float16: in float32 a gemma row equals its
+    # one-device run to 1e-6, but float16's 10-bit mantissa moved the third step's gradient norm by 1.8e-3 (over
+    # float16's 1e-3) and with FP8 by 0.23 (fsdp=2,tensor=2,pipeline=2, interleaved, MTP, sinks)
+    Factor("gemma", (False, True), when=("dtype", ("float32", "bfloat16"))),
 )
 # Options that never change the step (what is logged where, what is evaluated beside it): their levels are given to
 # the rows of the factors above after those are chosen (so those rows stay as they were), and a row added for them
@@ -111,6 +116,11 @@ REFUSED = {
                                                                             "model.sliding_window="),
                            (("sinks", True), "model.attention_sinks=true"),
                            (("attention_bias", True), "model.attention_bias=true"))},
+    (("gemma", True), ("attention", "mla")): (("model.attention_scale=", "model.attention_type=mla"), "MLA's softmax "
+                                              "scale is its own (core.config.validate)"),
+    **{(("activation", "gelu_tanh"), ("moe", moe)): (("model.mlp_activation='gelu_tanh'", "model.moe_experts="),
+                                                     "the experts are SwiGLU (core.config.validate)")
+       for moe in ("capacity", "dropless")},
     (("window", "alternate"), ("pipeline", 2)): (("model.layer_types='alternate'", "pipeline=2"), "the matrix's "
                                                  "pipelines hold one layer a chunk: their chunks' windows differ"),
     **{(("in_backward", True), pair): (("optim.in_backward=true", words), "the update in the backward "
@@ -267,6 +277,7 @@ def refusal_rows() -> list[tuple[dict, tuple, str]]:
   out = []
   for pair, (words, why) in REFUSED.items():
     row = dict(pair)
+    row.update({BY_NAME[n].when[0]: BY_NAME[n].when[1][0] for n, _ in pair if BY_NAME[n].when})  # pair in force
     for f in ALL:
       if f.name not in row:
         row[f.name] = next(lv for lv in f.levels if refused({**row, f.name: lv}) == [pair])

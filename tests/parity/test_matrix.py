@@ -34,6 +34,7 @@ MOE = {"dense": [], "capacity": ["model.moe_experts=4", "model.moe_top_k=2", "mo
        "dropless": ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_expert_d_ff=32", "model.moe_dropless=true"]}
 WINDOW = {"none": [], "local": ["model.sliding_window=4"],  # of train.seq_len=16
           "alternate": ["model.sliding_window=4", "model.layer_types=alternate"]}
+GEMMA = ["model.norm_convention=one_plus", "model.post_norms=true", "model.embed_scale=true", "model.attention_scale=0.25"]  # 0.25: not head_dim 8's 1/sqrt(8)
 TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 2e-2}
 FAST = {"xla_backend_optimization_level": 0}  # LLVM at -O0, both sides: half the compile time
 FP8_TOLERANCE = 5e-2
@@ -84,6 +85,8 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
   sets += [f"model.attention_bias={str(row['attention_bias']).lower()}", f"model.mlp_activation={row['activation']}"]
   if on("moe_bias") and row["moe_bias"]:
     sets += ["model.moe_bias=true"]
+  if on("gemma") and row["gemma"]:
+    sets += GEMMA + (["model.rope_local_theta=100"] if row["window"] != "none" else [])
   if row["objective"] == "dpo":
     sets += ["train.objective=dpo", "train.dpo_beta=0.1", f"data.source={source}", "train.batch_size=32"]
   if row.get("schedule_in", "steps") != "steps":  # 2 steps of 16 (DPO 32) rows: the ramp's first size is those
