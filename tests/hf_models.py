@@ -215,3 +215,34 @@ def transformers_greedy(ref, prompts, n: int = 20) -> list[list[int]]:
   mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
   ref.generation_config.eos_token_id = None
   return ref.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)[:, P:].tolist()
+
+
+def tensors(directory) -> dict:
+  """Every tensor of a directory's safetensors files."""
+  from safetensors.numpy import load_file
+  out = {}
+  for f in sorted(directory.glob("*.safetensors")):
+    out.update(load_file(str(f)))
+  return out
+
+
+def bit_identical(a: dict, b: dict) -> None:
+  assert sorted(a) == sorted(b)
+  for k in a:
+    assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+    assert np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)), k
+
+
+def exports_back(d, spec: str, out, ref, theirs, ids) -> None:
+  """`hf export` of the import in d/"w" (on mesh `spec`) into `out`: its tensors bit for bit d/"hf"'s, and
+  transformers loads it as `ref`'s class with exactly the logits `theirs` on `ids`."""
+  import torch
+  import transformers
+  from jaxtrain.interop import hf_export
+  step_dir = runs.locate(d / "w", 0)
+  hf_export.run_export(runs.config_of(checkpoint.read_manifest(step_dir)), mesh_of(spec), step_dir, out, "float32",
+                       10**9, d / "w")
+  bit_identical(tensors(d / "hf"), tensors(out))
+  back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  assert type(back) is type(ref)
+  np.testing.assert_array_equal(torch_logits(back, ids), theirs)

@@ -10,12 +10,10 @@ import pytest
 pytest.importorskip("transformers")
 
 from jaxtrain.core.errors import UserError  # noqa: E402
-from jaxtrain.interop import hf, hf_export  # noqa: E402
-from jaxtrain.run import checkpoint, runs  # noqa: E402
+from jaxtrain.interop import hf  # noqa: E402
 from tests import hf_models as H  # noqa: E402
-from tests.helpers import mesh_of  # noqa: E402
 from tests.interop.test_generate import _generate  # noqa: E402
-from tests.interop.test_hf import IDS, _bit_identical, _tensors  # noqa: E402
+from tests.interop.test_hf import IDS  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 90]]  # the first longer than the window
 CASES = {"fsdp=2,tp=2": (), "fsdp=1": ("model.scan_layers=true",)}  # layer by layer; one scanned mixed stack
@@ -32,8 +30,6 @@ def imported(request, tmp_path_factory):
 
 @pytest.mark.slow  # whole-model compiles
 def test_gemma3_imports_and_exports_with_the_logits_of_transformers(imported, tmp_path):
-  import torch
-  import transformers
   d, ref, spec, (cfg, model, _) = imported
   m = cfg.model
   assert m.layer_windows() == (4, 4, 4, 4, 4, 0) and m.layer_types == "5:1"
@@ -41,13 +37,7 @@ def test_gemma3_imports_and_exports_with_the_logits_of_transformers(imported, tm
   assert m.attention_scale == pytest.approx(24 ** -0.5) and m.tie_embeddings
   theirs = H.torch_logits(ref, IDS)
   assert H.rel_err(H.jax_logits(model, IDS), theirs) < 1e-5
-  step_dir = runs.locate(d / "w", 0)
-  hf_export.run_export(runs.config_of(checkpoint.read_manifest(step_dir)), mesh_of(spec), step_dir, tmp_path / "out",
-                       "float32", 10**9, d / "w")
-  _bit_identical(_tensors(d / "hf"), _tensors(tmp_path / "out"))
-  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-  assert type(back) is type(ref)
-  np.testing.assert_array_equal(H.torch_logits(back, IDS), theirs)
+  H.exports_back(d, spec, tmp_path / "out", ref, theirs, IDS)
 
 
 @pytest.mark.slow

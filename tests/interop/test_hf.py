@@ -50,19 +50,7 @@ def test_mixtral_logits_match_transformers_after_import(mixtral):
   assert H.rel_err(H.jax_logits(model, IDS), H.torch_logits(ref, IDS)) < 1e-5
 
 
-def _tensors(directory):
-  from safetensors.numpy import load_file
-  out = {}
-  for f in sorted(directory.glob("*.safetensors")):
-    out.update(load_file(str(f)))
-  return out
-
-
-def _bit_identical(a, b):
-  assert sorted(a) == sorted(b)
-  for k in a:
-    assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-    assert np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)), k
+_tensors, _bit_identical = H.tensors, H.bit_identical
 
 
 def test_round_trip_is_bit_identical(tmp_path, mixtral):

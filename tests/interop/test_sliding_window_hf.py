@@ -4,17 +4,13 @@ use_sliding_window (its layers from max_window_layers on local) import with thei
 
 import copy
 
-import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
 
-from jaxtrain.interop import hf_export  # noqa: E402
-from jaxtrain.run import checkpoint, runs  # noqa: E402
 from tests import hf_models as H  # noqa: E402
-from tests.helpers import mesh_of  # noqa: E402
 from tests.interop.test_generate import _generate  # noqa: E402
-from tests.interop.test_hf import IDS, _bit_identical, _tensors  # noqa: E402
+from tests.interop.test_hf import IDS  # noqa: E402
 
 pytestmark = pytest.mark.slow  # whole-model compiles
 
@@ -35,8 +31,6 @@ def imported(request, tmp_path_factory):
 
 
 def test_windowed_checkpoints_import_and_export_with_the_logits_of_transformers(imported, tmp_path):
-  import torch
-  import transformers
   d, ref, spec, windows, (cfg, model, _) = imported
   assert cfg.model.layer_windows() == windows
   theirs = H.torch_logits(ref, IDS)
@@ -46,13 +40,7 @@ def test_windowed_checkpoints_import_and_export_with_the_logits_of_transformers(
   full.load_state_dict(ref.state_dict())
   assert H.rel_err(H.torch_logits(full, IDS), theirs) > 1e-2  # the window matters at these 24 positions
   assert H.rel_err(H.jax_logits(model, IDS), theirs) < 1e-5
-  step_dir = runs.locate(d / "w", 0)
-  hf_export.run_export(runs.config_of(checkpoint.read_manifest(step_dir)), mesh_of(spec), step_dir, tmp_path / "out",
-                       "float32", 10**9, d / "w")
-  _bit_identical(_tensors(d / "hf"), _tensors(tmp_path / "out"))
-  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-  assert type(back) is type(ref)
-  np.testing.assert_array_equal(H.torch_logits(back, IDS), theirs)
+  H.exports_back(d, spec, tmp_path / "out", ref, theirs, IDS)
 
 
 def test_greedy_generation_through_the_windowed_cache_equals_transformers(imported):
