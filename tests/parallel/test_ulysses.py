@@ -120,7 +120,7 @@ def test_mla_through_the_cudnn_path_equals_one_device(spec, monkeypatch):
   kernel's XLA implementation in its place (the same call, masks and padding): the losses equal one device with
   the reference kernel, float32."""
   fused = kernels.fused
-  monkeypatch.setattr(kernels, "fused", lambda q, k, v, seg: fused(q, k, v, seg, implementation="xla"))
+  monkeypatch.setattr(kernels, "fused", lambda q, k, v, seg, **kw: fused(q, k, v, seg, implementation="xla", **kw))
   cfg = config.load("deepseek-v3-tiny", ["model.n_layers=2", "model.moe_first_dense=0", "model.dtype=float32",
                                          "train.batch_size=4", "train.seq_len=16", "train.microbatches=2",
                                          "model.sequence_attention=ulysses", "model.scan_layers=true",

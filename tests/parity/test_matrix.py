@@ -38,6 +38,7 @@ GEMMA = ["model.norm_convention=one_plus", "model.post_norms=true", "model.embed
 TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 2e-2}
 FAST = {"xla_backend_optimization_level": 0}  # LLVM at -O0, both sides: half the compile time
 FP8_TOLERANCE = 5e-2
+STORED_TOLERANCE = 1e-2  # a step after moments stored in bfloat16 or int8 (see the row test)
 
 
 @pytest.fixture(scope="session")
@@ -133,7 +134,11 @@ def test_a_row_of_the_matrix_equals_its_one_device_run(row, pairs_source):
   ref, init = trajectory(cfg, "data=1")
   got, _ = trajectory(cfg, mesh_spec(row), init)
   rtol = FP8_TOLERANCE if row["fp8"] != "none" else TOLERANCE[row["dtype"]]
-  np.testing.assert_allclose(got, ref, rtol=rtol, err_msg=f"{mesh_spec(row)} {overrides(row)[len(BASE) + 1:]}")
+  msg = f"{mesh_spec(row)} {overrides(row)[len(BASE) + 1:]}"
+  np.testing.assert_allclose(got[:STEPS], ref[:STEPS], rtol=rtol, err_msg=msg)
+  # the 3rd step reads moments stored below float32: a last-bit difference of the mesh's gradient can flip one
+  # stored value's rounding (bfloat16: 2^-8 relative), so that step holds to the stored dtype's resolution
+  np.testing.assert_allclose(got[STEPS:], ref[STEPS:], rtol=max(rtol, STORED_TOLERANCE), err_msg=msg)
 
 
 @pytest.mark.parametrize("row,words,why", covering.refusal_rows(), ids=lambda x: str(x)[:40])

@@ -451,7 +451,7 @@ def test_bench_compare_alternates_variants_with_compiled_memory(tmp_path, capsys
   2 rounds of 2 timed steps each, compiled memory per device, the JSON and the table."""
   from jaxtrain import bench
   from jaxtrain.analysis import compare as bench_compare
-  with pytest.raises(UserError, match="must look like NAME:"):
+  with pytest.raises(UserError, match="must look like NAME"):
     bench_compare.parse(["model.moe_dropless=true"])
   variants = ["drop:model.moe_dropless=true", "cap:model.moe_capacity_factor=1.25"]
   assert bench_compare.parse(variants) == [("drop", ["model.moe_dropless=true"]),
