@@ -427,7 +427,8 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   kernel, packed = plan.attention, plan.packed_segments
   st, made = state_bytes(setup), step_bytes(setup)
   t, remat = cfg.train, cfg.model.remat
-  batch = 5 * 4 * (t.batch_size // sharding.axis_ways("batch", t.batch_size, mesh)) * (t.seq_len // sharding.axis_ways("length", t.seq_len, mesh))
+  batch = 5 * 4 * (t.batch_size // sharding.axis_ways("batch", t.batch_size, mesh)) * (
+      t.seq_len // sharding.axis_ways("length", t.seq_len, mesh))
   piped = mesh.shape.get("pipeline", 1) > 1
   act = (pipeline_activations if piped else functools.partial(activations, logits_residual=False))(
       cfg, mesh, remat, kernel, packed)
@@ -436,11 +437,7 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
   _update_phases(setup, rows, work, gathered["layers"])
   p, host = plan.zero_stage, "host" if plan.cfg.optim.offload == "host" else ""
-  stored = (f"in host memory ({human(st['params'])} of master per device)" if host else
-            "float32, " + ("sharded like the params" if p == 0 else "split over data too (zero_stage)"))
-  grads = "float32, " + ("split over data (zero_stage 2)" if p == 2 else "sharded like the params") + (
-      "; one layer of each stack at a time beside the embedding's, head's and norms' (optim.in_backward)"
-      if cfg.optim.in_backward else "")
+  stored, grads = _state_notes(cfg, p, host, st)
   on_device = lambda part: 0 if host else st[part]  # noqa: E731
   kept = st["params"] + st["adam_m"] + st["adam_v"]  # offload: the master read for the compute copy, the state
   moved = (f"; per step {human(st['params'] + 2 * kept)} to the device, {human(kept)} back (the master for the "
@@ -482,6 +479,16 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
   me = mesh.devices.flat[0].process_index  # offload: every device of this host keeps its shards in host memory
   per_host = sum(d.process_index == me for d in mesh.devices.flat) if host else 0
   return Bill(items, notes, sum(items.values()), full, per_host * kept)
+
+
+def _state_notes(cfg, p: int, host: str, st: dict) -> tuple[str, str]:
+  """(where the master and moments are kept, how the gradients are) for ZeRO stage `p` and offload `host`."""
+  stored = (f"in host memory ({human(st['params'])} of master per device)" if host else
+            "float32, " + ("sharded like the params" if p == 0 else "split over data too (zero_stage)"))
+  grads = "float32, " + ("split over data (zero_stage 2)" if p == 2 else "sharded like the params") + (
+      "; one layer of each stack at a time beside the embedding's, head's and norms' (optim.in_backward)"
+      if cfg.optim.in_backward else "")
+  return stored, grads
 
 
 def moments_note(cfg, stored: str) -> str:
