@@ -64,7 +64,8 @@ def quantize(x, signed: bool) -> Quantized:
   code = dynamic_code(signed)
   mid = jnp.asarray((code[1:] + code[:-1]) / 2)  # the nearest point: the number of midpoints below
   normed = xb / jnp.where(absmax > 0, absmax, 1.0)[..., None]
-  idx = jnp.searchsorted(mid, normed, method="compare_all" if normed.size <= 1 << 16 else "scan_unrolled")
+  # a binary search (8 gathers an element): comparing against all 255 midpoints cost 6x its time on CPU
+  idx = jnp.searchsorted(mid, normed, method="scan_unrolled")
   codes = idx.astype(jnp.uint8).reshape(*x.shape[:-1], -1)[..., :n]
   return Quantized(codes, absmax)
 
