@@ -189,12 +189,13 @@ def muon_work(setup) -> tuple[int, str]:
     if r.way == "owner":
       count = math.prod(n for i, n in enumerate(local) if spec[i] is not None) * -(-r.batch // r.group)
     else:  # gathered: one layer of a stack at a time
-      count = math.prod(local[role.stacked and r.way == "gather":])
+      count = math.prod(local[int(role.stacked and r.way == "gather"):])
     m, n = muon_lib.matrix_dims(role, x.shape)
     most = max(most, count * (3 * m * n + 2 * min(m, n) ** 2) * s)
   said = {"owner": "on owner devices (all-to-all over {})", "gather": "gathered whole on each device of {}",
           "local": "whole as stored"}
-  return most, "; ".join(f"{k} {said[way].format('x'.join(moved))}" for (way, moved), k in sorted(ways.items()))
+  return most, "; ".join(f"{k} parameter{'s' * (k > 1)} {said[way].format('x'.join(moved))}"
+                         for (way, moved), k in sorted(ways.items()))
 
 
 def _dims(cfg, mesh) -> dict:
@@ -426,7 +427,7 @@ def _update_phases(setup, rows: list[Row], work: dict, gathered_layers: int) -> 
     work["layer phase"] += d["T"] * d["s"] * lora_ranks(rows)[1] + 4 * merged_experts(rows)[1]
   if cfg.optim.name == "muon":  # after the backward: no gathered weights beside it
     most, ways = muon_work(setup)
-    work[f"Muon orthogonalization ({ways})"] = most
+    work[f"Muon orthogonalization, {ways},"] = most
   if cfg.optim.offload == "host":  # the update brings one unit's master and moments at a time, and makes new ones
     work["offload update phase"] = gathered_layers + 2 * offload_unit_bytes(setup)
 

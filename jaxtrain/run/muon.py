@@ -121,12 +121,13 @@ def _owner(x, role: roles.Role, spec, mesh, r: Route, dtype, eps: float):
   whole = [i for i in range(lead) if spec[i] is None]
   mat = list(range(lead, x.ndim))
   order = split + whole + mat
-  y = jnp.transpose(x.astype(dtype), order)
+  constrain = lambda z, *s: jax.lax.with_sharding_constraint(z, NamedSharding(mesh, P(*s)))  # noqa: E731
+  # cast where the momentum lies: else XLA moves the float32 momentum and gradient and forms the Nesterov value there
+  y = jnp.transpose(constrain(x.astype(dtype), *spec), order)
   y = y.reshape(*(x.shape[i] for i in split), r.batch, *(x.shape[i] for i in mat))
   pad = -r.batch % r.group
   if pad:
     y = jnp.pad(y, [(0, pad) if k == len(split) else (0, 0) for k in range(y.ndim)])
-  constrain = lambda z, *s: jax.lax.with_sharding_constraint(z, NamedSharding(mesh, P(*s)))  # noqa: E731
   kept = [spec[i] for i in split]
   # all-to-alls, one matrix axis's split at a time: XLA's partitioner moves a split between two dims in one
   # all-to-all, but gathers whole when two dims' splits move at once
