@@ -170,7 +170,7 @@ def muon_work(setup) -> tuple[int, str]:
   """Per-device bytes of Muon's orthogonalization at its peak (0 without optim.name=muon), and which way runs
   (run/muon.py's `route`, per Muon parameter): one parameter's matrices whole in the NS dtype, three times (the
   iterate, the next one, the product) and the two Gram matrices; on owner devices a device's share of the batch
-  (ceil(batch / group) per slice of the split lead axes), gathered one layer of a stack (lead axes split as stored),
+  (ceil(batch / group)), gathered one layer of a stack (lead axes split as stored),
   as stored the parameter's local matrices."""
   cfg = setup.cfg
   if cfg.optim.name != "muon":
@@ -184,15 +184,15 @@ def muon_work(setup) -> tuple[int, str]:
       continue
     spec = muon_lib.full_spec(sh, x.ndim)
     r = muon_lib.route(role, x.shape, spec, setup.mesh)
-    ways[r.way, r.moved] += 1
+    ways[r.way, tuple(a for a in setup.mesh.axis_names if a in r.moved)] += 1
     local = [x.shape[i] // sharding.ways(spec[i], setup.mesh) for i in range(role.lead)]
     if r.way == "owner":
-      count = math.prod(n for i, n in enumerate(local) if spec[i] is not None) * -(-r.batch // r.group)
+      count = -(-r.batch // r.group)  # the batch: a device's slice of the lead axes
     else:  # gathered: one layer of a stack at a time
       count = math.prod(local[int(role.stacked and r.way == "gather"):])
     m, n = muon_lib.matrix_dims(role, x.shape)
     most = max(most, count * (3 * m * n + 2 * min(m, n) ** 2) * s)
-  said = {"owner": "on owner devices (all-to-all over {})", "gather": "gathered whole on each device of {}",
+  said = {"owner": "on owner devices: all-to-all over {}", "gather": "gathered whole on each device of {}",
           "local": "whole as stored"}
   return most, "; ".join(f"{k} parameter{'s' * (k > 1)} {said[way].format('x'.join(moved))}"
                          for (way, moved), k in sorted(ways.items()))
@@ -427,7 +427,7 @@ def _update_phases(setup, rows: list[Row], work: dict, gathered_layers: int) -> 
     work["layer phase"] += d["T"] * d["s"] * lora_ranks(rows)[1] + 4 * merged_experts(rows)[1]
   if cfg.optim.name == "muon":  # after the backward: no gathered weights beside it
     most, ways = muon_work(setup)
-    work[f"Muon orthogonalization, {ways},"] = most
+    work[f"Muon orthogonalization ({ways})"] = most
   if cfg.optim.offload == "host":  # the update brings one unit's master and moments at a time, and makes new ones
     work["offload update phase"] = gathered_layers + 2 * offload_unit_bytes(setup)
 

@@ -71,7 +71,7 @@ class Route(NamedTuple):
   """How one parameter's matrices become whole for Newton-Schulz (`route`)."""
   way: str  # "local" (no matrix is split), "owner" (all-to-all to owner devices), "gather" (all-gather on each)
   moved: tuple[str, ...] = ()  # the mesh axes that split a matrix: the group that shares the work
-  batch: int = 1  # matrices of the unsplit lead axes (the owner route's batch), before padding
+  batch: int = 1  # matrices in a device's slice of the lead axes (the owner route's batch), before padding
   group: int = 1  # devices of `moved`
 
 
@@ -83,16 +83,17 @@ def full_spec(sharding: NamedSharding | None, ndim: int):
 
 
 def route(role: roles.Role, shape, spec, mesh) -> Route:
-  """The one place that decides. Owner devices wherever the unsplit lead axes hold two matrices or more: each device
-  of the group then orthogonalizes ceil(batch / group) of them instead of all `batch`, for the same bytes moved (an
-  all-to-all there and back instead of an all-gather). The batch is padded with zero matrices to a multiple of the
-  group (zero stays zero through Newton-Schulz): a device then does ceil(batch / group) matrices, fewer than
-  gathering the remainder on every device would cost (floor(batch / group) + the remainder). A lone matrix is
-  gathered: owning it on one device would leave the rest idle for the same time."""
+  """The one place that decides. Owner devices wherever a device's slice of the lead axes holds two matrices or
+  more (a stack's layers, or a stage's, experts): each device of the group then orthogonalizes
+  ceil(batch / group) of them instead of all `batch`, for the same bytes moved (an all-to-all there and back
+  instead of an all-gather). The batch is padded with zero matrices to a multiple of the group (zero stays zero
+  through Newton-Schulz): a device then does ceil(batch / group) matrices, fewer than gathering the remainder on
+  every device would cost (floor(batch / group) + the remainder). A lone matrix is gathered: owning it on one
+  device would leave the rest idle for the same time."""
   axes = tuple(a for e in (spec or ())[role.lead:] for a in sharding_lib.axes_of(e))
   if not axes:
     return Route("local")
-  batch = math.prod(shape[i] for i in range(role.lead) if spec[i] is None)
+  batch = math.prod(shape[i] // sharding_lib.ways(spec[i], mesh) for i in range(role.lead))
   group = math.prod(mesh.shape[a] for a in axes)
   return Route("owner" if batch > 1 else "gather", axes, batch, group)
 
@@ -113,35 +114,41 @@ def _vmap_ns(y, eps: float, pin, axis_names):
 
 
 def _owner(x, role: roles.Role, spec, mesh, r: Route, dtype, eps: float):
-  """The owner route: split lead axes first, the unsplit ones merged into one batch axis padded to a multiple of
-  the group; an all-to-all moves the matrix axes' split onto that batch axis; Newton-Schulz on this device's whole
-  matrices; the reverse all-to-all; the padding dropped and the axes put back."""
+  """The owner route: each split lead axis cut into (its devices, its local extent), the local extents and the
+  unsplit lead axes merged into one batch axis padded to a multiple of the group; an all-to-all moves the matrix
+  axes' split onto that batch axis; Newton-Schulz on this device's whole matrices; the reverse all-to-all; the
+  padding dropped and the axes put back."""
   lead, m, n = role.lead, *matrix_dims(role, x.shape)
   split = [i for i in range(lead) if spec[i] is not None]
   whole = [i for i in range(lead) if spec[i] is None]
   mat = list(range(lead, x.ndim))
-  order = split + whole + mat
+  ways = [sharding_lib.ways(spec[i], mesh) for i in split]
   constrain = lambda z, *s: jax.lax.with_sharding_constraint(z, NamedSharding(mesh, P(*s)))  # noqa: E731
   # cast where the momentum lies: else XLA moves the float32 momentum and gradient and forms the Nesterov value there
-  y = jnp.transpose(constrain(x.astype(dtype), *spec), order)
-  y = y.reshape(*(x.shape[i] for i in split), r.batch, *(x.shape[i] for i in mat))
+  y = jnp.transpose(constrain(x.astype(dtype), *spec), split + whole + mat)
+  y = y.reshape(*(d for w, i in zip(ways, split) for d in (w, x.shape[i] // w)), *y.shape[len(split):])
+  k = len(split)  # (w1, l1, w2, l2, ..) -> (w1, w2, .., l1, l2, ..): each device's slices in one batch axis
+  y = jnp.transpose(y, [*range(0, 2 * k, 2), *range(1, 2 * k, 2), *range(2 * k, y.ndim)])
+  y = y.reshape(*ways, r.batch, *(x.shape[i] for i in mat))
   pad = -r.batch % r.group
   if pad:
-    y = jnp.pad(y, [(0, pad) if k == len(split) else (0, 0) for k in range(y.ndim)])
+    y = jnp.pad(y, [(0, pad) if d == k else (0, 0) for d in range(y.ndim)])
   kept = [spec[i] for i in split]
   # all-to-alls, one matrix axis's split at a time: XLA's partitioner moves a split between two dims in one
   # all-to-all, but gathers whole when two dims' splits move at once
   ends = sorted(set(itertools.accumulate((len(_without(spec[i], ()) or ()) for i in mat), initial=0)))
-  steps = [(r.moved[:k], [_without(spec[i], r.moved[:k]) for i in mat]) for k in ends]
+  steps = [(r.moved[:e], [_without(spec[i], r.moved[:e]) for i in mat]) for e in ends]
   for on_batch, on_matrix in steps[1:]:
     y = constrain(y, *kept, on_batch or None, *on_matrix)
   pin = lambda z: constrain(z)  # noqa: E731
-  o = _vmap_ns(y.reshape(*y.shape[:len(split) + 1], m, n), eps, pin, [*kept, r.moved]).reshape(y.shape)
+  o = _vmap_ns(y.reshape(*y.shape[:k + 1], m, n), eps, pin, [*kept, r.moved]).reshape(y.shape)
   for on_batch, on_matrix in reversed(steps[:-1]):  # and back: each device its slice of every matrix
     o = constrain(o, *kept, on_batch or None, *on_matrix)
-  o = o[tuple(slice(0, r.batch) if k == len(split) else slice(None) for k in range(o.ndim))]
-  o = o.reshape(*(x.shape[i] for i in order))
-  return jnp.transpose(o, [order.index(i) for i in range(x.ndim)]).astype(x.dtype)
+  o = o[tuple(slice(0, r.batch) if d == k else slice(None) for d in range(o.ndim))]
+  o = o.reshape(*ways, *(x.shape[i] // w for w, i in zip(ways, split)), *(x.shape[i] for i in whole + mat))
+  o = jnp.transpose(o, [d for j in range(k) for d in (j, k + j)] + list(range(2 * k, o.ndim)))
+  o = o.reshape(*(x.shape[i] for i in split + whole + mat))
+  return jnp.transpose(o, [(split + whole + mat).index(i) for i in range(x.ndim)]).astype(x.dtype)
 
 
 def orthogonalize(x, role: roles.Role, sharding: NamedSharding | None, dtype, eps: float):

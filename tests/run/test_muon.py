@@ -267,3 +267,24 @@ def test_owner_devices_orthogonalize_a_share_of_the_stack(spec, layers, share):
              for k, (r, x) in work.items())
   for k in work:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("spec,sets,said,layers", [
+    ("fsdp=4", ["model.scan_layers=true"], "7 parameters on owner devices: all-to-all over fsdp", 1),
+    ("fsdp=2,tensor=2", ["model.scan_layers=true"], "7 parameters on owner devices: all-to-all over fsdpxtensor", 1),
+    ("fsdp=4", [], "14 parameters gathered whole on each device of fsdp", 1),
+    ("pipeline=2,fsdp=2", ["model.scan_layers=true", "model.n_layers=4", "train.batch_size=8",
+                           "train.microbatches=2"], "7 parameters on owner devices: all-to-all over fsdp", 1),
+    ("data=4", ["model.scan_layers=true"], "7 parameters whole as stored", 2)])
+def test_the_bill_says_which_way_muon_makes_each_matrix_whole(spec, sets, said, layers):
+  """The bill's workspace names muon.route's way per Muon parameter: a scanned stack split by the mesh on owner
+  devices (a pipeline stage's layers too), an unscanned layer's lone matrices gathered, matrices no axis splits as
+  stored; the peak holds the largest parameter's matrices a device orthogonalizes at once: on owner devices its
+  share (ceil(2 layers / 4) = 1 layer; a stage's 2 layers over fsdp=2), as stored the whole stack."""
+  from jaxtrain.analysis import memory
+  from jaxtrain.run import step
+  setup = step.Setup(config.load("tiny", [*SMALL, *sets]), mesh_of(spec))
+  most, ways = memory.muon_work(setup)
+  assert ways == said
+  d, f = 32, 64  # one layer's largest matrix (d_model x d_ff): three copies and two Gram matrices, float32
+  assert most == layers * (3 * d * f + 2 * d * d) * 4
