@@ -8,8 +8,9 @@ Newton-Schulz needs the whole matrix. Where the momentum's sharding splits a mat
 becomes whole (docs/training.md#muon): a batch of matrices (a device's slice of the lead axes: a scanned stack's
 layers, a pipeline stage's, experts) goes to owner devices, an all-to-all that moves the split from the matrix axes
 to the batch axis, so each device of the group orthogonalizes whole matrices of its share and sends them back; a
-lone matrix (an unscanned layer's, one expert per device) is gathered whole in the orthogonalization dtype on every device that holds it, one layer of
-a stack at a time (`lax.map`), and constrained back to the momentum's sharding (each device keeps its slice)."""
+lone matrix (an unscanned layer's, one expert per device) is gathered whole in the orthogonalization dtype on every
+device that holds it, one layer of a stack at a time (`lax.map`), and constrained back to the momentum's sharding
+(each device keeps its slice)."""
 
 from __future__ import annotations
 
