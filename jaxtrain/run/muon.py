@@ -91,7 +91,7 @@ def route(role: roles.Role, shape, spec, mesh) -> Route:
   through Newton-Schulz): a device then does ceil(batch / group) matrices, fewer than gathering the remainder on
   every device would cost (floor(batch / group) + the remainder). A lone matrix is gathered: owning it on one
   device would leave the rest idle for the same time."""
-  axes = tuple(a for e in (spec or ())[role.lead:] for a in sharding_lib.axes_of(e))
+  axes = tuple(a for e in (spec or ())[role.lead:] for a in sharding_lib.axes_of(e) if mesh.shape[a] > 1)
   if not axes:
     return Route("local")
   batch = math.prod(shape[i] // sharding_lib.ways(spec[i], mesh) for i in range(role.lead))
@@ -137,7 +137,8 @@ def _owner(x, role: roles.Role, spec, mesh, r: Route, dtype, eps: float):
   kept = [spec[i] for i in split]
   # all-to-alls, one matrix axis's split at a time: XLA's partitioner moves a split between two dims in one
   # all-to-all, but gathers whole when two dims' splits move at once
-  ends = sorted(set(itertools.accumulate((len(_without(spec[i], ()) or ()) for i in mat), initial=0)))
+  ends = sorted(set(itertools.accumulate(
+      (sum(a in r.moved for a in sharding_lib.axes_of(spec[i])) for i in mat), initial=0)))
   steps = [(r.moved[:e], [_without(spec[i], r.moved[:e]) for i in mat]) for e in ends]
   for on_batch, on_matrix in steps[1:]:
     y = constrain(y, *kept, on_batch or None, *on_matrix)
