@@ -20,7 +20,7 @@ from jaxtrain.core.errors import UserError
 from jaxtrain.model import quant, roles
 from jaxtrain.parallel import devices, pipeline, program
 from jaxtrain.parallel import sharding
-from jaxtrain.run import moments
+from jaxtrain.run import moments, muon as muon_lib
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -166,24 +166,36 @@ def step_bytes(setup) -> dict[str, int]:
   return out
 
 
-def muon_bytes(setup) -> int:
-  """Per-device bytes of Muon's orthogonalization at its peak (0 without optim.name=muon): one parameter's matrices
-  (a stack's one layer; lead axes split as stored) whole in the NS dtype, three times (the iterate, the next one,
-  the product) and the two Gram matrices (run/muon.py)."""
+def muon_work(setup) -> tuple[int, str]:
+  """Per-device bytes of Muon's orthogonalization at its peak (0 without optim.name=muon), and which way runs
+  (run/muon.py's `route`, per Muon parameter): one parameter's matrices whole in the NS dtype, three times (the
+  iterate, the next one, the product) and the two Gram matrices; on owner devices a device's share of the batch
+  (ceil(batch / group)), gathered one layer of a stack (lead axes split as stored),
+  as stored the parameter's local matrices."""
   cfg = setup.cfg
   if cfg.optim.name != "muon":
-    return 0
+    return 0, ""
   s = 4 if cfg.model.dtype == "float32" else 2
-  params, most = nnx.to_pure_dict(setup.abstract_params), 0
+  params, most, ways = nnx.to_pure_dict(setup.abstract_params), 0, collections.Counter()
   for (path, x), sh in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(setup.layout.stored),
                            strict=True):
     role = roles.of(cfg.model, path)
-    if role.muon:
-      spec = tuple(sh.spec) + (None,) * len(x.shape)
-      count = math.prod(x.shape[i] // sharding.ways(spec[i], setup.mesh) for i in range(role.stacked, role.lead))
-      m, n = math.prod(x.shape[role.lead:role.in_axis + 1]), math.prod(x.shape[role.in_axis + 1:])
-      most = max(most, count * (3 * m * n + 2 * min(m, n) ** 2) * s)
-  return most
+    if not role.muon:
+      continue
+    spec = muon_lib.full_spec(sh, x.ndim)
+    r = muon_lib.route(role, x.shape, spec, setup.mesh)
+    ways[r.way, tuple(a for a in setup.mesh.axis_names if a in r.moved)] += 1
+    local = [x.shape[i] // sharding.ways(spec[i], setup.mesh) for i in range(role.lead)]
+    if r.way == "owner":
+      count = -(-r.batch // r.group)  # the batch: a device's slice of the lead axes
+    else:  # gathered: one layer of a stack at a time
+      count = math.prod(local[int(role.stacked and r.way == "gather"):])
+    m, n = muon_lib.matrix_dims(role, x.shape)
+    most = max(most, count * (3 * m * n + 2 * min(m, n) ** 2) * s)
+  said = {"owner": "on owner devices: all-to-all over {}", "gather": "gathered whole on each device of {}",
+          "local": "whole as stored"}
+  return most, "; ".join(f"{k} parameter{'s' * (k > 1)} {said[way].format('x'.join(moved))}"
+                         for (way, moved), k in sorted(ways.items()))
 
 
 def _dims(cfg, mesh) -> dict:
@@ -414,7 +426,8 @@ def _update_phases(setup, rows: list[Row], work: dict, gathered_layers: int) -> 
     d = _dims(cfg, mesh)
     work["layer phase"] += d["T"] * d["s"] * lora_ranks(rows)[1] + 4 * merged_experts(rows)[1]
   if cfg.optim.name == "muon":  # after the backward: no gathered weights beside it
-    work["Muon orthogonalization"] = muon_bytes(setup)
+    most, ways = muon_work(setup)
+    work[f"Muon orthogonalization ({ways})"] = most
   if cfg.optim.offload == "host":  # the update brings one unit's master and moments at a time, and makes new ones
     work["offload update phase"] = gathered_layers + 2 * offload_unit_bytes(setup)
 

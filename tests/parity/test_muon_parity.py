@@ -1,5 +1,6 @@
-"""Muon (optim.name=muon) on every kind of mesh equals one device, float32, 1e-5 (its matrices gathered whole for
-Newton-Schulz where the mesh splits them: jaxtrain/run/muon.py), and resumes bit for bit from a checkpoint."""
+"""Muon (optim.name=muon) on every kind of mesh equals one device, float32, 1e-5 (where the mesh splits its matrices,
+a stack's on owner devices, a lone matrix gathered whole: jaxtrain/run/muon.py's route), and resumes bit for bit from
+a checkpoint."""
 
 import functools
 
@@ -30,7 +31,9 @@ def _run(spec: str, *sets: str):
 @pytest.mark.parametrize("spec,sets", [
     ("fsdp=4", DENSE), ("tensor=2", DENSE), ("fsdp=2,tensor=2", DENSE), ("data=2", [*DENSE, "optim.zero_stage=1"]),
     ("data=2,fsdp=2", [*DENSE, "optim.zero_stage=2", "train.microbatches=2"]), ("fsdp=2,tensor=2", []),
-    ("expert=2,fsdp=2", MOE)], ids=lambda x: x if isinstance(x, str) else ",".join(s.split(".")[-1] for s in x))
+    ("expert=2,fsdp=2", MOE),
+    ("pipeline=2,fsdp=2", [*DENSE, "model.n_layers=4", "train.microbatches=2"])],  # a stage's 2 layers: owners
+    ids=lambda x: x if isinstance(x, str) else ",".join(s.split(".")[-1] for s in x))
 def test_muon_on_a_mesh_equals_one_device(spec, sets):
   got, ref = _run(spec, *sets), _run("data=1", *sets)
   assert got[-1, 0] < got[0, 0]  # it trains

@@ -13,7 +13,7 @@ from optax.contrib import _muon as contrib
 from jaxtrain import data
 from jaxtrain.core import config
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import transformer as model_lib
+from jaxtrain.model import roles, transformer as model_lib
 from jaxtrain.run import muon as muon_lib, optimizer as optim_lib
 from tests.helpers import grads_of, mesh_of
 
@@ -227,3 +227,64 @@ def test_the_bill_counts_one_moment_for_muons_matrices():
   st = memory.state_bytes(setup)
   assert st["adam_m"] == size(lambda _: True) and st["adam_v"] == size(lambda leaf: leaf not in PROJECTIONS)
   assert st["adam_v"] < st["adam_m"]
+
+
+@pytest.mark.parametrize("spec,layers,share", [("fsdp=4", 4, 1), ("fsdp=2,tensor=2", 4, 1), ("fsdp=4", 6, 2)])
+def test_owner_devices_orthogonalize_a_share_of_the_stack(spec, layers, share):
+  """The owner route (muon.route): on a mesh of N devices that splits each matrix of a scanned stack of L layers,
+  the per-device FLOPs of the optimized program's matmuls (each dot's, times its loop's trip count) in the
+  orthogonalization of every Muon matrix are those of ceil(L/N) layers (a device's share: L=6 on 4 devices pads to
+  8, 2 each), not of all L as when every device repeats each matrix's Newton-Schulz; and the result equals one
+  device's (1e-5)."""
+  from jaxtrain.analysis import gpu_compile
+  from jaxtrain.run import step
+  cfg = config.load("tiny", [*SMALL, "model.scan_layers=true", f"model.n_layers={layers}"])
+  setup = step.Setup(cfg, mesh_of(spec))
+  params = nnx.to_pure_dict(setup.abstract_params)
+  stored = {jax.tree_util.keystr(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(setup.layout.stored)}
+  rng = np.random.default_rng(0)
+  work = {jax.tree_util.keystr(p): (roles.of(cfg.model, p), rng.standard_normal(x.shape).astype(np.float32))
+          for p, x in jax.tree_util.tree_leaves_with_path(params) if roles.of(cfg.model, p).muon}
+  assert {k.rsplit("'", 2)[-2] for k in work} == PROJECTIONS
+
+  def flops_and_out(shardings):  # None: one device, as it lies
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    placed = {k: sh or one for k, sh in shardings.items()}
+    fn = lambda xs: {k: muon_lib.orthogonalize(x, work[k][0], shardings[k], jnp.float32, 1e-8)  # noqa: E731
+                     for k, x in xs.items()}
+    jitted = jax.jit(fn, out_shardings=placed)
+    xs = {k: jax.device_put(x, placed[k]) for k, (_, x) in work.items()}
+    hlo = gpu_compile.Hlo.parse(jitted.lower(xs).compile().as_text())
+    shapes = {i.name: i.shape for i in hlo.instrs}
+    dots = sum(gpu_compile.dot_flops(i, shapes) * hlo.times.get(i.computation, 1)
+               for i in hlo.instrs if i.opcode == "dot")
+    return dots, jitted(xs)
+
+  alone, want = flops_and_out(dict.fromkeys(work))
+  split, got = flops_and_out({k: stored[k] for k in work})
+  assert split / alone == pytest.approx(share / layers, rel=0.15), (split, alone)
+  assert all(muon_lib.route(r, x.shape, muon_lib.full_spec(stored[k], x.ndim), setup.mesh).way == "owner"
+             for k, (r, x) in work.items())
+  for k in work:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("spec,sets,said,layers", [
+    ("fsdp=4", ["model.scan_layers=true"], "7 parameters on owner devices: all-to-all over fsdp", 1),
+    ("fsdp=2,tensor=2", ["model.scan_layers=true"], "7 parameters on owner devices: all-to-all over fsdpxtensor", 1),
+    ("fsdp=4", [], "14 parameters gathered whole on each device of fsdp", 1),
+    ("pipeline=2,fsdp=2", ["model.scan_layers=true", "model.n_layers=4", "train.batch_size=8",
+                           "train.microbatches=2"], "7 parameters on owner devices: all-to-all over fsdp", 1),
+    ("data=4", ["model.scan_layers=true"], "7 parameters whole as stored", 2)])
+def test_the_bill_says_which_way_muon_makes_each_matrix_whole(spec, sets, said, layers):
+  """The bill's workspace names muon.route's way per Muon parameter: a scanned stack split by the mesh on owner
+  devices (a pipeline stage's layers too), an unscanned layer's lone matrices gathered, matrices no axis splits as
+  stored; the peak holds the largest parameter's matrices a device orthogonalizes at once: on owner devices its
+  share (ceil(2 layers / 4) = 1 layer; a stage's 2 layers over fsdp=2), as stored the whole stack."""
+  from jaxtrain.analysis import memory
+  from jaxtrain.run import step
+  setup = step.Setup(config.load("tiny", [*SMALL, *sets]), mesh_of(spec))
+  most, ways = memory.muon_work(setup)
+  assert ways == said
+  d, f = 32, 64  # one layer's largest matrix (d_model x d_ff): three copies and two Gram matrices, float32
+  assert most == layers * (3 * d * f + 2 * d * d) * 4
