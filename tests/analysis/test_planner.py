@@ -64,6 +64,11 @@ def test_every_listed_layout_runs_fits_and_spans_the_gpus(name, sets, gpus, per_
                            else mesh_lib.build(mesh_lib.parse_full(across[0].layout.mesh_spec())[0]))
     a2a = sum(v for k, v in planner.comms.moe_traffic(setup.cfg, setup.mesh)["expert"].items())
     assert across[0].estimate["exposed_s"] >= a2a / planner.DCN_BANDWIDTH > 0
+    # the experts' three float32 weights (2 layers x 4 experts x 128 x 256 each) split over expert x fsdp (and
+    # their hidden width over tensor)
+    axes, m = across[0].layout.axes, setup.cfg.model
+    experts = sum(r.bytes * r.count for r in memory.param_rows(setup) if "experts" in r.axes)
+    assert experts == 3 * 4 * m.moe_layers() * 4 * 128 * 256 // (axes["expert"] * axes["fsdp"] * axes["tensor"])
 
 
 def test_refused_layouts_are_pruned_with_their_line():
