@@ -81,7 +81,8 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
   if n > 1:
     form = sequence_forms(cfg, mesh)
     if m.sequence_attention == "ulysses":  # the kernel masks whole sequences: their int32 segment ids, once
-      out["sequence"]["ulysses all-to-all q/k/v/out (fwd+bwd)"] += int(k * held(cfg, mesh, m.n_layers) * form["ulysses"])
+      out["sequence"]["ulysses all-to-all q/k/v/out (fwd+bwd)"] += int(k * held(cfg, mesh, m.n_layers)
+                                                                       * form["ulysses"])
       out["sequence"]["segment ids all-gather"] += k * T * 4 * (n - 1)
     else:
       out["sequence"]["ring K/V transfers (fwd+bwd)"] += int(k * held(cfg, mesh, m.n_layers) * form["ring"])

@@ -2,9 +2,9 @@
 memory bill, ranked by an analytic step time, the most promising compiled for the target (XLA:GPU without a GPU)
 and re-ranked by the compiled step's predicted time (analysis.overlap, calibrated on an H100).
 
-A layout is a mesh (tensor inside a host, expert inside or across; pipeline, data, fsdp and sequence across) with the options
-that trade memory for time: model.remat, train.microbatches, optim.zero_stage, run.sequence_parallel and the
-pipeline schedule. docs/planner.md has the search and the figures it gives.
+A layout is a mesh (tensor inside a host, expert inside or across hosts; pipeline, data, fsdp and sequence across)
+with the options that trade memory for time: model.remat, train.microbatches, optim.zero_stage,
+run.sequence_parallel and the pipeline schedule. docs/planner.md has the search and the figures it gives.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ def test_a_pipeline_stage_moves_only_its_own_layers_activations():
   # groups (8 rows of a microbatch over ep=2) x 80 slots (test_expert_parallel_moe_traffic_follows_the_capacity)
   setup = step.Setup(config.load("moe-tiny", ["train.microbatches=2"]), mesh_of("pp=2,ep=2"))
   m = comms.moe_traffic(setup.cfg, setup.mesh)["expert"]
-  assert m == {"MoE all-to-all, capacity buffers (4 per MoE layer, 1280 rows)": int(2 * 1 * 4 * (1 / 2) * 1280 * 128 * 2)}
+  want = int(2 * 1 * 4 * (1 / 2) * 1280 * 128 * 2)  # microbatches x layers x all-to-alls x (n-1)/n x rows x D x bf16
+  assert m == {"MoE all-to-all, capacity buffers (4 per MoE layer, 1280 rows)": want}
 
 def test_expert_parallel_moe_traffic_follows_the_capacity():
   """moe-tiny on ep=4: 4 rows x 128 tokens per device, 4 experts, top-2, capacity 1.25 per
