@@ -195,6 +195,24 @@ def test_a_short_batch_splits_its_sequences():
   assert {sizes["sequence"] for sizes, _ in planner.meshes(cfg, planner.Target("H100", 16, 8))} == {1}
 
 
+
+def test_expert_weight_gathers_hide_under_compute_as_fsdp_ones_do():
+  """moe-tiny on expert=2: the dense weights are stored split over expert and gathered per layer, as fsdp's are, so
+  the bound hides those gathers and gradient reduce-scatters under the compute; the all-to-alls stay exposed."""
+  from tests.helpers import mesh_of
+  setup = step_lib.Setup(config.load("moe-tiny"), mesh_of("ep=2"))
+  rows = memory.grouped(memory.param_rows(setup))
+  layout = planner.Layout(tuple(dict(pipeline=1, data=1, fsdp=1, expert=2, sequence=1, tensor=1).items()),
+                          tuple((a, 1) for a in mesh_lib.AXES))
+  row = planner.devices.TABLE["H100"]
+  est = planner.estimate(setup, rows, layout, row)
+  parts = planner.comms.traffic(setup.cfg, setup.mesh, rows)["expert"]
+  layerwise = ("param all-gather (fwd+bwd)", "grad reduce-scatter")
+  hidden = sum(parts[k] for k in layerwise) / row.link_bandwidth
+  rest = sum(v for k, v in parts.items() if k not in layerwise) / row.link_bandwidth
+  assert hidden > 0 and rest > 0 and est["compute_s"] > 0
+  assert est["exposed_s"] == pytest.approx(rest + max(0.0, hidden - est["compute_s"]))
+
 @pytest.mark.slow  # an XLA:CPU compile
 def test_cpu_plan_measures_this_host_compiles_with_xla_cpu_and_ranks():
   """--device cpu: the row is measured here (each simulated device 1/N of the host's RAM), every listed layout spans
