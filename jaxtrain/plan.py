@@ -26,7 +26,8 @@ def parse_args(argv=None):
                  help="GPU kind, a row of the device table with peak FLOPs and link bandwidth: H100, H200, B200, A100 "
                       "(compiles for H100, H200, A100-80GB; default H100); or cpu: --gpus simulated CPU devices of "
                       "this host, measured here, compiled with XLA:CPU")
-  p.add_argument("--gpus-per-host", type=int, help="GPUs per host: tensor and expert stay inside one (default 8; "
+  p.add_argument("--gpus-per-host", type=int, help="GPUs per host: tensor stays inside one, expert fills one before "
+                                                    "crossing hosts (default 8; "
                                                     "not with --device cpu: this one host)")
   p.add_argument("--seq-len", type=int, help="tokens per sequence (train.seq_len; default: the config's)")
   p.add_argument("--global-batch", type=int, help="sequences per step (train.batch_size; default: the config's)")

@@ -68,7 +68,8 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
   if t > 1:
     ring = 2 * (t - 1) / t
     if max(sharding.axis_ways("act_heads", m.n_heads, mesh), sharding.axis_ways("act_mlp", m.d_ff, mesh)) > 1:
-      out["tensor"]["activation all-reduce (4 per layer)"] += int(k * ring * 4 * m.n_layers * T * m.d_model * s)
+      out["tensor"]["activation all-reduce (4 per layer)"] += int(k * ring * 4 * held(cfg, mesh, m.n_layers) * T
+                                                                  * m.d_model * s)
     if sharding.axis_ways("vocab", m.vocab_size, mesh) > 1:
       out["tensor"]["embedding + LM head all-reduce"] += int(k * ring * T * m.d_model * (4 + s))
     for r in rows:
@@ -80,10 +81,11 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
   if n > 1:
     form = sequence_forms(cfg, mesh)
     if m.sequence_attention == "ulysses":  # the kernel masks whole sequences: their int32 segment ids, once
-      out["sequence"]["ulysses all-to-all q/k/v/out (fwd+bwd)"] += k * m.n_layers * form["ulysses"]
+      out["sequence"]["ulysses all-to-all q/k/v/out (fwd+bwd)"] += int(k * held(cfg, mesh, m.n_layers)
+                                                                       * form["ulysses"])
       out["sequence"]["segment ids all-gather"] += k * T * 4 * (n - 1)
     else:
-      out["sequence"]["ring K/V transfers (fwd+bwd)"] += k * m.n_layers * form["ring"]
+      out["sequence"]["ring K/V transfers (fwd+bwd)"] += int(k * held(cfg, mesh, m.n_layers) * form["ring"])
 
   for axis, items in moe_traffic(cfg, mesh).items():
     out[axis].update(items)
@@ -91,6 +93,12 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
     from jaxtrain.parallel import pipeline
     out["pipeline"].update(pipeline.traffic(cfg, mesh, rows))
   return {axis: dict(items) for axis, items in out.items()}
+
+
+def held(cfg, mesh, layers: int) -> float:
+  """Of `layers` layers, those one device runs: all, or under a pipeline its stage's share (each stage runs only
+  its own layers' activation collectives, every microbatch)."""
+  return layers / mesh.shape.get("pipeline", 1)
 
 
 def sequence_forms(cfg, mesh) -> dict:
@@ -113,9 +121,9 @@ def moe_traffic(cfg, mesh) -> dict[str, dict[str, int]]:
   """{mesh axis: {what: bytes per device per step}} that the MoE dispatch moves, following
   the dispatch that runs (capacity buffers or the dropless exchange); {} for a dense model."""
   m, k = cfg.model, cfg.train.microbatches
-  layers = m.moe_layers()
-  if not layers:
+  if not m.moe_layers():
     return {}
+  layers = held(cfg, mesh, m.moe_layers())
   s = np.dtype(m.dtype).itemsize
   out: dict[str, dict[str, int]] = {}
   ep = mesh.shape["expert"]

@@ -67,13 +67,25 @@ class Costs:
       return fwd * 2.5 if "Backward" in target.group(1) else fwd
     return 0.0
 
+  @staticmethod
+  def loop(i) -> tuple[str, int]:
+    """(body, trip count) of a while instruction."""
+    body, trip = re.search(r"body=%?([\w.\-]+)", i.rest).group(1), re.search(r'"n":"(\d+)"', i.rest)
+    return body, int(trip.group(1)) if trip else 1
+
+  def branch(self, i) -> str | None:
+    """The callee a call runs, or the longest branch of a conditional (a pipeline tick's stage work): what both
+    the step's time and its matmul FLOPs count."""
+    return max(branches(i), key=self.computation, default=None)
+
   def seconds(self, i) -> float:
     """Roofline time of one scheduled instruction; a loop: its body's time x trip count."""
     if i.opcode == "while":
-      body, trip = re.search(r"body=%?([\w.\-]+)", i.rest).group(1), re.search(r'"n":"(\d+)"', i.rest)
-      return self.computation(body) * (int(trip.group(1)) if trip else 1)
-    if i.opcode in ("call", "conditional"):  # one branch runs: the longest (a pipeline tick's stage work)
-      return max((self.computation(c) for c in branches(i)), default=0.0)
+      body, trip = self.loop(i)
+      return self.computation(body) * trip
+    if i.opcode in ("call", "conditional"):  # one branch runs: the longest
+      b = self.branch(i)
+      return self.computation(b) if b else 0.0
     if i.opcode in _NOT_KERNELS or i.opcode.endswith(("-start", "-done", "-update")) or i.opcode in COLLECTIVES:
       return 0.0
     return max(self.flops(i) / self.peak(i), self.nbytes(i) / self.row.bandwidth)
@@ -107,6 +119,24 @@ class Costs:
   @functools.lru_cache(maxsize=None)
   def computation(self, name: str) -> float:
     return sum(self.seconds(i) for i in self.by_comp.get(name, ()))
+
+  @functools.lru_cache(maxsize=None)
+  def matmuls(self, name: str) -> float:
+    """Matmul FLOPs of one run of a computation, counted as its time is: a loop's body x trip count, a call's or
+    conditional's longest branch only, an async computation's work."""
+    total = 0.0
+    for i in self.by_comp.get(name, ()):
+      if i.opcode == "while":
+        body, trip = self.loop(i)
+        total += self.matmuls(body) * trip
+      elif i.opcode in ("call", "conditional"):
+        b = self.branch(i)
+        total += self.matmuls(b) if b else 0.0
+      elif i.opcode == "async-start":
+        total += sum(self.matmuls(c) for c in branches(i))
+      elif i.opcode in ("fusion", "custom-call", "dot"):
+        total += self.flops(i)
+    return total
 
 
 def _kind_and_bytes(i, shapes, roots) -> tuple[str, int] | None:
@@ -196,14 +226,12 @@ def _totals(hlo: Hlo, costs: Costs, rows: list[dict], row) -> dict:
   """The step's predicted seconds (compute + exposed communication), matmul FLOPs, and on an H100 the prediction
   calibrated by the peer's measured/predicted (CALIBRATION)."""
   entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo.text, re.M).group(1)
-  fused = {m for i in hlo.instrs if i.opcode == "fusion" for m in re.findall(r"calls=%?([\w.\-]+)", i.rest)}
   compute = costs.computation(entry)
   exposed = sum(r["exposed_seconds"] * r["per_step"] for r in rows)
   out = {
       "collective_seconds": sum(r["seconds"] * r["per_step"] for r in rows), "exposed_seconds": exposed,
       "compute_seconds": compute, "predicted_step_seconds": compute + exposed,
-      "matmul_flops": sum(costs.flops(i) * hlo.times.get(i.computation, 1) for i in hlo.instrs
-                          if i.computation not in fused and i.opcode in ("fusion", "custom-call", "dot")),
+      "matmul_flops": costs.matmuls(entry),
       "label": "prediction, not a measurement: kernels at their roofline one after another, plus the exposed "
                "part of each collective at the link bandwidth"}
   if row == devices.TABLE[CALIBRATION["device"]]:

@@ -2,9 +2,9 @@
 memory bill, ranked by an analytic step time, the most promising compiled for the target (XLA:GPU without a GPU)
 and re-ranked by the compiled step's predicted time (analysis.overlap, calibrated on an H100).
 
-A layout is a mesh (tensor and expert inside a host; pipeline, data, fsdp and sequence across) with the options
-that trade memory for time: model.remat, train.microbatches, optim.zero_stage, run.sequence_parallel and the
-pipeline schedule. docs/planner.md has the search and the figures it gives.
+A layout is a mesh (tensor inside a host, expert inside or across hosts; pipeline, data, fsdp and sequence across)
+with the options that trade memory for time: model.remat, train.microbatches, optim.zero_stage,
+run.sequence_parallel and the pipeline schedule. docs/planner.md has the search and the figures it gives.
 """
 
 from __future__ import annotations
@@ -127,29 +127,54 @@ def divisors(n: int) -> list[int]:
 
 
 def cross_host(sizes: dict[str, int], target: Target) -> dict[str, int] | None:
-  """Each axis's cross-host factor: the hosts split over pipeline, data, sequence, then fsdp (the axes whose traffic
-  is least or best hidden cross the network first); tensor and expert stay inside a host. None: no even split."""
-  left, dcn = target.hosts, {a: 1 for a in mesh_lib.AXES}
+  """Each axis's cross-host factor: an expert axis larger than its share of a host (tensor's rest) crosses with the
+  rest; the hosts left split over pipeline, data, sequence, then fsdp (the axes whose traffic is least or best hidden
+  cross the network first); tensor stays inside a host. None: no even split."""
+  dcn = {a: 1 for a in mesh_lib.AXES}
+  inner = max(1, min(target.per_host, target.gpus) // sizes["tensor"])
+  dcn["expert"] = sizes["expert"] // math.gcd(sizes["expert"], inner)
+  left = target.hosts // dcn["expert"] if target.hosts % dcn["expert"] == 0 else 0
   for axis in ("pipeline", "data", "sequence", "fsdp"):
     dcn[axis] = math.gcd(left, sizes[axis])
-    left //= dcn[axis]
+    left //= max(1, dcn[axis])
   return dcn if left == 1 else None
 
 
+def expert_sizes(cfg, inner: int, hosts: int) -> list[int]:
+  """Expert-parallel degrees of an MoE model beside a tensor axis that leaves `inner` devices of a host: dividing
+  `inner`, or all of it times a number of hosts (expert parallelism across hosts, as DeepSeek-V3 trained: EP 64 over
+  8 nodes: the all-to-all crosses the network, but each device keeps its experts' weights instead of gathering them
+  over fsdp every step). Each divides model.moe_experts. [1] for a dense model."""
+  x = cfg.model.moe_experts
+  if not x:
+    return [1]
+  sizes = divisors(inner) + [inner * h for h in divisors(hosts) if h > 1]
+  return [e for e in sizes if x % e == 0]
+
+
+def sequence_sizes(cfg, rest: int, gpus: int) -> list[int]:
+  """Sequence-axis degrees dividing `rest`: up to seq_len / 8192 for long sequences, or where the batch has fewer
+  sequences than there are GPUs, up to the split that gives each GPU a part of one (DeepSeek-V3's 256 x 4096 on 512
+  GPUs: half a sequence each)."""
+  t = cfg.train
+  most = max(t.seq_len // LONG_SEQUENCE, -(-gpus // t.batch_size))
+  return [s for s in divisors(rest) if s <= most and t.seq_len % s == 0] or [1]
+
+
 def meshes(cfg, target: Target):
-  """Every mesh of `target.gpus` devices: tensor x expert dividing a host; pipeline where the layers split evenly;
-  sequence only for long sequences; data x fsdp the rest."""
-  m, t = cfg.model, cfg.train
+  """Every mesh of `target.gpus` devices: tensor dividing a host, expert its rest of the host or across hosts
+  (expert_sizes); pipeline where the layers split evenly; sequence for long sequences or a short batch; data x fsdp
+  the rest."""
+  m = cfg.model
   per_host = min(target.per_host, target.gpus)
   for tensor in divisors(per_host):
-    for expert in (divisors(per_host // tensor) if m.moe_experts else [1]):
+    for expert in expert_sizes(cfg, per_host // tensor, target.hosts):
       rest = target.gpus // (tensor * expert)
-      if target.gpus % (tensor * expert) or (m.moe_experts and m.moe_experts % expert):
+      if target.gpus % (tensor * expert):
         continue
       pipes = [p for p in divisors(rest) if p == 1 or (m.n_layers % p == 0 and p <= m.n_layers)]
       for pipeline in pipes:
-        seqs = [s for s in divisors(rest // pipeline) if s <= t.seq_len // LONG_SEQUENCE and t.seq_len % s == 0]
-        for sequence in seqs or [1]:
+        for sequence in sequence_sizes(cfg, rest // pipeline, target.gpus):
           for fsdp in divisors(rest // pipeline // sequence):
             data = rest // (pipeline * sequence * fsdp)
             sizes = dict(pipeline=pipeline, data=data, fsdp=fsdp, expert=expert, sequence=sequence, tensor=tensor)
@@ -274,10 +299,16 @@ class Evaluator:
     return fit.verdict(total, self.capacity)[0] is not False
 
 
+def overlapped(axis: str, what: str) -> bool:
+  """Traffic XLA overlaps with the layers' compute: fsdp's, and the same per-layer weight gathers and gradient
+  reduce-scatters over `expert` (the dense weights stored split over fsdp x expert)."""
+  return axis == "fsdp" or (axis == "expert" and what in ("param all-gather (fwd+bwd)", "grad reduce-scatter"))
+
+
 def estimate(setup, rows, layout: Layout, row) -> dict:
   """Analytic step time: the model FLOPs (with remat's recompute) at the peak, stretched by the pipeline's bubble;
-  the communication of each axis at NVLink or network bandwidth, all exposed but fsdp's (the layer gathers and
-  reductions XLA overlaps with the layers' compute), hidden up to the compute's length. A bound to rank by (kernels
+  the communication of each axis at NVLink or network bandwidth, all exposed but what XLA overlaps with the layers'
+  compute (`overlapped`), hidden up to the compute's length. A bound to rank by (kernels
   at their peak), not a prediction."""
   from jaxtrain.model import flops
   from jaxtrain.parallel import pipeline
@@ -289,11 +320,12 @@ def estimate(setup, rows, layout: Layout, row) -> dict:
   dcn = dict(layout.dcn)
   exposed = hidden = 0.0
   for axis, parts in comms.traffic(cfg, mesh, rows).items():
-    seconds = sum(parts.values()) / (DCN_BANDWIDTH if dcn.get(axis, 1) > 1 else row.link_bandwidth)
-    if axis == "fsdp":
-      hidden += seconds
-    else:
-      exposed += seconds
+    bandwidth = DCN_BANDWIDTH if dcn.get(axis, 1) > 1 else row.link_bandwidth
+    for what, n in parts.items():
+      if overlapped(axis, what):
+        hidden += n / bandwidth
+      else:
+        exposed += n / bandwidth
   exposed += max(0.0, hidden - compute)
   return {"compute_s": compute, "exposed_s": exposed, "step_s": compute + exposed, "flops_per_step": per_step}
 

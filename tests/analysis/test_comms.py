@@ -53,6 +53,21 @@ def test_tensor_and_sequence_traffic():
   assert s["ring K/V transfers (fwd+bwd)"] == 3 * 1 * 2 * (16 * 64) * 2 * 4 * 16 * 2
 
 
+
+def test_a_pipeline_stage_moves_only_its_own_layers_activations():
+  """Under pipeline=2 each device runs 1 of tiny's 2 layers: its tensor all-reduces are one layer's, every
+  microbatch (2 of 8 rows x 128 tokens), not the whole model's (Megatron's TP4 PP8 was charged 8x); so its MoE
+  all-to-alls."""
+  tokens = 16 // 2 * 128  # one microbatch, not split over pipeline or tensor
+  t = _traffic("pp=2,tp=2", ["train.microbatches=2"])["tensor"]
+  assert t["activation all-reduce (4 per layer)"] == 2 * 4 * 1 * tokens * 128 * 2 * (2 * 1 / 2)
+  # moe-tiny's 2 MoE layers: one a stage, its 4 all-to-alls of the capacity buffers each microbatch: 4 experts x 4
+  # groups (8 rows of a microbatch over ep=2) x 80 slots (test_expert_parallel_moe_traffic_follows_the_capacity)
+  setup = step.Setup(config.load("moe-tiny", ["train.microbatches=2"]), mesh_of("pp=2,ep=2"))
+  m = comms.moe_traffic(setup.cfg, setup.mesh)["expert"]
+  want = int(2 * 1 * 4 * (1 / 2) * 1280 * 128 * 2)  # microbatches x layers x all-to-alls x (n-1)/n x rows x D x bf16
+  assert m == {"MoE all-to-all, capacity buffers (4 per MoE layer, 1280 rows)": want}
+
 def test_expert_parallel_moe_traffic_follows_the_capacity():
   """moe-tiny on ep=4: 4 rows x 128 tokens per device, 4 experts, top-2, capacity 1.25 per
   group of one sequence (128 tokens): 4 groups of C = ceil(1.25 * 128 * 2 / 4) = 80 slots

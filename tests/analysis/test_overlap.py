@@ -133,3 +133,20 @@ def test_a_loops_conditionals_count_their_longest_branch_every_iteration():
   tot = overlap.report(gpu_compile.Hlo.parse(LOOPED), row)["totals"]
   assert tot["compute_seconds"] == pytest.approx(8 * matmul)
   assert tot["matmul_flops"] == pytest.approx(8 * 2 * 1024**3)
+
+
+def test_matmul_flops_take_the_branch_the_time_takes():
+  """matmul_flops counts what compute_seconds counts: one branch of each conditional (its longest) every iteration,
+  not every branch's dots. Here the indexed conditional's branches are two 1024^3 matmuls and one (the predicated
+  one does nothing): 4 ticks x 2 matmuls, where the sum of every branch would be 4 x 3."""
+  from jaxtrain.parallel import devices
+  text = LOOPED.replace("ROOT %a = f32[1024,1024]{1,0} parameter(0)",
+                        "%a0 = f32[1024,1024]{1,0} parameter(0)\n  %a1 = f32[1024,1024]{1,0} dot(%a0, %a0), "
+                        "lhs_contracting_dims={1}, rhs_contracting_dims={0}\n  ROOT %a = f32[1024,1024]{1,0} "
+                        "dot(%a1, %a1), lhs_contracting_dims={1}, rhs_contracting_dims={0}", 1)
+  text = text.replace("true_computation=%work2", "true_computation=%idle2")
+  row = devices.TABLE["H100"]
+  matmul = max(2 * 1024**3 / row.peak_bf16_flops, 3 * 4 * 2**20 / row.bandwidth)
+  tot = overlap.report(gpu_compile.Hlo.parse(text), row)["totals"]
+  assert tot["compute_seconds"] == pytest.approx(4 * 2 * matmul)
+  assert tot["matmul_flops"] == pytest.approx(4 * 2 * 2 * 1024**3)

@@ -35,7 +35,7 @@ def _rebuilt_bill(name, sets, layout, device="H100"):
 
 @pytest.mark.parametrize("name, sets, gpus, per_host", [
     ("tiny", ["train.batch_size=8"], 4, 2),  # dense, on two hosts of two: cross-host factors too
-    ("moe-tiny", ["train.batch_size=8"], 2, 2),  # MoE: the expert axis
+    ("moe-tiny", ["train.batch_size=8"], 2, 1),  # MoE: the expert axis across two hosts of one GPU
     pytest.param("deepseek-v3-tiny", ["train.batch_size=8", "train.seq_len=64"], 4, 2,  # MLA, dropless, dense first
                  marks=pytest.mark.slow),
 ])
@@ -46,15 +46,29 @@ def test_every_listed_layout_runs_fits_and_spans_the_gpus(name, sets, gpus, per_
   for r in out.results:
     axes, dcn = mesh_lib.parse_full(r.layout.mesh_spec())
     assert math.prod(axes.values()) == gpus
-    assert per_host % (axes["tensor"] * axes["expert"]) == 0  # tensor x expert inside one host
+    inner = axes["tensor"] * axes["expert"] // dcn["expert"]
+    assert per_host % inner == 0 and (dcn["expert"] == 1 or inner == per_host)  # expert crosses from a full host
     assert math.prod(dcn.values()) == gpus // per_host and all(axes[a] % k == 0 for a, k in dcn.items())
-    assert dcn["tensor"] == dcn["expert"] == 1
+    assert dcn["tensor"] == 1
     total = _rebuilt_bill(name, sets, r.layout)
     assert total == r.bill and fit.verdict(total, H100)[0]
   steps = [r.step_s for r in out.results]
   assert steps == sorted(steps)
   if name != "tiny":
     assert any(r.layout.axes["expert"] > 1 for r in out.results)  # expert parallelism is among the layouts
+  if name == "moe-tiny":  # and across hosts, its all-to-all at the network's bandwidth
+    across = [r for r in out.results if dict(r.layout.dcn)["expert"] > 1]
+    assert across
+    setup = step_lib.Setup(config.load(name, [*sets, *across[0].layout.overrides()]),
+                           gpu_compile.mesh("H100", across[0].layout.mesh_spec()) if gpu_compile.plugin_installed()
+                           else mesh_lib.build(mesh_lib.parse_full(across[0].layout.mesh_spec())[0]))
+    a2a = sum(v for k, v in planner.comms.moe_traffic(setup.cfg, setup.mesh)["expert"].items())
+    assert across[0].estimate["exposed_s"] >= a2a / planner.DCN_BANDWIDTH > 0
+    # the experts' three float32 weights (2 layers x 4 experts x 128 x 256 each) split over expert x fsdp (and
+    # their hidden width over tensor)
+    axes, m = across[0].layout.axes, setup.cfg.model
+    experts = sum(r.bytes * r.count for r in memory.param_rows(setup) if "experts" in r.axes)
+    assert experts == 3 * 4 * m.moe_layers() * 4 * 128 * 256 // (axes["expert"] * axes["fsdp"] * axes["tensor"])
 
 
 def test_refused_layouts_are_pruned_with_their_line():
@@ -153,21 +167,51 @@ def test_the_printed_command_trains(run_cli, tmp_path):
 
 @pytest.mark.parametrize("name, seq_len", [("tiny", 128), ("tiny", 16384), ("moe-tiny", 128)])
 def test_meshes_are_every_split_of_the_gpus_the_rules_allow(name, seq_len):
-  """Against brute force: every assignment of sizes to the six axes with product 16 (two hosts of 8), tensor x expert
-  inside a host, expert only for MoE and dividing the experts, pipeline dividing the layers, sequence only from
-  8192 tokens per way."""
+  """Against brute force: every assignment of sizes to the six axes with product 16 (two hosts of 8), tensor inside a
+  host, expert only for MoE and dividing the experts, inside a host beside tensor or its whole rest of the host times
+  the hosts, pipeline dividing the layers, sequence only from 8192 tokens per way (batch 16: a whole sequence a GPU)."""
   cfg = config.load(name, [f"train.seq_len={seq_len}"])
   got = {tuple(sizes.values()) for sizes, _ in planner.meshes(cfg, planner.Target("H100", 16, 8))}
   want = set()
   for sizes in itertools.product(*[(1, 2, 4, 8, 16)] * 6):  # every size divides 16
     s = dict(zip(("pipeline", "data", "fsdp", "expert", "sequence", "tensor"), sizes))
-    if (math.prod(sizes) == 16 and 8 % (s["tensor"] * s["expert"]) == 0
+    if (math.prod(sizes) == 16 and 8 % s["tensor"] == 0
+        and (8 % (s["tensor"] * s["expert"]) == 0 or s["tensor"] * s["expert"] == 16)
         and (s["expert"] == 1 or (cfg.model.moe_experts and cfg.model.moe_experts % s["expert"] == 0))
         and cfg.model.n_layers % s["pipeline"] == 0 and s["sequence"] * 8192 <= max(seq_len, 8192)):
       want.add(sizes)
   assert got == want
   assert any(s[4] > 1 for s in got) == (seq_len >= 16384) and any(s[3] > 1 for s in got) == (name == "moe-tiny")
+  assert any(s[3] * s[5] == 16 for s in got) == (name == "moe-tiny")  # an expert axis across the two hosts
 
+
+def test_a_short_batch_splits_its_sequences():
+  """Fewer sequences than GPUs (DeepSeek-V3's 256 x 4096 on 512): a sequence axis up to the split that gives every
+  GPU a part of one, though the sequences are short; with enough sequences, none."""
+  cfg = config.load("tiny", ["train.batch_size=4"])
+  got = {sizes["sequence"] for sizes, _ in planner.meshes(cfg, planner.Target("H100", 16, 8))}
+  assert got == {1, 2, 4}
+  cfg = config.load("tiny", ["train.batch_size=16"])
+  assert {sizes["sequence"] for sizes, _ in planner.meshes(cfg, planner.Target("H100", 16, 8))} == {1}
+
+
+
+def test_expert_weight_gathers_hide_under_compute_as_fsdp_ones_do():
+  """moe-tiny on expert=2: the dense weights are stored split over expert and gathered per layer, as fsdp's are, so
+  the bound hides those gathers and gradient reduce-scatters under the compute; the all-to-alls stay exposed."""
+  from tests.helpers import mesh_of
+  setup = step_lib.Setup(config.load("moe-tiny"), mesh_of("ep=2"))
+  rows = memory.grouped(memory.param_rows(setup))
+  layout = planner.Layout(tuple(dict(pipeline=1, data=1, fsdp=1, expert=2, sequence=1, tensor=1).items()),
+                          tuple((a, 1) for a in mesh_lib.AXES))
+  row = planner.devices.TABLE["H100"]
+  est = planner.estimate(setup, rows, layout, row)
+  parts = planner.comms.traffic(setup.cfg, setup.mesh, rows)["expert"]
+  layerwise = ("param all-gather (fwd+bwd)", "grad reduce-scatter")
+  hidden = sum(parts[k] for k in layerwise) / row.link_bandwidth
+  rest = sum(v for k, v in parts.items() if k not in layerwise) / row.link_bandwidth
+  assert hidden > 0 and rest > 0 and est["compute_s"] > 0
+  assert est["exposed_s"] == pytest.approx(rest + max(0.0, hidden - est["compute_s"]))
 
 @pytest.mark.slow  # an XLA:CPU compile
 def test_cpu_plan_measures_this_host_compiles_with_xla_cpu_and_ranks():
