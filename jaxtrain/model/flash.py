@@ -141,7 +141,8 @@ def _blocked_bwd(window: int, c: int, res, do):
   delta = jnp.sum(do5 * out.reshape(do5.shape).astype(jnp.float32), axis=-1)
 
   def key_block(dq, j):  # one key block against the query blocks that can see it: its dk, dv; their dq added
-    kj, vj, segj, posj = _slice(k, j, c), _slice(v, j, c), _slice(seg, j, c), jax.lax.dynamic_slice_in_dim(pos, j * c, c)
+    kj, vj, segj = _slice(k, j, c), _slice(v, j, c), _slice(seg, j, c)
+    posj = jax.lax.dynamic_slice_in_dim(pos, j * c, c)
 
     def one(i, carry):
       dq, dk, dv = carry
