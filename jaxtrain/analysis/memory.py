@@ -335,11 +335,12 @@ def workspace(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segmen
 
 def blocked_workspace(d: dict) -> int:
   """The blocked kernel's backward (jaxtrain.model.flash): one query block x key block pair of float32 scores,
-  probabilities and their gradients per row and head (4 of c x c), and whole-sequence float32 dq, the output
-  gradient, and the key blocks' dk, dv it stacks."""
+  probabilities and their gradients per row and head (4 of c x c); per token, float32 dq, the output gradient and
+  dq's cast, the key blocks' stacked dk, dv and their relaid copies, lse and delta (XLA:CPU's compile of the
+  backward at L = 8192, 2 heads of 16: 13.5 MB of temporaries, this 13.8 MB; tests/model/test_flash.py)."""
   T, H, R, E, L = d["T"], d["H"], d["R"], d["E"], d["L"]
   c = flash.block_size(L)
-  return int(max(T // L, 1) * H * 16 * c * c + T * 4 * (2 * H * E + 2 * R * E))
+  return int(max(T // L, 1) * H * 16 * c * c + T * 4 * (3 * H * E + 4 * R * E + 2 * H))
 
 
 def _gathered(r: Row, mesh) -> int:
