@@ -92,6 +92,17 @@ def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, window: int = 0, sinks_H
   return _blocked(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, sinks_H, window, c)[:, :L]
 
 
+def _varying(tree, *like):
+  """`tree` (a loop's initial carry, made of constants) varying over every manual mesh axis that `like` varies
+  over: inside a shard_map that checks it (ulysses'), a loop's carry keeps one type."""
+  vma = lambda x: getattr(getattr(jax.typeof(x), "mat", None), "varying", frozenset())  # noqa: E731
+  axes = frozenset().union(*(vma(x) for x in jax.tree.leaves(like)))
+  def cast(x):
+    missing = tuple(sorted(axes - vma(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+  return jax.tree.map(cast, tree)
+
+
 def _slice(x, i, c: int):
   return jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=1)
 
@@ -123,7 +134,8 @@ def _blocked_fwd(q, k, v, seg, sinks, window: int, c: int):
     def one(j, stats):
       return fold(stats, qi, _slice(k, j, c), _slice(v, j, c),
                   mask(posi, segi, jax.lax.dynamic_slice_in_dim(pos, j * c, c), _slice(seg, j, c), window))
-    m, l, acc = jax.lax.fori_loop(_key_blocks(i, c, window), i + 1, one, start((b, c, K, H // K), sinks, v.shape[-1]))
+    stats = _varying(start((b, c, K, H // K), sinks, v.shape[-1]), q, k, v, seg, sinks)
+    m, l, acc = jax.lax.fori_loop(_key_blocks(i, c, window), i + 1, one, stats)
     return acc / l[..., None], m + jnp.log(l)
   o_nxbxc, lse_nxbxc = jax.lax.map(query_block, jnp.arange(n))
   whole = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, L, *x.shape[3:])  # noqa: E731  (n, b, c, ...) -> (b, L, ...)
@@ -150,9 +162,11 @@ def _blocked_bwd(window: int, c: int, res, do):
                               mask(jax.lax.dynamic_slice_in_dim(pos, i * c, c), _slice(seg, i, c), posj, segj, window))
       return jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, i, c) + gq, i * c, axis=1), dk + gk, dv + gv
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
-    dq, dk, dv = jax.lax.fori_loop(j, _query_blocks(j, c, n, window), one, (dq, zeros(kj), zeros(vj)))
+    dk, dv = _varying((zeros(kj), zeros(vj)), q, k, v, seg, do)
+    dq, dk, dv = jax.lax.fori_loop(j, _query_blocks(j, c, n, window), one, (dq, dk, dv))
     return dq, (dk, dv)
-  dq, (dk_nxbxc, dv_nxbxc) = jax.lax.scan(key_block, jnp.zeros(q5.shape, jnp.float32), jnp.arange(n))
+  dq0 = _varying(jnp.zeros(q5.shape, jnp.float32), q, k, v, seg, do)
+  dq, (dk_nxbxc, dv_nxbxc) = jax.lax.scan(key_block, dq0, jnp.arange(n))
   whole = lambda x, like: jnp.moveaxis(x, 0, 1).reshape(like.shape).astype(like.dtype)  # noqa: E731
   return (dq.reshape(q.shape).astype(q.dtype), whole(dk_nxbxc, k), whole(dv_nxbxc, v), None,
           sink_grad(sinks, lse, delta))

@@ -14,7 +14,7 @@ from jaxtrain.analysis import memory
 from jaxtrain.core import config
 from jaxtrain.model import attention as attention_lib, flash
 from jaxtrain.parallel import devices, kernels, plan as plan_lib
-from tests.helpers import mesh_of, trajectory
+from tests.helpers import mesh_of, plan_of, trajectory
 from tests.parallel.test_windows import inputs, plain
 
 
@@ -122,3 +122,20 @@ def test_train_step_with_blocked_on_a_mesh_equals_the_reference_on_one_device():
   want = trajectory(config.load("tiny", sets + ["model.attention=xla"]), "dp=1", 2)
   got = trajectory(config.load("tiny", sets + ["model.attention=blocked"]), "fsdp=2,tp=2", 2)
   np.testing.assert_allclose(got, want, rtol=2e-5)
+
+
+def test_blocked_inside_ulysses_equals_the_reference():
+  """Ulysses runs the plan's kernel inside its own shard_map (which checks how values vary over the mesh): the
+  blocked kernel's loops there, outputs and gradients against the reference."""
+  plan = plan_of(mesh_of("sp=2,tp=2"), "model.sequence_attention=ulysses", "model.n_heads=4", "model.n_kv_heads=2",
+                 "model.attention=blocked", "train.seq_len=32")
+  assert plan.ulysses and plan.attention == "blocked"
+  q, k, v, seg, sinks = inputs()
+  fn = lambda q, k, v, s: plan.attend(q, k, v, seg, window=6, sinks_H=s)  # noqa: E731
+  ref = lambda q, k, v, s: attention_lib.attention(q, k, v, seg, window=6, sinks_H=s)  # noqa: E731
+  np.testing.assert_allclose(jax.jit(fn)(q, k, v, sinks), plain(q, k, v, seg, 6, np.asarray(sinks)), atol=2e-5)
+  loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)  # noqa: E731
+  got = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+  want = jax.grad(loss(ref), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+  for name, a, b in zip(["q", "k", "v", "sinks"], got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"d{name}")
