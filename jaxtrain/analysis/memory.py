@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import quant, roles
+from jaxtrain.model import flash, quant, roles
 from jaxtrain.parallel import devices, pipeline, program
 from jaxtrain.parallel import sharding
 from jaxtrain.run import moments, muon as muon_lib
@@ -340,7 +340,19 @@ def workspace(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segmen
     layer = gathered + (T * H * L * (2 * d["c"] + 1) if kernel == "xla" else 0)
   else:  # the layer's residuals recomputed (the reference's whole L x L set, as jax.vjp keeps it)
     layer = gathered + T * sum(layer_residuals(cfg, mesh, kernel, packed_segments).values())
+  if kernel == "blocked":
+    layer += blocked_workspace(d)
   return {"loss phase": int(loss), "layer phase": int(layer)}
+
+
+def blocked_workspace(d: dict) -> int:
+  """The blocked kernel's backward (jaxtrain.model.flash): one query block x key block pair of float32 scores,
+  probabilities and their gradients per row and head (4 of c x c); per token, float32 dq, the output gradient and
+  dq's cast, the key blocks' stacked dk, dv and their relaid copies, lse and delta (XLA:CPU's compile of the
+  backward at L = 8192, 2 heads of 16: 13.5 MB of temporaries, this 13.8 MB; tests/model/test_flash.py)."""
+  T, H, R, E, L = d["T"], d["H"], d["R"], d["E"], d["L"]
+  c = flash.block_size(L)
+  return int(max(T // L, 1) * H * 16 * c * c + T * 4 * (3 * H * E + 4 * R * E + 2 * H))
 
 
 def _gathered(r: Row, mesh) -> int:

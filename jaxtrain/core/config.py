@@ -145,7 +145,8 @@ class ModelConfig:
                           min=0.0)
   attention_logits_dtype: Literal["float32", "bfloat16"] = key(
       "float32", "Dtype of the reference attention's L x L scores and softmax (bfloat16 halves their memory and "
-      "traffic; see docs/gpu-compile.md for its accuracy). cuDNN and ring attention keep their own float32 statistics.",
+      "traffic; see docs/gpu-compile.md for its accuracy). cuDNN, blocked and ring attention keep their own float32 "
+      "statistics.",
       math=True)
   head_logits_dtype: Literal["float32", "bfloat16"] = key(
       "float32", "Dtype of the output head's logits and of their gradient entering the head's two backward "
@@ -194,10 +195,13 @@ class ModelConfig:
   attention_scale: float = key(
       0.0, "The factor on the attention logits q.k; 0 = 1/sqrt(head_dim). Gemma 3: query_pre_attn_scalar**-0.5.",
       math=True, min=0.0)
-  attention: Literal["auto", "xla", "cudnn"] = key(
-      "auto", "Attention kernel: auto = cuDNN fused where supported, else XLA reference; xla; cudnn (error if "
-      "unsupported). With sequence > 1 it is the kernel inside ulysses (ring computes its own blocks: cudnn is "
-      "then an error).", math=False)
+  attention: Literal["auto", "xla", "cudnn", "blocked"] = key(
+      "auto", "Attention kernel: auto = cuDNN fused where supported; else, on a GPU with train.seq_len > 512 "
+      "(attention sinks, float32, a head width cuDNN refuses), blocked; else the XLA reference. xla = the reference "
+      "(L x L scores); cudnn (error if unsupported); blocked = an online softmax over query x key blocks of 512 "
+      "tokens (a quarter of shorter sequences) with a backward that recomputes each block: no L x L buffer, float32 "
+      "statistics, key blocks outside a sliding window skipped. With sequence > 1 it is the kernel inside ulysses "
+      "(ring computes its own blocks, the same block math: cudnn is then an error).", math=False)
   sequence_attention: Literal["ring", "ulysses"] = key(
       "ring", "Attention with sequence > 1: ring (K/V blocks travel the ring, online softmax) or ulysses (all-to-alls "
       "reshard q/k/v to whole sequences on a share of the heads, model.attention runs, one all-to-all back; "

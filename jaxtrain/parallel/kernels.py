@@ -1,5 +1,6 @@
 """Which attention kernel runs (`select`, once, by the execution plan, for the device the step is compiled for):
-cuDNN fused attention, with packed segments on Hopper+, or the XLA reference (jaxtrain.model.attention).
+cuDNN fused attention, with packed segments on Hopper+; the blocked online softmax (jaxtrain.model.flash) where
+cuDNN cannot run on a GPU and the sequence is longer than a block; or the XLA reference (jaxtrain.model.attention).
 model.attention=cudnn where a condition fails is a one-line error, never a silent fallback."""
 
 from __future__ import annotations
@@ -10,17 +11,20 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.core.errors import UserError
+from jaxtrain.model import flash
 from jaxtrain.parallel import devices
 
 
 def select(model_cfg, seq_len: int | None = None, info: devices.Info | None = None,
            segments: int | None = None) -> tuple[str, str, int]:
-  """("cudnn" | "xla", reason, segment slots) for the target device `info` (default: the first local one).
-  `segments`: the most segments a row of the run's data holds (None: not known). Slots (cuDNN only, `path`):
+  """("cudnn" | "blocked" | "xla", reason, segment slots) for the target device `info` (default: the first local
+  one). `segments`: the most segments a row of the run's data holds (None: not known). Slots (cuDNN only, `path`):
   1 = causal alone, no mask operand; M > 1 = packed offsets of at most M per row; 0 = an L x L mask."""
   want = model_cfg.attention
   if want == "xla":
     return "xla", "model.attention=xla", 0
+  if want == "blocked":
+    return "blocked", f"model.attention=blocked: {_blocks(seq_len)}", 0
   info = info or devices.of()
   E, dt = model_cfg.head_dim, model_cfg.dtype
   if model_cfg.attention_type == "mla":  # q/k width (v is zero-padded to it)
@@ -38,8 +42,16 @@ def select(model_cfg, seq_len: int | None = None, info: devices.Info | None = No
     local = f", sliding window {model_cfg.sliding_window} on local layers" if model_cfg.sliding_window else ""
     return "cudnn", f"cuDNN fused attention (causal{local}; {how})", slots
   if want == "cudnn":
-    raise UserError(f"model.attention=cudnn is not supported here: {problem}; use auto or xla")
+    raise UserError(f"model.attention=cudnn is not supported here: {problem}; use auto, blocked or xla")
+  if info.cuda and seq_len is not None and seq_len > flash.BLOCK:
+    return "blocked", (f"blocked attention: {problem}, and at train.seq_len={seq_len} the XLA reference would hold "
+                       f"{seq_len} x {seq_len} scores per row and head; {_blocks(seq_len)}"), 0
   return "xla", f"reference XLA attention: {problem}", 0
+
+
+def _blocks(seq_len: int | None) -> str:
+  c = flash.block_size(seq_len) if seq_len else flash.BLOCK
+  return f"online softmax over {c} x {c} query/key blocks, recomputed in the backward"
 
 
 def path(model_cfg, info: devices.Info, seq_len: int | None, segments: int | None) -> tuple[int, str]:

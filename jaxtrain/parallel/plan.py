@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtrain.core import config as config_lib
 from jaxtrain.core.config import Config
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import attention as attention_lib, ops, quant
+from jaxtrain.model import attention as attention_lib, flash, ops, quant
 from jaxtrain.parallel import devices, fp8, kernels, schedule as schedule_lib, sharding
 
 
@@ -27,7 +27,7 @@ class Plan(ops.Ops):
   cfg: Config  # the run's config, with the settings the mesh implies (`implied`)
   mesh: Any  # a jax.sharding.Mesh (or the abstract mesh inside a shard_map region), or None: one device
   rules: dict[str, tuple[str, ...]]
-  attention: str  # "xla" | "cudnn" | "ring"
+  attention: str  # "xla" | "cudnn" | "blocked" | "ring"
   attention_why: str
   ulysses: bool = False  # sequence > 1 by all-to-alls to whole sequences; `attention` is the kernel inside
   moe: str = "dense"  # "dense" | "local" | "all_to_all"
@@ -126,8 +126,9 @@ class Plan(ops.Ops):
     if self.ulysses:
       from jaxtrain.parallel import ulysses
       return ulysses.attend(*qkv_seg, self, logits_dtype, window=window, sinks_H=sinks_H)
-    if self.attention == "cudnn" and self.mesh is not None and jax.sharding.get_abstract_mesh().manual_axes:
-      return self._cudnn_in_region(*qkv_seg, window)
+    if self.mesh is not None and (self.attention == "blocked" or (
+        self.attention == "cudnn" and jax.sharding.get_abstract_mesh().manual_axes)):
+      return self._in_region(*qkv_seg, window, sinks_H)
     return self.local_attend(*qkv_seg, logits_dtype, window, sinks_H)
 
   def local_attend(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, logits_dtype: str = "float32", window: int = 0,
@@ -137,6 +138,8 @@ class Plan(ops.Ops):
     if self.attention == "xla":
       return attention_lib.attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, jnp.dtype(logits_dtype), window,
                                      sinks_H)
+    if self.attention == "blocked":
+      return flash.attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, window, sinks_H)
     E, Ev = q_BxLxHxE.shape[-1], v_BxLxKxE.shape[-1]
     if Ev < E:  # cuDNN takes one head width (MLA's v is narrower): zero-padded v, its extra outputs cut off
       v_BxLxKxE = jnp.pad(v_BxLxKxE, ((0, 0), (0, 0), (0, 0), (0, E - Ev)))
@@ -148,16 +151,21 @@ class Plan(ops.Ops):
       o = kernels.fused(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, window=window)
     return o[..., :Ev]
 
-  def _cudnn_in_region(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, window: int = 0):
-    """cuDNN inside a partially manual region (the pipeline's): its custom partitioning cannot read such a region's
-    shardings (jax 0.10.2: "'GSPMDSharding' object has no attribute 'spec'"), so it runs in a nested shard_map,
-    manual over the other axes too: attention is local to its rows and heads."""
+  def _in_region(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, window: int = 0, sinks_H=None):
+    """The kernel in a shard_map manual over every axis not manual yet: attention is local to its rows and heads.
+    The blocked kernel's loops stay whole that way; cuDNN inside a partially manual region (the pipeline's) needs
+    it, its custom partitioning not reading such a region's shardings (jax 0.10.2: "'GSPMDSharding' object has no
+    attribute 'spec'"). Heads are split only where q's and k/v's split alike (a query head meets its kv head)."""
     q, kv = (self.spec(("batch", "length", h, None), x.shape) for h, x in (("act_heads", q_BxLxHxE),
                                                                              ("act_kv_heads", k_BxLxKxE)))
+    heads = q[2] if q[2] == kv[2] else None
+    q, kv = P(q[0], q[1], heads, None), P(kv[0], kv[1], heads, None)
     rest = set(self.mesh.axis_names) - set(jax.sharding.get_abstract_mesh().manual_axes)
-    local = functools.partial(self.local_attend, window=window)
-    return sharding.manual(local, self.mesh, (q, kv, kv, self.spec(("batch", "length"), seg_BxL.shape)),
-                           q, axis_names=rest)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL)
+    sinks = () if sinks_H is None else (sinks_H,)
+    def local(q, k, v, seg, *s):
+      return self.local_attend(q, k, v, seg, window=window, sinks_H=s[0] if s else None)
+    return sharding.manual(local, self.mesh, (q, kv, kv, P(q[0], q[1]), *(P(heads),) * len(sinks)), q,
+                           axis_names=rest)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, *sinks)
 
   def experts(self, x_BxLxD, idx_BxLxk, w_BxLxk, weights, group: int, capacity: int | None, act=None):
     from jaxtrain.parallel import experts

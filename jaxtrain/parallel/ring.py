@@ -1,5 +1,6 @@
 """Ring attention over the `sequence` axis: K/V blocks travel the ring by `ppermute`, folded by an online
-softmax; a custom VJP rotates them again with their gradients. Zig-zag: device j holds chunks j and 2sp-1-j."""
+softmax (the block math of jaxtrain.model.flash, which the one-device blocked kernel shares); a custom VJP rotates
+them again with their gradients. Zig-zag: device j holds chunks j and 2sp-1-j."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.model import attention as attention_lib
+from jaxtrain.model import flash
 from jaxtrain.parallel import sharding
-
-NEG_INF = -1e30
 
 
 def ring_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, plan, zigzag: bool = True, window: int = 0,
@@ -81,42 +80,6 @@ def _ring_local(q, k, v, seg, *sinks, axis: str, sp: int, zigzag: bool, window: 
   return _from_zigzag(out, axis, sp) if zigzag else out
 
 
-def _mask(idx_q, seg_q, idx_k, seg_k, window: int = 0):
-  """(b, nq, 1, 1, nk): causal by global index (within `window`, 0: no limit), and same segment."""
-  causal = attention_lib.visible(idx_q[:, None], idx_k[None, :], window)
-  same = seg_q[:, :, None] == seg_k[:, None, :]
-  return (causal[None] & same)[:, :, None, None, :]
-
-
-def _scores(q, k, mask):
-  """q (b,nq,K,G,E) x k (b,nk,K,E) -> masked float32 scores (b,nq,K,G,nk)."""
-  s = jnp.einsum("bnkge,bmke->bnkgm", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
-  return jnp.where(mask, s, NEG_INF)
-
-
-def _fold(stats, q, k, v, mask):
-  """Online softmax: folds one key/value block into (m, l, acc)."""
-  m, l, acc = stats
-  s = _scores(q, k, mask)
-  m_new = jnp.maximum(m, s.max(-1))
-  corr = jnp.exp(m - m_new)
-  p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-  pv = jnp.einsum("bnkgm,bmke->bnkge", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
-
-
-def _grad_block(q, k, v, do, lse, delta, mask):
-  """Gradients of one (query block, key block) pair: (dq, dk, dv), float32."""
-  scale = q.shape[-1] ** -0.5
-  p = jnp.where(mask, jnp.exp(_scores(q, k, mask) - lse[..., None]), 0.0)
-  dv = jnp.einsum("bnkgm,bnkge->bmke", p, do)
-  dp = jnp.einsum("bnkge,bmke->bnkgm", do, v.astype(jnp.float32))
-  ds = p * (dp - delta[..., None]) * scale
-  dq = jnp.einsum("bnkgm,bmke->bnkge", ds, k.astype(jnp.float32))
-  dk = jnp.einsum("bnkgm,bnkge->bmke", ds, q.astype(jnp.float32))
-  return dq, dk, dv
-
-
 def _steps(acc, blk, fold, n: int, axis: str, sp: int, zigzag: bool, window: int, steps: int):
   """The diagonal block, then ring steps 1..`steps`: `blk` moves one device on, then `fold(acc, blk, pairs) -> (acc,
   blk)` adds the causally visible part of each (q rows, k rows) pair (the block at step t comes from device j - t)."""
@@ -159,16 +122,12 @@ def _ring_fwd(q, k, v, seg, idx, sinks, axis, sp, zigzag, window, steps):
   K = k.shape[2]
   q5 = q.reshape(b, n, K, H // K, E)
   shape = (b, n, K, H // K)
-  # the sink starts the denominator (exp(sink - m) = 1 at m = sink); without one, nothing does
-  m0 = jnp.full(shape, NEG_INF, jnp.float32) if sinks is None else jnp.broadcast_to(
-      sinks.astype(jnp.float32).reshape(K, H // K), shape)
-  stats = (m0, jnp.zeros(shape, jnp.float32) if sinks is None else jnp.ones(shape, jnp.float32),
-           jnp.zeros((*shape, v.shape[-1]), jnp.float32))  # v's head width may differ (MLA)
+  stats = flash.start(shape, sinks, v.shape[-1])
   def fold(stats, blk, pairs):  # step 0 (the device's own block) shows every query at least itself
     kb, vb, segb, idxb = blk
     for qs, ks in pairs:
-      part = _fold(jax.tree.map(lambda x: x[:, qs], stats), q5[:, qs], kb[:, ks], vb[:, ks],
-                   _mask(idx[qs], seg[:, qs], idxb[ks], segb[:, ks], window))
+      part = flash.fold(jax.tree.map(lambda x: x[:, qs], stats), q5[:, qs], kb[:, ks], vb[:, ks],
+                        flash.mask(idx[qs], seg[:, qs], idxb[ks], segb[:, ks], window))
       stats = jax.tree.map(lambda x, p: x.at[:, qs].set(p), stats, part)
     return stats, blk
   (m, l, acc), _ = _steps(stats, (k, v, seg, idx), fold, n, axis, sp, zigzag, window, steps)
@@ -187,8 +146,8 @@ def _ring_bwd(axis, sp, zigzag, window, steps, res, do):
   def fold(dq, blk, pairs):  # dk, dv travel with their K/V; `steps` hops on, one permute takes them home
     kb, vb, segb, idxb, dk, dv = blk
     for qs, ks in pairs:
-      gq, gk, gv = _grad_block(q5[:, qs], kb[:, ks], vb[:, ks], do5[:, qs], lse[:, qs], delta[:, qs],
-                               _mask(idx[qs], seg[:, qs], idxb[ks], segb[:, ks], window))
+      gq, gk, gv = flash.grad_block(q5[:, qs], kb[:, ks], vb[:, ks], do5[:, qs], lse[:, qs], delta[:, qs],
+                                    flash.mask(idx[qs], seg[:, qs], idxb[ks], segb[:, ks], window))
       dq, dk, dv = dq.at[:, qs].add(gq), dk.at[:, ks].add(gk), dv.at[:, ks].add(gv)
     return dq, (kb, vb, segb, idxb, dk, dv)
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
@@ -196,10 +155,7 @@ def _ring_bwd(axis, sp, zigzag, window, steps, res, do):
                             steps)
   if steps:
     dk, dv = jax.lax.ppermute((dk, dv), axis, [(i, (i - steps) % sp) for i in range(sp)])
-  # a sink's logit only divides: d sink = -sum over queries of its probability times delta (this device's rows;
-  # the region's transpose sums the devices)
-  dsinks = None if sinks is None else (-jnp.exp(sinks.astype(jnp.float32).reshape(K, H // K) - lse) * delta).sum(
-      (0, 1)).reshape(H).astype(sinks.dtype)
+  dsinks = flash.sink_grad(sinks, lse, delta)  # this device's rows; the region's transpose sums the devices
   return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks
 
 

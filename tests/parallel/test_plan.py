@@ -12,7 +12,7 @@ import pytest
 from jaxtrain.analysis import report
 from jaxtrain.core import config
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import attention as attention_lib
+from jaxtrain.model import attention as attention_lib, flash
 from jaxtrain.parallel import kernels, plan as plan_lib
 from jaxtrain.run import step
 from tests.helpers import mesh_of, trajectory
@@ -24,7 +24,9 @@ def test_the_plan_decides_the_kernel_once_and_it_is_what_runs(monkeypatch):
   real = attention_lib.attention  # the spies compute the reference (cuDNN cannot run on CPU)
   monkeypatch.setattr(attention_lib, "attention", lambda *a, **kw: called.append("xla") or real(*a, **kw))
   monkeypatch.setattr(kernels, "fused", lambda *a, **kw: called.append("cudnn") or real(*a[:4]))
-  for spec, forced, want in [("dp=2", None, "xla"), ("dp=2", "cudnn", "cudnn"), ("sp=2", None, "ring")]:
+  monkeypatch.setattr(flash, "attention", lambda *a, **kw: called.append("blocked") or real(*a[:4]))
+  for spec, forced, want in [("dp=2", None, "xla"), ("dp=2", "cudnn", "cudnn"), ("sp=2", None, "ring"),
+                             ("dp=2", "blocked", "blocked")]:
     mesh = mesh_of(spec)
     plan = plan_lib.build(cfg, mesh)
     if forced:  # what an H100 target would decide

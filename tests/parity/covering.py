@@ -57,6 +57,7 @@ FACTORS = (
     # offload's units, LoRA's adapters and ZeRO/FSDP shards keep it too)
     Factor("window", ("none", "local", "alternate")),  # model.sliding_window on every layer, or every other
     Factor("sinks", (False, True)),  # model.attention_sinks
+    Factor("kernel", ("auto", "blocked")),  # model.attention: auto (the XLA reference on CPU), or the blocked kernel
     Factor("in_backward", (False, True)),  # optim.in_backward
     Factor("attention_bias", (False, True)),  # model.attention_bias (GPT-OSS's q/k/v/o biases)
     Factor("moe_bias", (False, True), when=("moe", ("capacity", "dropless"))),  # model.moe_bias: router, experts

@@ -83,6 +83,7 @@ def overrides(row: dict, source: str = "unset") -> list[str]:
     sets += ["model.lora_rank=4", f"model.lora_targets={attn},gate,up,down"]
     sets += ["model.lora_base_dtype=nf4"] if row["lora"] == "nf4" else []
   sets += WINDOW[row["window"]] + (["model.attention_sinks=true"] if row["sinks"] else [])
+  sets += ["model.attention=blocked"] if row["kernel"] == "blocked" else []  # seq_len 16: 4 blocks of 4
   sets += [f"model.attention_bias={str(row['attention_bias']).lower()}", f"model.mlp_activation={row['activation']}"]
   if on("moe_bias") and row["moe_bias"]:
     sets += ["model.moe_bias=true"]
