@@ -34,7 +34,8 @@ def _rebuilt_bill(name, sets, layout, device="H100"):
 
 
 @pytest.mark.parametrize("name, sets, gpus, per_host", [
-    ("tiny", ["train.batch_size=8"], 4, 2),  # dense, on two hosts of two: cross-host factors too
+    pytest.param("tiny", ["train.batch_size=8"], 4, 2,  # dense, on two hosts of two: cross-host factors too
+                 marks=pytest.mark.slow),  # 18 s
     ("moe-tiny", ["train.batch_size=8"], 2, 1),  # MoE: the expert axis across two hosts of one GPU
     pytest.param("deepseek-v3-tiny", ["train.batch_size=8", "train.seq_len=64"], 4, 2,  # MLA, dropless, dense first
                  marks=pytest.mark.slow),

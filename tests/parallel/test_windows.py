@@ -126,6 +126,7 @@ def test_ulysses_equals_the_reference_with_a_window_and_sinks(spec):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"d{name}")
 
 
+@pytest.mark.slow  # 20 s: the inner loop (-m 'not slow') keeps under 5 minutes
 def test_decoding_keeps_a_local_layers_window_and_equals_the_full_forward():
   """Alternate local/global layers with sinks, scanned: the local layers' caches hold the window (3 slots), the
   global ones every position, and prompt-then-token decoding gives the full forward's logits."""

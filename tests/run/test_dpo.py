@@ -262,6 +262,7 @@ def test_dpo_from_a_hugging_face_import_holds_the_import_as_its_reference(tmp_pa
     np.testing.assert_array_equal(r, p)  # float32 compute: the reference is the import itself
 
 
+@pytest.mark.slow  # 13 s
 def test_lora_dpo_holds_no_reference_copy_its_reference_is_the_base_and_it_learns(tmp_path):
   """With LoRA the reference is the frozen base with the adapters off: no "ref" in the state; step 0 is ln 2 (B
   starts at zero); after the adapters moved, the reference's sequence log-probs equal a model without LoRA built

@@ -161,6 +161,7 @@ def test_merged_export_is_the_dequantized_base_plus_the_adapters(tmp_path):
   np.testing.assert_allclose(np.asarray(merged), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # 17 s and 10 s
 @pytest.mark.parametrize("spec", ["fsdp=2", "tp=2"])
 def test_two_devices_match_one(spec):
   """float32 compute over an nf4 base: loss and grad_norm on 2 devices within 1e-5 of one device."""
