@@ -30,7 +30,11 @@ def _slow_tensorboardx(tmp_path, monkeypatch):
       "  def add_scalar(self, k, v, step): pass\n"
       "  def close(self): pass\n")
   monkeypatch.syspath_prepend(str(pkg.parent))
-  for name in [m for m in sys.modules if m == "tensorboardX" or m.startswith("tensorboardX.")]:
+  # recorded even where the real one was never imported (delitem records nothing then): the undo puts back what
+  # was there, so the fake imported in the run goes (else later tests in this process get no events file)
+  monkeypatch.setitem(sys.modules, "tensorboardX", None)
+  del sys.modules["tensorboardX"]
+  for name in [m for m in sys.modules if m.startswith("tensorboardX.")]:
     monkeypatch.delitem(sys.modules, name)
 
 
