@@ -64,18 +64,8 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
       else:
         out[axis]["grad all-reduce"] += int(g * 2 * (n - 1) / n * e * gb)
 
-  t = mesh.shape["tensor"]
-  if t > 1:
-    ring = 2 * (t - 1) / t
-    if max(sharding.axis_ways("act_heads", m.n_heads, mesh), sharding.axis_ways("act_mlp", m.d_ff, mesh)) > 1:
-      out["tensor"]["activation all-reduce (4 per layer)"] += int(k * ring * 4 * held(cfg, mesh, m.n_layers) * T
-                                                                  * m.d_model * s)
-    if sharding.axis_ways("vocab", m.vocab_size, mesh) > 1:
-      out["tensor"]["embedding + LM head all-reduce"] += int(k * ring * T * m.d_model * (4 + s))
-    for r in rows:
-      if len(r.shape) >= 2 and "tensor" not in _axes_of(r.spec) and r.role.kind != "embedding" and not r.role.frozen:
-        out["tensor"]["grad all-reduce (weights replicated over tensor)"] += int(
-            k * ring * math.prod(r.device_shape) * r.count * GRAD_BYTES)
+  if mesh.shape["tensor"] > 1:
+    out["tensor"].update(_tensor_traffic(cfg, mesh, rows, T, s))
 
   n = mesh.shape["sequence"]
   if n > 1:
@@ -93,6 +83,22 @@ def traffic(cfg, mesh, rows: list[Row]) -> dict[str, dict[str, int]]:
     from jaxtrain.parallel import pipeline
     out["pipeline"].update(pipeline.traffic(cfg, mesh, rows))
   return {axis: dict(items) for axis, items in out.items()}
+
+
+def _tensor_traffic(cfg, mesh, rows: list[Row], T: int, s: int) -> dict[str, int]:
+  """What `tensor` moves per device per step: the layers' activation all-reduces (this stage's layers), the
+  vocabulary-split embedding and head's, and the gradients of weights kept whole over `tensor`."""
+  m, k, t = cfg.model, cfg.train.microbatches, mesh.shape["tensor"]
+  ring, out = 2 * (t - 1) / t, collections.Counter()
+  if max(sharding.axis_ways("act_heads", m.n_heads, mesh), sharding.axis_ways("act_mlp", m.d_ff, mesh)) > 1:
+    out["activation all-reduce (4 per layer)"] += int(k * ring * 4 * held(cfg, mesh, m.n_layers) * T * m.d_model * s)
+  if sharding.axis_ways("vocab", m.vocab_size, mesh) > 1:
+    out["embedding + LM head all-reduce"] += int(k * ring * T * m.d_model * (4 + s))
+  for r in rows:
+    if len(r.shape) >= 2 and "tensor" not in _axes_of(r.spec) and r.role.kind != "embedding" and not r.role.frozen:
+      out["grad all-reduce (weights replicated over tensor)"] += int(
+          k * ring * math.prod(r.device_shape) * r.count * GRAD_BYTES)
+  return dict(out)
 
 
 def held(cfg, mesh, layers: int) -> float:
