@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.core.errors import UserError
-from jaxtrain.model import flash, quant, roles
+from jaxtrain.model import flash, ops, quant, roles
 from jaxtrain.parallel import devices, pipeline, program
 from jaxtrain.parallel import sharding
 from jaxtrain.run import moments, muon as muon_lib
@@ -329,11 +329,13 @@ def pipeline_lines(cfg, mesh, rows: list[Row]) -> dict[str, tuple[int, str]]:
 
 
 def workspace(cfg, mesh, remat: str = "none", kernel: str = "xla", packed_segments: int = 0,
-              gathered: int = 0, platform: str = "gpu") -> dict[str, int]:
-  """Transient bytes at the step's peak beyond what is kept: the larger of the loss and layer phases."""
+              gathered: int = 0, platform: str = "gpu", loss_chunk: int | None = None) -> dict[str, int]:
+  """Transient bytes at the step's peak beyond what is kept: the larger of the loss and layer phases.
+  `loss_chunk`: the plan's tokens a loss chunk holds (None: the config's; its -1 the reference's 1024)."""
   d = _dims(cfg, mesh)
   T, V, H, L = d["T"], d["V"], d["H"], d["L"]
-  chunk = cfg.train.loss_chunk_tokens
+  chunk = cfg.train.loss_chunk_tokens if loss_chunk is None else loss_chunk
+  chunk = ops.LOSS_CHUNK_TOKENS if chunk < 0 else chunk
   head = cfg.model.d_model * V * (d["s"] + (8 if platform == "cpu" else 0))
   loss = 2 * 4 * V * (min(T, chunk) if chunk else T) + head
   if remat == "none":  # residuals are kept already; the reference's backward adds L x L score gradients
@@ -459,7 +461,7 @@ def bill(setup, rows: list[Row], margin: float, plan=None) -> Bill:
       cfg, mesh, remat, kernel, packed)
   # pipeline: XLA:GPU's peak (a chunk's layer phase, beside two gradient stacks) holds one layer's gathered weights
   gathered = gathered_weights(cfg, rows, mesh, 1 if piped else 2)
-  work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform)
+  work = workspace(cfg, mesh, remat, kernel, packed, gathered["layers"], plan.platform, plan.loss_chunk_tokens)
   _update_phases(setup, rows, work, gathered["layers"])
   p, host = plan.zero_stage, "host" if plan.cfg.optim.offload == "host" else ""
   stored, grads = _state_notes(cfg, p, host, st)

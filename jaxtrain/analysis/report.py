@@ -123,7 +123,8 @@ def report(cfg, mesh, config_name: str, *, compile: bool = False, device_memory:
       "param_bytes_per_device": sum(r.bytes * r.count for r in table),
       "memory": {"items": b.items, "notes": b.notes, "total": b.total, "remat": cfg.model.remat,
                  "attention": target.attention + (" inside ulysses" if target.ulysses else ""),
-                 "attention_why": target.attention_why, "for_device": device or dev.device_kind,
+                 "attention_why": target.attention_why, "loss": target.loss_why,
+                 "for_device": device or dev.device_kind,
                  "activations_full_remat": b.full_remat_activations,
                  "device_memory": capacity, "device_memory_source": source, "fits": fits, "verdict": verdict,
                  "state_layout": target.state_layout(), "host_per_host": b.host_per_host},
@@ -187,6 +188,7 @@ def _render_memory(rep: dict) -> list[str]:
   L.append(f"Memory per device (analytic, for {mem['for_device']}: attention {mem['attention']}, "
            f"remat {mem['remat']})")
   L.append(f"  attention: {mem['attention_why']}")
+  L.append(f"  loss: {mem['loss']}")
   for k, v in [*mem["items"].items(), ("total", mem["total"])]:
     L.append(f"  {k:<17} {human(v):>11} {v:>17,}  {mem['notes'].get(k, '')}".rstrip())
   L.append(f"  (activations with full remat per block would be {human(mem['activations_full_remat'])}; "

@@ -21,8 +21,11 @@ def nll_sum(h_BxLxD, w_DxV, targets_BxL, weights_BxL, chunk_tokens: int = 0, log
   (train.loss_chunk_tokens); 0 = the plain loss (the target logit a gather unless `gather=False`: a one-hot
   product). `logits_dtype`: model.head_logits_dtype. `grad_scale`: the factor the caller multiplies this sum
   by before differentiating (loss scale / tokens): the chunked loss forms its gradient already scaled, as the
-  autodiff of the plain loss does, so a float16 head gradient is as finite as the plain one's."""
+  autodiff of the plain loss does, so a float16 head gradient is as finite as the plain one's. `chunk_tokens` -1:
+  the installed plan's choice for its device (jaxtrain.parallel.plan.loss_chunk)."""
   weights_BxL = weights_BxL.astype(jnp.float32)
+  if chunk_tokens < 0:
+    chunk_tokens = ops.current().loss_chunk_tokens
   if chunk_tokens <= 0:
     return _plain(h_BxLxD, w_DxV, targets_BxL, weights_BxL, jnp.dtype(logits_dtype), gather)
   scale = jnp.asarray(grad_scale, jnp.float32)
@@ -60,10 +63,15 @@ def chunk_layout(B: int, L: int, chunk_tokens: int) -> tuple[int, int, int]:
   """(sw, n, c): length = sw (mesh split) x n chunks x c, c the largest divisor with local rows * c <= chunk_tokens
   (the split as ops says, i.e. the installed plan's)."""
   bw, sw = ops.current().ways(("batch", "length"), (B, L))
-  local_len = L // sw
-  want = max(1, chunk_tokens // max(B // bw, 1))
-  c = max(d for d in range(1, min(want, local_len) + 1) if local_len % d == 0)
-  return sw, local_len // c, c
+  c = chunk_length(max(B // bw, 1), L // sw, chunk_tokens)
+  return sw, L // sw // c, c
+
+
+def chunk_length(rows: int, length: int, chunk_tokens: int) -> int:
+  """The positions a chunk of a device's `rows` x `length` tokens spans: the largest divisor of `length` with
+  rows x it <= chunk_tokens (at least 1)."""
+  want = max(1, chunk_tokens // rows)
+  return max(d for d in range(1, min(want, length) + 1) if length % d == 0)
 
 
 H_AXES = ("batch", "length", "act_embed")  # the head is a tensor-parallel region: hidden states whole on `tensor`

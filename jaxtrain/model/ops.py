@@ -15,8 +15,13 @@ import jax.numpy as jnp
 from jaxtrain.model import attention, moe_kernels, quant
 
 
+LOSS_CHUNK_TOKENS = 1024  # train.loss_chunk_tokens=-1 (automatic) where the plan knows no better (parallel.plan)
+
+
 class Ops:
   """The one-device reference; a plan overrides what its mesh and device need."""
+
+  loss_chunk_tokens: int = LOSS_CHUNK_TOKENS  # what train.loss_chunk_tokens=-1 runs (jaxtrain.model.loss)
 
   def constrain(self, x: jax.Array, axes) -> jax.Array:
     """`x` annotated with logical axes (names of the rules table; None = replicated)."""

@@ -49,6 +49,16 @@ def test_one_document_rows_call_cudnn_causal_alone_and_packed_rows_pass_offsets(
       report.render_compiled({"cudnn_attention": gpu_compile.cudnn_attention_calls(hlo)}))
 
 
+@needs_plugin
+def test_the_h100_step_runs_the_plain_loss_where_its_logits_fit(one_document):
+  """tiny's 384 tokens a device of 512-entry logits are far within 1/32 of an H100: the automatic loss is the plain
+  one, its program as train.loss_chunk_tokens=0's (no chunk loop), and a chunked loss adds one loop."""
+  setup, hlo = one_document
+  assert setup.cfg.train.loss_chunk_tokens == -1 and setup.plan.loss_chunk_tokens == 0
+  plain, chunked = (_hlo([*TINY, f"train.loss_chunk_tokens={c}"], segments=1)[1] for c in (0, 96))
+  assert len(hlo.loops) == len(plain.loops) == len(chunked.loops) - 1, (hlo.loops, chunked.loops)
+
+
 def _readers_of_moments(hlo) -> collections.Counter:
   """For each Adam moment array of the state (an entry parameter), the ops that read it."""
   moments = {i.name for i in hlo.instrs if i.opcode == "parameter" and i.shape.startswith("f32")

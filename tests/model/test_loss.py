@@ -160,10 +160,10 @@ def test_compiled_temporaries_fall_by_at_least_the_logits_at_a_32k_vocabulary():
   assert plain >= logits and plain - chunked >= logits, (plain, chunked, logits)
 
 
-def test_a_negative_chunk_size_is_a_one_line_error():
+def test_a_chunk_size_below_automatic_is_a_one_line_error():
   with pytest.raises(UserError, match="loss_chunk_tokens"):
-    config.load("tiny", ["train.loss_chunk_tokens=-1"])
-  assert config.load("tiny").train.loss_chunk_tokens == 1024
+    config.load("tiny", ["train.loss_chunk_tokens=-2"])
+  assert config.load("tiny").train.loss_chunk_tokens == -1  # automatic: the plan's choice (parallel.plan.loss_chunk)
 
 
 # ---- model.head_logits_dtype=bfloat16 (MaxText's head): against float64 with those roundings ----

@@ -135,3 +135,51 @@ def test_weights_cross_a_cpu_mesh_in_the_compute_dtype_and_the_step_is_unchanged
   want, plain = trajectory(cfg, "fsdp=4,tp=2", 2), _gathered_types(cfg, "fsdp=4,tp=2")
   assert "f32" in plain, plain
   np.testing.assert_array_equal(got, want)
+
+
+# ---- the loss's chunks (train.loss_chunk_tokens=-1): the plan's choice for its device ----
+
+LLAMA_VOCAB = 128256  # llama3-1b's: a token's float32 logits are 513,024 bytes
+
+
+@pytest.mark.parametrize("device,batch,spec,want", [
+    ("H200", 4, None, 0),  # 4 x 2048 x 513,024 = 4.20e9 bytes <= 141e9 / 32 = 4.41e9: the plain loss
+    ("H200", 8, None, 8192),  # 8.40e9 > 4.41e9; 4.41e9 / 513,024 = 8589 -> 8 rows x 1024 positions (a divisor)
+    ("H100", 4, None, 4096),  # 80 GiB / 32 = 2.68e9 -> 5232 tokens -> 4 rows x 1024
+    ("H100", 1, None, 0),  # 1.05e9
+    ("H100", 4, "tensor=2", 0),  # the vocabulary split in two: 2.10e9 a device
+    ("H100", 16, "fsdp=2", 4096),  # 8 rows a device: as batch 8 on one, 5232 -> 8 x 512
+    ("A100-SXM4-40GB", 4, None, 2048),  # 1.34e9 -> 2616 tokens -> 4 x 512
+    (None, 4, None, 1024),  # this host's CPU: the reference's 1024 (no GPU measured the rule)
+    ("TPU v5p", 4, None, 1024),
+])
+def test_the_automatic_loss_is_plain_where_a_microbatchs_logits_fit_a_32nd_of_the_gpu(device, batch, spec, want):
+  cfg = config.load("llama3-1b", [f"train.batch_size={batch}", "train.seq_len=2048"])
+  plan = plan_lib.build(cfg, mesh_of(spec) if spec else None, device=device)
+  assert cfg.model.vocab_size == LLAMA_VOCAB and plan.loss_chunk_tokens == want, plan.loss_why
+  assert ("loss: plain" if want == 0 else f"chunks of {want} tokens a device") in plan.describe()
+  given = plan_lib.build(config.load("llama3-1b", ["train.loss_chunk_tokens=2048"]), None, device=device)
+  assert given.loss_chunk_tokens == 2048  # a number the user sets is what runs, on any device
+
+
+def test_the_loss_follows_the_installed_plans_chunks():
+  from jaxtrain.model import loss as xent, ops
+  rng = np.random.default_rng(0)
+  h, w = jnp.asarray(rng.normal(size=(2, 16, 8)), jnp.float32), jnp.asarray(rng.normal(size=(8, 32)), jnp.float32)
+  t, m = jnp.asarray(rng.integers(0, 32, (2, 16))), jnp.ones((2, 16), jnp.float32)
+  plan = plan_lib.local(config.load("tiny"))
+  for chunk, loops in ((0, 0), (8, 1)):  # the plain loss has no loop; 8 tokens of 32 a scan over 4 chunks
+    with ops.use(dataclasses.replace(plan, loss_chunk_tokens=chunk)):
+      hlo = jax.jit(lambda h: xent.nll_sum(h, w, t, m, -1)).lower(h).as_text()
+      got = float(jax.jit(lambda h: xent.nll_sum(h, w, t, m, -1))(h))
+    assert hlo.count("stablehlo.while") == loops, chunk
+    assert got == pytest.approx(float(xent.nll_sum(h, w, t, m, chunk)), rel=1e-6)
+
+
+def test_the_bill_counts_the_loss_the_target_device_runs():
+  """inspect's bill for an H200 holds the plain loss's whole logits (8192 tokens a device), for an H100 two chunks
+  of 4096: the loss phase differs by float32 logits and their gradient of 4096 tokens (2 x 4 x V x 4096 bytes)."""
+  cfg = config.load("llama3-1b", ["train.batch_size=4", "train.seq_len=2048"])
+  work = {dev: report.report(cfg, mesh_of("data=1"), "llama3-1b", device=dev)["memory"]["items"]["workspace"]
+          for dev in ("H200", "H100")}
+  assert work["H200"] - work["H100"] == 2 * 4 * LLAMA_VOCAB * (8192 - 4096), work
