@@ -7,7 +7,9 @@ twice for an all-reduce) over the device table's link bandwidth; a kernel takes 
 max(FLOPs / peak, bytes / HBM bandwidth) (the FP8 peak for an FP8 GEMM, else bf16's), its FLOPs counted
 from its dots, cuBLAS gemms and cuDNN attention calls (which XLA's cost analysis cannot see) and its bytes
 from its operands and result.
-Loop bodies count trip-count times. Collectives in flight together are each credited the whole window
+Loop bodies count trip-count times. A conditional counts its longest branch, but a pipeline's tick switch (given
+the schedule's per-tick branches, pipeline.tick_branches) counts each tick as the schedule runs it: the devices run
+their own branches in lockstep, so a tick lasts as long as the slowest of them. Collectives in flight together are each credited the whole window
 (one link is shared), so the exposed time is a lower bound.
 """
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 import functools
 import math
 import re
+
+import numpy as np
 
 from jaxtrain.analysis.gpu_compile import COLLECTIVES, Hlo, branches, dot_flops, operands as _operands, shape_bytes
 from jaxtrain.analysis import hlo_axes
@@ -41,12 +45,55 @@ def group_size(rest: str) -> int:
 class Costs:
   """FLOPs, bytes and roofline seconds of the kernels of one parsed module on one device row."""
 
-  def __init__(self, hlo: Hlo, row):
+  def __init__(self, hlo: Hlo, row, ticks=None):
     self.hlo, self.row = hlo, row
     self.shapes = {i.name: i.shape for i in hlo.instrs}
     self.by_comp: dict[str, list] = {}
     for i in hlo.instrs:
       self.by_comp.setdefault(i.computation, []).append(i)
+    self.ticks = None if ticks is None else np.asarray(ticks)
+    self.switch = self.tick_switch() if ticks is not None else None
+
+  def tick_switch(self) -> tuple[str, str, list[str]] | None:
+    """(loop body, instruction, branches) of a pipeline's tick switch: the one conditional with a branch per kind
+    the table uses, in a loop of as many iterations as the table has ticks; None where there is none (CPU with
+    another mesh axis computes every branch), and each conditional then counts its longest branch."""
+    T, n = self.ticks.shape[0], int(self.ticks.max()) + 1
+    for body, _, trip in self.hlo.loops:
+      found = [i for i in self.by_comp.get(body, ()) if trip == T and i.opcode == "conditional"
+               and "branch_computations" in i.rest and len(branches(i)) == n]
+      if len(found) == 1:
+        return body, found[0].name, branches(found[0])
+    return None
+
+  @functools.cached_property
+  def critical(self) -> list[str]:
+    """Per tick, the branch of its slowest device (the branch computation each device runs, by the table)."""
+    names = self.switch[2]
+    return [max((names[k] for k in row), key=self.computation) for row in self.ticks]
+
+  def tick_loop(self, body: str, trip: int, cost) -> float | None:
+    """`cost` of the tick loop run as the schedule runs it (cost(branch) the tick's branch part), None for another
+    loop: per tick, the body's other instructions and the branch part."""
+    if self.switch is None or body != self.switch[0]:
+      return None
+    rest = [j for j in self.by_comp[body] if j.name != self.switch[1]]
+    return trip * sum(cost(j) for j in rest) + sum(cost(None, t) for t in range(trip))
+
+  def share(self, comp: str) -> float:
+    """The part of the step's executions of `comp` its time counts: all (1), or under a tick switch's branches
+    those of the ticks whose slowest device runs such a branch."""
+    under = [b for b in self.switch[2] if comp in self.reached(b)] if self.switch else []
+    return sum(map(self.critical.count, under)) / len(self.critical) if under else 1
+
+  @functools.lru_cache(maxsize=None)
+  def reached(self, comp: str) -> frozenset[str]:
+    """The computations `comp` runs, itself included."""
+    out = {comp}
+    for i in self.by_comp.get(comp, ()):
+      for c in branches(i) + ([self.loop(i)[0]] if i.opcode == "while" else []):
+        out |= self.reached(c)
+    return frozenset(out)
 
   def flops(self, i) -> float:
     """Matmul FLOPs of one instruction: a dot, a fusion's dots, a cuBLAS gemm or a cuDNN attention call."""
@@ -82,7 +129,8 @@ class Costs:
     """Roofline time of one scheduled instruction; a loop: its body's time x trip count."""
     if i.opcode == "while":
       body, trip = self.loop(i)
-      return self.computation(body) * trip
+      ticks = self.tick_loop(body, trip, lambda j, t=None: self.seconds(j) if j else self.computation(self.critical[t]))
+      return self.computation(body) * trip if ticks is None else ticks
     if i.opcode in ("call", "conditional"):  # one branch runs: the longest
       b = self.branch(i)
       return self.computation(b) if b else 0.0
@@ -121,22 +169,28 @@ class Costs:
     return sum(self.seconds(i) for i in self.by_comp.get(name, ()))
 
   @functools.lru_cache(maxsize=None)
-  def matmuls(self, name: str) -> float:
-    """Matmul FLOPs of one run of a computation, counted as its time is: a loop's body x trip count, a call's or
-    conditional's longest branch only, an async computation's work."""
+  def matmuls(self, name: str, stage: int = 0) -> float:
+    """Matmul FLOPs of one run of a computation on pipeline stage `stage`, counted as its time is: a loop's body x
+    trip count (the tick loop: each tick's branch of that stage), a call's or conditional's longest branch only, an
+    async computation's work."""
     total = 0.0
     for i in self.by_comp.get(name, ()):
-      if i.opcode == "while":
-        body, trip = self.loop(i)
-        total += self.matmuls(body) * trip
-      elif i.opcode in ("call", "conditional"):
-        b = self.branch(i)
-        total += self.matmuls(b) if b else 0.0
-      elif i.opcode == "async-start":
-        total += sum(self.matmuls(c) for c in branches(i))
-      elif i.opcode in ("fusion", "custom-call", "dot"):
-        total += self.flops(i)
+      total += self.matmul_flops(i, stage)
     return total
+
+  def matmul_flops(self, i, stage: int) -> float:
+    if i.opcode == "while":
+      body, trip = self.loop(i)
+      names = self.switch[2] if self.switch else ()
+      ticks = self.tick_loop(body, trip, lambda j, t=None: self.matmul_flops(j, stage) if j else self.matmuls(
+          names[self.ticks[t, stage]], stage))
+      return self.matmuls(body, stage) * trip if ticks is None else ticks
+    if i.opcode in ("call", "conditional"):
+      b = self.branch(i)
+      return self.matmuls(b, stage) if b else 0.0
+    if i.opcode == "async-start":
+      return sum(self.matmuls(c, stage) for c in branches(i))
+    return self.flops(i) if i.opcode in ("fusion", "custom-call", "dot") else 0.0
 
 
 def _kind_and_bytes(i, shapes, roots) -> tuple[str, int] | None:
@@ -152,12 +206,13 @@ def _kind_and_bytes(i, shapes, roots) -> tuple[str, int] | None:
   return kind, (max(ins, res - ins) if i.opcode.endswith("-start") and res > ins else max(ins, res))
 
 
-def report(hlo: Hlo, row=None) -> dict:
+def report(hlo: Hlo, row=None, ticks=None) -> dict:
   """Every collective of the step with its async flag, bytes, the compute scheduled under it and (with a
   device row that has link and HBM bandwidths and a peak) its estimated and exposed seconds; totals per
-  step; per loop, whether its all-gathers overlap the body's compute (FSDP prefetch of the next layer)."""
+  step; per loop, whether its all-gathers overlap the body's compute (FSDP prefetch of the next layer).
+  `ticks`: a pipelined step's (ticks, stages) branch indices of its tick switch (pipeline.tick_branches)."""
   timed = row is not None and all(getattr(row, f, None) for f in ("link_bandwidth", "bandwidth", "peak_bf16_flops"))
-  costs = Costs(hlo, row) if timed else None
+  costs = Costs(hlo, row, ticks) if timed else None
   shapes = {i.name: i.shape for i in hlo.instrs}
   roots = {i.computation: i.opcode for i in hlo.instrs}  # a computation's last instruction is its ROOT
   order: dict[str, list] = {}
@@ -184,14 +239,15 @@ def report(hlo: Hlo, row=None) -> dict:
       if costs:
         t, hidden = wire / row.link_bandwidth, sum(costs.seconds(j) for j in under)
         r.update(seconds=t, overlapped_seconds=min(t, hidden), exposed_seconds=max(0.0, t - hidden),
-                 flops_under=sum(costs.flops(j) for j in under))
+                 flops_under=sum(costs.flops(j) for j in under), timed_per_step=r["per_step"] * costs.share(comp))
       rows.append(r)
   out = {"collectives": rows, "per_kind": {}}
   for k in COLLECTIVES:
     mine = [r for r in rows if r["kind"] == k]
     if mine:
-      out["per_kind"][k] = {f: sum(r[f] * r["per_step"] for r in mine) for f in (
-          "bytes", "wire_bytes", *(("seconds", "exposed_seconds") if costs else ()))}
+      out["per_kind"][k] = {f: sum(r[f] * r["per_step"] for r in mine) for f in ("bytes", "wire_bytes")}
+      out["per_kind"][k].update({f: sum(r[f] * r["timed_per_step"] for r in mine) for f in (
+          ("seconds", "exposed_seconds") if costs else ())})
       out["per_kind"][k].update(ops=len(mine), asynchronous=sum(r["async"] for r in mine))
   out["loops"] = _loops(hlo, rows, order, costs)
   if costs:
@@ -227,13 +283,17 @@ def _totals(hlo: Hlo, costs: Costs, rows: list[dict], row) -> dict:
   calibrated by the peer's measured/predicted (CALIBRATION)."""
   entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo.text, re.M).group(1)
   compute = costs.computation(entry)
-  exposed = sum(r["exposed_seconds"] * r["per_step"] for r in rows)
+  exposed = sum(r["exposed_seconds"] * r["timed_per_step"] for r in rows)
   out = {
-      "collective_seconds": sum(r["seconds"] * r["per_step"] for r in rows), "exposed_seconds": exposed,
+      "collective_seconds": sum(r["seconds"] * r["timed_per_step"] for r in rows), "exposed_seconds": exposed,
       "compute_seconds": compute, "predicted_step_seconds": compute + exposed,
       "matmul_flops": costs.matmuls(entry),
       "label": "prediction, not a measurement: kernels at their roofline one after another, plus the exposed "
                "part of each collective at the link bandwidth"}
+  if costs.switch:  # per device: each stage's own branches; the mean is the step's FLOPs over the devices
+    per_stage = [costs.matmuls(entry, s) for s in range(costs.ticks.shape[1])]
+    out.update(matmul_flops=sum(per_stage) / len(per_stage), matmul_flops_per_stage=per_stage,
+               label=out["label"] + "; a pipeline's ticks as its schedule runs them, each as long as its slowest device")
   if row == devices.TABLE[CALIBRATION["device"]]:
     factor = CALIBRATION["measured_s"] / CALIBRATION["predicted_s"]
     out.update(calibrated_step_seconds=(compute + exposed) * factor, calibration=CALIBRATION)
