@@ -290,6 +290,8 @@ def _totals(hlo: Hlo, costs: Costs, rows: list[dict], row) -> dict:
       "matmul_flops": costs.matmuls(entry),
       "label": "prediction, not a measurement: kernels at their roofline one after another, plus the exposed "
                "part of each collective at the link bandwidth"}
+  if costs.ticks is not None:  # whether the schedule's ticks were found in the program (else: longest branches)
+    out["pipeline_ticks_counted"] = costs.switch is not None
   if costs.switch:  # per device: each stage's own branches; the mean is the step's FLOPs over the devices
     per_stage = [costs.matmuls(entry, s) for s in range(costs.ticks.shape[1])]
     out.update(matmul_flops=sum(per_stage) / len(per_stage), matmul_flops_per_stage=per_stage,
