@@ -8,7 +8,7 @@ max(FLOPs / peak, bytes / HBM bandwidth) (the FP8 peak for an FP8 GEMM, else bf1
 from its dots, cuBLAS gemms and cuDNN attention calls (which XLA's cost analysis cannot see) and its bytes
 from its operands and result.
 Loop bodies count trip-count times. A conditional counts its longest branch, but a pipeline's tick switch (given
-the schedule's per-tick branches, pipeline.tick_branches) counts each tick as the schedule runs it: the devices run
+the schedule's per-tick branches, pipeline.tick_table) counts each tick as the schedule runs it: the devices run
 their own branches in lockstep, so a tick lasts as long as the slowest of them. Collectives in flight together are each credited the whole window
 (one link is shared), so the exposed time is a lower bound.
 """
@@ -45,13 +45,14 @@ def group_size(rest: str) -> int:
 class Costs:
   """FLOPs, bytes and roofline seconds of the kernels of one parsed module on one device row."""
 
-  def __init__(self, hlo: Hlo, row, ticks=None):
+  def __init__(self, hlo: Hlo, row, ticks=None, last=None):
     self.hlo, self.row = hlo, row
     self.shapes = {i.name: i.shape for i in hlo.instrs}
     self.by_comp: dict[str, list] = {}
     for i in hlo.instrs:
       self.by_comp.setdefault(i.computation, []).append(i)
     self.ticks = None if ticks is None else np.asarray(ticks)
+    self.last = None if ticks is None else np.asarray(last) if last is not None else np.full(self.ticks.shape, -1)
     self.switch = self.tick_switch() if ticks is not None else None
 
   def tick_switch(self) -> tuple[str, str, list[str]] | None:
@@ -66,11 +67,31 @@ class Costs:
         return body, found[0].name, branches(found[0])
     return None
 
+  def cell(self, t: int, s: int) -> tuple[str, int]:
+    """(branch computation, last) of device s at tick t."""
+    return self.switch[2][self.ticks[t, s]], int(self.last[t, s])
+
   @functools.cached_property
   def critical(self) -> list[str]:
-    """Per tick, the branch of its slowest device (the branch computation each device runs, by the table)."""
-    names = self.switch[2]
-    return [max((names[k] for k in row), key=self.computation) for row in self.ticks]
+    """Per tick, the branch of its slowest device."""
+    cells = [[self.cell(t, s) for s in range(self.ticks.shape[1])] for t in range(self.ticks.shape[0])]
+    return [max(row, key=lambda c: self.run_seconds(*c))[0] for row in cells]
+
+  def pick(self, i, last: int) -> str:
+    """The branch of a tick branch's own predicated conditional (the model's last chunk's head terms: the longer
+    branch) on a device whose op runs the last chunk (1), does not (0, the shorter) or both in a pair (-1)."""
+    return min(branches(i), key=self.computation) if last == 0 else self.branch(i)
+
+  @functools.lru_cache(maxsize=None)
+  def run_seconds(self, name: str, last: int) -> float:
+    """Time of one run of a tick branch, its head terms counted as `last` says (`pick`)."""
+    return sum(self.computation(self.pick(i, last)) if _predicated(i) else self.seconds(i)
+               for i in self.by_comp.get(name, ()))
+
+  @functools.lru_cache(maxsize=None)
+  def run_matmuls(self, name: str, last: int, stage: int) -> float:
+    return sum(self.matmuls(self.pick(i, last), stage) if _predicated(i) else self.matmul_flops(i, stage)
+               for i in self.by_comp.get(name, ()))
 
   def tick_loop(self, body: str, trip: int, cost) -> float | None:
     """`cost` of the tick loop run as the schedule runs it (cost(branch) the tick's branch part), None for another
@@ -129,7 +150,8 @@ class Costs:
     """Roofline time of one scheduled instruction; a loop: its body's time x trip count."""
     if i.opcode == "while":
       body, trip = self.loop(i)
-      ticks = self.tick_loop(body, trip, lambda j, t=None: self.seconds(j) if j else self.computation(self.critical[t]))
+      ticks = self.tick_loop(body, trip, lambda j, t=None: self.seconds(j) if j else max(
+          self.run_seconds(*self.cell(t, s)) for s in range(self.ticks.shape[1])))
       return self.computation(body) * trip if ticks is None else ticks
     if i.opcode in ("call", "conditional"):  # one branch runs: the longest
       b = self.branch(i)
@@ -181,9 +203,8 @@ class Costs:
   def matmul_flops(self, i, stage: int) -> float:
     if i.opcode == "while":
       body, trip = self.loop(i)
-      names = self.switch[2] if self.switch else ()
-      ticks = self.tick_loop(body, trip, lambda j, t=None: self.matmul_flops(j, stage) if j else self.matmuls(
-          names[self.ticks[t, stage]], stage))
+      ticks = self.tick_loop(body, trip, lambda j, t=None: self.matmul_flops(j, stage) if j else self.run_matmuls(
+          *self.cell(t, stage), stage))
       return self.matmuls(body, stage) * trip if ticks is None else ticks
     if i.opcode in ("call", "conditional"):
       b = self.branch(i)
@@ -191,6 +212,10 @@ class Costs:
     if i.opcode == "async-start":
       return sum(self.matmuls(c, stage) for c in branches(i))
     return self.flops(i) if i.opcode in ("fusion", "custom-call", "dot") else 0.0
+
+
+def _predicated(i) -> bool:
+  return i.opcode == "conditional" and "true_computation" in i.rest
 
 
 def _kind_and_bytes(i, shapes, roots) -> tuple[str, int] | None:
@@ -206,13 +231,13 @@ def _kind_and_bytes(i, shapes, roots) -> tuple[str, int] | None:
   return kind, (max(ins, res - ins) if i.opcode.endswith("-start") and res > ins else max(ins, res))
 
 
-def report(hlo: Hlo, row=None, ticks=None) -> dict:
+def report(hlo: Hlo, row=None, ticks=None, last=None) -> dict:
   """Every collective of the step with its async flag, bytes, the compute scheduled under it and (with a
   device row that has link and HBM bandwidths and a peak) its estimated and exposed seconds; totals per
   step; per loop, whether its all-gathers overlap the body's compute (FSDP prefetch of the next layer).
-  `ticks`: a pipelined step's (ticks, stages) branch indices of its tick switch (pipeline.tick_branches)."""
+  `ticks`, `last`: a pipelined step's tick switch branch and head terms per (tick, stage) (pipeline.tick_table)."""
   timed = row is not None and all(getattr(row, f, None) for f in ("link_bandwidth", "bandwidth", "peak_bf16_flops"))
-  costs = Costs(hlo, row, ticks) if timed else None
+  costs = Costs(hlo, row, ticks, last) if timed else None
   shapes = {i.name: i.shape for i in hlo.instrs}
   roots = {i.computation: i.opcode for i in hlo.instrs}  # a computation's last instruction is its ROOT
   order: dict[str, list] = {}

@@ -399,7 +399,7 @@ def compile_layout(ev: Evaluator, layout: Layout) -> dict:
   compiled, seconds = gpu_compile.compile_step(setup)
   text = compiled.as_text()
   m = gpu_compile.CompiledMemory.of(compiled)
-  tot = overlap.report(gpu_compile.Hlo.parse(text), ev.row, pipeline.tick_branches(setup.cfg, setup.mesh))["totals"]
+  tot = overlap.report(gpu_compile.Hlo.parse(text), ev.row, **pipeline.tick_table(setup.cfg, setup.mesh))["totals"]
   total = (m.total if m else 0) - report.host_argument_bytes(text)
   step = tot.get("calibrated_step_seconds", tot["predicted_step_seconds"])
   floor = estimate(setup, memory.grouped(memory.param_rows(setup)), layout, ev.row)["compute_s"]

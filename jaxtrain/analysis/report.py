@@ -52,7 +52,7 @@ def compiled_memory(setup) -> dict:
   dev = setup.mesh.devices.flat[0]
   shows["overlap"] = overlap.report(gpu_compile.Hlo.parse(compiled.as_text()),
                                     devices.of(dev).entry if dev.platform == "gpu" else None,
-                                    pipeline.tick_branches(setup.cfg, setup.mesh))
+                                    **pipeline.tick_table(setup.cfg, setup.mesh))
   m = gpu_compile.CompiledMemory.of(compiled)
   return {"seconds": seconds, "available": m is not None, **(m.fields() if m else {}), **shows,
           "host_arguments": host_argument_bytes(compiled.as_text())}

@@ -91,14 +91,21 @@ def switch_indices(prog) -> list[int]:
   return used
 
 
-def tick_branches(cfg, mesh) -> np.ndarray | None:
-  """(ticks, stages): which branch of the training step's tick switch each device runs at each tick (None without
-  a pipeline): what the overlap report's prediction counts per tick."""
+def tick_table(cfg, mesh) -> dict:
+  """What the overlap report needs to count the training step's ticks as they run (empty without a pipeline):
+  `ticks`, (ticks, stages) the branch of the tick switch each device runs, and `last`, whether that cell's ops run
+  the model's last chunk (its head terms): 1 all of them, 0 none, -1 a pair of both."""
   if not active(mesh):
-    return None
-  prog = program_table(table(cfg, mesh))[0]
+    return {}
+  t = table(cfg, mesh)
+  prog = program_table(t)[0]
   switch_indices(prog)
-  return prog[..., BRANCH]
+  last = np.zeros(prog.shape[:2], np.int32)
+  for tick, row in enumerate(t.grid):
+    for s, cell in enumerate(row):
+      flags = {t.chunk_of(s, op.chunk) == t.chunks - 1 for op in schedule_lib.ops_of(cell)}
+      last[tick, s] = -1 if len(flags) > 1 else int(flags == {True})
+  return {"ticks": prog[..., BRANCH], "last": last}
 
 
 def executor(cfg, mesh):
