@@ -8,9 +8,10 @@ max(FLOPs / peak, bytes / HBM bandwidth) (the FP8 peak for an FP8 GEMM, else bf1
 from its dots, cuBLAS gemms and cuDNN attention calls (which XLA's cost analysis cannot see) and its bytes
 from its operands and result.
 Loop bodies count trip-count times. A conditional counts its longest branch, but a pipeline's tick switch (given
-the schedule's per-tick branches, pipeline.tick_table) counts each tick as the schedule runs it: the devices run
-their own branches in lockstep, so a tick lasts as long as the slowest of them. Collectives in flight together are each credited the whole window
-(one link is shared), so the exposed time is a lower bound.
+the schedule's branch per tick and device, pipeline.tick_table) counts each tick as the schedule runs it: the
+devices run their own branches in lock-step (the permutes between ticks), so a tick lasts as long as the slowest.
+Collectives in flight together are each credited the whole window (one link is shared), so the exposed time is a
+lower bound.
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ class Costs:
                for i in self.by_comp.get(name, ()))
 
   def tick_loop(self, body: str, trip: int, cost) -> float | None:
-    """`cost` of the tick loop run as the schedule runs it (cost(branch) the tick's branch part), None for another
-    loop: per tick, the body's other instructions and the branch part."""
+    """A cost of the tick loop as the schedule runs it, None for another loop: every tick the body's instructions
+    but the switch (cost(instruction)), and the tick's switch part (cost(None, tick))."""
     if self.switch is None or body != self.switch[0]:
       return None
     rest = [j for j in self.by_comp[body] if j.name != self.switch[1]]
@@ -320,7 +321,7 @@ def _totals(hlo: Hlo, costs: Costs, rows: list[dict], row) -> dict:
   if costs.switch:  # per device: each stage's own branches; the mean is the step's FLOPs over the devices
     per_stage = [costs.matmuls(entry, s) for s in range(costs.ticks.shape[1])]
     out.update(matmul_flops=sum(per_stage) / len(per_stage), matmul_flops_per_stage=per_stage,
-               label=out["label"] + "; a pipeline's ticks as its schedule runs them, each as long as its slowest device")
+               label=out["label"] + "; a pipeline's ticks as its schedule runs them, each as its slowest device's")
   if row == devices.TABLE[CALIBRATION["device"]]:
     factor = CALIBRATION["measured_s"] / CALIBRATION["predicted_s"]
     out.update(calibrated_step_seconds=(compute + exposed) * factor, calibration=CALIBRATION)
