@@ -7,8 +7,11 @@ twice for an all-reduce) over the device table's link bandwidth; a kernel takes 
 max(FLOPs / peak, bytes / HBM bandwidth) (the FP8 peak for an FP8 GEMM, else bf16's), its FLOPs counted
 from its dots, cuBLAS gemms and cuDNN attention calls (which XLA's cost analysis cannot see) and its bytes
 from its operands and result.
-Loop bodies count trip-count times. Collectives in flight together are each credited the whole window
-(one link is shared), so the exposed time is a lower bound.
+Loop bodies count trip-count times. A conditional counts its longest branch, but a pipeline's tick switch (given
+the schedule's branch per tick and device, pipeline.tick_table) counts each tick as the schedule runs it: the
+devices run their own branches in lock-step (the permutes between ticks), so a tick lasts as long as the slowest.
+Collectives in flight together are each credited the whole window (one link is shared), so the exposed time is a
+lower bound.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import functools
 import math
 import re
+
+import numpy as np
 
 from jaxtrain.analysis.gpu_compile import COLLECTIVES, Hlo, branches, dot_flops, operands as _operands, shape_bytes
 from jaxtrain.analysis import hlo_axes
@@ -41,12 +46,76 @@ def group_size(rest: str) -> int:
 class Costs:
   """FLOPs, bytes and roofline seconds of the kernels of one parsed module on one device row."""
 
-  def __init__(self, hlo: Hlo, row):
+  def __init__(self, hlo: Hlo, row, ticks=None, last=None):
     self.hlo, self.row = hlo, row
     self.shapes = {i.name: i.shape for i in hlo.instrs}
     self.by_comp: dict[str, list] = {}
     for i in hlo.instrs:
       self.by_comp.setdefault(i.computation, []).append(i)
+    self.ticks = None if ticks is None else np.asarray(ticks)
+    self.last = None if ticks is None else np.asarray(last) if last is not None else np.full(self.ticks.shape, -1)
+    self.switch = self.tick_switch() if ticks is not None else None
+
+  def tick_switch(self) -> tuple[str, str, list[str]] | None:
+    """(loop body, instruction, branches) of a pipeline's tick switch: the one conditional with a branch per kind
+    the table uses, in a loop of as many iterations as the table has ticks; None where there is none (CPU with
+    another mesh axis computes every branch), and each conditional then counts its longest branch."""
+    T, n = self.ticks.shape[0], int(self.ticks.max()) + 1
+    for body, _, trip in self.hlo.loops:
+      found = [i for i in self.by_comp.get(body, ()) if trip == T and i.opcode == "conditional"
+               and "branch_computations" in i.rest and len(branches(i)) == n]
+      if len(found) == 1:
+        return body, found[0].name, branches(found[0])
+    return None
+
+  def cell(self, t: int, s: int) -> tuple[str, int]:
+    """(branch computation, last) of device s at tick t."""
+    return self.switch[2][self.ticks[t, s]], int(self.last[t, s])
+
+  @functools.cached_property
+  def critical(self) -> list[str]:
+    """Per tick, the branch of its slowest device."""
+    cells = [[self.cell(t, s) for s in range(self.ticks.shape[1])] for t in range(self.ticks.shape[0])]
+    return [max(row, key=lambda c: self.run_seconds(*c))[0] for row in cells]
+
+  def pick(self, i, last: int) -> str:
+    """The branch of a tick branch's own predicated conditional (the model's last chunk's head terms: the longer
+    branch) on a device whose op runs the last chunk (1), does not (0, the shorter) or both in a pair (-1)."""
+    return min(branches(i), key=self.computation) if last == 0 else self.branch(i)
+
+  @functools.lru_cache(maxsize=None)
+  def run_seconds(self, name: str, last: int) -> float:
+    """Time of one run of a tick branch, its head terms counted as `last` says (`pick`)."""
+    return sum(self.computation(self.pick(i, last)) if _predicated(i) else self.seconds(i)
+               for i in self.by_comp.get(name, ()))
+
+  @functools.lru_cache(maxsize=None)
+  def run_matmuls(self, name: str, last: int, stage: int) -> float:
+    return sum(self.matmuls(self.pick(i, last), stage) if _predicated(i) else self.matmul_flops(i, stage)
+               for i in self.by_comp.get(name, ()))
+
+  def tick_loop(self, body: str, trip: int, cost) -> float | None:
+    """A cost of the tick loop as the schedule runs it, None for another loop: every tick the body's instructions
+    but the switch (cost(instruction)), and the tick's switch part (cost(None, tick))."""
+    if self.switch is None or body != self.switch[0]:
+      return None
+    rest = [j for j in self.by_comp[body] if j.name != self.switch[1]]
+    return trip * sum(cost(j) for j in rest) + sum(cost(None, t) for t in range(trip))
+
+  def share(self, comp: str) -> float:
+    """The part of the step's executions of `comp` its time counts: all (1), or under a tick switch's branches
+    those of the ticks whose slowest device runs such a branch."""
+    under = [b for b in self.switch[2] if comp in self.reached(b)] if self.switch else []
+    return sum(map(self.critical.count, under)) / len(self.critical) if under else 1
+
+  @functools.lru_cache(maxsize=None)
+  def reached(self, comp: str) -> frozenset[str]:
+    """The computations `comp` runs, itself included."""
+    out = {comp}
+    for i in self.by_comp.get(comp, ()):
+      for c in branches(i) + ([self.loop(i)[0]] if i.opcode == "while" else []):
+        out |= self.reached(c)
+    return frozenset(out)
 
   def flops(self, i) -> float:
     """Matmul FLOPs of one instruction: a dot, a fusion's dots, a cuBLAS gemm or a cuDNN attention call."""
@@ -82,7 +151,9 @@ class Costs:
     """Roofline time of one scheduled instruction; a loop: its body's time x trip count."""
     if i.opcode == "while":
       body, trip = self.loop(i)
-      return self.computation(body) * trip
+      ticks = self.tick_loop(body, trip, lambda j, t=None: self.seconds(j) if j else max(
+          self.run_seconds(*self.cell(t, s)) for s in range(self.ticks.shape[1])))
+      return self.computation(body) * trip if ticks is None else ticks
     if i.opcode in ("call", "conditional"):  # one branch runs: the longest
       b = self.branch(i)
       return self.computation(b) if b else 0.0
@@ -121,22 +192,31 @@ class Costs:
     return sum(self.seconds(i) for i in self.by_comp.get(name, ()))
 
   @functools.lru_cache(maxsize=None)
-  def matmuls(self, name: str) -> float:
-    """Matmul FLOPs of one run of a computation, counted as its time is: a loop's body x trip count, a call's or
-    conditional's longest branch only, an async computation's work."""
+  def matmuls(self, name: str, stage: int = 0) -> float:
+    """Matmul FLOPs of one run of a computation on pipeline stage `stage`, counted as its time is: a loop's body x
+    trip count (the tick loop: each tick's branch of that stage), a call's or conditional's longest branch only, an
+    async computation's work."""
     total = 0.0
     for i in self.by_comp.get(name, ()):
-      if i.opcode == "while":
-        body, trip = self.loop(i)
-        total += self.matmuls(body) * trip
-      elif i.opcode in ("call", "conditional"):
-        b = self.branch(i)
-        total += self.matmuls(b) if b else 0.0
-      elif i.opcode == "async-start":
-        total += sum(self.matmuls(c) for c in branches(i))
-      elif i.opcode in ("fusion", "custom-call", "dot"):
-        total += self.flops(i)
+      total += self.matmul_flops(i, stage)
     return total
+
+  def matmul_flops(self, i, stage: int) -> float:
+    if i.opcode == "while":
+      body, trip = self.loop(i)
+      ticks = self.tick_loop(body, trip, lambda j, t=None: self.matmul_flops(j, stage) if j else self.run_matmuls(
+          *self.cell(t, stage), stage))
+      return self.matmuls(body, stage) * trip if ticks is None else ticks
+    if i.opcode in ("call", "conditional"):
+      b = self.branch(i)
+      return self.matmuls(b, stage) if b else 0.0
+    if i.opcode == "async-start":
+      return sum(self.matmuls(c, stage) for c in branches(i))
+    return self.flops(i) if i.opcode in ("fusion", "custom-call", "dot") else 0.0
+
+
+def _predicated(i) -> bool:
+  return i.opcode == "conditional" and "true_computation" in i.rest
 
 
 def _kind_and_bytes(i, shapes, roots) -> tuple[str, int] | None:
@@ -152,12 +232,13 @@ def _kind_and_bytes(i, shapes, roots) -> tuple[str, int] | None:
   return kind, (max(ins, res - ins) if i.opcode.endswith("-start") and res > ins else max(ins, res))
 
 
-def report(hlo: Hlo, row=None) -> dict:
+def report(hlo: Hlo, row=None, ticks=None, last=None) -> dict:
   """Every collective of the step with its async flag, bytes, the compute scheduled under it and (with a
   device row that has link and HBM bandwidths and a peak) its estimated and exposed seconds; totals per
-  step; per loop, whether its all-gathers overlap the body's compute (FSDP prefetch of the next layer)."""
+  step; per loop, whether its all-gathers overlap the body's compute (FSDP prefetch of the next layer).
+  `ticks`, `last`: a pipelined step's tick switch branch and head terms per (tick, stage) (pipeline.tick_table)."""
   timed = row is not None and all(getattr(row, f, None) for f in ("link_bandwidth", "bandwidth", "peak_bf16_flops"))
-  costs = Costs(hlo, row) if timed else None
+  costs = Costs(hlo, row, ticks, last) if timed else None
   shapes = {i.name: i.shape for i in hlo.instrs}
   roots = {i.computation: i.opcode for i in hlo.instrs}  # a computation's last instruction is its ROOT
   order: dict[str, list] = {}
@@ -184,14 +265,15 @@ def report(hlo: Hlo, row=None) -> dict:
       if costs:
         t, hidden = wire / row.link_bandwidth, sum(costs.seconds(j) for j in under)
         r.update(seconds=t, overlapped_seconds=min(t, hidden), exposed_seconds=max(0.0, t - hidden),
-                 flops_under=sum(costs.flops(j) for j in under))
+                 flops_under=sum(costs.flops(j) for j in under), timed_per_step=r["per_step"] * costs.share(comp))
       rows.append(r)
   out = {"collectives": rows, "per_kind": {}}
   for k in COLLECTIVES:
     mine = [r for r in rows if r["kind"] == k]
     if mine:
-      out["per_kind"][k] = {f: sum(r[f] * r["per_step"] for r in mine) for f in (
-          "bytes", "wire_bytes", *(("seconds", "exposed_seconds") if costs else ()))}
+      out["per_kind"][k] = {f: sum(r[f] * r["per_step"] for r in mine) for f in ("bytes", "wire_bytes")}
+      out["per_kind"][k].update({f: sum(r[f] * r["timed_per_step"] for r in mine) for f in (
+          ("seconds", "exposed_seconds") if costs else ())})
       out["per_kind"][k].update(ops=len(mine), asynchronous=sum(r["async"] for r in mine))
   out["loops"] = _loops(hlo, rows, order, costs)
   if costs:
@@ -227,13 +309,19 @@ def _totals(hlo: Hlo, costs: Costs, rows: list[dict], row) -> dict:
   calibrated by the peer's measured/predicted (CALIBRATION)."""
   entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo.text, re.M).group(1)
   compute = costs.computation(entry)
-  exposed = sum(r["exposed_seconds"] * r["per_step"] for r in rows)
+  exposed = sum(r["exposed_seconds"] * r["timed_per_step"] for r in rows)
   out = {
-      "collective_seconds": sum(r["seconds"] * r["per_step"] for r in rows), "exposed_seconds": exposed,
+      "collective_seconds": sum(r["seconds"] * r["timed_per_step"] for r in rows), "exposed_seconds": exposed,
       "compute_seconds": compute, "predicted_step_seconds": compute + exposed,
       "matmul_flops": costs.matmuls(entry),
       "label": "prediction, not a measurement: kernels at their roofline one after another, plus the exposed "
                "part of each collective at the link bandwidth"}
+  if costs.ticks is not None:  # whether the schedule's ticks were found in the program (else: longest branches)
+    out["pipeline_ticks_counted"] = costs.switch is not None
+  if costs.switch:  # per device: each stage's own branches; the mean is the step's FLOPs over the devices
+    per_stage = [costs.matmuls(entry, s) for s in range(costs.ticks.shape[1])]
+    out.update(matmul_flops=sum(per_stage) / len(per_stage), matmul_flops_per_stage=per_stage,
+               label=out["label"] + "; a pipeline's ticks as its schedule runs them, each as its slowest device's")
   if row == devices.TABLE[CALIBRATION["device"]]:
     factor = CALIBRATION["measured_s"] / CALIBRATION["predicted_s"]
     out.update(calibrated_step_seconds=(compute + exposed) * factor, calibration=CALIBRATION)

@@ -390,14 +390,16 @@ def can_compile(device: str) -> str | None:
 
 def compile_layout(ev: Evaluator, layout: Layout) -> dict:
   """XLA:GPU's compile of the layout's step: its memory per device and the overlap report's predicted step
-  (calibrated where the device has a calibration, analysis.overlap.CALIBRATION). A prediction below the model
-  FLOPs at the peak (the overlap report undercounts a pipeline's ticks) cannot be: that bound replaces it."""
+  (calibrated where the device has a calibration, analysis.overlap.CALIBRATION), a pipeline's ticks counted as its
+  schedule runs them. A prediction below the model FLOPs at the peak cannot be: a guard, that bound replaces it
+  (kernels the report cannot see)."""
   from jaxtrain.analysis import gpu_compile, overlap
+  from jaxtrain.parallel import pipeline
   setup = ev.setup(layout)
   compiled, seconds = gpu_compile.compile_step(setup)
   text = compiled.as_text()
   m = gpu_compile.CompiledMemory.of(compiled)
-  tot = overlap.report(gpu_compile.Hlo.parse(text), ev.row)["totals"]
+  tot = overlap.report(gpu_compile.Hlo.parse(text), ev.row, **pipeline.tick_table(setup.cfg, setup.mesh))["totals"]
   total = (m.total if m else 0) - report.host_argument_bytes(text)
   step = tot.get("calibrated_step_seconds", tot["predicted_step_seconds"])
   floor = estimate(setup, memory.grouped(memory.param_rows(setup)), layout, ev.row)["compute_s"]

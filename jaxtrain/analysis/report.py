@@ -48,9 +48,11 @@ def compiled_memory(setup) -> dict:
   print(f"compiled in {seconds:.1f}s", file=sys.stderr, flush=True)
   shows = gpu_compile.analyse(compiled, setup.mesh, setup.cfg.train.seq_len, setup.plan)
   from jaxtrain.analysis import overlap
+  from jaxtrain.parallel import pipeline
   dev = setup.mesh.devices.flat[0]
   shows["overlap"] = overlap.report(gpu_compile.Hlo.parse(compiled.as_text()),
-                                    devices.of(dev).entry if dev.platform == "gpu" else None)
+                                    devices.of(dev).entry if dev.platform == "gpu" else None,
+                                    **pipeline.tick_table(setup.cfg, setup.mesh))
   m = gpu_compile.CompiledMemory.of(compiled)
   return {"seconds": seconds, "available": m is not None, **(m.fields() if m else {}), **shows,
           "host_arguments": host_argument_bytes(compiled.as_text())}

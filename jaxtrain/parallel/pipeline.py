@@ -83,6 +83,31 @@ def table(cfg, mesh) -> schedule_lib.Table:
   return schedule_lib.build(cfg.pipeline.schedule, stages(mesh), cfg.train.microbatches, cfg.pipeline.virtual_stages)
 
 
+def switch_indices(prog) -> list[int]:
+  """The branch kinds the table uses, in kind order (only those are compiled: the tick switch's branches); the
+  table's BRANCH column becomes the index of its kind among them, the switch's index."""
+  used = sorted(set(prog[..., BRANCH].flat))
+  prog[..., BRANCH] = np.searchsorted(used, prog[..., BRANCH])
+  return used
+
+
+def tick_table(cfg, mesh) -> dict:
+  """What the overlap report needs to count the training step's ticks as they run (empty without a pipeline):
+  `ticks`, (ticks, stages) the branch of the tick switch each device runs, and `last`, whether that cell's ops run
+  the model's last chunk (its head terms): 1 all of them, 0 none, -1 a pair of both."""
+  if not active(mesh):
+    return {}
+  t = table(cfg, mesh)
+  prog = program_table(t)[0]
+  switch_indices(prog)
+  last = np.zeros(prog.shape[:2], np.int32)
+  for tick, row in enumerate(t.grid):
+    for s, cell in enumerate(row):
+      flags = {t.chunk_of(s, op.chunk) == t.chunks - 1 for op in schedule_lib.ops_of(cell)}
+      last[tick, s] = -1 if len(flags) > 1 else int(flags == {True})
+  return {"ticks": prog[..., BRANCH], "last": last}
+
+
 def executor(cfg, mesh):
   """The gradient contract's executor for this mesh: (token loss sum, scaled gradient sum, MoE totals)."""
   return functools.partial(_execute, cfg=cfg, mesh=mesh)
@@ -127,8 +152,7 @@ def _execute(objective, params, mbs, w, grad_sharding, *, cfg, mesh, forward_onl
   p, v, m = stages(mesh), cfg.pipeline.virtual_stages, mbs["inputs"].shape[0]
   t = (schedule_lib.build_forward if forward_only else schedule_lib.build)(cfg.pipeline.schedule, p, m, v)
   prog, S, G, WN = program_table(t)
-  used = sorted(set(prog[..., BRANCH].flat))  # only the branches this table uses are compiled
-  prog[..., BRANCH] = np.searchsorted(used, prog[..., BRANCH])
+  used = switch_indices(prog)
   # (layers, ...) -> (v, p, layers per chunk, ...): [j, s] is global chunk j*p + s (zbv: 2p-1-s on j = 1), so
   # device s gets its v chunks. For v = 1 this matches the stored split (no traffic); for v > 1 XLA moves the
   # layers between devices (an all-to-all each way). A reversed row is a permute over `pipeline` (a gather by

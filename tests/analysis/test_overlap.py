@@ -150,3 +150,21 @@ def test_matmul_flops_take_the_branch_the_time_takes():
   tot = overlap.report(gpu_compile.Hlo.parse(text), row)["totals"]
   assert tot["compute_seconds"] == pytest.approx(4 * 2 * matmul)
   assert tot["matmul_flops"] == pytest.approx(4 * 2 * 2 * 1024**3)
+
+
+def test_a_pipelines_tick_switch_counts_each_ticks_slowest_device():
+  """Given the schedule's branch of every (tick, stage), the indexed conditional of a loop of as many iterations
+  as ticks runs per tick the branch of its slowest device: here ticks 1 and 2 have a device on the matmul branch
+  (2 matmuls), ticks 0 and 3 none; the predicated conditional still counts its longest (4). Per device, FLOPs count
+  its own branches: stage 0 runs the matmul at tick 2 only (1 + 4), stage 1 at ticks 1 and 2 (2 + 4)."""
+  from jaxtrain.parallel import devices
+  row = devices.TABLE["H100"]
+  matmul = max(2 * 1024**3 / row.peak_bf16_flops, 3 * 4 * 2**20 / row.bandwidth)
+  tot = overlap.report(gpu_compile.Hlo.parse(LOOPED), row, ticks=[[0, 0], [0, 1], [1, 1], [0, 0]])["totals"]
+  assert tot["compute_seconds"] == pytest.approx(6 * matmul)
+  assert tot["matmul_flops_per_stage"] == pytest.approx([5 * 2 * 1024**3, 6 * 2 * 1024**3])
+  assert tot["matmul_flops"] == pytest.approx(5.5 * 2 * 1024**3)
+  # a table whose ticks do not match the loop's trip count leaves the longest-branch count as it was
+  other = overlap.report(gpu_compile.Hlo.parse(LOOPED), row, ticks=[[1, 1]] * 3)["totals"]
+  assert other.pop("pipeline_ticks_counted") is False and tot["pipeline_ticks_counted"] is True
+  assert other == overlap.report(gpu_compile.Hlo.parse(LOOPED), row)["totals"]

@@ -55,3 +55,77 @@ def test_dualpipev_runs_one_microbatchs_expert_all_to_alls_under_anothers_comput
   assert [len(v) for v in under.values()] == [2, 4, 6], under
   assert max(under[program.FWD] + under[program.BWD]) < 1e7, under
   assert sum(f > 1e7 for f in under[program.PAIRED[program.BWD]]) >= 2, under
+
+
+def _tiny_pipeline(schedule: str, spec: str, extra=()):
+  """tiny with 4 layers, batch 8 of 4 microbatches, compiled for H100s: (setup, parsed optimized HLO)."""
+  cfg = config.load("tiny", ["model.n_layers=4", "model.scan_layers=true", "model.dtype=bfloat16",
+                             "train.batch_size=8", "train.microbatches=4", f"pipeline.schedule={schedule}", *extra])
+  setup = step_lib.Setup(cfg, gpu_compile.mesh("H100", spec))
+  return setup, gpu_compile.Hlo.parse(gpu_compile.compile_step(setup)[0].as_text())
+
+
+@pytest.fixture(scope="module")
+def one_stage_reference():
+  """matmul FLOPs of one device running the last stage's work without a pipeline: 2 of the 4 layers and the head
+  over all 4 microbatches, each layer's forward recomputed in its backward (remat full) as a pipeline's is."""
+  from jaxtrain.analysis import overlap
+  from jaxtrain.parallel import devices
+  _, hlo = _tiny_pipeline("1f1b", "fsdp=1", ["model.n_layers=2", "model.remat=full"])
+  return overlap.report(hlo, devices.TABLE["H100"])["totals"]["matmul_flops"]
+
+
+def _op_costs(hlo, cost, used):
+  """{(branch kind, runs the last chunk): seconds} of the tick switch's branches, from their computations: the last
+  chunk's runs its head terms (the longer branch of the branch's own predicated conditional), another the shorter."""
+  from jaxtrain.parallel import program
+  switch = next(i for i in hlo.instrs if i.opcode == "conditional" and len(gpu_compile.branches(i)) == len(used))
+  out = {}
+  for k, name in zip(used, gpu_compile.branches(switch)):
+    heads = [i for i in hlo.instrs if i.computation == name and "true_computation" in i.rest]
+    spans = [sorted(cost.computation(b) for b in gpu_compile.branches(i)) for i in heads]
+    whole = cost.computation(name)
+    out[k, True], out[k, False] = whole, whole - sum(hi - lo for lo, hi in spans)
+  assert out[program.FWD, True] > out[program.FWD, False] and out[program.BWD, True] > out[program.BWD, False]
+  return out
+
+
+@needs_plugin
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_predicted_step_counts_each_tick_as_the_schedule_runs_it(schedule, one_stage_reference):
+  """pipeline=2, 4 microbatches. Each tick costs the slowest device's op (idle, F or B; with the head terms on the
+  last chunk's device), read from the switch's branch computations and the schedule's table, not the longest branch
+  every tick (1.6x too slow here, 2x the matmuls). gpipe: within the bubble formula, per-device work of m
+  microbatches x (m + p - 1) / m, of the first and of the last stage (the tick loop's buffer updates and the work
+  outside it on top: 7% measured); 1f1b runs F beside B in its lock-step ticks. Per device, the matmuls are its own
+  stage's work of the m microbatches (idle ticks add none): of the last within 10% of a one-device program of the
+  same layers and head (measured 1.082: the pipeline's backward computes the head's logits again, and 2 x tokens x
+  d_model x vocab more outside the ticks), of the first within 10% of that program less its head's 6 x tokens x
+  d_model x vocab (measured 1.047: those outside the ticks)."""
+  from jaxtrain.analysis import overlap
+  from jaxtrain.parallel import devices, pipeline, program
+  setup, hlo = _tiny_pipeline(schedule, "pp=2")
+  row, t = devices.TABLE["H100"], pipeline.table(setup.cfg, setup.mesh)
+  cost = overlap.Costs(hlo, row)
+  op = _op_costs(hlo, cost, pipeline.switch_indices(program.program_table(t)[0]))
+  kind = {None: program.IDLE, 1: program.FWD, 2: program.BWD}  # schedule F, B -> the program's branch kinds
+  ticks = sum(max(op[kind[c.kind if c else None], bool(c) and t.chunk_of(s, c.chunk) == t.chunks - 1]
+                  for s, c in enumerate(cells)) for cells in t.grid)
+  old = overlap.report(hlo, row)["totals"]
+  new = overlap.report(hlo, row, **pipeline.tick_table(setup.cfg, setup.mesh))["totals"]
+  longest = op[program.BWD, True]
+  assert new["compute_seconds"] - ticks == pytest.approx(old["compute_seconds"] - t.ticks * longest, rel=1e-9)
+  bubble = (t.m + t.p - 1) / t.m
+  first, last = (t.m * (op[program.FWD, h] + op[program.BWD, h]) * bubble for h in (False, True))
+  print(f"{schedule}: predicted compute {new['compute_seconds'] * 1e6:.1f} us (was {old['compute_seconds'] * 1e6:.1f}),"
+        f" ticks {ticks * 1e6:.1f} us; bubble formula {first * 1e6:.1f} - {last * 1e6:.1f} us")
+  if schedule == "gpipe":
+    assert first <= ticks <= last and new["compute_seconds"] <= 1.1 * last
+  assert new["compute_seconds"] < old["compute_seconds"] / 1.15
+  mm = setup.cfg.model
+  head = 6 * setup.cfg.train.batch_size * setup.cfg.train.seq_len * mm.d_model * mm.vocab_size
+  first_mm, last_mm = new["matmul_flops_per_stage"]
+  print(f"matmuls per stage {first_mm:.4g}, {last_mm:.4g}; one stage without a pipeline {one_stage_reference:.4g}")
+  assert one_stage_reference <= last_mm <= 1.1 * one_stage_reference
+  assert one_stage_reference - head <= first_mm <= 1.1 * (one_stage_reference - head)
+  assert new["matmul_flops"] == pytest.approx((first_mm + last_mm) / 2)
