@@ -321,12 +321,17 @@ def test_bfloat16_pipeline_with_data_or_fsdp_runs_on_cpu_and_matches_one_device(
   np.testing.assert_allclose(trajectory(cfg, spec, 2), trajectory(cfg, "dp=1", 2), rtol=2e-2)
 
 
-# fsdp x tensor (sequence-parallel) x pipeline, dense and MLA + MoE: the embedded tokens went from the table's
-# d_model split to the activations' split, which XLA could do only by replicating them whole
-REMAT_FREE = {"dense": [], "mla-moe": ["model.attention_type=mla", "model.q_lora_rank=16", "model.kv_lora_rank=16",
-                                      "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8",
-                                      "model.moe_experts=4", "model.moe_top_k=2", "model.moe_expert_d_ff=32",
-                                      "model.moe_dropless=true", "model.tie_embeddings=true"]}
+# The embedded tokens went from the table's d_model split to the activations' split, which XLA could do only by
+# replicating them whole: fsdp x tensor (sequence-parallel) x pipeline, dense and MLA + MoE; data x expert x pipeline
+# with ZeRO-2 (no data region: the ids' rows split over data and expert, the table's d_model over expert)
+MLA_MOE = ["model.attention_type=mla", "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
+           "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.moe_experts=4", "model.moe_top_k=2",
+           "model.moe_expert_d_ff=32"]
+REMAT_FREE = {"fsdp-tp-sp-dense": ("fsdp=2,tensor=2,pipeline=2", ["run.sequence_parallel=true"]),
+              "fsdp-tp-sp-mla-moe": ("fsdp=2,tensor=2,pipeline=2", ["run.sequence_parallel=true", *MLA_MOE,
+                                                                     "model.moe_dropless=true",
+                                                                     "model.tie_embeddings=true"]),
+              "dp-ep-zero2-moe": ("data=2,expert=2,pipeline=2", ["optim.zero_stage=2", *MLA_MOE])}
 
 
 @pytest.mark.parametrize("name", REMAT_FREE)
@@ -336,8 +341,9 @@ def test_a_pipelined_step_compiles_without_full_rematerialization(name, tmp_path
   here with a fresh persistent cache (a loaded program would print nothing)."""
   import jax
   from jaxtrain.run import goodput
-  cfg = cfg_of("model.n_layers=2", "train.microbatches=2", "run.sequence_parallel=true", *REMAT_FREE[name])
-  setup = step.Setup(cfg, mesh_of("fsdp=2,tensor=2,pipeline=2"))
+  spec, extra = REMAT_FREE[name]
+  cfg = cfg_of("model.n_layers=2", "train.microbatches=2", *extra)
+  setup = step.Setup(cfg, mesh_of(spec))
   state = setup.init()
   it = data.batches(cfg)
   batch = setup.device_batch(next(it))
