@@ -179,10 +179,14 @@ def _embed(plan, e, tokens, dt):
   reach the activations' split by a local slice, then one all-to-all (sharding.slices_first); the ids come split
   like that slice's rows (split over the table's own axes too, XLA's gather replicated its output whole)."""
   table_axes, shape = (None, None, None, "embed"), (*tokens.shape, e.shape[-1])
-  step = sharding.slices_first(plan.spec(table_axes, shape), plan.spec((None, *ACT), shape))
-  tokens = jax.lax.with_sharding_constraint(tokens, NamedSharding(plan.mesh, P(*step[:tokens.ndim])))
+  stored = plan.spec(table_axes, shape)
+  step = sharding.slices_first(stored, plan.spec((None, *ACT), shape))
+  hop = step != stored  # else one all-to-all (or nothing) reaches the activations' split: as it was
+  if hop:
+    tokens = jax.lax.with_sharding_constraint(tokens, NamedSharding(plan.mesh, P(*step[:tokens.ndim])))
   rows = plan.constrain(plan.lookup(e, tokens), table_axes).astype(dt)
-  rows = jax.lax.with_sharding_constraint(rows, NamedSharding(plan.mesh, step))
+  if hop:
+    rows = jax.lax.with_sharding_constraint(rows, NamedSharding(plan.mesh, step))
   return plan.constrain(rows, (None, *ACT))
 
 
