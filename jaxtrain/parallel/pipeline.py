@@ -199,9 +199,19 @@ def _execute(objective, params, mbs, w, grad_sharding, *, cfg, mesh, forward_onl
 def _embed(plan, e, tokens, dt):
   """The tokens of every microbatch embedded before the region, from the table as stored: inside, XLA would gather
   the whole float32 table for every op of chunk 0, and build its whole gradient (llama3.1-70b: 3.9 GiB each).
-  Rows stay split like the table's d_model until cast: XLA would move them to the batch split in float32."""
-  rows = plan.constrain(plan.lookup(e, tokens), (None, None, None, "embed"))
-  return plan.constrain(rows.astype(dt), (None, *ACT))
+  Rows stay split like the table's d_model until cast: XLA would move them to the batch split in float32. They
+  reach the activations' split by a local slice, then one all-to-all (sharding.slices_first); the ids come split
+  like that slice's rows (split over the table's own axes too, XLA's gather replicated its output whole)."""
+  table_axes, shape = (None, None, None, "embed"), (*tokens.shape, e.shape[-1])
+  stored = plan.spec(table_axes, shape)
+  step = sharding.slices_first(stored, plan.spec((None, *ACT), shape))
+  hop = step != stored  # else one all-to-all (or nothing) reaches the activations' split: as it was
+  if hop:
+    tokens = jax.lax.with_sharding_constraint(tokens, NamedSharding(plan.mesh, P(*step[:tokens.ndim])))
+  rows = plan.constrain(plan.lookup(e, tokens), table_axes).astype(dt)
+  if hop:
+    rows = jax.lax.with_sharding_constraint(rows, NamedSharding(plan.mesh, step))
+  return plan.constrain(rows, (None, *ACT))
 
 
 # The per-tick buffers (stash, gradient and W slots, the embedded tokens) hold a 16-bit float's bits as uint16 and

@@ -151,6 +151,22 @@ def tokens_per_device(cfg, mesh) -> int:
   return rows // axis_ways("batch", rows, mesh) * (t.seq_len // axis_ways("length", t.seq_len, mesh))
 
 
+def slices_first(src: P, dst: P) -> P:
+  """The layout on the way from `src` to `dst` that `src` reaches by local slicing alone: `dst`'s splits over the
+  mesh axes `src` leaves replicated, and `src`'s splits where they are. From there one all-to-all moves `src`'s
+  splits to where `dst` wants them. Straight from `src`, XLA's SPMD partitioner replicates the whole array and
+  slices it ("Involuntary full rematerialization") where an axis that stays replicated orders before the moved
+  one (pipeline's: the embedded tokens, from d_model split over fsdp to rows split over fsdp and tensor)."""
+  n = max(len(src), len(dst))
+  src, dst = (tuple(s) + (None,) * (n - len(s)) for s in (src, dst))
+  held = {a for e in src for a in axes_of(e)}
+  out = []
+  for s, d in zip(src, dst):
+    axes = tuple(a for a in axes_of(d) if a not in held) + axes_of(s)
+    out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return P(*out)
+
+
 def manual(fn, mesh, in_specs, out_specs, **kw):
   """jax.shard_map with check_vma=False: replicated values meet varying ones; the transpose accounts for it untyped."""
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False, **kw)

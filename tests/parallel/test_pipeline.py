@@ -319,3 +319,45 @@ def test_bfloat16_pipeline_with_data_or_fsdp_runs_on_cpu_and_matches_one_device(
                              "train.microbatches=2", "model.n_layers=4"])
   assert cfg.model.dtype == "bfloat16"
   np.testing.assert_allclose(trajectory(cfg, spec, 2), trajectory(cfg, "dp=1", 2), rtol=2e-2)
+
+
+# The embedded tokens went from the table's d_model split to the activations' split, which XLA could do only by
+# replicating them whole: fsdp x tensor (sequence-parallel) x pipeline, dense and MLA + MoE; data x expert x pipeline
+# with ZeRO-2 (no data region: the ids' rows split over data and expert, the table's d_model over expert)
+MLA_MOE = ["model.attention_type=mla", "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
+           "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.moe_experts=4", "model.moe_top_k=2",
+           "model.moe_expert_d_ff=32"]
+REMAT_FREE = {"fsdp-tp-sp-dense": ("fsdp=2,tensor=2,pipeline=2", ["run.sequence_parallel=true"]),
+              "fsdp-tp-sp-mla-moe": ("fsdp=2,tensor=2,pipeline=2", ["run.sequence_parallel=true", *MLA_MOE,
+                                                                     "model.moe_dropless=true",
+                                                                     "model.tie_embeddings=true"]),
+              "dp-ep-zero2-moe": ("data=2,expert=2,pipeline=2", ["optim.zero_stage=2", *MLA_MOE])}
+
+
+@pytest.mark.parametrize("name", REMAT_FREE)
+def test_a_pipelined_step_compiles_without_full_rematerialization(name, tmp_path, capfd):
+  """XLA's SPMD partitioner says on stderr where it cannot reshard a tensor but by replicating it whole and slicing
+  it ("Involuntary full rematerialization"): memory and traffic wasted, and noise on the user's terminal. Compiled
+  here with a fresh persistent cache (a loaded program would print nothing)."""
+  import jax
+  from jaxtrain.run import goodput
+  spec, extra = REMAT_FREE[name]
+  cfg = cfg_of("model.n_layers=2", "train.microbatches=2", *extra)
+  setup = step.Setup(cfg, mesh_of(spec))
+  state = setup.init()
+  it = data.batches(cfg)
+  batch = setup.device_batch(next(it))
+  it.close()
+  was = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))
+  capfd.readouterr()
+  count = goodput.CacheCount()
+  try:
+    setup.step.lower(state, batch).compile()
+  finally:
+    count.stop()
+    jax.config.update("jax_compilation_cache_dir", was)
+  err = capfd.readouterr().err
+  assert count.verdict() in ("miss", "off"), count.verdict()  # compiled, not loaded
+  remats = [line for line in err.splitlines() if "rematerialization" in line]
+  assert not remats, "\n".join(remats)
