@@ -289,6 +289,8 @@ def build(cfg: Config, mesh, device=None, segments: int | None = None) -> Plan:
               moe_kernel=moe_kernel(m, info.platform), packed_segments=packed, platform=info.platform,
               implied=notes, ignored=tuple(config_lib.ignored(cfg, dict(mesh.shape) if mesh is not None else {})))
   chunk, loss_why = loss_chunk(plan, info)
+  if cfg.train.objective == "dpo":  # run/dpo.py: per-token log-probabilities from the whole logits
+    loss_why = f"DPO's log-probabilities from the whole logits; evaluation: {loss_why}"
   return dataclasses.replace(plan, loss_chunk_tokens=chunk, loss_why=loss_why)
 
 

@@ -183,3 +183,10 @@ def test_the_bill_counts_the_loss_the_target_device_runs():
   work = {dev: report.report(cfg, mesh_of("data=1"), "llama3-1b", device=dev)["memory"]["items"]["workspace"]
           for dev in ("H200", "H100")}
   assert work["H200"] - work["H100"] == 2 * 4 * LLAMA_VOCAB * (8192 - 4096), work
+
+
+def test_the_plan_line_says_dpo_takes_the_whole_logits():
+  """DPO's objective sums each sequence's log-probabilities from the whole logits (run/dpo.py): the chunks are only
+  its evaluation loss's."""
+  line = plan_lib.build(config.load("tiny", ["train.objective=dpo"]), None, device="H100").describe()
+  assert "loss: DPO's log-probabilities from the whole logits; evaluation: plain" in line, line
