@@ -300,7 +300,7 @@ LOSS_MEMORY_SHARE = 32  # automatic loss: a chunk's float32 logits within 1/32 o
 def loss_chunk(plan: Plan, info: devices.Info) -> tuple[int, str]:
   """(tokens a chunk of the loss holds per device, 0 = the plain loss; the plan line's words): the config's
   train.loss_chunk_tokens, or for -1 (automatic) on a CUDA GPU the fewest chunks whose float32 logits stay within
-  1/LOSS_MEMORY_SHARE of its memory, the plain loss where the whole microbatch's do. Each chunk reads and rewrites
+  1/LOSS_MEMORY_SHARE of its memory, the plain loss where the whole microbatch's do and no device splits its rows. Each chunk reads and rewrites
   the head's float32 gradient (8 x d_model x vocab bytes): at 1024-token chunks that is 8 x 1 GiB of the 158 ms
   llama3-1b step on an H200 (batch 4 x 2048), which ran 155 ms with the plain loss (issue 53). Elsewhere (CPU, TPU:
   not measured) 1024-token chunks."""
@@ -317,10 +317,14 @@ def loss_chunk(plan: Plan, info: devices.Info) -> tuple[int, str]:
   per_token = 4 * -(-vocab // plan.ways(("act_vocab",), (vocab,))[0])  # a token's float32 logits on a device
   budget = entry.memory_bytes // LOSS_MEMORY_SHARE
   share = f"1/{LOSS_MEMORY_SHARE} of the {info.key}'s memory"
-  if rows * length * per_token <= budget:
+  if rows * length * per_token <= budget and bw * sw == 1:
     return 0, f"plain (float32 logits {rows * length * per_token / 2**30:.2f} GiB a device, within {share})"
+  # split rows: the chunked loss reduces the head's gradient across devices in the compute dtype (the plain loss's
+  # autodiff in float32, twice the bytes), so they take it, in one chunk where the logits fit
   c = xent.chunk_length(rows, length, max(ops.LOSS_CHUNK_TOKENS, budget // per_token))
-  return rows * c, f"{length // c} chunks of {rows * c} tokens a device (their float32 logits within {share})"
+  n = length // c
+  return rows * c, (f"{n} chunk{'s' * (n > 1)} of {rows * c} tokens a device (float32 logits within {share}"
+                    f"{'' if n > 1 else '; the rows split over devices: the gradient reduced in the compute dtype'})")
 
 
 def moe_kernel(m, platform: str) -> str:

@@ -51,12 +51,14 @@ def test_one_document_rows_call_cudnn_causal_alone_and_packed_rows_pass_offsets(
 
 @needs_plugin
 def test_the_h100_step_runs_the_plain_loss_where_its_logits_fit(one_document):
-  """tiny's 384 tokens a device of 512-entry logits are far within 1/32 of an H100: the automatic loss is the plain
-  one, its program as train.loss_chunk_tokens=0's (no chunk loop), and a chunked loss adds one loop."""
-  setup, hlo = one_document
-  assert setup.cfg.train.loss_chunk_tokens == -1 and setup.plan.loss_chunk_tokens == 0
-  plain, chunked = (_hlo([*TINY, f"train.loss_chunk_tokens={c}"], segments=1)[1] for c in (0, 96))
-  assert len(hlo.loops) == len(plain.loops) == len(chunked.loops) - 1, (hlo.loops, chunked.loops)
+  """tiny's 768 tokens of 512-entry logits on one H100 are far within 1/32 of it: the automatic loss is the plain
+  one, its program as train.loss_chunk_tokens=0's (no chunk loop), and a chunked loss adds one loop. On fsdp=2 the
+  rows are split: one chunk of the device's 384 tokens (the head's gradient reduced in bfloat16)."""
+  assert one_document[0].plan.loss_chunk_tokens == 384
+  auto, plain, chunked = (_hlo([*TINY, *sets], "fsdp=1", segments=1) for sets in (
+      [], ["train.loss_chunk_tokens=0"], ["train.loss_chunk_tokens=96"]))
+  assert auto[0].cfg.train.loss_chunk_tokens == -1 and auto[0].plan.loss_chunk_tokens == 0
+  assert len(auto[1].loops) == len(plain[1].loops) == len(chunked[1].loops) - 1, (auto[1].loops, chunked[1].loops)
 
 
 def _readers_of_moments(hlo) -> collections.Counter:
