@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import time
 from pathlib import Path
 
 from jaxtrain.run import runfiles
@@ -131,20 +132,26 @@ class Tracker:
 
 
 class TensorBoardSink(Tracker):
-  """The scalars of each record under the same names, in <workdir>/tb/."""
+  """The scalars of each record under the same names, in <workdir>/tb/: one event a record, written and flushed in
+  the calling thread. (tensorboardX's SummaryWriter queues events for a writer thread; on a full disk that thread
+  dies, its bounded queue fills, and the next put blocks the run forever.)"""
   label, errors = "TensorBoard events", (OSError,)  # TensorBoard is a view: losing it must not end the run
 
   def __init__(self, logdir: Path):
     self.logdir, self.writer = logdir, None
     # imported now, before the steps (seconds where it imports torch): at the first write it was step 2's time
-    from tensorboardX import SummaryWriter
-    self._writer_class = SummaryWriter
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.proto.summary_pb2 import Summary
+    self._writer_class, self._event, self._summary = EventsWriter, Event, Summary
 
   def _log(self, step: int, values: dict[str, float]) -> None:
     if self.writer is None:  # opened with the first record: a run that writes none leaves no events file
-      self.writer = self._writer_class(logdir=str(self.logdir), flush_secs=10)
-    for k, v in values.items():
-      self.writer.add_scalar(k, v, step)
+      self.logdir.mkdir(parents=True, exist_ok=True)
+      self.writer = self._writer_class(str(self.logdir / "events"))
+    summary = self._summary(value=[self._summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+    self.writer.write_event(self._event(wall_time=time.time(), step=step, summary=summary))
+    self.writer.flush()  # a full disk fails here, in this thread, at this step
 
   def close(self, failed: bool = False) -> None:
     if self.writer is not None:

@@ -157,7 +157,7 @@ def test_disk_full_reports_and_keeps_the_last_good_checkpoint(run_cli, tmp_path,
     params = _params(disk / "w" / "checkpoints" / "2")  # verified and restorable
     assert len(jax.tree.leaves(params)) > 0
   finally:
-    subprocess.run(["umount", str(disk)], capture_output=True)
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)  # -l: even while a file there is open
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,10 @@ def crc32c(data: bytes) -> int:
   return c ^ 0xFFFFFFFF
 
 
-def _read_events(path):
+def _read_events(path, torn_tail=False):
   """(step, {tag: value}) per record, decoded with Google's protobuf runtime from a
-  descriptor of TensorBoard's Event/Summary messages (field numbers from event.proto)."""
+  descriptor of TensorBoard's Event/Summary messages (field numbers from event.proto).
+  `torn_tail`: the file was cut short (a full disk), its last record may be partial and is dropped."""
   import struct
   from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
   fd = descriptor_pb2.FileDescriptorProto(name="tb_event_test.proto", package="tbtest", syntax="proto3")
@@ -40,7 +41,9 @@ def _read_events(path):
   assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720)
   data, out, i = path.read_bytes(), [], 0
   while i < len(data):
-    (n,) = struct.unpack_from("<Q", data, i)
+    (n,) = struct.unpack_from("<Q", data, i) if i + 8 <= len(data) else (len(data),)
+    if torn_tail and i + 12 + n + 4 > len(data):
+      break
     body = data[i + 12:i + 12 + n]
     c = crc32c(body)
     assert struct.unpack_from("<I", data, i + 12 + n)[0] == (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
@@ -67,7 +70,7 @@ def test_tensorboard_scalars_and_profile_trace_next_to_metrics(run_cli, tmp_path
   events = _read_events(event_file)
   assert events[0][0] == "brain.Event:2"
   by_step = {}
-  for _, step, scalars in events[1:]:  # one event per scalar and step
+  for _, step, scalars in events[1:]:  # one event per record (a step)
     by_step.setdefault(step, {}).update(scalars)
   assert sorted(by_step) == [rec["step"] for rec in records] == [1, 2, 3]
   for rec in records:
@@ -88,3 +91,33 @@ def test_the_run_log_on_a_full_disk_raises_nothing():
   handler.emit(logging.LogRecord("jaxtrain", logging.ERROR, __file__, 1, "run ended: %s", ("x",), None))
   handler.flush()
   handler.close()
+
+
+def test_tensorboard_on_a_full_disk_is_one_warning_line_and_never_blocks_the_run(tmp_path, capsys):
+  """A tmpfs of 64 KiB fills within the records: the sink says so once, closes, and every later write returns (the
+  queued writer of tensorboardX blocked the run forever once its thread died of ENOSPC)."""
+  import subprocess
+  import threading
+
+  from jaxtrain.run import metrics
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+    pytest.skip("mounting a tmpfs needs root")
+  try:
+    sink = metrics.TensorBoardSink(disk / "tb")
+    rec = {f"scalar_{i:02d}": float(i) for i in range(40)}
+    worker = threading.Thread(target=lambda: [sink.write(step, rec) for step in range(1, 2001)], daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "a write to the full disk blocked"
+    sink.close()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "TensorBoard events stops at step" in warnings[0], warnings
+    assert "No space left on device" in warnings[0]
+    (events,) = (disk / "tb").glob("events.out.tfevents.*")
+    steps = [step for _, step, _ in _read_events(events, torn_tail=True)[1:]]
+    assert steps and steps == list(range(1, len(steps) + 1))  # what reached the disk before it filled reads back
+  finally:
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)  # -l: even while a file there is open
+
