@@ -238,10 +238,15 @@ def report_write_failure(writer: JsonlWriter | None, saved_step: int | None) -> 
 
 
 class _QuietFileHandler(logging.FileHandler):
-  """A log on a full disk: losing its lines is not worth a report, nor a traceback in place of the run's error."""
+  """A log on a full disk, or in a workdir since removed: losing its lines is not worth a report, nor a traceback in
+  place of the run's error (or, after the run, in the caller of whatever logs next)."""
 
   def handleError(self, record):  # noqa: N802
     pass
+
+  def emit(self, record):
+    with contextlib.suppress(OSError):  # opening the file (delay=True) happens outside handleError's reach
+      super().emit(record)
 
   def flush(self):
     with contextlib.suppress(OSError):

@@ -93,6 +93,17 @@ def test_the_run_log_on_a_full_disk_raises_nothing():
   handler.close()
 
 
+def test_the_log_after_the_run_raises_nothing_once_its_workdir_is_removed(tmp_path):
+  """The handler that keeps taking records after a run (orbax reports late) opens its file at the first record: a
+  removed workdir must not make that record raise in whoever logged it."""
+  import logging
+
+  from jaxtrain.run import runfiles
+  handler = runfiles._QuietFileHandler(tmp_path / "gone" / "jaxtrain.log", delay=True)
+  handler.emit(logging.LogRecord("absl", logging.INFO, __file__, 1, "finished %s", ("x",), None))
+  handler.close()
+
+
 def test_tensorboard_on_a_full_disk_is_one_warning_line_and_never_blocks_the_run(tmp_path, capsys):
   """A tmpfs of 64 KiB fills within the records: the sink says so once, closes, and every later write returns (the
   queued writer of tensorboardX blocked the run forever once its thread died of ENOSPC)."""
