@@ -377,8 +377,9 @@ class TrainConfig:
       -1, "Cross-entropy in chunks of this many tokens per device (jaxtrain.model.loss): one chunk's float32 logits "
       "(chunk x vocab / tensor x 4 bytes, 0.5 GiB for 1024 tokens at a 128k vocabulary) instead of the whole "
       "batch's; 0 = the plain unchunked loss; -1 = chosen for the device (the plan line says what): on a CUDA GPU "
-      "the fewest chunks whose logits stay within 1/32 of its memory, the plain loss where the whole microbatch's "
-      "do and no device splits its rows (each chunk re-reads the head's float32 gradient); elsewhere 1024.", math=False, min=-1)
+      "the fewest chunks whose logits stay within 1/32 of its memory, one where the whole microbatch's do (each "
+      "chunk re-reads the head's float32 gradient; the plain loss's autodiff makes more passes over float32 "
+      "logits); elsewhere 1024.", math=False, min=-1)
   objective: Literal["lm", "dpo"] = key(
       "lm", "What the step minimizes: lm = next-token cross-entropy; dpo = Direct Preference Optimization (TRL's "
       "sigmoid loss) on preference data (data prepare --chosen-field/--rejected-field) against the frozen starting "

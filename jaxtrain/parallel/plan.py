@@ -300,10 +300,12 @@ LOSS_MEMORY_SHARE = 32  # automatic loss: a chunk's float32 logits within 1/32 o
 def loss_chunk(plan: Plan, info: devices.Info) -> tuple[int, str]:
   """(tokens a chunk of the loss holds per device, 0 = the plain loss; the plan line's words): the config's
   train.loss_chunk_tokens, or for -1 (automatic) on a CUDA GPU the fewest chunks whose float32 logits stay within
-  1/LOSS_MEMORY_SHARE of its memory, the plain loss where the whole microbatch's do and no device splits its rows. Each chunk reads and rewrites
-  the head's float32 gradient (8 x d_model x vocab bytes): at 1024-token chunks that is 8 x 1 GiB of the 158 ms
-  llama3-1b step on an H200 (batch 4 x 2048), which ran 155 ms with the plain loss (issue 53). Elsewhere (CPU, TPU:
-  not measured) 1024-token chunks."""
+  1/LOSS_MEMORY_SHARE of its memory (one where the whole microbatch's do), elsewhere (CPU, TPU: not measured)
+  1024-token chunks. Never the plain loss: its autodiff makes three more passes over float32 logits (the label
+  term scattered into zeros, a product, a cast: 21 GB against the chunk's 4.2 GB at llama3-1b batch 4 x 2048, 3.5 ms
+  of an H200's bandwidth, compile-only) and reduces the head's gradient across devices in float32. Nor more chunks
+  than needed: each reads and rewrites the head's float32 gradient, 8 x d_model x vocab bytes (8 chunks measured
+  158.3 ms against the plain loss's 155.0 on an H200, issue 53)."""
   t, vocab = plan.cfg.train, plan.cfg.model.vocab_size
   if t.loss_chunk_tokens >= 0:
     return t.loss_chunk_tokens, ("plain (train.loss_chunk_tokens=0)" if not t.loss_chunk_tokens
@@ -316,15 +318,11 @@ def loss_chunk(plan: Plan, info: devices.Info) -> tuple[int, str]:
   rows, length = max(rows // bw, 1), max(t.seq_len // sw, 1)  # a device's share of a microbatch
   per_token = 4 * -(-vocab // plan.ways(("act_vocab",), (vocab,))[0])  # a token's float32 logits on a device
   budget = entry.memory_bytes // LOSS_MEMORY_SHARE
-  share = f"1/{LOSS_MEMORY_SHARE} of the {info.key}'s memory"
-  if rows * length * per_token <= budget and bw * sw == 1:
-    return 0, f"plain (float32 logits {rows * length * per_token / 2**30:.2f} GiB a device, within {share})"
-  # split rows: the chunked loss reduces the head's gradient across devices in the compute dtype (the plain loss's
-  # autodiff in float32, twice the bytes), so they take it, in one chunk where the logits fit
   c = xent.chunk_length(rows, length, max(ops.LOSS_CHUNK_TOKENS, budget // per_token))
-  n = length // c
-  return rows * c, (f"{n} chunk{'s' * (n > 1)} of {rows * c} tokens a device (float32 logits within {share}"
-                    f"{'' if n > 1 else '; the rows split over devices: the gradient reduced in the compute dtype'})")
+  n, size = length // c, rows * c * per_token
+  held = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+  return rows * c, (f"{n} chunk{'s' * (n > 1)} of {rows * c} tokens a device (float32 logits {held}, within "
+                    f"1/{LOSS_MEMORY_SHARE} of the {info.key}'s memory)")
 
 
 def moe_kernel(m, platform: str) -> str:

@@ -143,22 +143,22 @@ LLAMA_VOCAB = 128256  # llama3-1b's: a token's float32 logits are 513,024 bytes
 
 
 @pytest.mark.parametrize("device,batch,spec,want", [
-    ("H200", 4, None, 0),  # 4 x 2048 x 513,024 = 4.20e9 bytes <= 141e9 / 32 = 4.41e9: the plain loss
+    ("H200", 4, None, 8192),  # 4 x 2048 x 513,024 = 4.20e9 bytes <= 141e9 / 32 = 4.41e9: one chunk of all
     ("H200", 8, None, 8192),  # 8.40e9 > 4.41e9; 4.41e9 / 513,024 = 8589 -> 8 rows x 1024 positions (a divisor)
     ("H100", 4, None, 4096),  # 80 GiB / 32 = 2.68e9 -> 5232 tokens -> 4 rows x 1024
-    ("H100", 1, None, 0),  # 1.05e9
-    ("H100", 4, "tensor=2", 0),  # the vocabulary split in two: 2.10e9 a device
+    ("H100", 1, None, 2048),  # 1.05e9
+    ("H100", 4, "tensor=2", 8192),  # the vocabulary split in two: 2.10e9 a device
     ("H100", 16, "fsdp=2", 4096),  # 8 rows a device: as batch 8 on one, 5232 -> 8 x 512
-    ("H100", 2, "dp=2", 2048),  # fits, but the rows are split: one chunk (the head's gradient reduced in bfloat16)
+    ("H100", 2, "dp=2", 2048),  # a device's 1 row x 2048
     ("A100-SXM4-40GB", 4, None, 2048),  # 1.34e9 -> 2616 tokens -> 4 x 512
     (None, 4, None, 1024),  # this host's CPU: the reference's 1024 (no GPU measured the rule)
     ("TPU v5p", 4, None, 1024),
 ])
-def test_the_automatic_loss_is_plain_where_a_microbatchs_logits_fit_a_32nd_of_the_gpu(device, batch, spec, want):
+def test_the_automatic_loss_takes_the_fewest_chunks_whose_logits_fit_a_32nd_of_the_gpu(device, batch, spec, want):
   cfg = config.load("llama3-1b", [f"train.batch_size={batch}", "train.seq_len=2048"])
   plan = plan_lib.build(cfg, mesh_of(spec) if spec else None, device=device)
   assert cfg.model.vocab_size == LLAMA_VOCAB and plan.loss_chunk_tokens == want, plan.loss_why
-  assert ("loss: plain" if want == 0 else f" of {want} tokens a device") in plan.describe()
+  assert f" of {want} tokens a device" in plan.describe() and "plain" not in plan.loss_why
   given = plan_lib.build(config.load("llama3-1b", ["train.loss_chunk_tokens=2048"]), None, device=device)
   assert given.loss_chunk_tokens == 2048  # a number the user sets is what runs, on any device
 
@@ -178,7 +178,7 @@ def test_the_loss_follows_the_installed_plans_chunks():
 
 
 def test_the_bill_counts_the_loss_the_target_device_runs():
-  """inspect's bill for an H200 holds the plain loss's whole logits (8192 tokens a device), for an H100 two chunks
+  """inspect's bill for an H200 holds one chunk of the whole logits (8192 tokens a device), for an H100 two chunks
   of 4096: the loss phase differs by float32 logits and their gradient of 4096 tokens (2 x 4 x V x 4096 bytes)."""
   cfg = config.load("llama3-1b", ["train.batch_size=4", "train.seq_len=2048"])
   work = {dev: report.report(cfg, mesh_of("data=1"), "llama3-1b", device=dev)["memory"]["items"]["workspace"]
@@ -190,4 +190,5 @@ def test_the_plan_line_says_dpo_takes_the_whole_logits():
   """DPO's objective sums each sequence's log-probabilities from the whole logits (run/dpo.py): the chunks are only
   its evaluation loss's."""
   line = plan_lib.build(config.load("tiny", ["train.objective=dpo"]), None, device="H100").describe()
-  assert "loss: DPO's log-probabilities from the whole logits; evaluation: plain" in line, line
+  assert "loss: DPO's log-probabilities from the whole logits; evaluation: 1 chunk of 2048 tokens a device (float32 " \
+         "logits 4.0 MiB" in line, line

@@ -46,10 +46,20 @@ GPUDEFAULT="--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_high
 --xla_gpu_enable_while_loop_double_buffering=true --xla_gpu_all_gather_combine_threshold_bytes=134217728 \
 --xla_gpu_reduce_scatter_combine_threshold_bytes=134217728 --xla_gpu_all_reduce_combine_threshold_bytes=134217728 \
 --xla_gpu_enable_all_gather_combine_by_dim=false --xla_gpu_enable_reduce_scatter_combine_by_dim=false --xla_gpu_enable_triton_gemm=false"
+# llama3-1b at the GPU kit's shape and math (../shared/peer/gpu-device/run.sh), ONE compile-only H100: batch 4 x 2048,
+# MaxText remat minimal. MaxText takes the device count from a3 (8): per_device_batch_size=0.5 is a global batch of 4.
+# jaxtrain's side is tools/peer_gpu/kernels.py (it compiles the step with one-document rows itself).
+MT1B="model_name=default decoder_block=llama2 base_emb_dim=2048 base_num_query_heads=32 base_num_kv_heads=8 base_mlp_dim=8192 \
+base_num_decoder_layers=16 head_dim=64 vocab_size=128256 max_target_length=2048 rope_max_timescale=500000 logits_via_embedding=True \
+learning_rate=3e-4 steps=1000 warmup_steps_fraction=0.1 normalize_embedding_logits=False normalization_layer_epsilon=1e-5 \
+dtype=bfloat16 weight_dtype=float32 opt_type=adamw adam_b1=0.9 adam_b2=0.95 adam_eps=1e-8 adam_weight_decay=0.1 \
+gradient_clipping_threshold=1.0 learning_rate_final_fraction=0.1 enable_dropout=False dropout_rate=0.0 monitor_goodput=False"
 mkdir -p $P/res $P/logs $P/runs
 C=$1; shift
 cd $P
 case $C in
+  mt1b4)   cmd="env NDEV=1 HOSTS=1 $MT10 $HERE/mt_compile_hosts.py res/$C.json $MT $MT8 $MT1B per_device_batch_size=0.5 remat_policy=minimal" ;;
+  mt1b4-full) cmd="env NDEV=1 HOSTS=1 $MT10 $HERE/mt_compile_hosts.py res/$C.json $MT $MT8 $MT1B per_device_batch_size=0.5 remat_policy=full" ;;
   mtmx64)  cmd="env NDEV=64 HOSTS=8 $MT10 $HERE/mt_compile_hosts.py res/$C.json $MT $MT64 $MTMX" ;;
   mtmx64-dropless) cmd="env NDEV=64 HOSTS=8 $MT10 $HERE/mt_compile_hosts.py res/$C.json $MT $MT64 $MTMX sparse_matmul=True megablox=False capacity_factor=-1" ;;
   mtmx64-dcn) cmd="env NDEV=64 HOSTS=8 $MT10 $HERE/mt_compile_hosts.py res/$C.json $MT compile_topology=a3 compile_topology_num_slices=8 model_name=mixtral-8x7b max_target_length=4096 dcn_fsdp_parallelism=8 dcn_data_parallelism=1 ici_fsdp_parallelism=1 ici_expert_parallelism=8 sparse_matmul=False capacity_factor=1.25" ;;
