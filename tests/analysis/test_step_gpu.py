@@ -52,10 +52,12 @@ def test_one_document_rows_call_cudnn_causal_alone_and_packed_rows_pass_offsets(
 
 def _logits_writers(hlo, tokens: int, vocab: int) -> tuple[list[str], list[str]]:
   """(the step's kernels that write float32 arrays of `tokens` x `vocab` logits, the scatters among all ops)."""
-  fused = {m.group(1) for i in hlo.instrs if i.opcode == "fusion" for m in [re.search(r"calls=%?([\w.\-]+)", i.rest)] if m}
+  callees = (re.search(r"calls=%?([\w.\-]+)", i.rest) for i in hlo.instrs if i.opcode == "fusion")
+  fused = {m.group(1) for m in callees if m}  # fusion bodies: their ops are not kernels
 
   def logits(shape):
-    return any(dt == "f32" and dims.split(",")[-1] == str(vocab) and math.prod(map(int, dims.split(","))) == tokens * vocab
+    return any(dt == "f32" and dims.split(",")[-1] == str(vocab)
+               and math.prod(map(int, dims.split(","))) == tokens * vocab
                for dt, dims in re.findall(r"(\w+)\[([0-9,]+)\]", shape))
   kernels = [i.name for i in hlo.instrs if i.computation not in fused and i.opcode in ("fusion", "custom-call")
              and logits(i.shape)]

@@ -23,11 +23,14 @@ def _slow_tensorboardx(tmp_path, monkeypatch):
   """A tensorboardX whose import takes SLOW_S, as the real one takes seconds where it imports torch."""
   pkg = tmp_path / "fake_tb" / "tensorboardX"
   pkg.mkdir(parents=True)
-  pkg.joinpath("__init__.py").write_text(
-      f"import time\ntime.sleep({SLOW_S})\n"
-      "class SummaryWriter:\n"
-      "  def __init__(self, logdir, flush_secs=10): pass\n"
-      "  def add_scalar(self, k, v, step): pass\n"
+  pkg.joinpath("__init__.py").write_text(f"import time\ntime.sleep({SLOW_S})\n")
+  pkg.joinpath("proto").mkdir()
+  stub = "  def __init__(self, *args, **kwargs): pass\n"
+  pkg.joinpath("proto", "__init__.py").write_text("")
+  pkg.joinpath("proto", "event_pb2.py").write_text(f"class Event:\n{stub}")
+  pkg.joinpath("proto", "summary_pb2.py").write_text(f"class Summary:\n  class Value:\n  {stub}{stub}")
+  pkg.joinpath("event_file_writer.py").write_text(
+      f"class EventsWriter:\n{stub}  def write_event(self, event): pass\n  def flush(self): pass\n"
       "  def close(self): pass\n")
   monkeypatch.syspath_prepend(str(pkg.parent))
   # recorded even where the real one was never imported (delitem records nothing then): the undo puts back what
