@@ -35,7 +35,7 @@ def kernels(text: str, row) -> list[tuple[str, float, float, float]]:
         if b := costs.branch(i):
           walk(b, times)
       elif s := costs.seconds(i):
-        out.append((group(i), s * times, costs.nbytes(i) * times, costs.flops(i) * times, i.name, i.shape, times))
+        out.append((group(i), s * times, costs.nbytes(i) * times, costs.flops(i) * times))
 
   walk(hlo.instrs[-1].computation, 1)  # the entry computation comes last in XLA's text
   return out
