@@ -19,7 +19,7 @@ SMALL = ["model.n_layers=1", "train.batch_size=4", "train.seq_len=32", "data.wor
 SLOW_S = 2.0  # a one-time host cost, far above the small step's time
 
 
-def _slow_tensorboardx(tmp_path, monkeypatch):
+def _slow_tensorboardx(tmp_path, monkeypatch, request):
   """A tensorboardX whose import takes SLOW_S, as the real one takes seconds where it imports torch."""
   pkg = tmp_path / "fake_tb" / "tensorboardX"
   pkg.mkdir(parents=True)
@@ -33,12 +33,18 @@ def _slow_tensorboardx(tmp_path, monkeypatch):
       f"class EventsWriter:\n{stub}  def write_event(self, event): pass\n  def flush(self): pass\n"
       "  def close(self): pass\n")
   monkeypatch.syspath_prepend(str(pkg.parent))
-  # recorded even where the real one was never imported (delitem records nothing then): the undo puts back what
-  # was there, so the fake imported in the run goes (else later tests in this process get no events file)
-  monkeypatch.setitem(sys.modules, "tensorboardX", None)
-  del sys.modules["tensorboardX"]
-  for name in [m for m in sys.modules if m.startswith("tensorboardX.")]:
-    monkeypatch.delitem(sys.modules, name)
+  # Every tensorboardX module the run imports is the fake's, submodules included; monkeypatch would only undo the
+  # names it saw, so the fake's submodules would outlive the test and break the real package's later imports.
+  _is_tb = lambda name: name == "tensorboardX" or name.startswith("tensorboardX.")
+  real = {name: mod for name, mod in sys.modules.items() if _is_tb(name)}
+  for name in real:
+    del sys.modules[name]
+
+  def restore():
+    for name in [n for n in sys.modules if _is_tb(n)]:
+      del sys.modules[name]
+    sys.modules.update(real)
+  request.addfinalizer(restore)
 
 
 def _slow_eval(monkeypatch):
@@ -59,14 +65,14 @@ def _slow_eval(monkeypatch):
     ("eval at the last step", ["train.steps=4", "train.eval_interval=4", "run.tensorboard=false"]),
     ("tensorboard's first write", ["train.steps=5", "run.tensorboard=true"]),
 ])
-def test_a_step_time_is_the_training_steps_own(case, sets, tmp_path, monkeypatch):
+def test_a_step_time_is_the_training_steps_own(case, sets, tmp_path, monkeypatch, request):
   """One-time host work (the eval, TensorBoard's import) is no step's time: every step_time_s stays near the
   median step (independent reference: the steps without that work), none absorbs it, none is ~0."""
   if "eval" in case:
     _slow_eval(monkeypatch)
     sets = [*sets, "data.eval_fraction=0.05", "data.eval_batches=1"]
   else:
-    _slow_tensorboardx(tmp_path, monkeypatch)
+    _slow_tensorboardx(tmp_path, monkeypatch, request)
   cfg = config.load("tiny", [*SMALL, *sets])
   loop.run(cfg, mesh_of("dp=1"), tmp_path / "w", "tiny")
   records = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
