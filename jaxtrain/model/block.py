@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.core.config import ModelConfig
+from jaxtrain.core.schema import ModelConfig
 from jaxtrain.model import ops
 from jaxtrain.model.attention import cached_attention, max_logit, windowed_cached_attention
 from jaxtrain.model.layers import MLP, layer_tables, norm, param, rope
@@ -126,7 +126,7 @@ class Block(nnx.Module):
 
   def probe(self, x_BxLxD, rope_tables, seg_BxL):
     """(the block's output, its attention's largest logit per head (H,)): QK-clip's forward, without gradient
-    (grouped-query attention: config.check_optim refuses MLA)."""
+    (grouped-query attention: core.checks.check_optim refuses MLA)."""
     qkv = self.attn.project(ops.constrain(self.attn_norm(x_BxLxD), WHOLE), rope_tables)  # no window, no sinks:
     a_BxLxD = self.post(self.attn.out(self.attn.attend(*qkv, seg_BxL, 0, None)), "attn_post_norm")  # refused
     x_BxLxD = ops.constrain(x_BxLxD + a_BxLxD, RESIDUAL)

@@ -8,7 +8,7 @@ padding too (the device computes it).
 
 from __future__ import annotations
 
-from jaxtrain.core.config import ModelConfig
+from jaxtrain.core.schema import ModelConfig
 from jaxtrain.model import mla
 
 

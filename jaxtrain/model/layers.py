@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.core.config import ModelConfig
+from jaxtrain.core.schema import ModelConfig
 from jaxtrain.model import activation, ops, rope as rope_scaling
 from jaxtrain.model.lora import adapted, add_adapters
 

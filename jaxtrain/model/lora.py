@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.core.config import ModelConfig
+from jaxtrain.core.schema import ModelConfig
 from jaxtrain.model import ops, wgrad
 
 SUFFIX = "_lora"  # the adapter of weight `wq` is the module `wq_lora` beside it

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.core.config import ModelConfig
+from jaxtrain.core.schema import ModelConfig
 from jaxtrain.model import activation, ops
 from jaxtrain.model.layers import MLP, param
 from jaxtrain.model.lora import add_adapters, effective

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxtrain.core.config import ModelConfig
+from jaxtrain.core.schema import ModelConfig
 from jaxtrain.model import mtp
 
 

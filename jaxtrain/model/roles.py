@@ -14,7 +14,7 @@ import dataclasses
 
 import jax
 
-from jaxtrain.core.config import ModelConfig
+from jaxtrain.core.schema import ModelConfig
 from jaxtrain.model import quant
 
 KINDS = {

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.core.config import ModelConfig
+from jaxtrain.core.schema import ModelConfig
 from jaxtrain.model import mla as mla_lib, ops, quant
 from jaxtrain.model.block import RESIDUAL, Block, empty_cache
 from jaxtrain.model.layers import norm, param, rope_tables

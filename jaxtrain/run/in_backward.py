@@ -16,7 +16,7 @@ backward reads from where they are updated. Two reverse scans follow:
 The price of the all-or-nothing guarantee without holding the gradient is the second backward (about 2/3 of a
 step's FLOPs more): a one-pass update could not take back the layers it updated before a later layer's non-finite
 gradient shows. In exchange, global-norm clipping is the plain step's. One microbatch, no pipeline, AdamW, dense
-scanned layers, no LoRA, ZeRO or offload (core.config.check_in_backward, check_fits_mesh)."""
+scanned layers, no LoRA, ZeRO or offload (core.checks.check_in_backward, check_fits_mesh)."""
 
 from __future__ import annotations
 

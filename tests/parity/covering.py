@@ -94,7 +94,7 @@ REFUSED = {
        for pair, words in ((("pipeline", 2), "pipeline=2"), (("mtp", True), "model.mtp_layers=1"),
                            (("moe", "capacity"), "model.moe_experts=4"), (("moe", "dropless"), "model.moe_experts=4"),
                            (("offload", "host"), "optim.offload=host"))},
-    **{(("optim", "muon"), pair): (("optim.name='muon'", words), "Muon (core.config.check_optim): its state on the "
+    **{(("optim", "muon"), pair): (("optim.name='muon'", words), "Muon (core.checks.check_optim): its state on the "
                                    "device, its matrices the model's own projections")
        for pair, words in ((("offload", "host"), "optim.offload='host'"), (("lora", "on"), "model.lora_rank="),
                            (("lora", "nf4"), "model.lora_rank="))},
@@ -102,7 +102,7 @@ REFUSED = {
                                       "whole layer stack on device-resident, dense parameters")
        for pair, words in ((("pipeline", 2), "pipeline=2"), (("offload", "host"), "optim.offload='host'"),
                            (("lora", "nf4"), "model.lora_base_dtype='nf4'"))},
-    **{(("qk_clip", True), pair): (("optim.qk_clip=", words), "QK-clip (core.config.check_qk_clip, step's mesh "
+    **{(("qk_clip", True), pair): (("optim.qk_clip=", words), "QK-clip (core.checks.check_qk_clip, step's mesh "
                                    "check): a rule for grouped-query W_q/W_k only, its pass outside a pipeline")
        for pair, words in ((("attention", "mla"), "model.attention_type='mla'"), (("qk_norm", True), "model.qk_norm"),
                            (("lora", "on"), "model.lora_rank="), (("lora", "nf4"), "model.lora_rank="),
@@ -112,20 +112,20 @@ REFUSED = {
                            (("sinks", True), "model.attention_sinks=true"),
                            (("attention_bias", True), "model.attention_bias=true"))},
     **{(("attention", "mla"), pair): (("model.attention_type=mla", words), "sliding windows, sinks and q/k/v/o "
-                                      "biases are grouped-query attention's (core.config.validate)")
+                                      "biases are grouped-query attention's (core.checks.validate)")
        for pair, words in ((("window", "local"), "model.sliding_window="), (("window", "alternate"),
                                                                             "model.sliding_window="),
                            (("sinks", True), "model.attention_sinks=true"),
                            (("attention_bias", True), "model.attention_bias=true"))},
     (("gemma", True), ("attention", "mla")): (("model.attention_scale=", "model.attention_type=mla"), "MLA's softmax "
-                                              "scale is its own (core.config.validate)"),
+                                              "scale is its own (core.checks.validate)"),
     **{(("activation", "gelu_tanh"), ("moe", moe)): (("model.mlp_activation='gelu_tanh'", "model.moe_experts="),
-                                                     "the experts are SwiGLU (core.config.validate)")
+                                                     "the experts are SwiGLU (core.checks.validate)")
        for moe in ("capacity", "dropless")},
     (("window", "alternate"), ("pipeline", 2)): (("model.layer_types='alternate'", "pipeline=2"), "the matrix's "
                                                  "pipelines hold one layer a chunk: their chunks' windows differ"),
     **{(("in_backward", True), pair): (("optim.in_backward=true", words), "the update in the backward "
-                                       "(core.config.check_in_backward): AdamW on dense scanned layers, one "
+                                       "(core.checks.check_in_backward): AdamW on dense scanned layers, one "
                                        "microbatch, the state where the step computes")
        for pair, words in ((("microbatches", 2), "train.microbatches="), (("scan_layers", False), "model.scan_layers"),
                            (("moe", "capacity"), "model.moe_experts=4"), (("moe", "dropless"), "model.moe_experts=4"),
