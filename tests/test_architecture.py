@@ -259,6 +259,8 @@ COVERED_BY = {
     "jaxtrain.core.parse": ("tests/core/test_bad_inputs.py", "parse."),
     "jaxtrain.core.ramp": ("tests/run/test_batch_ramp.py", "ramp."),
     "jaxtrain.interop.hf_fields": ("tests/core/test_bad_inputs.py", "config.json"),
+    "jaxtrain.interop.hf_keys": ("tests/interop/test_gemma3.py", "model_keys"),
+    "jaxtrain.interop.hf_table": ("tests/interop/test_params_only_import.py", "hf.table"),
     "jaxtrain.core.resources": ("tests/commands/test_launch.py", "resources"),
     "jaxtrain.core.schema": ("tests/core/test_config.py", "all_keys"),
     "jaxtrain.data.__main__": ("tests/commands/test_flows.py", "jaxtrain.data"),

@@ -19,7 +19,9 @@ import numpy as np
 from jaxtrain.core import files as files_lib, outputs  # files_lib: run_export names its shard list `files`
 from jaxtrain.core.errors import UserError
 from jaxtrain.interop import hf_source
-from jaxtrain.interop.hf import DTYPES, HF_KEPT, INDEX, LORA_MODULES, hf_config, lora_table, safetensors_api, table
+from jaxtrain.interop.hf import DTYPES, HF_KEPT, INDEX, safetensors_api
+from jaxtrain.interop.hf_keys import hf_config
+from jaxtrain.interop.hf_table import LORA_MODULES, lora_table, table
 
 
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's names
