@@ -240,6 +240,7 @@ def test_the_layer_checks_find_known_violations():
 # or is named here with the test that covers it and the words that show it does
 
 COVERED_BY = {
+    "jaxtrain.analysis.activation_bytes": ("tests/analysis/test_memory.py", "memory.activations"),
     "jaxtrain.analysis.baselines.minimal": ("tests/analysis/test_baselines.py", "minimal"),
     "jaxtrain.analysis.baselines.torch_model": ("tests/analysis/test_baselines.py", "torch_model"),
     "jaxtrain.analysis.compare": ("tests/parity/test_moe_parity.py", "bench_compare"),
