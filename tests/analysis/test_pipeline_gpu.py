@@ -26,6 +26,11 @@ def test_zb_h1_with_cudnn_attention_compiles_for_h100s():
   # the weights' gradients are reduce-scattered per layer, as outside a pipeline: unconstrained inside the
   # region, XLA all-reduced each layer's whole (llama3.1-70b on pp=4,fsdp=16: 702 GiB per step, 64 GiB of them kept)
   assert c["collectives"]["all-reduce"]["bytes_per_step"] < memory.state_bytes(setup)["params"], c["collectives"]
+  # the roofline counts the ticks as the schedule runs them, not XLA's longest branch on every tick
+  roof, ticks = c["roofline"], c["overlap"]["totals"]
+  assert ticks["pipeline_ticks_counted"] and roof["bound"] == "per-kernel", roof
+  assert roof["seconds"] == ticks["compute_seconds"] and roof["xla_cost_analysis_seconds"] > 0
+  assert "the tick switch's longest branch on every tick" in "\n".join(report.render_compiled(c))
 
 
 @needs_plugin
