@@ -65,6 +65,23 @@ def test_without_the_packed_cudnn_module_the_plan_takes_the_mask_path(monkeypatc
     attention.packed_module.cache_clear()
 
 
+def test_without_the_cudnn_backward_primitive_the_ring_keeps_its_xla_blocks(monkeypatch):
+  """Ring attention's cuDNN pairs bind the private backward primitive: probed; without it the plan line says the
+  ring folds XLA blocks and why."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  from jaxtrain.parallel import devices, kernels, ring
+  m, h100 = config.load("tiny", ["model.dtype=bfloat16"]).model, devices.of("H100")
+  kernels.block_module.cache_clear()
+  try:
+    assert ring.pair_kernel(m, 64, h100, 1)[0] == "cudnn"  # the reference: with the primitive, cuDNN pairs
+    monkeypatch.delattr(fa, "_dot_product_attention_bwd_p_wrapper")
+    kernels.block_module.cache_clear()
+    kind, why = ring.pair_kernel(m, 64, h100, 1)
+    assert kind == "flash" and "jax's private cuDNN module lacks what the pairs use" in why, why
+  finally:
+    kernels.block_module.cache_clear()
+
+
 def test_without_the_capability_check_tracing_is_not_redirected(monkeypatch, capsys):
   from jax._src.cudnn import fused_attention_stablehlo as fa
   from jaxtrain.analysis import gpu_compile

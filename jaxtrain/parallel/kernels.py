@@ -6,6 +6,7 @@ model.attention=cudnn where a condition fails is a one-line error, never a silen
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -26,17 +27,7 @@ def select(model_cfg, seq_len: int | None = None, info: devices.Info | None = No
   if want == "blocked":
     return "blocked", f"model.attention=blocked: {_blocks(seq_len)}", 0
   info = info or devices.of()
-  E, dt = model_cfg.head_dim, model_cfg.dtype
-  if model_cfg.attention_type == "mla":  # q/k width (v is zero-padded to it)
-    E = model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim
-  problem = next((why for failed, why in (  # the first condition cuDNN does not meet
-      (not info.cuda, f"backend is {info.platform}, not a CUDA GPU"),
-      (dt not in ("bfloat16", "float16"), f"model.dtype={dt} (cuDNN needs bfloat16 or float16)"),
-      (E % 8 or E > info.max_head_dim,
-       f"model.head_dim={E} (cuDNN needs a multiple of 8, at most {info.max_head_dim} on this GPU)"),
-      (seq_len is not None and seq_len % 2, f"train.seq_len={seq_len} is odd (cuDNN needs it even)"),
-      (model_cfg.attention_sinks, "model.attention_sinks=true (jax's cuDNN attention takes no sink logits)"))
-      if failed), None)
+  problem = cudnn_problem(model_cfg, seq_len, info)
   if problem is None:
     slots, how = path(model_cfg, info, seq_len, segments)
     local = f", sliding window {model_cfg.sliding_window} on local layers" if model_cfg.sliding_window else ""
@@ -47,6 +38,21 @@ def select(model_cfg, seq_len: int | None = None, info: devices.Info | None = No
     return "blocked", (f"blocked attention: {problem}, and at train.seq_len={seq_len} the XLA reference would hold "
                        f"{seq_len} x {seq_len} scores per row and head; {_blocks(seq_len)}"), 0
   return "xla", f"reference XLA attention: {problem}", 0
+
+
+def cudnn_problem(model_cfg, seq_len: int | None, info: devices.Info) -> str | None:
+  """The first condition jax's cuDNN attention does not meet for this model on `info`, None where all hold."""
+  E, dt = model_cfg.head_dim, model_cfg.dtype
+  if model_cfg.attention_type == "mla":  # q/k width (v is zero-padded to it)
+    E = model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim
+  return next((why for failed, why in (
+      (not info.cuda, f"backend is {info.platform}, not a CUDA GPU"),
+      (dt not in ("bfloat16", "float16"), f"model.dtype={dt} (cuDNN needs bfloat16 or float16)"),
+      (E % 8 or E > info.max_head_dim,
+       f"model.head_dim={E} (cuDNN needs a multiple of 8, at most {info.max_head_dim} on this GPU)"),
+      (seq_len is not None and seq_len % 2, f"train.seq_len={seq_len} is odd (cuDNN needs it even)"),
+      (model_cfg.attention_sinks, "model.attention_sinks=true (jax's cuDNN attention takes no sink logits)"))
+      if failed), None)
 
 
 def _blocks(seq_len: int | None) -> str:
@@ -134,3 +140,46 @@ def packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, max_segments: int, window: 
   return out.astype(q_BxLxHxE.dtype)
 
 
+
+
+@functools.cache
+def block_module():
+  """What ring attention's cuDNN blocks use of the private module (`packed_module`): the forward's log-sum-exp
+  (return_residual) and the backward primitive, bound with the ring's merged output and log-sum-exp. None where any
+  of it is missing; the ring then keeps its XLA blocks."""
+  cudnn = packed_module()
+  try:
+    assert cudnn is not None and cudnn.MaskType.NO_MASK is not None and cudnn.AttentionLayout.BTNH is not None
+    assert "return_residual" in inspect.signature(cudnn.dot_product_attention).parameters
+    assert callable(cudnn._dot_product_attention_bwd_p_wrapper.bind)
+    return cudnn
+  except Exception:  # noqa: BLE001 (any change there means: not usable)
+    return None
+
+
+def _mask_type(cudnn, causal: bool):
+  return cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
+
+
+def block_forward(q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, causal: bool):
+  """One ring block pair through cuDNN (causal: the diagonal block, queries and keys at the same positions; else
+  every key visible): (output float32 (B, N, H, E), log-sum-exp of the scaled scores float32 (B, N, H))."""
+  cudnn = block_module()
+  out, lse_BxHxN = cudnn.dot_product_attention(q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, scale=q_BxNxHxE.shape[-1] ** -0.5,
+                                               mask_type=_mask_type(cudnn, causal), qkv_layout="BTNH",
+                                               return_residual=True)
+  return out.astype(jnp.float32), jnp.swapaxes(lse_BxHxN, 1, 2)
+
+
+def block_backward(q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, out_BxNxHxE, do_BxNxHxE, lse_BxNxH, causal: bool):
+  """cuDNN's backward of one block pair given the whole ring's output and log-sum-exp (so each block's
+  probabilities are the final ones): (dq, dk, dv) float32. The primitive jax's own VJP binds, bound directly:
+  that VJP would use the block's own statistics."""
+  cudnn = block_module()
+  none = jnp.zeros(0, q_BxNxHxE.dtype)  # no bias, lengths, offsets or page tables
+  grads = cudnn._dot_product_attention_bwd_p_wrapper.bind(
+      q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, none, none, none, none, none, none, none,
+      jnp.swapaxes(lse_BxNxH, 1, 2), out_BxNxHxE.astype(q_BxNxHxE.dtype), do_BxNxHxE.astype(q_BxNxHxE.dtype),
+      scale=q_BxNxHxE.shape[-1] ** -0.5, seed=42, dropout_rate=0.0, variadic_args=(False, False),
+      mask_type=_mask_type(cudnn, causal), layout=cudnn.AttentionLayout.BTNH.value, sliding_window_length=None)
+  return tuple(g.astype(jnp.float32) for g in grads[:3])

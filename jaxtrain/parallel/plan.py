@@ -33,7 +33,8 @@ class Plan(ops.Ops):
   moe: str = "dense"  # "dense" | "local" | "all_to_all"
   moe_kernel: str = "capacity"  # "capacity" | "ragged_dot" | "blocks" (the last two: dropless)
   packed_segments: int = 0  # cudnn only: 1 = one segment a row, causal alone; M > 1 = offsets of at most M a row;
-  # 0 = an L x L mask (jaxtrain.parallel.kernels.path)
+  # 0 = an L x L mask (jaxtrain.parallel.kernels.path). Ring with cuDNN pairs: 1
+  ring_kernel: str = "flash"  # ring only: "cudnn" pairs on rows of one document, else "flash" (ring.pair_kernel)
   platform: str = "cpu"  # the target device's platform (cpu, gpu, tpu): what its compiler keeps differs
   implied: tuple[str, ...] = ()  # "key=value (why)" for each setting the mesh implied
   ignored: tuple[str, ...] = ()  # keys set that act not with this config and mesh (config.ignored)
@@ -274,11 +275,15 @@ def build(cfg: Config, mesh, device=None, segments: int | None = None) -> Plan:
   sp = mesh.shape.get("sequence", 1) if mesh is not None else 1
   rules = sharding.rules_for(cfg.run.sequence_parallel)
   ulysses = sp > 1 and m.sequence_attention == "ulysses"
+  ring_kernel = "flash"
   if sp > 1 and not ulysses:
-    if m.attention == "cudnn":
+    from jaxtrain.parallel import ring
+    ring_kernel, pairs = ring.pair_kernel(m, cfg.train.seq_len, info, segments)
+    if m.attention == "cudnn" and ring_kernel != "cudnn":
       raise UserError(f"model.attention=cudnn cannot run with sequence={sp}: ring attention computes its own "
-                      "blocks; use model.attention=auto or xla, or model.sequence_attention=ulysses")
-    impl, why, packed = "ring", f"ring attention over sequence={sp}, zig-zag blocks, online softmax", 0
+                      f"blocks here ({pairs}); use model.attention=auto or xla, or model.sequence_attention=ulysses")
+    impl, why = "ring", f"ring attention over sequence={sp}, zig-zag blocks, {pairs}"
+    packed = int(ring_kernel == "cudnn")  # one segment a row: check_rows refuses data with more
   else:
     impl, why, packed = kernels.select(m, cfg.train.seq_len, info, segments)
   if ulysses:
@@ -286,7 +291,8 @@ def build(cfg: Config, mesh, device=None, segments: int | None = None) -> Plan:
     why = f"{ulysses_lib.describe(m, mesh, rules)}; {why}"
   moe = "dense" if not m.moe_experts else ("local" if mesh is None else "all_to_all")
   plan = Plan(cfg=cfg, mesh=mesh, rules=rules, attention=impl, attention_why=why, ulysses=ulysses, moe=moe,
-              moe_kernel=moe_kernel(m, info.platform), packed_segments=packed, platform=info.platform,
+              moe_kernel=moe_kernel(m, info.platform), packed_segments=packed, ring_kernel=ring_kernel,
+              platform=info.platform,
               implied=notes, ignored=tuple(config_lib.ignored(cfg, dict(mesh.shape) if mesh is not None else {})))
   chunk, loss_why = loss_chunk(plan, info)
   if cfg.train.objective == "dpo":  # run/dpo.py: per-token log-probabilities from the whole logits

@@ -1,25 +1,43 @@
-"""Ring attention over the `sequence` axis: K/V blocks travel the ring by `ppermute`, folded by an online
-softmax (the block math of jaxtrain.model.flash, which the one-device blocked kernel shares); a custom VJP rotates
-them again with their gradients. Zig-zag: device j holds chunks j and 2sp-1-j."""
+"""Ring attention over the `sequence` axis: K/V blocks travel the ring by `ppermute`; a custom VJP rotates them
+again with their gradients. Zig-zag: device j holds chunks j and 2sp-1-j. Each block pair is folded either by an
+online softmax (the block math of jaxtrain.model.flash, which the one-device blocked kernel shares: segments,
+windows, sinks) or, where every row is one document, by a kernel that returns the pair's output and log-sum-exp
+(`Blocks`: cuDNN on a GPU), merged by log-sum-exp."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.model import flash
-from jaxtrain.parallel import sharding
+from jaxtrain.parallel import kernels, sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """A kernel for one (query block, key block) pair of rows that each hold one document: `forward(q, k, v, causal)
+  -> (out, lse)` and `backward(q, k, v, out, do, lse, causal) -> (dq, dk, dv)` given the whole ring's out and lse,
+  float32. `causal`: the diagonal pair (same positions); else every key is visible."""
+  forward: Callable
+  backward: Callable
 
 
 def ring_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, plan, zigzag: bool = True, window: int = 0,
-                   sinks_H=None):
+                   sinks_H=None, blocks: Blocks | None = None):
   """Causal GQA with segment masking, sharded over the plan's sequence axis (batch/heads as its rules say). A local
   layer's `window`: contiguous blocks (the zig-zag balances causal work a window already balances), and only the
   ring steps whose blocks hold a visible key run (`ring_steps`): the rest are neither sent nor computed.
-  `sinks_H`: the sink logits start each query's online softmax."""
+  `sinks_H`: the sink logits start each query's online softmax. `blocks`: the pair kernel for rows of one
+  document (default: the plan's, `CUDNN` where it chose cuDNN blocks; else the online softmax)."""
+  blocks = blocks or (CUDNN if plan.ring_kernel == "cudnn" else None)
+  if blocks is not None and (window or sinks_H is not None):
+    raise ValueError("ring attention's pair kernels take no window or sinks (the plan keeps the online softmax)")
   mesh, AXIS = plan.mesh, plan.sequence_axis
   sp = mesh.shape[AXIS]
   zigzag = zigzag and not window and q_BxLxHxE.shape[1] % (2 * sp) == 0
@@ -30,7 +48,7 @@ def ring_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, plan, zigzag: bool 
   if q_spec[1] != AXIS:
     raise ValueError(f"ring attention needs the length axis on {AXIS!r}; got spec {q_spec}")
   steps = ring_steps(q_BxLxHxE.shape[1] // sp, sp, window)
-  body = functools.partial(_ring_local, axis=AXIS, sp=sp, zigzag=zigzag, window=window, steps=steps)
+  body = functools.partial(_ring_local, axis=AXIS, sp=sp, zigzag=zigzag, window=window, steps=steps, blocks=blocks)
   sinks = () if sinks_H is None else (sinks_H,)
   return sharding.manual(body, mesh, (q_spec, kv_spec, kv_spec, P(*q_spec[:2]), *(P(q_spec[2]),) * len(sinks)),
                          q_spec)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, *sinks)
@@ -67,7 +85,7 @@ def _rotate(tree, axis: str, sp: int):
   return jax.lax.ppermute(tree, axis, [(i, (i + 1) % sp) for i in range(sp)])
 
 
-def _ring_local(q, k, v, seg, *sinks, axis: str, sp: int, zigzag: bool, window: int, steps: int):
+def _ring_local(q, k, v, seg, *sinks, axis: str, sp: int, zigzag: bool, window: int, steps: int, blocks):
   n = q.shape[1]
   j = jax.lax.axis_index(axis)
   if zigzag:
@@ -76,23 +94,27 @@ def _ring_local(q, k, v, seg, *sinks, axis: str, sp: int, zigzag: bool, window: 
     idx = jnp.concatenate([j * c + jnp.arange(c), (2 * sp - 1 - j) * c + jnp.arange(c)])  # global positions
   else:
     idx = j * n + jnp.arange(n)
-  out = _ring_core(q, k, v, seg, idx, sinks[0] if sinks else None, axis, sp, zigzag, window, steps)
+  if blocks is not None:  # local positions increase with global ones: the diagonal pair is causal as it stands
+    out = _ring_pairs(q, k, v, axis, sp, zigzag, steps, blocks)
+  else:
+    out = _ring_core(q, k, v, seg, idx, sinks[0] if sinks else None, axis, sp, zigzag, window, steps)
   return _from_zigzag(out, axis, sp) if zigzag else out
 
 
 def _steps(acc, blk, fold, n: int, axis: str, sp: int, zigzag: bool, window: int, steps: int):
-  """The diagonal block, then ring steps 1..`steps`: `blk` moves one device on, then `fold(acc, blk, pairs) -> (acc,
-  blk)` adds the causally visible part of each (q rows, k rows) pair (the block at step t comes from device j - t)."""
+  """The diagonal block, then ring steps 1..`steps`: `blk` moves one device on, then `fold(acc, blk, pairs,
+  diagonal) -> (acc, blk)` adds the causally visible part of each (q rows, k rows) pair (the block at step t comes
+  from device j - t; off the diagonal, every pair given is wholly visible without a window)."""
   j = jax.lax.axis_index(axis)
   every, first, second = slice(None), slice(0, n // 2), slice(n // 2, n)
-  acc, blk = fold(acc, blk, tiles(n, 0, window))
+  acc, blk = fold(acc, blk, tiles(n, 0, window), True)
   for t in range(1, steps + 1):
     blk = _rotate(blk, axis, sp)
     if zigzag:
-      acc, blk = jax.lax.cond((j - t) % sp < j, lambda: fold(acc, blk, [(every, first)]),
-                              lambda: fold(acc, blk, [(second, every)]))
+      acc, blk = jax.lax.cond((j - t) % sp < j, lambda: fold(acc, blk, [(every, first)], False),
+                              lambda: fold(acc, blk, [(second, every)], False))
     else:
-      acc, blk = jax.lax.cond((j - t) % sp < j, lambda t=t: fold(acc, blk, tiles(n, t * n, window)),
+      acc, blk = jax.lax.cond((j - t) % sp < j, lambda t=t: fold(acc, blk, tiles(n, t * n, window), False),
                               lambda: (acc, blk))
   return acc, blk
 
@@ -123,7 +145,7 @@ def _ring_fwd(q, k, v, seg, idx, sinks, axis, sp, zigzag, window, steps):
   q5 = q.reshape(b, n, K, H // K, E)
   shape = (b, n, K, H // K)
   stats = flash.start(shape, sinks, v.shape[-1])
-  def fold(stats, blk, pairs):  # step 0 (the device's own block) shows every query at least itself
+  def fold(stats, blk, pairs, diagonal):  # step 0 (the device's own block) shows every query at least itself
     kb, vb, segb, idxb = blk
     for qs, ks in pairs:
       part = flash.fold(jax.tree.map(lambda x: x[:, qs], stats), q5[:, qs], kb[:, ks], vb[:, ks],
@@ -143,7 +165,7 @@ def _ring_bwd(axis, sp, zigzag, window, steps, res, do):
   do5 = do.reshape(*q5.shape[:-1], -1).astype(jnp.float32)
   delta = jnp.sum(do5 * out.reshape(do5.shape).astype(jnp.float32), axis=-1)
 
-  def fold(dq, blk, pairs):  # dk, dv travel with their K/V; `steps` hops on, one permute takes them home
+  def fold(dq, blk, pairs, diagonal):  # dk, dv travel with their K/V; `steps` hops on, one permute takes them home
     kb, vb, segb, idxb, dk, dv = blk
     for qs, ks in pairs:
       gq, gk, gv = flash.grad_block(q5[:, qs], kb[:, ks], vb[:, ks], do5[:, qs], lse[:, qs], delta[:, qs],
@@ -160,3 +182,118 @@ def _ring_bwd(axis, sp, zigzag, window, steps, res, do):
 
 
 _ring_core.defvjp(_ring_fwd, _ring_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _ring_pairs(q, k, v, axis, sp, zigzag, steps, blocks):
+  return _pairs_fwd(q, k, v, axis, sp, zigzag, steps, blocks)[0]
+
+
+def _pairs_fwd(q, k, v, axis, sp, zigzag, steps, blocks):
+  """Each pair's (out, lse) from `blocks`, merged by log-sum-exp: out = sum_i out_i exp(lse_i - lse)."""
+  b, n, H, _ = q.shape
+  def fold(acc, blk, pairs, diagonal):
+    out, lse = acc
+    kb, vb = blk
+    for qs, ks in pairs:
+      o, s = blocks.forward(q[:, qs], kb[:, ks], vb[:, ks], diagonal)
+      both = jnp.logaddexp(lse[:, qs], s)
+      merged = out[:, qs] * jnp.exp(lse[:, qs] - both)[..., None] + o * jnp.exp(s - both)[..., None]
+      out, lse = out.at[:, qs].set(merged), lse.at[:, qs].set(both)
+    return (out, lse), blk
+  start = (jnp.zeros((b, n, H, v.shape[-1]), jnp.float32), jnp.full((b, n, H), -jnp.inf, jnp.float32))
+  (out, lse), _ = _steps(start, (k, v), fold, n, axis, sp, zigzag, 0, steps)
+  out = out.astype(q.dtype)
+  return out, (q, k, v, out, lse)
+
+
+def _pairs_bwd(axis, sp, zigzag, steps, blocks, res, do):
+  q, k, v, out, lse = res
+  def fold(dq, blk, pairs, diagonal):
+    kb, vb, dk, dv = blk
+    for qs, ks in pairs:
+      gq, gk, gv = blocks.backward(q[:, qs], kb[:, ks], vb[:, ks], out[:, qs], do[:, qs], lse[:, qs], diagonal)
+      dq, dk, dv = dq.at[:, qs].add(gq), dk.at[:, ks].add(gk), dv.at[:, ks].add(gv)
+    return dq, (kb, vb, dk, dv)
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+  dq, (*_, dk, dv) = _steps(zeros(q), (k, v, zeros(k), zeros(v)), fold, q.shape[1], axis, sp, zigzag, 0, steps)
+  if steps:
+    dk, dv = jax.lax.ppermute((dk, dv), axis, [(i, (i - steps) % sp) for i in range(sp)])
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_ring_pairs.defvjp(_pairs_fwd, _pairs_bwd)
+
+
+def _visible(nq: int, nk: int, causal: bool):
+  return jnp.asarray(np.tri(nq, nk, dtype=bool) if causal else np.ones((nq, nk), bool))[None, :, None, None, :]
+
+
+def _xla_forward(q, k, v, causal):
+  b, n, H, E = q.shape
+  K = k.shape[2]
+  m, l, acc = flash.fold(flash.start((b, n, K, H // K), None, v.shape[-1]), q.reshape(b, n, K, H // K, E), k, v,
+                         _visible(n, k.shape[1], causal))
+  return (acc / l[..., None]).reshape(b, n, H, -1), (m + jnp.log(l)).reshape(b, n, H)
+
+
+def _xla_backward(q, k, v, out, do, lse, causal):
+  b, n, H, E = q.shape
+  K = k.shape[2]
+  split = lambda x: x.reshape(b, n, K, H // K, *x.shape[3:]).astype(jnp.float32)  # noqa: E731
+  do5 = split(do)
+  delta = jnp.sum(do5 * split(out), axis=-1)
+  dq, dk, dv = flash.grad_block(q.reshape(b, n, K, H // K, E), k, v, do5, split(lse), delta,
+                                _visible(n, k.shape[1], causal))
+  return dq.reshape(q.shape), dk, dv
+
+
+XLA = Blocks(_xla_forward, _xla_backward)  # the online softmax's math as a pair kernel: the reference of `CUDNN`
+CUDNN = Blocks(kernels.block_forward, kernels.block_backward)
+
+
+def pair_kernel(model_cfg, seq_len: int | None, info, segments: int | None) -> tuple[str, str]:
+  """("cudnn" | "flash", the plan line's words): cuDNN pairs where every row is one document (each pair is then
+  causal on the diagonal or wholly visible: no mask), cuDNN runs for this model on `info`, no layer has a window or
+  sinks, q and v share a width (not MLA), the private module has what `kernels.block_module` needs, and on a local
+  GPU its pairs agree with `XLA` (`check_cudnn`); else the online softmax, saying why."""
+  m = model_cfg
+  problem = (f"model.attention={m.attention}" if m.attention in ("xla", "blocked") else
+             kernels.cudnn_problem(m, seq_len, info) or next((why for failed, why in (
+                 (segments != 1, "rows may hold several documents (the pairs would need masks)" if segments else
+                  "the documents a row holds are not known here"),
+                 (any(m.layer_windows()), "sliding windows"),
+                 (m.attention_type == "mla", "MLA (q and v widths differ)"),
+                 (kernels.block_module() is None, "jax's private cuDNN module lacks what the pairs use"))
+                 if failed), None))
+  if problem is None and jax.default_backend() == "gpu":
+    problem = check_cudnn()
+  if problem:
+    return "flash", f"online softmax over XLA blocks ({problem})"
+  return "cudnn", ("cuDNN fused attention on each block pair (one document per row: causal on the diagonal, no "
+                   "mask off it)")
+
+
+@functools.cache
+def check_cudnn() -> str | None:
+  """Once per process on a GPU: cuDNN's pairs (forward, log-sum-exp, backward with given statistics) against `XLA`
+  on small bfloat16 blocks, diagonal and off-diagonal of unequal lengths. None where they agree; else why not."""
+  rng = np.random.default_rng(0)
+  make = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)  # noqa: E731
+  q, k, v, do = make(2, 128, 4, 64), make(2, 128, 2, 64), make(2, 128, 2, 64), make(2, 128, 4, 64)
+  try:
+    for causal, kv in ((True, slice(None)), (False, slice(0, 64))):
+      args = (q, k[:, kv], v[:, kv])
+      got, want = (jax.jit(lambda *a, kind=kind: _one_pair(kind, *a, causal))(*args, do) for kind in (CUDNN, XLA))
+      for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        err = float(jnp.max(jnp.abs(g - w)) / (jnp.max(jnp.abs(w)) + 1e-6))
+        if not err < 0.02:
+          return f"cuDNN's {'diagonal' if causal else 'off-diagonal'} pair differs from XLA's in {name} by {err:.3g}"
+  except Exception as e:  # noqa: BLE001 (a kernel this GPU or jax refuses: the XLA blocks run)
+    return f"cuDNN's pairs failed their check: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+  return None
+
+
+def _one_pair(blocks: Blocks, q, k, v, do, causal: bool):
+  out, lse = blocks.forward(q, k, v, causal)
+  return (out, lse, *blocks.backward(q, k, v, out, do, lse, causal))

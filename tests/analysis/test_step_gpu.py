@@ -117,3 +117,23 @@ def test_cudnn_calls_carry_the_local_layers_window(segments):
   fmha = [i.rest for i in hlo.instrs if i.opcode == "custom-call" and "__cudnn$fmha" in i.rest]
   windows = collections.Counter(re.search(r'"sliding_window_length":\s*"?(\d+)', r).group(1) for r in fmha)
   assert set(windows) == {"0", "24"} and windows["24"] >= 2, windows  # forward and backward of each kind
+
+
+@needs_plugin
+def test_ring_attention_calls_cudnn_on_each_block_pair_of_one_document_rows():
+  """sequence=4, zig-zag: per layer the diagonal pair (CAUSAL) and both branches of each of the 3 ring steps'
+  pairs (NO_MASK, wholly visible), forward and backward, none with a mask operand; packed rows keep the XLA
+  blocks (no cuDNN call)."""
+  setup, hlo = _hlo(TINY, "sequence=4", segments=1)
+  assert setup.plan.ring_kernel == "cudnn" and "cuDNN fused attention on each block pair" in setup.plan.describe()
+  fmha = collections.Counter(
+      (re.search(r'custom_call_target="([^"]+)"', i.rest).group(1), re.search(r'"mask_type":\s*"(\w+)"', i.rest)[1])
+      for i in hlo.instrs if i.opcode == "custom-call" and "__cudnn$fmha" in i.rest)
+  layers = 2
+  assert fmha == {("__cudnn$fmhaSoftmax", "CAUSAL"): layers, ("__cudnn$fmhaSoftmaxBackward", "CAUSAL"): layers,
+                  ("__cudnn$fmhaSoftmax", "NO_MASK"): 2 * 3 * layers,
+                  ("__cudnn$fmhaSoftmaxBackward", "NO_MASK"): 2 * 3 * layers}, fmha
+  assert gpu_compile.cudnn_attention_calls(hlo)["with_bias"] == 0
+  packed_setup, packed = _hlo(TINY, "sequence=4", segments=5)
+  assert packed_setup.plan.ring_kernel == "flash" and "several documents" in packed_setup.plan.describe()
+  assert not gpu_compile.cudnn_attention_calls(packed)["ops"]

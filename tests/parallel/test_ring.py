@@ -68,3 +68,60 @@ def test_model_uses_the_ring_only_when_the_sequence_is_sharded():
              for k in ("inputs", "targets", "loss_mask", "segment_ids", "positions")}
     hlo = setup.step.lower(jax.eval_shape(setup.init), batch).as_text()
     assert ("collective_permute" in hlo) == want, spec
+
+
+def _one_document(seed=0):
+  q, k, v, _ = _inputs(seed)
+  return q, k, v, jnp.ones((B, L), jnp.int32)
+
+
+@pytest.mark.parametrize("spec,zigzag", [("sp=2", True), ("sp=4", True), ("sp=4", False), ("dp=2,sp=2,tp=2", True)])
+def test_ring_of_pair_kernels_matches_plain_attention(spec, zigzag):
+  """The path cuDNN takes on a GPU (each pair's output and log-sum-exp merged; each pair's backward from the whole
+  ring's output and log-sum-exp), run with the XLA pair kernel: against one device's plain attention."""
+  plan = plan_of(mesh_of(spec))
+  q, k, v, seg = _one_document(3)
+  ring_fn = lambda q, k, v, seg: ring.ring_attention(q, k, v, seg, plan, zigzag=zigzag, blocks=ring.XLA)  # noqa
+  np.testing.assert_allclose(jax.jit(ring_fn)(q, k, v, seg), attention_lib.attention(q, k, v, seg), rtol=1e-5,
+                             atol=1e-5)
+  g_want = jax.grad(_loss(attention_lib.attention), argnums=(0, 1, 2))(q, k, v, seg)
+  g_got = jax.jit(jax.grad(_loss(ring_fn), argnums=(0, 1, 2)))(q, k, v, seg)
+  for name, a, b in zip("qkv", g_got, g_want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
+
+
+def test_pair_kernel_is_cudnn_only_where_every_pair_needs_no_mask():
+  """The plan's choice for a GPU target (no GPU here: the numeric check runs only on one), and each reason to keep
+  the online softmax on its line."""
+  from jaxtrain.parallel import devices
+  h100, m = devices.of("H100"), config.load("tiny", ["model.dtype=bfloat16"]).model
+  assert ring.pair_kernel(m, 64, h100, 1)[0] == "cudnn"
+  for model, segments, why in [(m, 5, "several documents"), (m, None, "not known"),
+                               (config.load("tiny", ["model.dtype=float32"]).model, 1, "model.dtype=float32"),
+                               (config.load("tiny", ["model.dtype=bfloat16", "model.sliding_window=16"]).model, 1,
+                                "sliding windows"),
+                               (config.load("tiny", ["model.dtype=bfloat16", "model.attention=xla"]).model, 1,
+                                "model.attention=xla")]:
+    kind, line = ring.pair_kernel(model, 64, h100, segments)
+    assert kind == "flash" and why in line, line
+  assert ring.pair_kernel(m, 64, devices.of("cpu"), 1)[0] == "flash"
+
+
+def test_on_a_gpu_cudnn_pairs_that_disagree_with_xla_keep_the_online_softmax(monkeypatch):
+  """The numeric check a GPU runs once before the plan takes cuDNN pairs, with stand-ins for cuDNN (no GPU here):
+  a pair kernel off by one in its log-sum-exp, and one that cannot run, each keep the XLA blocks and say why; the
+  XLA kernel itself passes."""
+  from jaxtrain.parallel import devices
+  h100, m = devices.of("H100"), config.load("tiny", ["model.dtype=bfloat16"]).model
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  off = ring.Blocks(lambda *a: (lambda o, s: (o, s + 1.0))(*ring._xla_forward(*a)), ring._xla_backward)
+  broken = ring.Blocks(lambda *a: 1 / 0, ring._xla_backward)
+  for stand_in, why in [(off, "differs from XLA's in lse"), (broken, "failed their check: ZeroDivisionError"),
+                        (ring.XLA, None)]:
+    monkeypatch.setattr(ring, "CUDNN", stand_in)
+    ring.check_cudnn.cache_clear()
+    try:
+      kind, line = ring.pair_kernel(m, 64, h100, 1)
+    finally:
+      ring.check_cudnn.cache_clear()
+    assert (kind, why is None or why in line) == ("flash" if why else "cudnn", True), line
