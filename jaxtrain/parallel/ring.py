@@ -196,15 +196,24 @@ def _pairs_fwd(q, k, v, axis, sp, zigzag, steps, blocks):
     out, lse = acc
     kb, vb = blk
     for qs, ks in pairs:
-      o, s = blocks.forward(q[:, qs], kb[:, ks], vb[:, ks], diagonal)
-      both = jnp.logaddexp(lse[:, qs], s)
-      merged = out[:, qs] * jnp.exp(lse[:, qs] - both)[..., None] + o * jnp.exp(s - both)[..., None]
-      out, lse = out.at[:, qs].set(merged), lse.at[:, qs].set(both)
+      o, s = merge(out[:, qs], lse[:, qs], *blocks.forward(q[:, qs], kb[:, ks], vb[:, ks], diagonal))
+      out, lse = out.at[:, qs].set(o), lse.at[:, qs].set(s)
     return (out, lse), blk
-  start = (jnp.zeros((b, n, H, v.shape[-1]), jnp.float32), jnp.full((b, n, H), -jnp.inf, jnp.float32))
-  (out, lse), _ = _steps(start, (k, v), fold, n, axis, sp, zigzag, 0, steps)
+  (out, lse), _ = _steps(nothing_yet(b, n, H, v.shape[-1]), (k, v), fold, n, axis, sp, zigzag, 0, steps)
   out = out.astype(q.dtype)
   return out, (q, k, v, out, lse)
+
+
+def nothing_yet(b: int, n: int, H: int, width: int):
+  """(out, lse) of queries that have met no key: merging a pair into it gives that pair."""
+  return jnp.zeros((b, n, H, width), jnp.float32), jnp.full((b, n, H), -jnp.inf, jnp.float32)
+
+
+def merge(out, lse, o, s):
+  """Two softmaxes over disjoint keys as one: (out, lse) and a pair's (o, s), float32, weighted by their shares of
+  the joint denominator."""
+  both = jnp.logaddexp(lse, s)
+  return out * jnp.exp(lse - both)[..., None] + o * jnp.exp(s - both)[..., None], both
 
 
 def _pairs_bwd(axis, sp, zigzag, steps, blocks, res, do):
