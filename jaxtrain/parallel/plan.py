@@ -34,7 +34,7 @@ class Plan(ops.Ops):
   moe_kernel: str = "capacity"  # "capacity" | "ragged_dot" | "blocks" (the last two: dropless)
   packed_segments: int = 0  # cudnn only: 1 = one segment a row, causal alone; M > 1 = offsets of at most M a row;
   # 0 = an L x L mask (jaxtrain.parallel.kernels.path). Ring with cuDNN pairs: 1
-  ring_kernel: str = "flash"  # ring only: "cudnn" pairs on rows of one document, else "flash" (ring.pair_kernel)
+  ring_kernel: str = "flash"  # ring only: "cudnn" pairs on rows of one document, else "flash" (ring.pair_problem)
   platform: str = "cpu"  # the target device's platform (cpu, gpu, tpu): what its compiler keeps differs
   implied: tuple[str, ...] = ()  # "key=value (why)" for each setting the mesh implied
   ignored: tuple[str, ...] = ()  # keys set that act not with this config and mesh (config.ignored)
@@ -278,11 +278,13 @@ def build(cfg: Config, mesh, device=None, segments: int | None = None) -> Plan:
   ring_kernel = "flash"
   if sp > 1 and not ulysses:
     from jaxtrain.parallel import ring
-    ring_kernel, pairs = ring.pair_kernel(m, cfg.train.seq_len, info, segments)
-    if m.attention == "cudnn" and ring_kernel != "cudnn":
+    problem = ring.pair_problem(m, cfg.train.seq_len, info, segments)
+    if m.attention == "cudnn" and problem:
       raise UserError(f"model.attention=cudnn cannot run with sequence={sp}: ring attention computes its own "
-                      f"blocks here ({pairs}); use model.attention=auto or xla, or model.sequence_attention=ulysses")
-    impl, why = "ring", f"ring attention over sequence={sp}, zig-zag blocks, {pairs}"
+                      f"blocks, and cannot call cuDNN on them here ({problem}); use model.attention=auto or xla, or "
+                      "model.sequence_attention=ulysses")
+    ring_kernel = "flash" if problem else "cudnn"
+    impl, why = "ring", f"ring attention over sequence={sp}, zig-zag blocks, {ring.pair_words(problem)}"
     packed = int(ring_kernel == "cudnn")  # one segment a row: check_rows refuses data with more
   else:
     impl, why, packed = kernels.select(m, cfg.train.seq_len, info, segments)

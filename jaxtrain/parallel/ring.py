@@ -261,11 +261,11 @@ XLA = Blocks(_xla_forward, _xla_backward)  # the online softmax's math as a pair
 CUDNN = Blocks(kernels.block_forward, kernels.block_backward)
 
 
-def pair_kernel(model_cfg, seq_len: int | None, info, segments: int | None) -> tuple[str, str]:
-  """("cudnn" | "flash", the plan line's words): cuDNN pairs where every row is one document (each pair is then
-  causal on the diagonal or wholly visible: no mask), cuDNN runs for this model on `info`, no layer has a window or
-  sinks, q and v share a width (not MLA), the private module has what `kernels.block_module` needs, and on a local
-  GPU its pairs agree with `XLA` (`check_cudnn`); else the online softmax, saying why."""
+def pair_problem(model_cfg, seq_len: int | None, info, segments: int | None) -> str | None:
+  """Why ring attention's block pairs cannot call cuDNN, None where they can: every row is one document (each pair
+  is then causal on the diagonal or wholly visible: no mask), cuDNN runs for this model on `info`, no layer has a
+  window or sinks, q and v share a width (not MLA), the private module has what `kernels.block_module` needs, and
+  on a local GPU its pairs agree with `XLA` (`check_cudnn`)."""
   m = model_cfg
   problem = (f"model.attention={m.attention}" if m.attention in ("xla", "blocked") else
              kernels.cudnn_problem(m, seq_len, info) or next((why for failed, why in (
@@ -277,10 +277,14 @@ def pair_kernel(model_cfg, seq_len: int | None, info, segments: int | None) -> t
                  if failed), None))
   if problem is None and jax.default_backend() == "gpu":
     problem = check_cudnn()
+  return problem
+
+
+def pair_words(problem: str | None) -> str:
+  """The plan line's account of the ring's pairs."""
   if problem:
-    return "flash", f"online softmax over XLA blocks ({problem})"
-  return "cudnn", ("cuDNN fused attention on each block pair (one document per row: causal on the diagonal, no "
-                   "mask off it)")
+    return f"online softmax over XLA blocks, not cuDNN: {problem}"
+  return "cuDNN fused attention on each block pair (one document per row: causal on the diagonal, no mask off it)"
 
 
 @functools.cache

@@ -95,16 +95,16 @@ def test_pair_kernel_is_cudnn_only_where_every_pair_needs_no_mask():
   the online softmax on its line."""
   from jaxtrain.parallel import devices
   h100, m = devices.of("H100"), config.load("tiny", ["model.dtype=bfloat16"]).model
-  assert ring.pair_kernel(m, 64, h100, 1)[0] == "cudnn"
+  assert ring.pair_problem(m, 64, h100, 1) is None
   for model, segments, why in [(m, 5, "several documents"), (m, None, "not known"),
                                (config.load("tiny", ["model.dtype=float32"]).model, 1, "model.dtype=float32"),
                                (config.load("tiny", ["model.dtype=bfloat16", "model.sliding_window=16"]).model, 1,
                                 "sliding windows"),
                                (config.load("tiny", ["model.dtype=bfloat16", "model.attention=xla"]).model, 1,
                                 "model.attention=xla")]:
-    kind, line = ring.pair_kernel(model, 64, h100, segments)
-    assert kind == "flash" and why in line, line
-  assert ring.pair_kernel(m, 64, devices.of("cpu"), 1)[0] == "flash"
+    problem = ring.pair_problem(model, 64, h100, segments)
+    assert problem and why in problem, problem
+  assert "not a CUDA GPU" in ring.pair_problem(m, 64, devices.of("cpu"), 1)
 
 
 def test_on_a_gpu_cudnn_pairs_that_disagree_with_xla_keep_the_online_softmax(monkeypatch):
@@ -121,7 +121,7 @@ def test_on_a_gpu_cudnn_pairs_that_disagree_with_xla_keep_the_online_softmax(mon
     monkeypatch.setattr(ring, "CUDNN", stand_in)
     ring.check_cudnn.cache_clear()
     try:
-      kind, line = ring.pair_kernel(m, 64, h100, 1)
+      problem = ring.pair_problem(m, 64, h100, 1)
     finally:
       ring.check_cudnn.cache_clear()
-    assert (kind, why is None or why in line) == ("flash" if why else "cudnn", True), line
+    assert problem is None if why is None else why in problem, problem
