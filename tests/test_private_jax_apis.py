@@ -73,10 +73,10 @@ def test_without_the_cudnn_backward_primitive_the_ring_keeps_its_xla_blocks(monk
   m, h100 = config.load("tiny", ["model.dtype=bfloat16"]).model, devices.of("H100")
   kernels.block_module.cache_clear()
   try:
-    assert ring.pair_problem(m, 64, h100, 1) is None  # the reference: with the primitive, cuDNN pairs
+    assert ring.pair_problem(m, 64, h100) is None  # the reference: with the primitive, cuDNN pairs
     monkeypatch.delattr(fa, "_dot_product_attention_bwd_p_wrapper")
     kernels.block_module.cache_clear()
-    why = ring.pair_words(ring.pair_problem(m, 64, h100, 1))
+    why = ring.pair_words(ring.pair_problem(m, 64, h100), 1)
     assert why == "online softmax over XLA blocks, not cuDNN: jax's private cuDNN module lacks what the pairs use"
   finally:
     kernels.block_module.cache_clear()

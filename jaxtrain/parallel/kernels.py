@@ -161,25 +161,39 @@ def _mask_type(cudnn, causal: bool):
   return cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
 
 
-def block_forward(q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, causal: bool):
+def _pair_bias(cudnn, seg_BxN, seg_BxM, dtype):
+  """Packed rows: a pair's (B, 1, N, M) bias, zero where query and key share a segment, cuDNN's large negative
+  number elsewhere (as jax turns a boolean mask into a bias); None where rows are one document."""
+  if seg_BxN is None:
+    return None
+  same = (seg_BxN[:, :, None] == seg_BxM[:, None, :])[:, None]
+  return jnp.where(same, jnp.asarray(0, dtype), cudnn.get_large_negative_number(jnp.dtype(dtype)))
+
+
+def block_forward(q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, seg_BxN, seg_BxM, causal: bool):
   """One ring block pair through cuDNN (causal: the diagonal block, queries and keys at the same positions; else
-  every key visible): (output float32 (B, N, H, E), log-sum-exp of the scaled scores float32 (B, N, H))."""
+  every key visible; segment ids None: one document a row, else a bias keeps each query to its segment): (output
+  float32 (B, N, H, E), log-sum-exp of the scaled scores float32 (B, N, H)). A query whose segment has no key in
+  the pair gets a log-sum-exp near the bias, so the ring's merge weighs its output by zero."""
   cudnn = block_module()
-  out, lse_BxHxN = cudnn.dot_product_attention(q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, scale=q_BxNxHxE.shape[-1] ** -0.5,
-                                               mask_type=_mask_type(cudnn, causal), qkv_layout="BTNH",
-                                               return_residual=True)
+  bias = _pair_bias(cudnn, seg_BxN, seg_BxM, q_BxNxHxE.dtype)
+  out, lse_BxHxN = cudnn.dot_product_attention(q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, bias=bias,
+                                               scale=q_BxNxHxE.shape[-1] ** -0.5, mask_type=_mask_type(cudnn, causal),
+                                               qkv_layout="BTNH", return_residual=True)
   return out.astype(jnp.float32), jnp.swapaxes(lse_BxHxN, 1, 2)
 
 
-def block_backward(q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, out_BxNxHxE, do_BxNxHxE, lse_BxNxH, causal: bool):
+def block_backward(q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, seg_BxN, seg_BxM, out_BxNxHxE, do_BxNxHxE, lse_BxNxH,
+                   causal: bool):
   """cuDNN's backward of one block pair given the whole ring's output and log-sum-exp (so each block's
   probabilities are the final ones): (dq, dk, dv) float32. The primitive jax's own VJP binds, bound directly:
-  that VJP would use the block's own statistics."""
+  that VJP would use the block's own statistics. No gradient of the bias is asked for."""
   cudnn = block_module()
-  none = jnp.zeros(0, q_BxNxHxE.dtype)  # no bias, lengths, offsets or page tables
+  none = jnp.zeros(0, q_BxNxHxE.dtype)  # no lengths, offsets or page tables
+  bias = _pair_bias(cudnn, seg_BxN, seg_BxM, q_BxNxHxE.dtype)
   grads = cudnn._dot_product_attention_bwd_p_wrapper.bind(
-      q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, none, none, none, none, none, none, none,
+      q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, none if bias is None else bias, none, none, none, none, none, none,
       jnp.swapaxes(lse_BxNxH, 1, 2), out_BxNxHxE.astype(q_BxNxHxE.dtype), do_BxNxHxE.astype(q_BxNxHxE.dtype),
-      scale=q_BxNxHxE.shape[-1] ** -0.5, seed=42, dropout_rate=0.0, variadic_args=(False, False),
+      scale=q_BxNxHxE.shape[-1] ** -0.5, seed=42, dropout_rate=0.0, variadic_args=(bias is not None, False),
       mask_type=_mask_type(cudnn, causal), layout=cudnn.AttentionLayout.BTNH.value, sliding_window_length=None)
   return tuple(g.astype(jnp.float32) for g in grads[:3])

@@ -278,14 +278,14 @@ def build(cfg: Config, mesh, device=None, segments: int | None = None) -> Plan:
   ring_kernel = "flash"
   if sp > 1 and not ulysses:
     from jaxtrain.parallel import ring
-    problem = ring.pair_problem(m, cfg.train.seq_len, info, segments)
+    problem = ring.pair_problem(m, cfg.train.seq_len, info)
     if m.attention == "cudnn" and problem:
       raise UserError(f"model.attention=cudnn cannot run with sequence={sp}: ring attention computes its own "
                       f"blocks, and cannot call cuDNN on them here ({problem}); use model.attention=auto or xla, or "
                       "model.sequence_attention=ulysses")
     ring_kernel = "flash" if problem else "cudnn"
-    impl, why = "ring", f"ring attention over sequence={sp}, zig-zag blocks, {ring.pair_words(problem)}"
-    packed = int(ring_kernel == "cudnn")  # one segment a row: check_rows refuses data with more
+    impl, why = "ring", f"ring attention over sequence={sp}, zig-zag blocks, {ring.pair_words(problem, segments)}"
+    packed = int(ring_kernel == "cudnn" and segments == 1)  # 1: no masks (check_rows refuses data with more)
   else:
     impl, why, packed = kernels.select(m, cfg.train.seq_len, info, segments)
   if ulysses:

@@ -1,8 +1,8 @@
 """Ring attention over the `sequence` axis: K/V blocks travel the ring by `ppermute`; a custom VJP rotates them
 again with their gradients. Zig-zag: device j holds chunks j and 2sp-1-j. Each block pair is folded either by an
 online softmax (the block math of jaxtrain.model.flash, which the one-device blocked kernel shares: segments,
-windows, sinks) or, where every row is one document, by a kernel that returns the pair's output and log-sum-exp
-(`Blocks`: cuDNN on a GPU), merged by log-sum-exp."""
+windows, sinks) or by a kernel that returns the pair's output and log-sum-exp (`Blocks`: cuDNN on a GPU, where no
+window or sink is asked for), merged by log-sum-exp."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ from jaxtrain.parallel import kernels, sharding
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-  """A kernel for one (query block, key block) pair of rows that each hold one document: `forward(q, k, v, causal)
-  -> (out, lse)` and `backward(q, k, v, out, do, lse, causal) -> (dq, dk, dv)` given the whole ring's out and lse,
-  float32. `causal`: the diagonal pair (same positions); else every key is visible."""
+  """A kernel for one (query block, key block) pair: `forward(q, k, v, seg_q, seg_k, causal) -> (out, lse)` and
+  `backward(q, k, v, seg_q, seg_k, out, do, lse, causal) -> (dq, dk, dv)` given the whole ring's out and lse,
+  float32. `causal`: the diagonal pair (same positions); else every key is visible (to a query of its segment;
+  segment ids None: rows of one document)."""
   forward: Callable
   backward: Callable
 
@@ -33,8 +34,9 @@ def ring_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, plan, zigzag: bool 
   """Causal GQA with segment masking, sharded over the plan's sequence axis (batch/heads as its rules say). A local
   layer's `window`: contiguous blocks (the zig-zag balances causal work a window already balances), and only the
   ring steps whose blocks hold a visible key run (`ring_steps`): the rest are neither sent nor computed.
-  `sinks_H`: the sink logits start each query's online softmax. `blocks`: the pair kernel for rows of one
-  document (default: the plan's, `CUDNN` where it chose cuDNN blocks; else the online softmax)."""
+  `sinks_H`: the sink logits start each query's online softmax. `blocks`: a pair kernel (default: the plan's,
+  `CUDNN` where it chose cuDNN pairs; else the online softmax), given segment ids unless the plan knows every row
+  is one document (`packed_segments` 1)."""
   blocks = blocks or (CUDNN if plan.ring_kernel == "cudnn" else None)
   if blocks is not None and (window or sinks_H is not None):
     raise ValueError("ring attention's pair kernels take no window or sinks (the plan keeps the online softmax)")
@@ -48,7 +50,8 @@ def ring_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, plan, zigzag: bool 
   if q_spec[1] != AXIS:
     raise ValueError(f"ring attention needs the length axis on {AXIS!r}; got spec {q_spec}")
   steps = ring_steps(q_BxLxHxE.shape[1] // sp, sp, window)
-  body = functools.partial(_ring_local, axis=AXIS, sp=sp, zigzag=zigzag, window=window, steps=steps, blocks=blocks)
+  body = functools.partial(_ring_local, axis=AXIS, sp=sp, zigzag=zigzag, window=window, steps=steps, blocks=blocks,
+                           masked=plan.packed_segments != 1)
   sinks = () if sinks_H is None else (sinks_H,)
   return sharding.manual(body, mesh, (q_spec, kv_spec, kv_spec, P(*q_spec[:2]), *(P(q_spec[2]),) * len(sinks)),
                          q_spec)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, *sinks)
@@ -85,7 +88,8 @@ def _rotate(tree, axis: str, sp: int):
   return jax.lax.ppermute(tree, axis, [(i, (i + 1) % sp) for i in range(sp)])
 
 
-def _ring_local(q, k, v, seg, *sinks, axis: str, sp: int, zigzag: bool, window: int, steps: int, blocks):
+def _ring_local(q, k, v, seg, *sinks, axis: str, sp: int, zigzag: bool, window: int, steps: int, blocks,
+                masked: bool):
   n = q.shape[1]
   j = jax.lax.axis_index(axis)
   if zigzag:
@@ -95,7 +99,7 @@ def _ring_local(q, k, v, seg, *sinks, axis: str, sp: int, zigzag: bool, window: 
   else:
     idx = j * n + jnp.arange(n)
   if blocks is not None:  # local positions increase with global ones: the diagonal pair is causal as it stands
-    out = _ring_pairs(q, k, v, axis, sp, zigzag, steps, blocks)
+    out = _ring_pairs(q, k, v, seg if masked else None, axis, sp, zigzag, steps, blocks)
   else:
     out = _ring_core(q, k, v, seg, idx, sinks[0] if sinks else None, axis, sp, zigzag, window, steps)
   return _from_zigzag(out, axis, sp) if zigzag else out
@@ -184,24 +188,30 @@ def _ring_bwd(axis, sp, zigzag, window, steps, res, do):
 _ring_core.defvjp(_ring_fwd, _ring_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _ring_pairs(q, k, v, axis, sp, zigzag, steps, blocks):
-  return _pairs_fwd(q, k, v, axis, sp, zigzag, steps, blocks)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _ring_pairs(q, k, v, seg, axis, sp, zigzag, steps, blocks):
+  return _pairs_fwd(q, k, v, seg, axis, sp, zigzag, steps, blocks)[0]
 
 
-def _pairs_fwd(q, k, v, axis, sp, zigzag, steps, blocks):
-  """Each pair's (out, lse) from `blocks`, merged by log-sum-exp: out = sum_i out_i exp(lse_i - lse)."""
+def _rows(seg, rows):
+  return None if seg is None else seg[:, rows]
+
+
+def _pairs_fwd(q, k, v, seg, axis, sp, zigzag, steps, blocks):
+  """Each pair's (out, lse) from `blocks`, merged by log-sum-exp: out = sum_i out_i exp(lse_i - lse). `seg`: the
+  segment ids, travelling with K/V (None: rows of one document)."""
   b, n, H, _ = q.shape
   def fold(acc, blk, pairs, diagonal):
     out, lse = acc
-    kb, vb = blk
+    kb, vb, segb = blk
     for qs, ks in pairs:
-      o, s = merge(out[:, qs], lse[:, qs], *blocks.forward(q[:, qs], kb[:, ks], vb[:, ks], diagonal))
+      pair = blocks.forward(q[:, qs], kb[:, ks], vb[:, ks], _rows(seg, qs), _rows(segb, ks), diagonal)
+      o, s = merge(out[:, qs], lse[:, qs], *pair)
       out, lse = out.at[:, qs].set(o), lse.at[:, qs].set(s)
     return (out, lse), blk
-  (out, lse), _ = _steps(nothing_yet(b, n, H, v.shape[-1]), (k, v), fold, n, axis, sp, zigzag, 0, steps)
+  (out, lse), _ = _steps(nothing_yet(b, n, H, v.shape[-1]), (k, v, seg), fold, n, axis, sp, zigzag, 0, steps)
   out = out.astype(q.dtype)
-  return out, (q, k, v, out, lse)
+  return out, (q, k, v, seg, out, lse)
 
 
 def nothing_yet(b: int, n: int, H: int, width: int):
@@ -211,49 +221,58 @@ def nothing_yet(b: int, n: int, H: int, width: int):
 
 def merge(out, lse, o, s):
   """Two softmaxes over disjoint keys as one: (out, lse) and a pair's (o, s), float32, weighted by their shares of
-  the joint denominator."""
+  the joint denominator (a query that has met no key on either side stays at nothing: out 0, lse -inf)."""
   both = jnp.logaddexp(lse, s)
-  return out * jnp.exp(lse - both)[..., None] + o * jnp.exp(s - both)[..., None], both
+  at = jnp.where(jnp.isneginf(both), 0.0, both)
+  return out * jnp.exp(lse - at)[..., None] + o * jnp.exp(s - at)[..., None], both
 
 
 def _pairs_bwd(axis, sp, zigzag, steps, blocks, res, do):
-  q, k, v, out, lse = res
+  q, k, v, seg, out, lse = res
   def fold(dq, blk, pairs, diagonal):
-    kb, vb, dk, dv = blk
+    kb, vb, segb, dk, dv = blk
     for qs, ks in pairs:
-      gq, gk, gv = blocks.backward(q[:, qs], kb[:, ks], vb[:, ks], out[:, qs], do[:, qs], lse[:, qs], diagonal)
+      gq, gk, gv = blocks.backward(q[:, qs], kb[:, ks], vb[:, ks], _rows(seg, qs), _rows(segb, ks), out[:, qs],
+                                   do[:, qs], lse[:, qs], diagonal)
       dq, dk, dv = dq.at[:, qs].add(gq), dk.at[:, ks].add(gk), dv.at[:, ks].add(gv)
-    return dq, (kb, vb, dk, dv)
+    return dq, (kb, vb, segb, dk, dv)
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
-  dq, (*_, dk, dv) = _steps(zeros(q), (k, v, zeros(k), zeros(v)), fold, q.shape[1], axis, sp, zigzag, 0, steps)
+  dq, (*_, dk, dv) = _steps(zeros(q), (k, v, seg, zeros(k), zeros(v)), fold, q.shape[1], axis, sp, zigzag, 0,
+                            steps)
   if steps:
     dk, dv = jax.lax.ppermute((dk, dv), axis, [(i, (i - steps) % sp) for i in range(sp)])
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _ring_pairs.defvjp(_pairs_fwd, _pairs_bwd)
 
 
-def _visible(nq: int, nk: int, causal: bool):
-  return jnp.asarray(np.tri(nq, nk, dtype=bool) if causal else np.ones((nq, nk), bool))[None, :, None, None, :]
+def _visible(nq: int, nk: int, seg_q, seg_k, causal: bool):
+  """(b or 1, nq, 1, 1, nk): the pair's visible keys, as jaxtrain.model.flash takes them."""
+  shown = jnp.asarray(np.tri(nq, nk, dtype=bool) if causal else np.ones((nq, nk), bool))[None]
+  if seg_q is not None:
+    shown = shown & (seg_q[:, :, None] == seg_k[:, None, :])
+  return shown[:, :, None, None, :]
 
 
-def _xla_forward(q, k, v, causal):
+def _xla_forward(q, k, v, seg_q, seg_k, causal):
   b, n, H, E = q.shape
   K = k.shape[2]
   m, l, acc = flash.fold(flash.start((b, n, K, H // K), None, v.shape[-1]), q.reshape(b, n, K, H // K, E), k, v,
-                         _visible(n, k.shape[1], causal))
-  return (acc / l[..., None]).reshape(b, n, H, -1), (m + jnp.log(l)).reshape(b, n, H)
+                         _visible(n, k.shape[1], seg_q, seg_k, causal))
+  seen = l > 0  # a query whose segment has no key in the pair: out 0, lse -inf (the merge weighs it by zero)
+  out = acc / jnp.where(seen, l, 1.0)[..., None]
+  return out.reshape(b, n, H, -1), jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf).reshape(b, n, H)
 
 
-def _xla_backward(q, k, v, out, do, lse, causal):
+def _xla_backward(q, k, v, seg_q, seg_k, out, do, lse, causal):
   b, n, H, E = q.shape
   K = k.shape[2]
   split = lambda x: x.reshape(b, n, K, H // K, *x.shape[3:]).astype(jnp.float32)  # noqa: E731
   do5 = split(do)
   delta = jnp.sum(do5 * split(out), axis=-1)
   dq, dk, dv = flash.grad_block(q.reshape(b, n, K, H // K, E), k, v, do5, split(lse), delta,
-                                _visible(n, k.shape[1], causal))
+                                _visible(n, k.shape[1], seg_q, seg_k, causal))
   return dq.reshape(q.shape), dk, dv
 
 
@@ -261,16 +280,13 @@ XLA = Blocks(_xla_forward, _xla_backward)  # the online softmax's math as a pair
 CUDNN = Blocks(kernels.block_forward, kernels.block_backward)
 
 
-def pair_problem(model_cfg, seq_len: int | None, info, segments: int | None) -> str | None:
-  """Why ring attention's block pairs cannot call cuDNN, None where they can: every row is one document (each pair
-  is then causal on the diagonal or wholly visible: no mask), cuDNN runs for this model on `info`, no layer has a
-  window or sinks, q and v share a width (not MLA), the private module has what `kernels.block_module` needs, and
-  on a local GPU its pairs agree with `XLA` (`check_cudnn`)."""
+def pair_problem(model_cfg, seq_len: int | None, info) -> str | None:
+  """Why ring attention's block pairs cannot call cuDNN, None where they can: cuDNN runs for this model on `info`,
+  no layer has a window or sinks, q and v share a width (not MLA), the private module has what
+  `kernels.block_module` needs, and on a local GPU its pairs agree with `XLA` (`check_cudnn`)."""
   m = model_cfg
   problem = (f"model.attention={m.attention}" if m.attention in ("xla", "blocked") else
              kernels.cudnn_problem(m, seq_len, info) or next((why for failed, why in (
-                 (segments != 1, "rows may hold several documents (the pairs would need masks)" if segments else
-                  "the documents a row holds are not known here"),
                  (any(m.layer_windows()), "sliding windows"),
                  (m.attention_type == "mla", "MLA (q and v widths differ)"),
                  (kernels.block_module() is None, "jax's private cuDNN module lacks what the pairs use"))
@@ -280,33 +296,51 @@ def pair_problem(model_cfg, seq_len: int | None, info, segments: int | None) -> 
   return problem
 
 
-def pair_words(problem: str | None) -> str:
-  """The plan line's account of the ring's pairs."""
+def pair_words(problem: str | None, segments: int | None) -> str:
+  """The plan line's account of the ring's pairs (`segments`: the most a row of the data holds, None: not known)."""
   if problem:
     return f"online softmax over XLA blocks, not cuDNN: {problem}"
-  return "cuDNN fused attention on each block pair (one document per row: causal on the diagonal, no mask off it)"
+  how = ("one document per row: causal on the diagonal, no mask off it" if segments == 1 else
+         "a pair's segment mask as a bias: " + (f"rows hold up to {segments} documents" if segments else
+                                                 "the documents a row holds are not known here"))
+  return f"cuDNN fused attention on each block pair ({how})"
 
 
 @functools.cache
 def check_cudnn() -> str | None:
-  """Once per process on a GPU: cuDNN's pairs (forward, log-sum-exp, backward with given statistics) against `XLA`
-  on small bfloat16 blocks, diagonal and off-diagonal of unequal lengths. None where they agree; else why not."""
+  """Once per process on a GPU: what the ring computes with cuDNN's pairs (`two_pairs`: forward, merge, backward
+  with the merged statistics), rows of one document and of three, against the same with `XLA`. None where they
+  agree; else why not."""
   rng = np.random.default_rng(0)
   make = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)  # noqa: E731
   q, k, v, do = make(2, 128, 4, 64), make(2, 128, 2, 64), make(2, 128, 2, 64), make(2, 128, 4, 64)
+  packed = jnp.asarray(np.repeat([[1, 2, 3, 3], [4, 4, 5, 6]], 32, axis=1), jnp.int32)  # documents end mid-half
   try:
-    for causal, kv in ((True, slice(None)), (False, slice(0, 64))):
-      args = (q, k[:, kv], v[:, kv])
-      got, want = (jax.jit(lambda *a, kind=kind: _one_pair(kind, *a, causal))(*args, do) for kind in (CUDNN, XLA))
-      for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    for seg in (None, packed):
+      got, want = (jax.jit(functools.partial(two_pairs, kind))(q, k, v, seg, do) for kind in (CUDNN, XLA))
+      for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         err = float(jnp.max(jnp.abs(g - w)) / (jnp.max(jnp.abs(w)) + 1e-6))
         if not err < 0.02:
-          return f"cuDNN's {'diagonal' if causal else 'off-diagonal'} pair differs from XLA's in {name} by {err:.3g}"
+          rows = "one document" if seg is None else "packed"
+          return f"cuDNN's pairs differ from XLA's in {name} by {err:.3g} on rows of {rows}"
   except Exception as e:  # noqa: BLE001 (a kernel this GPU or jax refuses: the XLA blocks run)
     return f"cuDNN's pairs failed their check: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
   return None
 
 
-def _one_pair(blocks: Blocks, q, k, v, do, causal: bool):
-  out, lse = blocks.forward(q, k, v, causal)
-  return (out, lse, *blocks.backward(q, k, v, out, do, lse, causal))
+def two_pairs(blocks: Blocks, q, k, v, seg, do):
+  """What the ring computes for the second half of a row's queries, on one device: their pairs with the first half
+  of the keys (off the diagonal, first, as a later device's queries meet them) and with the second (the diagonal),
+  merged; each pair's backward from the merged output and log-sum-exp. (out, dq) of those queries, (dk, dv) of
+  every key, float32 (`seg` None: one document a row)."""
+  n = q.shape[1] // 2
+  q2, do2, seg2 = q[:, n:], do[:, n:], _rows(seg, slice(n, None))
+  halves = ((slice(0, n), False), (slice(n, None), True))
+  out, lse = nothing_yet(*q2.shape[:3], v.shape[-1])
+  for ks, diagonal in halves:
+    out, lse = merge(out, lse, *blocks.forward(q2, k[:, ks], v[:, ks], seg2, _rows(seg, ks), diagonal))
+  out = out.astype(q.dtype)
+  grads = [blocks.backward(q2, k[:, ks], v[:, ks], seg2, _rows(seg, ks), out, do2, lse, diagonal)
+           for ks, diagonal in halves]
+  join = lambda i: jnp.concatenate([grads[0][i], grads[1][i]], axis=1)  # noqa: E731
+  return out.astype(jnp.float32), grads[0][0] + grads[1][0], join(1), join(2)

@@ -119,21 +119,25 @@ def test_cudnn_calls_carry_the_local_layers_window(segments):
   assert set(windows) == {"0", "24"} and windows["24"] >= 2, windows  # forward and backward of each kind
 
 
+def _fmha_kinds(hlo) -> collections.Counter:
+  """(fwd | bwd, mask type, with a bias operand) of each cuDNN attention call."""
+  targets = ((re.search(r'custom_call_target="([^"]+)"', i.rest)[1], i) for i in hlo.instrs
+             if i.opcode == "custom-call" and "__cudnn$fmha" in i.rest)
+  return collections.Counter(("bwd" if "Backward" in t else "fwd", re.search(r'"mask_type":\s*"(\w+)"', i.rest)[1],
+                              "Bias" in t) for t, i in targets)
+
+
 @needs_plugin
-def test_ring_attention_calls_cudnn_on_each_block_pair_of_one_document_rows():
+def test_ring_attention_calls_cudnn_on_each_block_pair():
   """sequence=4, zig-zag: per layer the diagonal pair (CAUSAL) and both branches of each of the 3 ring steps'
-  pairs (NO_MASK, wholly visible), forward and backward, none with a mask operand; packed rows keep the XLA
-  blocks (no cuDNN call)."""
-  setup, hlo = _hlo(TINY, "sequence=4", segments=1)
-  assert setup.plan.ring_kernel == "cudnn" and "cuDNN fused attention on each block pair" in setup.plan.describe()
-  fmha = collections.Counter(
-      (re.search(r'custom_call_target="([^"]+)"', i.rest).group(1), re.search(r'"mask_type":\s*"(\w+)"', i.rest)[1])
-      for i in hlo.instrs if i.opcode == "custom-call" and "__cudnn$fmha" in i.rest)
-  layers = 2
-  assert fmha == {("__cudnn$fmhaSoftmax", "CAUSAL"): layers, ("__cudnn$fmhaSoftmaxBackward", "CAUSAL"): layers,
-                  ("__cudnn$fmhaSoftmax", "NO_MASK"): 2 * 3 * layers,
-                  ("__cudnn$fmhaSoftmaxBackward", "NO_MASK"): 2 * 3 * layers}, fmha
-  assert gpu_compile.cudnn_attention_calls(hlo)["with_bias"] == 0
-  packed_setup, packed = _hlo(TINY, "sequence=4", segments=5)
-  assert packed_setup.plan.ring_kernel == "flash" and "several documents" in packed_setup.plan.describe()
-  assert not gpu_compile.cudnn_attention_calls(packed)["ops"]
+  pairs (NO_MASK, wholly visible), forward and backward; rows of one document without a mask operand, packed rows
+  with each pair's segment mask as a bias; model.attention=xla keeps the online softmax (no cuDNN call)."""
+  layers, off = 2, 2 * 3 * 2
+  for segments, bias in ((1, False), (5, True)):
+    setup, hlo = _hlo(TINY, "sequence=4", segments=segments)
+    assert setup.plan.ring_kernel == "cudnn" and "cuDNN fused attention on each block pair" in setup.plan.describe()
+    assert _fmha_kinds(hlo) == {("fwd", "CAUSAL", bias): layers, ("bwd", "CAUSAL", bias): layers,
+                                ("fwd", "NO_MASK", bias): off, ("bwd", "NO_MASK", bias): off}, _fmha_kinds(hlo)
+    assert gpu_compile.cudnn_attention_calls(hlo)["with_bias"] == (2 * layers + 2 * off) * bias
+  setup, hlo = _hlo([*TINY, "model.attention=xla"], "sequence=4", segments=1)
+  assert setup.plan.ring_kernel == "flash" and not _fmha_kinds(hlo)

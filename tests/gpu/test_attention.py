@@ -87,30 +87,14 @@ def test_attention_kernel_matches_the_float32_reference(kernel, layout, device, 
   assert not bad, f"{kernel} {layout}: " + ", ".join(f"{n} {err[n]:.3g} > {bound[n]:.3g}" for n in bad)
 
 
-def _ring_pairs(blocks, q, k, v, g, seg):
-  """What ring attention computes for a row's second half of queries on one device: its pairs with the first half of
-  the keys (every key visible) and the second (the diagonal, causal), merged by log-sum-exp; each pair's backward
-  from the merged output and log-sum-exp. (out, dq, dk, dv) of the whole row, the first half's queries given a zero
-  cotangent."""
-  import jax.numpy as jnp
-  from jaxtrain.parallel import ring
-  n = q.shape[1] // 2
-  q2, g2, halves = q[:, n:], g[:, n:], ((slice(0, n), False), (slice(n, None), True))
-  out, lse = ring.nothing_yet(*q2.shape[:3], v.shape[-1])
-  for ks, diagonal in halves:
-    out, lse = ring.merge(out, lse, *blocks.forward(q2, k[:, ks], v[:, ks], diagonal))
-  out = out.astype(q.dtype)
-  grads = [blocks.backward(q2, k[:, ks], v[:, ks], out, g2, lse, diagonal) for ks, diagonal in halves]
-  dq = jnp.concatenate([jnp.zeros_like(q2, jnp.float32), grads[0][0] + grads[1][0]], axis=1)
-  return (jnp.concatenate([jnp.zeros_like(out), out], axis=1), dq, *(jnp.concatenate([a[i], b[i]], axis=1)
-                                                                     for a, b in [grads] for i in (1, 2)))
-
-
+@pytest.mark.parametrize("layout", ["unpacked", "packed"])
 @pytest.mark.parametrize("pairs", ["xla_pairs", "cudnn_pairs"])
-def test_ring_pairs_merged_match_the_float32_reference(pairs, device, tiny, report):
-  """Ring attention's pair kernels (`ring.XLA`, the control, and `ring.CUDNN`) as the ring merges them, against the
-  float32 reference on the same rows with the first half's cotangent zero: the merge by log-sum-exp and a backward
-  given statistics the kernel did not compute itself, which one device can show."""
+def test_ring_pairs_merged_match_the_float32_reference(pairs, layout, device, tiny, report):
+  """Ring attention's pair kernels (`ring.XLA`, the control, and `ring.CUDNN`) as the ring merges them
+  (`ring.two_pairs`: the second half of each row's queries against both halves of its keys), against the float32
+  reference on the same rows with the first half's cotangent zero: the merge by log-sum-exp and a backward given
+  statistics the kernel did not compute itself, which one device can show. Packed rows: SEGMENTS documents a row,
+  each pair given the segment ids."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -119,22 +103,23 @@ def test_ring_pairs_merged_match_the_float32_reference(pairs, device, tiny, repo
   info = devices.of(device)
   if pairs == "cudnn_pairs" and not info.cuda:
     pytest.skip("no GPU")
-  (q, k, v, g), seg, *_ = _reference(tiny, "unpacked")
-  g = g.at[:, : g.shape[1] // 2].set(0)
+  (q, k, v, g), seg, *_ = _reference(tiny, layout)
+  n = q.shape[1] // 2
+  g = g.at[:, :n].set(0)
   truth, ref = ([np.array(x) for x in _run(attention.attention, (q, k, v, g), dt, seg)]
                 for dt in (jnp.float32, jnp.bfloat16))
-  for out in (truth[0], ref[0]):
-    out[:, : q.shape[1] // 2] = 0  # the ring's pairs here compute the second half's rows
+  truth, ref = ([t[0][:, n:], t[1][:, n:], t[2], t[3]] for t in (truth, ref))  # out, dq: the second half's rows
   ref_err = _rel_errors(ref, truth)
   blocks = ring.CUDNN if pairs == "cudnn_pairs" else ring.XLA
-  got = [np.asarray(x, np.float32) for x in jax.jit(functools.partial(_ring_pairs, blocks))(q, k, v, g, seg)]
+  got = [np.asarray(x, np.float32) for x in jax.jit(functools.partial(ring.two_pairs, blocks))(
+      q, k, v, None if layout == "unpacked" else seg, g)]
   err = _rel_errors(got, truth)
   bound = {n: max(2 * ref_err[n], 1e-2) for n in TENSORS}
   bad = [n for n in TENSORS if not err[n] <= bound[n]]
-  report.setdefault("ring_pairs", {})[pairs] = {"status": "failed" if bad else "ok", "rel_error": err,
-                                                "check_cudnn": ring.check_cudnn() if info.cuda else None}
-  print(f"ring pairs {pairs}: max rel error vs f32 {max(err.values()):.2g} (bf16 reference "
+  report.setdefault("ring_pairs", {}).setdefault(layout, {})[pairs] = {
+      "status": "failed" if bad else "ok", "rel_error": err, "check_cudnn": ring.check_cudnn() if info.cuda else None}
+  print(f"ring pairs {pairs}/{layout}: max rel error vs f32 {max(err.values()):.2g} (bf16 reference "
         f"{max(ref_err.values()):.2g})")
-  assert not bad, f"{pairs}: " + ", ".join(f"{n} {err[n]:.3g} > {bound[n]:.3g}" for n in bad)
+  assert not bad, f"{pairs} {layout}: " + ", ".join(f"{n} {err[n]:.3g} > {bound[n]:.3g}" for n in bad)
   if info.cuda:
     assert ring.check_cudnn() is None  # the plan's own check agrees

@@ -1,5 +1,6 @@
 """Ring attention against plain attention (outputs and gradients), and the shape of its program."""
 
+import dataclasses
 import re
 
 import jax
@@ -70,17 +71,17 @@ def test_model_uses_the_ring_only_when_the_sequence_is_sharded():
     assert ("collective_permute" in hlo) == want, spec
 
 
-def _one_document(seed=0):
-  q, k, v, _ = _inputs(seed)
-  return q, k, v, jnp.ones((B, L), jnp.int32)
-
-
+@pytest.mark.parametrize("rows", ["one document", "packed"])
 @pytest.mark.parametrize("spec,zigzag", [("sp=2", True), ("sp=4", True), ("sp=4", False), ("dp=2,sp=2,tp=2", True)])
-def test_ring_of_pair_kernels_matches_plain_attention(spec, zigzag):
+def test_ring_of_pair_kernels_matches_plain_attention(spec, zigzag, rows):
   """The path cuDNN takes on a GPU (each pair's output and log-sum-exp merged; each pair's backward from the whole
-  ring's output and log-sum-exp), run with the XLA pair kernel: against one device's plain attention."""
+  ring's output and log-sum-exp), run with the XLA pair kernel: against one device's plain attention. Rows of one
+  document go without segment ids (the plan's packed_segments 1); packed rows pass them to every pair (documents
+  that end mid-block, queries that meet no key of theirs in a pair, padding)."""
   plan = plan_of(mesh_of(spec))
-  q, k, v, seg = _one_document(3)
+  q, k, v, seg = _inputs(3)
+  if rows == "one document":
+    plan, seg = dataclasses.replace(plan, packed_segments=1), jnp.ones((B, L), jnp.int32)
   ring_fn = lambda q, k, v, seg: ring.ring_attention(q, k, v, seg, plan, zigzag=zigzag, blocks=ring.XLA)  # noqa
   np.testing.assert_allclose(jax.jit(ring_fn)(q, k, v, seg), attention_lib.attention(q, k, v, seg), rtol=1e-5,
                              atol=1e-5)
@@ -90,38 +91,39 @@ def test_ring_of_pair_kernels_matches_plain_attention(spec, zigzag):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
 
 
-def test_pair_kernel_is_cudnn_only_where_every_pair_needs_no_mask():
-  """The plan's choice for a GPU target (no GPU here: the numeric check runs only on one), and each reason to keep
-  the online softmax on its line."""
+def test_pair_kernel_is_cudnn_where_cudnn_runs_for_the_model_and_says_how_it_masks():
+  """The plan's choice for a GPU target (no GPU here: the numeric check runs only on one), each reason to keep the
+  online softmax, and the plan line's words for rows of one document, of several and of a count not known."""
   from jaxtrain.parallel import devices
   h100, m = devices.of("H100"), config.load("tiny", ["model.dtype=bfloat16"]).model
-  assert ring.pair_problem(m, 64, h100, 1) is None
-  for model, segments, why in [(m, 5, "several documents"), (m, None, "not known"),
-                               (config.load("tiny", ["model.dtype=float32"]).model, 1, "model.dtype=float32"),
-                               (config.load("tiny", ["model.dtype=bfloat16", "model.sliding_window=16"]).model, 1,
-                                "sliding windows"),
-                               (config.load("tiny", ["model.dtype=bfloat16", "model.attention=xla"]).model, 1,
-                                "model.attention=xla")]:
-    problem = ring.pair_problem(model, 64, h100, segments)
+  assert ring.pair_problem(m, 64, h100) is None
+  for sets, why in [(["model.dtype=float32"], "model.dtype=float32"),
+                    (["model.dtype=bfloat16", "model.sliding_window=16"], "sliding windows"),
+                    (["model.dtype=bfloat16", "model.attention=xla"], "model.attention=xla")]:
+    problem = ring.pair_problem(config.load("tiny", sets).model, 64, h100)
     assert problem and why in problem, problem
-  assert "not a CUDA GPU" in ring.pair_problem(m, 64, devices.of("cpu"), 1)
+  assert "not a CUDA GPU" in ring.pair_problem(m, 64, devices.of("cpu"))
+  assert "no mask off it" in ring.pair_words(None, 1)
+  assert "as a bias: rows hold up to 5 documents" in ring.pair_words(None, 5)
+  assert "not known" in ring.pair_words(None, None)
+  assert ring.pair_words("sliding windows", 1) == "online softmax over XLA blocks, not cuDNN: sliding windows"
 
 
 def test_on_a_gpu_cudnn_pairs_that_disagree_with_xla_keep_the_online_softmax(monkeypatch):
   """The numeric check a GPU runs once before the plan takes cuDNN pairs, with stand-ins for cuDNN (no GPU here):
-  a pair kernel off by one in its log-sum-exp, and one that cannot run, each keep the XLA blocks and say why; the
+  a pair kernel whose output is off by half, and one that cannot run, each keep the XLA blocks and say why; the
   XLA kernel itself passes."""
   from jaxtrain.parallel import devices
   h100, m = devices.of("H100"), config.load("tiny", ["model.dtype=bfloat16"]).model
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  off = ring.Blocks(lambda *a: (lambda o, s: (o, s + 1.0))(*ring._xla_forward(*a)), ring._xla_backward)
+  off = ring.Blocks(lambda *a: (lambda o, s: (o * 1.5, s))(*ring._xla_forward(*a)), ring._xla_backward)
   broken = ring.Blocks(lambda *a: 1 / 0, ring._xla_backward)
-  for stand_in, why in [(off, "differs from XLA's in lse"), (broken, "failed their check: ZeroDivisionError"),
-                        (ring.XLA, None)]:
+  for stand_in, why in [(off, "differ from XLA's in out by"),
+                        (broken, "failed their check: ZeroDivisionError"), (ring.XLA, None)]:
     monkeypatch.setattr(ring, "CUDNN", stand_in)
     ring.check_cudnn.cache_clear()
     try:
-      problem = ring.pair_problem(m, 64, h100, 1)
+      problem = ring.pair_problem(m, 64, h100)
     finally:
       ring.check_cudnn.cache_clear()
     assert problem is None if why is None else why in problem, problem

@@ -93,8 +93,11 @@ def test_cudnn_runs_inside_ulysses_on_a_gpu_target():
   mesh = mesh_of("sp=4")
   ulysses = plan_lib.build(config.load("tiny", [*sets, "model.sequence_attention=ulysses"]), mesh, device="H100")
   assert (ulysses.attention, ulysses.ulysses) == ("cudnn", True) and "ulysses" in ulysses.describe()
-  with pytest.raises(UserError, match="ring attention computes its own blocks"):
-    plan_lib.build(config.load("tiny", sets), mesh, device="H100")
+  ring = plan_lib.build(config.load("tiny", sets), mesh, device="H100")  # the ring calls cuDNN on its block pairs
+  assert (ring.attention, ring.ring_kernel, ring.ulysses) == ("ring", "cudnn", False), ring.describe()
+  with pytest.raises(UserError, match="ring attention computes its own blocks, and cannot call cuDNN on them here "
+                     r"\(sliding windows\)"):
+    plan_lib.build(config.load("tiny", [*sets, "model.sliding_window=16"]), mesh, device="H100")
 
 
 @needs_plugin
