@@ -196,7 +196,7 @@ class ModelConfig:
       "(L x L scores); cudnn (error if unsupported); blocked = an online softmax over query x key blocks of 512 "
       "tokens (a quarter of shorter sequences) with a backward that recomputes each block: no L x L buffer, float32 "
       "statistics, key blocks outside a sliding window skipped. With sequence > 1 it is the kernel inside ulysses; "
-      "ring runs cuDNN on each block pair where auto or cudnn would run cuDNN (no window, sinks or MLA; packed "
+      "ring runs cuDNN on each block pair where auto or cudnn would run cuDNN (no window or sinks; packed "
       "rows: the pair's segment mask as a bias), else the blocked math (cudnn is then an error).", math=False)
   sequence_attention: Literal["ring", "ulysses"] = key(
       "ring", "Attention with sequence > 1: ring (K/V blocks travel the ring, online softmax) or ulysses (all-to-alls "

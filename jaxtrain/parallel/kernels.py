@@ -177,10 +177,18 @@ def block_forward(q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, seg_BxN, seg_BxM, causal: boo
   the pair gets a log-sum-exp near the bias, so the ring's merge weighs its output by zero."""
   cudnn = block_module()
   bias = _pair_bias(cudnn, seg_BxN, seg_BxM, q_BxNxHxE.dtype)
-  out, lse_BxHxN = cudnn.dot_product_attention(q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, bias=bias,
+  Ev = v_BxMxKxE.shape[-1]
+  out, lse_BxHxN = cudnn.dot_product_attention(q_BxNxHxE, k_BxMxKxE, _widen(v_BxMxKxE, q_BxNxHxE), bias=bias,
                                                scale=q_BxNxHxE.shape[-1] ** -0.5, mask_type=_mask_type(cudnn, causal),
                                                qkv_layout="BTNH", return_residual=True)
-  return out.astype(jnp.float32), jnp.swapaxes(lse_BxHxN, 1, 2)
+  return out[..., :Ev].astype(jnp.float32), jnp.swapaxes(lse_BxHxN, 1, 2)
+
+
+def _widen(x, q):
+  """MLA: v (and the output and its gradient with it) zero-padded to q's head width, the one width cuDNN takes;
+  the extra columns give zero outputs and are cut off."""
+  E = q.shape[-1]
+  return x if x.shape[-1] == E else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, E - x.shape[-1]),))
 
 
 def block_backward(q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, seg_BxN, seg_BxM, out_BxNxHxE, do_BxNxHxE, lse_BxNxH,
@@ -191,9 +199,11 @@ def block_backward(q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, seg_BxN, seg_BxM, out_BxNxHx
   cudnn = block_module()
   none = jnp.zeros(0, q_BxNxHxE.dtype)  # no lengths, offsets or page tables
   bias = _pair_bias(cudnn, seg_BxN, seg_BxM, q_BxNxHxE.dtype)
-  grads = cudnn._dot_product_attention_bwd_p_wrapper.bind(
-      q_BxNxHxE, k_BxMxKxE, v_BxMxKxE, none if bias is None else bias, none, none, none, none, none, none,
-      jnp.swapaxes(lse_BxNxH, 1, 2), out_BxNxHxE.astype(q_BxNxHxE.dtype), do_BxNxHxE.astype(q_BxNxHxE.dtype),
-      scale=q_BxNxHxE.shape[-1] ** -0.5, seed=42, dropout_rate=0.0, variadic_args=(bias is not None, False),
-      mask_type=_mask_type(cudnn, causal), layout=cudnn.AttentionLayout.BTNH.value, sliding_window_length=None)
-  return tuple(g.astype(jnp.float32) for g in grads[:3])
+  q = q_BxNxHxE
+  out, do = (_widen(x.astype(q.dtype), q) for x in (out_BxNxHxE, do_BxNxHxE))
+  dq, dk, dv = cudnn._dot_product_attention_bwd_p_wrapper.bind(
+      q, k_BxMxKxE, _widen(v_BxMxKxE, q), none if bias is None else bias, none, none, none, none, none, none,
+      jnp.swapaxes(lse_BxNxH, 1, 2), out, do,
+      scale=q.shape[-1] ** -0.5, seed=42, dropout_rate=0.0, variadic_args=(bias is not None, False),
+      mask_type=_mask_type(cudnn, causal), layout=cudnn.AttentionLayout.BTNH.value, sliding_window_length=None)[:3]
+  return dq.astype(jnp.float32), dk.astype(jnp.float32), dv[..., :v_BxMxKxE.shape[-1]].astype(jnp.float32)

@@ -281,14 +281,13 @@ CUDNN = Blocks(kernels.block_forward, kernels.block_backward)
 
 
 def pair_problem(model_cfg, seq_len: int | None, info) -> str | None:
-  """Why ring attention's block pairs cannot call cuDNN, None where they can: cuDNN runs for this model on `info`,
-  no layer has a window or sinks, q and v share a width (not MLA), the private module has what
-  `kernels.block_module` needs, and on a local GPU its pairs agree with `XLA` (`check_cudnn`)."""
+  """Why ring attention's block pairs cannot call cuDNN, None where they can: cuDNN runs for this model on `info`
+  (MLA's narrower v zero-padded, as one device's cuDNN call pads it), no layer has a window or sinks, the private
+  module has what `kernels.block_module` needs, and on a local GPU its pairs agree with `XLA` (`check_cudnn`)."""
   m = model_cfg
   problem = (f"model.attention={m.attention}" if m.attention in ("xla", "blocked") else
              kernels.cudnn_problem(m, seq_len, info) or next((why for failed, why in (
                  (any(m.layer_windows()), "sliding windows"),
-                 (m.attention_type == "mla", "MLA (q and v widths differ)"),
                  (kernels.block_module() is None, "jax's private cuDNN module lacks what the pairs use"))
                  if failed), None))
   if problem is None and jax.default_backend() == "gpu":
@@ -309,20 +308,20 @@ def pair_words(problem: str | None, segments: int | None) -> str:
 @functools.cache
 def check_cudnn() -> str | None:
   """Once per process on a GPU: what the ring computes with cuDNN's pairs (`two_pairs`: forward, merge, backward
-  with the merged statistics), rows of one document and of three, against the same with `XLA`. None where they
-  agree; else why not."""
+  with the merged statistics) against the same with `XLA`: rows of one document, packed rows, and MLA's narrower
+  v. None where they agree; else why not."""
   rng = np.random.default_rng(0)
   make = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)  # noqa: E731
   q, k, v, do = make(2, 128, 4, 64), make(2, 128, 2, 64), make(2, 128, 2, 64), make(2, 128, 4, 64)
   packed = jnp.asarray(np.repeat([[1, 2, 3, 3], [4, 4, 5, 6]], 32, axis=1), jnp.int32)  # documents end mid-half
   try:
-    for seg in (None, packed):
-      got, want = (jax.jit(functools.partial(two_pairs, kind))(q, k, v, seg, do) for kind in (CUDNN, XLA))
+    for case, seg, width in (("rows of one document", None, 64), ("packed rows", packed, 64), ("MLA's v", None, 32)):
+      args = (q, k, v[..., :width], seg, do[..., :width])
+      got, want = (jax.jit(functools.partial(two_pairs, kind))(*args) for kind in (CUDNN, XLA))
       for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         err = float(jnp.max(jnp.abs(g - w)) / (jnp.max(jnp.abs(w)) + 1e-6))
         if not err < 0.02:
-          rows = "one document" if seg is None else "packed"
-          return f"cuDNN's pairs differ from XLA's in {name} by {err:.3g} on rows of {rows}"
+          return f"cuDNN's pairs differ from XLA's in {name} by {err:.3g} on {case}"
   except Exception as e:  # noqa: BLE001 (a kernel this GPU or jax refuses: the XLA blocks run)
     return f"cuDNN's pairs failed their check: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
   return None

@@ -131,7 +131,8 @@ def _fmha_kinds(hlo) -> collections.Counter:
 def test_ring_attention_calls_cudnn_on_each_block_pair():
   """sequence=4, zig-zag: per layer the diagonal pair (CAUSAL) and both branches of each of the 3 ring steps'
   pairs (NO_MASK, wholly visible), forward and backward; rows of one document without a mask operand, packed rows
-  with each pair's segment mask as a bias; model.attention=xla keeps the online softmax (no cuDNN call)."""
+  with each pair's segment mask as a bias; MLA too; model.attention=xla keeps the online softmax (no cuDNN
+  call)."""
   layers, off = 2, 2 * 3 * 2
   for segments, bias in ((1, False), (5, True)):
     setup, hlo = _hlo(TINY, "sequence=4", segments=segments)
@@ -139,5 +140,9 @@ def test_ring_attention_calls_cudnn_on_each_block_pair():
     assert _fmha_kinds(hlo) == {("fwd", "CAUSAL", bias): layers, ("bwd", "CAUSAL", bias): layers,
                                 ("fwd", "NO_MASK", bias): off, ("bwd", "NO_MASK", bias): off}, _fmha_kinds(hlo)
     assert gpu_compile.cudnn_attention_calls(hlo)["with_bias"] == (2 * layers + 2 * off) * bias
+  mla = ["model.attention_type=mla", "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=16",
+         "model.qk_rope_head_dim=16", "model.v_head_dim=16"]  # v narrower than q and k: zero-padded
+  setup, hlo = _hlo([*TINY, *mla], "sequence=4", segments=1)
+  assert setup.plan.ring_kernel == "cudnn" and sum(_fmha_kinds(hlo).values()) == 2 * layers + 2 * off
   setup, hlo = _hlo([*TINY, "model.attention=xla"], "sequence=4", segments=1)
   assert setup.plan.ring_kernel == "flash" and not _fmha_kinds(hlo)

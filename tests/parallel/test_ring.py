@@ -127,3 +127,18 @@ def test_on_a_gpu_cudnn_pairs_that_disagree_with_xla_keep_the_online_softmax(mon
     finally:
       ring.check_cudnn.cache_clear()
     assert problem is None if why is None else why in problem, problem
+
+
+def test_ring_of_pair_kernels_with_a_narrower_v_matches_plain_attention():
+  """MLA's v is narrower than q and k: the pairs' outputs and the merge take v's width (cuDNN's pairs pad it)."""
+  plan = plan_of(mesh_of("sp=2"))
+  q, k, v, seg = _inputs(5)
+  v = v[..., : E // 2]
+  ring_fn = lambda q, k, v, seg: ring.ring_attention(q, k, v, seg, plan, blocks=ring.XLA)  # noqa: E731
+  np.testing.assert_allclose(jax.jit(ring_fn)(q, k, v, seg), attention_lib.attention(q, k, v, seg), rtol=1e-5,
+                             atol=1e-5)
+  w = jnp.asarray(np.random.default_rng(9).standard_normal((B, L, H, E // 2)), jnp.float32)
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, seg) * w)  # noqa: E731
+  for name, a, b in zip("qkv", jax.jit(jax.grad(loss(ring_fn), argnums=(0, 1, 2)))(q, k, v),
+                        jax.grad(loss(attention_lib.attention), argnums=(0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
