@@ -1,7 +1,8 @@
 """Which attention kernel runs (`select`, once, by the execution plan, for the device the step is compiled for):
 cuDNN fused attention, with packed segments on Hopper+; the blocked online softmax (jaxtrain.model.flash) where
 cuDNN cannot run on a GPU and the sequence is longer than a block; or the XLA reference (jaxtrain.model.attention).
-model.attention=cudnn where a condition fails is a one-line error, never a silent fallback."""
+model.attention=cudnn where a condition fails is a one-line error, never a silent fallback. Also ring attention's
+cuDNN pair kernels (`block_forward`, `block_backward`; jaxtrain.parallel.ring decides where they run)."""
 
 from __future__ import annotations
 
@@ -138,8 +139,6 @@ def packed(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, seg_BxL, max_segments: int, window: 
                                     scale=q_BxLxHxE.shape[-1] ** -0.5, mask_type=cudnn.MaskType.PADDING_CAUSAL,
                                     qkv_layout="BTNH", sliding_window_length=window or None)
   return out.astype(q_BxLxHxE.dtype)
-
-
 
 
 @functools.cache

@@ -33,8 +33,8 @@ class Plan(ops.Ops):
   moe: str = "dense"  # "dense" | "local" | "all_to_all"
   moe_kernel: str = "capacity"  # "capacity" | "ragged_dot" | "blocks" (the last two: dropless)
   packed_segments: int = 0  # cudnn only: 1 = one segment a row, causal alone; M > 1 = offsets of at most M a row;
-  # 0 = an L x L mask (jaxtrain.parallel.kernels.path). Ring with cuDNN pairs: 1
-  ring_kernel: str = "flash"  # ring only: "cudnn" pairs on rows of one document, else "flash" (ring.pair_problem)
+  # 0 = an L x L mask (jaxtrain.parallel.kernels.path). Ring with cuDNN pairs: 1 = no mask, 0 = each pair's own
+  ring_kernel: str = "flash"  # ring only: "cudnn" on each block pair, else "flash" (ring.pair_problem says why)
   platform: str = "cpu"  # the target device's platform (cpu, gpu, tpu): what its compiler keeps differs
   implied: tuple[str, ...] = ()  # "key=value (why)" for each setting the mesh implied
   ignored: tuple[str, ...] = ()  # keys set that act not with this config and mesh (config.ignored)
